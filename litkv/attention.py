@@ -1,0 +1,108 @@
+"""Attention of `T` new queries over `S` keys (cache slots + new tokens), masks built from positions.
+
+Grouped-query attention never materialises expanded keys/values: the query heads of each KV group
+are folded into the query axis, `(B, G, q_per_kv * T, hs)`. When a cache asks for them, the softmax
+weights summed over the call's queries and over each group's query heads come back as
+`(B, G, S)` float32, computed blockwise over the queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attend", "build_mask", "WEIGHTS_BLOCK_ELEMENTS"]
+
+# Largest number of score elements held at once by the eager (weights / soft-capping) path.
+WEIGHTS_BLOCK_ELEMENTS = 1 << 24
+
+
+def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query may attend to.
+
+    Args:
+        q_pos: `(B, T)` query positions, `-1` for padding.
+        k_pos: `(B, G, S)` key positions, `-1` for empty slots and padding.
+        window: sliding-window size (a query sees keys with `q - k < window`), or `None`.
+
+    Returns:
+        `(B, G, T, S)` bool. Rows of pad queries are all True (their output is never used, and a
+        fully masked row would give NaN).
+    """
+    q = q_pos[:, None, :, None]
+    k = k_pos[:, :, None, :]
+    allowed = (k >= 0) & (k <= q)
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed | (q < 0)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    need_weights: bool = False,
+    query_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masked attention with grouped queries.
+
+    Args:
+        q: `(B, n_head, T, hs)`.
+        k: `(B, G, S, hs)`.
+        v: `(B, G, S, hv)`.
+        mask: `(B, G, T, S)` bool (broadcastable in B and G), True where attention is allowed.
+        scale: factor applied to `q @ k^T`.
+        softcap: attention-logit soft-capping threshold, or `None`.
+        need_weights: also return the weights summed over queries and each group's heads.
+        query_valid: `(B, T)` bool, queries that count in the weight sums (default: all).
+
+    Returns:
+        `y` `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 (or `None`).
+    """
+    b, n_head, t, hs = q.shape
+    g, s = k.shape[1], k.shape[2]
+    q_per_kv = n_head // g
+    qg = q.view(b, g, q_per_kv, t, hs)
+    mask = mask.expand(b, g, t, s)
+    if need_weights or softcap is not None:
+        y, weights = _attend_eager(qg, k, v, mask, scale, softcap, need_weights, query_valid)
+    else:
+        folded_mask = mask[:, :, None].expand(b, g, q_per_kv, t, s).reshape(b, g, q_per_kv * t, s)
+        y = F.scaled_dot_product_attention(qg.reshape(b, g, q_per_kv * t, hs), k, v, attn_mask=folded_mask, scale=scale)
+        weights = None
+    y = y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
+    return y, weights
+
+
+def _attend_eager(
+    qg: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+    query_valid: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Blockwise eager attention. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)`."""
+    b, g, q_per_kv, t, _ = qg.shape
+    s = k.shape[2]
+    block = max(1, WEIGHTS_BLOCK_ELEMENTS // max(1, b * g * q_per_kv * s))
+    outputs = []
+    weight_sum = torch.zeros(b, g, s, dtype=torch.float32, device=qg.device) if need_weights else None
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        scores = torch.einsum("bgqtd,bgsd->bgqts", qg[:, :, :, start:end].float(), k.float()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, :, None, start:end], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        outputs.append(torch.einsum("bgqts,bgsd->bgqtd", probs.to(v.dtype), v))
+        if weight_sum is not None:
+            if query_valid is not None:
+                probs = probs * query_valid[:, None, None, start:end, None]
+            weight_sum += probs.detach().sum(dim=(2, 3))
+    return torch.cat(outputs, dim=3), weight_sum

@@ -1,0 +1,213 @@
+"""Chunked forward and batched generation through per-layer KV caches (library code, no CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from litkv.config import KVCacheConfig
+from litkv.kvcache.dense import DenseKVCache
+from litkv.kvcache.registry import get_kv_cache_class
+from litkv.model import GPT
+
+__all__ = ["forward_chunked", "generate", "sample", "pad_prompts"]
+
+KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
+
+
+def _first_config(kv_cache: KVCacheSpec) -> KVCacheConfig:
+    if isinstance(kv_cache, KVCacheConfig):
+        return kv_cache
+    configs = list(kv_cache)
+    if not configs or not all(isinstance(c, KVCacheConfig) for c in configs):
+        raise TypeError("kv_cache must be a KVCacheConfig or a non-empty list of them (one per layer)")
+    return configs[0]
+
+
+def forward_chunked(
+    model: GPT, idx: torch.Tensor, kv_cache: KVCacheSpec, input_pos: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Run sequences chunk by chunk with fresh caches in place; differentiable with plain autograd.
+
+    Args:
+        model: the GPT.
+        idx: `(B, T)` token ids.
+        kv_cache: one config for all layers, or one per layer; its `chunk_bounds` give the chunks.
+        input_pos: `(B, T)` positions (`-1` for left padding); default `0..T-1` for every row.
+
+    Returns:
+        `(B, T, padded_vocab_size)` logits of every position.
+    """
+    config = _first_config(kv_cache)
+    b, t = idx.shape
+    if input_pos is None:
+        input_pos = torch.arange(t, device=idx.device).expand(b, t)
+    model.set_kv_caches(model.build_kv_caches(kv_cache, b))
+    try:
+        chunks = [model(idx[:, s:e], input_pos[:, s:e]) for s, e in config.chunk_bounds(t)]
+    finally:
+        model.set_kv_caches(None)
+    return torch.cat(chunks, dim=1)
+
+
+def pad_prompts(prompts: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into one batch.
+
+    Returns:
+        `idx` `(B, T_max)` (pads are token 0) and `input_pos` `(B, T_max)` (`-1` at pads).
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise TypeError(f"prompts must be a non-empty list of 1-D token tensors, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
+            raise ValueError(f"prompt {i} must be a non-empty 1-D tensor of token ids, got {p!r:.80}")
+    t_max = max(p.numel() for p in prompts)
+    idx = torch.zeros(len(prompts), t_max, dtype=torch.long, device=device)
+    pos = torch.full_like(idx, -1)
+    for i, p in enumerate(prompts):
+        n = p.numel()
+        idx[i, t_max - n :] = p.to(device=device, dtype=torch.long)
+        pos[i, t_max - n :] = torch.arange(n, device=device)
+    return idx, pos
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next tokens `(B,)` from `(B, V)` logits: greedy at temperature 0, else top-k/top-p sampling."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        remove_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # keeps at least one
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+def _check_dense_room(kv_cache: KVCacheSpec, prompt_len: int, max_new_tokens: int) -> None:
+    configs = [kv_cache] if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
+    needed = prompt_len + max(max_new_tokens - 1, 0)
+    for cfg in configs:
+        if issubclass(get_kv_cache_class(cfg.policy), DenseKVCache) and needed > cfg.cache_length:
+            raise ValueError(
+                f"a dense cache of cache_length={cfg.cache_length} is smaller than prompt + new tokens "
+                f"({prompt_len} + {max_new_tokens}); raise cache_length or use a policy that evicts, "
+                "e.g. policy='h2o' or 'last-recent'"
+            )
+
+
+@torch.inference_mode()
+def generate(
+    model: GPT,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    kv_cache: KVCacheSpec,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    on_tokens: Callable[[torch.Tensor], None] | None = None,
+    progress: bool = False,
+) -> list[torch.Tensor]:
+    """Generate from a batch of prompts of different lengths.
+
+    Prompts are left-padded; pad tokens get position `-1` and are never attended, stored or scored.
+    The prefill runs in chunks (`kv_cache.chunk_bounds`), then one token per step.
+
+    Args:
+        model: the GPT.
+        prompts: list of 1-D token tensors.
+        max_new_tokens: tokens to generate per prompt.
+        kv_cache: cache config for all layers (or one per layer).
+        temperature, top_k, top_p, generator: sampling (temperature 0: greedy).
+        stop_tokens: a row stops after producing one of these (it is included in the output).
+        on_tokens: called after each step with the step's new tokens `(B,)`, for streaming.
+        progress: show a progress bar over the prefill chunks.
+
+    Returns:
+        Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
+    """
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    device = model.lm_head.weight.device
+    idx, input_pos = pad_prompts(prompts, device)
+    b, t = idx.shape
+    if max_new_tokens == 0:
+        return [idx.new_empty(0) for _ in range(b)]
+    _check_dense_room(kv_cache, t, max_new_tokens)
+    config = _first_config(kv_cache)
+    model.set_kv_caches(model.build_kv_caches(kv_cache, b))
+    try:
+        bounds = config.chunk_bounds(t)
+        hidden = None
+        for s, e in tqdm(bounds, desc="prefill", unit="chunk", disable=not progress or len(bounds) < 2):
+            hidden = model(idx[:, s:e], input_pos[:, s:e], lm_head=False)
+        return _decode(
+            model,
+            hidden,
+            input_pos[:, -1] + 1,
+            max_new_tokens,
+            stop_tokens,
+            lambda logits: sample(logits, temperature, top_k, top_p, generator),
+            on_tokens,
+        )
+    finally:
+        model.set_kv_caches(None)
+
+
+def _decode(
+    model: GPT,
+    hidden: torch.Tensor,
+    next_pos: torch.Tensor,
+    max_new_tokens: int,
+    stop_tokens: Sequence[int],
+    pick: Callable[[torch.Tensor], torch.Tensor],
+    on_tokens: Callable[[torch.Tensor], None] | None,
+) -> list[torch.Tensor]:
+    """Decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`."""
+    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=hidden.device)
+    tokens = pick(model.logits(hidden[:, -1]))
+    steps = [tokens]
+    done = torch.isin(tokens, stops)
+    if on_tokens is not None:
+        on_tokens(tokens)
+    for _ in range(max_new_tokens - 1):
+        if bool(done.all()):
+            break
+        logits = model(tokens[:, None], next_pos[:, None])[:, -1]
+        next_pos = next_pos + 1
+        tokens = pick(logits)
+        steps.append(tokens)
+        done = done | torch.isin(tokens, stops)
+        if on_tokens is not None:
+            on_tokens(tokens)
+    out = torch.stack(steps, dim=1)
+    results = []
+    for row in out:
+        hits = torch.isin(row, stops).nonzero()
+        results.append(row[: int(hits[0]) + 1] if len(hits) else row)
+    return results

@@ -1,0 +1,19 @@
+"""KV cache policies and storage. See `litkv.kvcache.base.KVCache` for the contract."""
+
+from litkv.kvcache.base import CacheShape, KVCache
+from litkv.kvcache.dense import DenseKVCache
+from litkv.kvcache.last_recent import LastRecentKVCache
+from litkv.kvcache.registry import get_kv_cache_class, known_policies, register_kv_cache
+from litkv.kvcache.storage import FloatStorage, KVStorage
+
+__all__ = [
+    "CacheShape",
+    "DenseKVCache",
+    "FloatStorage",
+    "KVCache",
+    "KVStorage",
+    "LastRecentKVCache",
+    "get_kv_cache_class",
+    "known_policies",
+    "register_kv_cache",
+]

@@ -1,0 +1,124 @@
+"""Where cache slots live. A policy is composed with one storage object; it never subclasses it.
+
+Every storage holds `cache_length` slots per (batch row, KV head) and offers the same operations:
+read all slots, read a prefix, write a contiguous range, and scatter-write chosen slots. Writes are
+in place under `torch.no_grad()` and functional (new tensors) when autograd records, so that
+`forward_chunked` stays differentiable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CacheShape", "FloatStorage", "KVStorage", "make_storage", "scatter_slots"]
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """Sizes of one layer's cache: `(batch_size, n_query_groups, cache_length, key_size / value_size)`."""
+
+    batch_size: int
+    n_query_groups: int
+    cache_length: int
+    key_size: int
+    value_size: int
+
+
+def _needs_functional(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Write `source` into the slots `dest` of `buffer` where `valid`; other destinations keep their value.
+
+    Args:
+        buffer: `(B, G, L, *rest)`.
+        dest: `(B, G, T)` slot indices, distinct per (row, head).
+        source: `(B, G, T, *rest)`.
+        valid: `(B, G, T)` bool.
+
+    Returns:
+        The updated buffer: the same tensor when written in place, else a new one.
+    """
+    rest = buffer.shape[3:]
+    index = dest.view(*dest.shape, *([1] * len(rest))).expand(*dest.shape, *rest)
+    old = buffer.gather(2, index)
+    mask = valid.view(*valid.shape, *([1] * len(rest)))
+    new = torch.where(mask, source.to(buffer.dtype), old)
+    if _needs_functional(buffer, source):
+        return buffer.scatter(2, index, new)
+    return buffer.scatter_(2, index, new)
+
+
+class KVStorage:
+    """Interface of a slot storage. `FloatStorage` is the plain one; quantised ones follow it."""
+
+    lossless: bool = True
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots as `(B, G, L, key_size)`, `(B, G, L, value_size)` in the model dtype."""
+        raise NotImplementedError
+
+    def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots `[0, end)` as `(B, G, end, key_size)`, `(B, G, end, value_size)`."""
+        raise NotImplementedError
+
+    def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `(B, G, T, *)` keys and values into slots `[start, start + T)`."""
+        raise NotImplementedError
+
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write `(B, G, T, *)` keys/values into slots `dest` `(B, G, T)` where `valid` `(B, G, T)`."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes held by this storage's tensors."""
+        raise NotImplementedError
+
+
+class FloatStorage(KVStorage):
+    """Keys and values kept as they come, in the model dtype."""
+
+    lossless = True
+
+    def __init__(self, shape: CacheShape, device: torch.device | None, dtype: torch.dtype) -> None:
+        b, g, n = shape.batch_size, shape.n_query_groups, shape.cache_length
+        self.keys = torch.zeros(b, g, n, shape.key_size, device=device, dtype=dtype)
+        self.values = torch.zeros(b, g, n, shape.value_size, device=device, dtype=dtype)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        end = start + keys.shape[2]
+        if _needs_functional(self.keys, keys, values):
+            self.keys = torch.cat((self.keys[:, :, :start], keys, self.keys[:, :, end:]), dim=2)
+            self.values = torch.cat((self.values[:, :, :start], values, self.values[:, :, end:]), dim=2)
+        else:
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+
+    def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+        self.keys = scatter_slots(self.keys, dest, keys, valid)
+        self.values = scatter_slots(self.values, dest, values, valid)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def make_storage(
+    kind: str, shape: CacheShape, device: torch.device | None, dtype: torch.dtype, group_size: int
+) -> KVStorage:
+    """Build the storage named by `KVCacheConfig.storage`."""
+    if kind == "float":
+        return FloatStorage(shape, device, dtype)
+    if kind in ("int8", "int4"):
+        from litkv.kvcache.quantized import QuantizedStorage
+
+        return QuantizedStorage(shape, device, dtype, bits=8 if kind == "int8" else 4, group_size=group_size)
+    raise ValueError(f"storage must be one of ['float', 'int8', 'int4'], got {kind!r}")

@@ -1,0 +1,307 @@
+"""GPT with a pluggable per-layer KV cache. `state_dict` keys are identical to `litgpt.GPT`'s.
+
+LitGPT's configs, MLP and norm classes and RoPE tables are reused; the attention, the masks (built
+from token positions for the call at hand, never a `block_size^2` buffer) and the forward are ours.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from litgpt.model import GPT as LitGPT
+from litgpt.model import apply_rope, apply_rope_interleave, yarn_get_mscale
+
+from litkv.attention import attend, build_mask
+from litkv.config import Config, KVCacheConfig
+from litkv.kvcache.base import KVCache
+from litkv.kvcache.registry import get_kv_cache_class
+from litkv.kvcache.storage import CacheShape
+
+__all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook"]
+
+# Called with (block index, block input `(B, T, n_embd)`); a returned tensor replaces the input.
+BlockHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer for any `litgpt.Config` preset (except latent attention)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        if config.padded_vocab_size is None:
+            raise ValueError("config.padded_vocab_size must be set")
+        if config.latent_attention:
+            raise NotImplementedError("multi-head latent attention (DeepSeek-V3 configs) is not supported")
+        self.config = config
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+                ln_f=config.norm_class(config.n_embd, eps=config.norm_eps),
+            )
+        )
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._last_pos: torch.Tensor | None = None
+
+    @classmethod
+    def from_name(cls, name: str) -> GPT:
+        """Build from a LitGPT preset name, e.g. ``"pythia-14m"``."""
+        return cls(Config.from_name(name))
+
+    # -- KV caches ------------------------------------------------------------------------------
+
+    def build_kv_caches(
+        self,
+        kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
+        batch_size: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> list[KVCache]:
+        """One fresh cache per layer (a single config for all layers, or one config per layer)."""
+        configs = [kv_cache] * self.config.n_layer if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
+        if len(configs) != self.config.n_layer:
+            raise ValueError(f"expected one KVCacheConfig per layer ({self.config.n_layer}), got {len(configs)}")
+        ref = self.lm_head.weight
+        device = ref.device if device is None else device
+        dtype = ref.dtype if dtype is None else dtype
+        caches = []
+        for cfg in configs:
+            if not isinstance(cfg, KVCacheConfig):
+                raise TypeError(f"expected KVCacheConfig, got {type(cfg).__name__}")
+            c = self.config
+            shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
+            caches.append(get_kv_cache_class(cfg.policy)(cfg, shape, device, dtype))
+        return caches
+
+    def set_kv_caches(self, caches: Sequence[KVCache] | None) -> None:
+        """Attach one cache per layer (`None`: detach all). Position checks restart."""
+        if caches is not None and len(caches) != self.config.n_layer:
+            raise ValueError(f"expected {self.config.n_layer} caches (one per layer), got {len(caches)}")
+        for i, block in enumerate(self.transformer.h):
+            block.attn.kv_cache = None if caches is None else caches[i]
+        self._last_pos = None
+
+    @property
+    def kv_caches(self) -> list[KVCache | None]:
+        return [block.attn.kv_cache for block in self.transformer.h]
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        *,
+        lm_head: bool = True,
+        block_hook: BlockHook | None = None,
+    ) -> torch.Tensor:
+        """Run the model.
+
+        Args:
+            idx: `(B, T)` token ids.
+            input_pos: `None` for the plain training forward (positions `0..T-1`, no cache), or `(B, T)`
+                int64 token positions (`-1` for padding) to run through the attached KV caches.
+            lm_head: if False, return the final hidden states (after the final norm).
+            block_hook: called at the start of every block with `(block_idx, x)`; may return a
+                replacement for `x`.
+
+        Returns:
+            `(B, T, padded_vocab_size)` logits, or `(B, T, n_embd)` hidden states.
+        """
+        self._check_idx(idx)
+        t = idx.shape[1]
+        if input_pos is None:
+            positions = torch.arange(t, device=idx.device)[None]
+        else:
+            self._check_positions(idx, input_pos)
+            positions = input_pos
+        cos, sin = self.rope(positions)
+        x = self.transformer.wte(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        rope_indices = self.config.rope_indices
+        for i, block in enumerate(self.transformer.h):
+            if block_hook is not None:
+                replaced = block_hook(i, x)
+                x = x if replaced is None else replaced
+            c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
+            x = block(x, c, s, input_pos)
+        x = self.transformer.ln_f(x)
+        return self.logits(x) if lm_head else x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head (and final soft-capping): `(B, T, n_embd)` -> `(B, T, padded_vocab_size)`."""
+        out = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for `(B, T)` positions (`-1` treated as 0): `(B, T, rope_n_elem[, 2])` each."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        ref = self.lm_head.weight
+        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].device != ref.device:
+            length = max(needed, min(self.config.block_size, 4096))
+            length = 1 << (length - 1).bit_length()
+            # LitGPT's RoPE table (all its scaling variants), built for `length` positions only.
+            spec = SimpleNamespace(config=self.config, max_seq_length=length)
+            self._rope = LitGPT.rope_cache(spec, device=ref.device)  # type: ignore[arg-type]
+        cos, sin = self._rope
+        index = positions.clamp(min=0)
+        return cos[index], sin[index]
+
+    def _check_idx(self, idx: torch.Tensor) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"idx must be an int64 tensor of token ids, got {getattr(idx, 'dtype', type(idx))}")
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+        if idx.numel():
+            low, high = int(idx.min()), int(idx.max())
+            vocab = self.config.padded_vocab_size
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary: ids must be in [0, {vocab})")
+
+    def _check_positions(self, idx: torch.Tensor, input_pos: torch.Tensor) -> None:
+        if input_pos.shape != idx.shape:
+            raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
+        if any(cache is None for cache in self.kv_caches):
+            raise ValueError("input_pos was given but no KV caches are attached: call set_kv_caches() first")
+        running = torch.cummax(input_pos, dim=1).values
+        before = torch.full_like(input_pos[:, :1], -1) if self._last_pos is None else self._last_pos[:, None]
+        previous = torch.cat((before, running[:, :-1]), dim=1).clamp(min=before)
+        bad = (input_pos >= 0) & (input_pos <= previous)
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"positions must increase: row {row} has position {int(input_pos[row, col])} at index {col} "
+                f"after position {int(previous[row, col])}"
+            )
+        last = running[:, -1]
+        self._last_pos = last if self._last_pos is None else torch.maximum(self._last_pos, last)
+
+
+class Block(nn.Module):
+    """Transformer block: (parallel or sequential) residual attention and MLP, LitGPT's layout."""
+
+    def __init__(self, config: Config, block_idx: int) -> None:
+        super().__init__()
+        if not config.parallel_residual and config.shared_attention_norm:
+            raise NotImplementedError("non-parallel residual with a shared attention norm is not supported")
+        norm = config.norm_class
+        self.norm_1 = norm(config.n_embd, eps=config.norm_eps) if config.norm_1 else nn.Identity()
+        self.attn = CausalSelfAttention(config, block_idx)
+        self.post_attention_norm = (
+            norm(config.n_embd, eps=config.norm_eps) if config.post_attention_norm else nn.Identity()
+        )
+        if not config.norm_2:
+            self.norm_2: nn.Module | None = nn.Identity()
+        else:
+            self.norm_2 = None if config.shared_attention_norm else norm(config.n_embd, eps=config.norm_eps)
+        if config.first_k_dense_replace is not None and block_idx < config.first_k_dense_replace:
+            from litgpt.model import LLaMAMLP
+
+            self.mlp = LLaMAMLP(config)
+        else:
+            self.mlp = config.mlp_class(config)
+        self.post_mlp_norm = norm(config.n_embd, eps=config.norm_eps) if config.post_mlp_norm else nn.Identity()
+        self.config = config
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`."""
+        x_normed = self.norm_1(x)
+        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos))
+        if self.config.parallel_residual:
+            if self.norm_2 is not None:
+                x_normed = self.norm_2(x)
+            x = attn_out + x
+        else:
+            x = attn_out + x
+            x_normed = self.norm_2(x)
+        return self.post_mlp_norm(self.mlp(x_normed)) + x
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention through an optional per-layer `KVCache`."""
+
+    def __init__(self, config: Config, block_idx: int) -> None:
+        super().__init__()
+        shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
+        self.qkv = nn.Linear(config.n_embd, shape, bias=config.bias or config.attn_bias)
+        self.proj = nn.Linear(config.head_size * config.n_head, config.n_embd, bias=config.bias)
+        if config.norm_qk:
+            olmo2 = config.norm_qk_type == "olmo2"
+            q_size = config.n_head * config.head_size if olmo2 else config.head_size
+            k_size = config.n_query_groups * config.head_size if olmo2 else config.head_size
+            self.norm_q = config.norm_class(q_size, eps=config.norm_eps)
+            self.norm_k = config.norm_class(k_size, eps=config.norm_eps)
+        else:
+            self.norm_q = self.norm_k = None
+        self.window: int | None = None
+        indices = config.sliding_window_indices
+        if config.sliding_window_size is not None and indices is not None and indices[block_idx]:
+            self.window = config.sliding_window_size
+        mscale = 1.0
+        adjustments = config.rope_adjustments or {}
+        if adjustments.get("mscale_all_dim") and adjustments.get("factor"):
+            mscale = yarn_get_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
+        self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
+        self.kv_cache: KVCache | None = None
+        self.config = config
+        self.block_idx = block_idx
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`."""
+        q, k, v = self._qkv(x, cos, sin)
+        softcap = self.config.attention_logit_softcapping
+        if input_pos is None:
+            y = self._attend_full(q, k, v, softcap)
+        else:
+            cache = self.kv_cache
+            if cache is None:
+                raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
+            keys, values, k_pos = cache.attend_inputs(k, v, input_pos)
+            mask = build_mask(input_pos, k_pos, self.window)
+            y, weights = attend(q, keys, values, mask, self.scale, softcap, cache.needs_attn_weights, input_pos >= 0)
+            cache.update(weights)
+        return self.proj(y)
+
+    def _qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `(B, n_head, T, hs)`, keys and values `(B, G, T, hs)`, RoPE applied."""
+        c = self.config
+        b, t, _ = x.shape
+        kv_size = c.n_query_groups * c.head_size
+        q, k, v = self.qkv(x).split((c.n_head * c.head_size, kv_size, kv_size), dim=-1)
+        if c.norm_qk and c.norm_qk_type == "olmo2":
+            q, k = self.norm_q(q), self.norm_k(k)
+        q = q.view(b, t, c.n_head, c.head_size).transpose(1, 2)
+        k = k.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
+        v = v.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
+        if c.norm_qk and c.norm_qk_type == "default":
+            q, k = self.norm_q(q), self.norm_k(k)
+        n = c.rope_n_elem
+        rope = apply_rope_interleave if c.rope_interleave else apply_rope
+        q = torch.cat((rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
+        k = torch.cat((rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
+        return q, k, v
+
+    def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""
+        b, _, t, _ = q.shape
+        if self.window is None and softcap is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return y.transpose(1, 2).reshape(b, t, -1)
+        pos = torch.arange(t, device=q.device)
+        mask = build_mask(pos[None], pos[None, None], self.window)
+        return attend(q, k, v, mask, self.scale, softcap)[0]
