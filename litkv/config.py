@@ -20,7 +20,9 @@ class KVCacheConfig:
             ``"package.module:Class"`` path to a `KVCache` subclass.
         cache_length: Number of slots per (batch row, KV head) and layer.
         chunk_size: Number of tokens per call after the first (prefill) chunk. At most `cache_length`.
-        prefill_length: Length of the first chunk. ``None``: `cache_length`. At most `cache_length`.
+        prefill_length: Length of the first (prefill) chunk. ``None``: `chunk_size`. At most `cache_length`.
+            While the cache is not full, chunking does not change any result; a longer first chunk only
+            trades memory for speed.
         storage: Where slots live: ``"float"`` (model dtype), ``"int8"`` or ``"int4"`` (quantised).
         quant_group_size: Group size along the head dimension for quantised storage.
         sinks: Number of initial tokens that are never evicted (StreamingLLM attention sinks).
@@ -91,7 +93,7 @@ class KVCacheConfig:
     @property
     def first_chunk_length(self) -> int:
         """Length of the first (prefill) chunk."""
-        return self.cache_length if self.prefill_length is None else self.prefill_length
+        return self.chunk_size if self.prefill_length is None else self.prefill_length
 
     def chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """Split ``range(seq_len)`` into ``[(start, end), ...]``: the prefill chunk, then `chunk_size`."""
