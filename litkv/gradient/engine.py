@@ -1,0 +1,196 @@
+"""`chunked_loss_backward`: exact gradients of a chunked pass through a KV cache policy.
+
+The gradient is that of `forward_chunked` followed by cross-entropy, with the policy's discrete choices
+(which slots are evicted) held fixed. Compute-device memory does not grow with the sequence length:
+
+1. Forward without grad, chunk by chunk, with the real policy. Each layer's `LayerTape` records on
+   the host every token's key/value as the cache stored it, and per chunk which slots changed.
+2. Backward over the chunks in reverse. Chunk `c` is recomputed through all layers with a
+   `ReplayKVCache` per layer holding the slots it attended to (gathered from the tape as leaves that
+   require grad). The backward roots are the chunk's share of the loss and, for each layer, the
+   chunk's own stored keys/values with the gradient that later chunks sent them (the tape's
+   accumulators). The leaves' gradients are then added to the accumulators. When chunk `c` is
+   reached, every later reader of its keys/values has already contributed, so the result is exact.
+
+Device memory: one chunk's graph through all layers plus one cache snapshot per layer. Host memory:
+keys/values and float32 gradient accumulators of every token, `O(T * n_layer * G * head_size)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from litkv.config import KVCacheConfig
+from litkv.gradient.replay import ReplayKVCache, stored_view
+from litkv.gradient.tape import LayerTape
+from litkv.model import GPT
+
+__all__ = ["chunked_loss_backward", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+
+def chunked_loss_backward(
+    model: GPT,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
+    *,
+    loss_scale: float = 1.0,
+) -> float:
+    """Loss of a chunked pass through KV caches; accumulates its exact gradient into `.grad`.
+
+    The loss is the mean cross-entropy over all targets of the batch that are not `-100`, i.e.
+    ``F.cross_entropy(forward_chunked(model, input_ids, kv_cache).flatten(0, 1), targets.flatten(),
+    ignore_index=-100)``. Its gradient, with the policy's eviction choices held fixed, is added to the
+    `.grad` of every parameter that requires grad (LoRA: the adapters only).
+
+    Args:
+        model: the GPT (unwrapped, e.g. `fabric_module.module`); no caches need to be attached.
+        input_ids: `(B, T)` token ids; every row starts at position 0.
+        targets: `(B, T)` target ids, `-100` where no loss is taken.
+        kv_cache: cache config for all layers, or one per layer; its `chunk_bounds` give the chunks.
+        loss_scale: factor applied to the gradients (not to the returned loss), e.g. `1 / accumulation
+            steps`.
+
+    Returns:
+        The loss as a float.
+    """
+    configs = _layer_configs(model, kv_cache)
+    _check_batch(model, input_ids, targets)
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+        raise TypeError(f"loss_scale must be a float, got {type(loss_scale).__name__} {loss_scale!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("no parameter of the model requires grad: there is nothing to accumulate gradients into")
+    device = model.lm_head.weight.device
+    idx, targets = input_ids.to(device), targets.to(device)
+    n_valid = int((targets != IGNORE_INDEX).sum())
+    if n_valid == 0:
+        raise ValueError("every target is -100 (ignored): the mean cross-entropy is undefined")
+    b, t = idx.shape
+    input_pos = torch.arange(t, device=device).expand(b, t)
+    bounds = configs[0].chunk_bounds(t)
+    tapes = record_forward(model, idx, input_pos, configs, bounds)
+    total = 0.0
+    weight = float(loss_scale) / n_valid
+    try:
+        for chunk in reversed(range(len(bounds))):
+            start, end = bounds[chunk]
+            total += _backward_chunk(
+                model, idx[:, start:end], input_pos[:, start:end], targets[:, start:end], tapes, configs, chunk, weight
+            )
+    finally:
+        model.set_kv_caches(None)
+    return total / n_valid
+
+
+def record_forward(
+    model: GPT,
+    idx: torch.Tensor,
+    input_pos: torch.Tensor,
+    configs: Sequence[KVCacheConfig],
+    bounds: Sequence[tuple[int, int]],
+) -> list[LayerTape]:
+    """Run the chunks without grad through the real policy and record one `LayerTape` per layer.
+
+    Args:
+        idx: `(B, T)` token ids on the model's device.
+        input_pos: `(B, T)` positions `0..T-1` of every row.
+        configs: one cache config per layer.
+        bounds: the chunks, `[(start, end), ...]` covering `[0, T)`.
+    """
+    b, t = idx.shape
+    caches = model.build_kv_caches(list(configs), b)
+    tapes = [LayerTape(b, c.shape.n_query_groups, t, c.shape.key_size, c.shape.value_size, c.dtype) for c in caches]
+    model.set_kv_caches(caches)
+    try:
+        with torch.no_grad():
+            for start, end in bounds:
+                before = [(cache.positions.clone(), cache.num_filled) for cache in caches]
+                model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
+                for tape, cache, (positions, filled) in zip(tapes, caches, before, strict=True):
+                    tape.record_chunk(cache, positions, filled, start, end)
+        for tape, cache in zip(tapes, caches, strict=True):
+            tape.finish(cache)
+    finally:
+        model.set_kv_caches(None)
+    return tapes
+
+
+def _backward_chunk(
+    model: GPT,
+    idx: torch.Tensor,
+    input_pos: torch.Tensor,
+    targets: torch.Tensor,
+    tapes: Sequence[LayerTape],
+    configs: Sequence[KVCacheConfig],
+    chunk: int,
+    weight: float,
+) -> float:
+    """Recompute chunk `chunk` (`idx`, `input_pos`, `targets`: `(B, t)`) and backpropagate it.
+
+    Returns:
+        The chunk's summed cross-entropy.
+    """
+    device = idx.device
+    caches = []
+    for tape, config in zip(tapes, configs, strict=True):
+        positions = tape.rewind(chunk)
+        keys, values = tape.gather(positions)
+        keys = keys.to(device).requires_grad_()
+        values = values.to(device).requires_grad_()
+        caches.append(ReplayKVCache(config, keys, values, positions.to(device)))
+    model.set_kv_caches(caches)
+    logits = model(idx, input_pos)
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    roots: list[torch.Tensor] = [loss_sum * weight]
+    grads: list[torch.Tensor | None] = [None]
+    start = int(input_pos[0, 0])
+    for tape, cache, config in zip(tapes, caches, configs, strict=True):
+        grad_keys, grad_values = tape.grads_of(start, start + idx.shape[1])
+        if cache.new_keys is None or not (bool(grad_keys.any()) or bool(grad_values.any())):
+            continue
+        stored_keys, stored_values = stored_view(config, cache.new_keys, cache.new_values)
+        roots += [stored_keys, stored_values]
+        grads += [grad_keys.to(device, stored_keys.dtype), grad_values.to(device, stored_values.dtype)]
+    torch.autograd.backward(roots, grads)
+    for tape, cache in zip(tapes, caches, strict=True):
+        if cache.num_filled and cache.cached_keys.grad is not None and cache.cached_values.grad is not None:
+            tape.accumulate(cache.positions, cache.cached_keys.grad, cache.cached_values.grad)
+    return float(loss_sum.detach())
+
+
+def _layer_configs(model: GPT, kv_cache: KVCacheConfig | Sequence[KVCacheConfig]) -> list[KVCacheConfig]:
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a litkv GPT (unwrap Fabric/DDP modules first), got {type(model).__name__}")
+    n_layer = model.config.n_layer
+    if isinstance(kv_cache, KVCacheConfig):
+        return [kv_cache] * n_layer
+    if not isinstance(kv_cache, Sequence) or not all(isinstance(c, KVCacheConfig) for c in kv_cache):
+        raise TypeError(f"kv_cache must be a KVCacheConfig or a list of them, got {type(kv_cache).__name__}")
+    if len(kv_cache) != n_layer:
+        raise ValueError(f"expected one KVCacheConfig per layer ({n_layer}), got {len(kv_cache)}")
+    return list(kv_cache)
+
+
+def _check_batch(model: GPT, input_ids: torch.Tensor, targets: torch.Tensor) -> None:
+    integer = (torch.int32, torch.int64)
+    for name, tensor in (("input_ids", input_ids), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in integer:
+            raise TypeError(f"{name} must be an int64 tensor, got {getattr(tensor, 'dtype', type(tensor).__name__)}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must have shape (B, T) with T >= 1, got {tuple(input_ids.shape)}")
+    if targets.shape != input_ids.shape:
+        raise ValueError(
+            f"targets must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(targets.shape)}"
+        )
+    vocab = model.config.padded_vocab_size
+    bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise ValueError(f"target id {value} is outside the vocabulary: targets must be in [0, {vocab}) or -100")

@@ -1,0 +1,107 @@
+"""A cache that replays one recorded chunk: given cached keys/values/positions, nothing evicted.
+
+During the backward pass each chunk is recomputed with the slots it attended to in the forward pass.
+The policy is never run again: its choices come from the tape, so H2O's scores are not recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from litkv.config import KVCacheConfig
+from litkv.kvcache.base import CacheShape, KVCache
+from litkv.kvcache.storage import make_storage
+
+__all__ = ["ReplayKVCache", "stored_view"]
+
+
+class ReplayKVCache(KVCache):
+    """Attends to fixed cached slots plus the new tokens, and keeps the new keys/values for the caller.
+
+    Args:
+        config: the layer's cache config (storage kind and group size are used by `stored_view`).
+        keys: `(B, G, n, key_size)` cached keys as attention read them, usually leaves requiring grad.
+        values: `(B, G, n, value_size)` cached values.
+        positions: `(B, G, n)` int64 token positions of the cached slots, `-1` for empty ones.
+
+    Attributes:
+        new_keys, new_values: `(B, G, T, *)` keys/values of the replayed chunk, set by `attend_inputs`.
+    """
+
+    needs_attn_weights = False
+
+    def __init__(
+        self, config: KVCacheConfig, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        b, g, n, key_size = keys.shape
+        if values.shape[:3] != keys.shape[:3] or tuple(positions.shape) != (b, g, n):
+            raise ValueError(
+                f"cached keys {tuple(keys.shape)}, values {tuple(values.shape)} and positions "
+                f"{tuple(positions.shape)} must agree in (B, G, n)"
+            )
+        # `n` may be 0 (the first chunk); the base class needs at least one slot.
+        slots = max(n, 1)
+        replay_config = KVCacheConfig(policy="dense", cache_length=slots, chunk_size=1)
+        shape = CacheShape(b, g, slots, key_size, values.shape[-1])
+        super().__init__(replay_config, shape, keys.device, keys.dtype)
+        self.source_config = config
+        self.cached_keys = keys
+        self.cached_values = values
+        self.positions = positions
+        self.num_filled = n
+        self.new_keys: torch.Tensor | None = None
+        self.new_values: torch.Tensor | None = None
+
+    def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
+        raise RuntimeError("a replay cache never evicts: its slots come from the recorded forward pass")
+
+    def attend_inputs(
+        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached slots followed by the new tokens: `(B, G, n + T, *)` keys/values and positions."""
+        if self.new_keys is not None:
+            raise RuntimeError("a replay cache replays exactly one chunk; attend_inputs() was called twice")
+        b, g, t = keys.shape[:3]
+        if (b, g) != tuple(self.positions.shape[:2]) or tuple(input_pos.shape) != (b, t):
+            raise ValueError(
+                f"replayed chunk does not match the recording: cached (B, G) = {tuple(self.positions.shape[:2])}, "
+                f"got keys {tuple(keys.shape)} and input_pos {tuple(input_pos.shape)}"
+            )
+        self.new_keys, self.new_values = keys, values
+        new_pos = input_pos[:, None, :].expand(b, g, t)
+        if self.num_filled == 0:
+            return keys, values, new_pos
+        all_keys = torch.cat((self.cached_keys.to(keys.dtype), keys), dim=2)
+        all_values = torch.cat((self.cached_values.to(values.dtype), values), dim=2)
+        return all_keys, all_values, torch.cat((self.positions.to(new_pos.device), new_pos), dim=2)
+
+    def update(self, attn_weights: torch.Tensor | None) -> None:
+        """Nothing to evict or write."""
+
+    def nbytes(self) -> int:
+        return self.cached_keys.nbytes + self.cached_values.nbytes
+
+
+def stored_view(config: KVCacheConfig, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values as a later chunk reads them back from a cache with `config`'s storage.
+
+    Lossless storage returns its inputs. Lossy storage writes them into a fresh storage of the same kind
+    and reads them back, so the result and its autograd graph are those of `forward_chunked`.
+
+    Args:
+        keys: `(B, G, T, key_size)`; values: `(B, G, T, value_size)`.
+
+    Returns:
+        Keys and values of the same shapes.
+    """
+    if config.storage == "float":
+        return keys, values
+    b, g, t, key_size = keys.shape
+    shape = CacheShape(b, g, t, key_size, values.shape[-1])
+    storage = make_storage(config.storage, shape, keys.device, keys.dtype, config.quant_group_size)
+    if storage.lossless:
+        return keys, values
+    dest = torch.arange(t, device=keys.device).expand(b, g, t)
+    valid = torch.ones(b, g, t, dtype=torch.bool, device=keys.device)
+    storage.write(dest, keys, values, valid)
+    return storage.read()
