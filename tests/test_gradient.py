@@ -199,7 +199,25 @@ def test_only_trainable_parameters_receive_gradients(batch):
 def test_lora_adapters_only(batch):
     if importlib.util.find_spec("litkv.finetune.lora") is None:
         pytest.skip("litkv.finetune.lora does not exist yet")
-    pytest.skip("LoRA API not wired into this test yet")
+    from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
+
+    model = _model(seed=5)
+    apply_lora(model, LoRAArgs(r=2, alpha=4.0, targets=["attn.qkv", "attn.proj", "mlp", "lm_head"]))
+    mark_only_lora_as_trainable(model)
+    with torch.no_grad():  # lora_B starts at zero, which would make every lora_A gradient zero
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(std=0.5)
+    adapters = {n for n, _ in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
+    assert len(adapters) == 2 * 2 * 4 + 2
+    kv_cache = KVCacheConfig(policy="last-recent", cache_length=16, chunk_size=5, sinks=1)
+    idx, targets = batch
+    ref_loss, ref_grads = _reference(model, idx, targets, kv_cache)
+    loss, grads = _engine(model, idx, targets, kv_cache)
+    assert set(grads) == adapters
+    assert all(bool(g.abs().max() > 0) for g in grads.values())
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert _max_rel_error(grads, ref_grads) <= TOLERANCE
 
 
 def test_accumulates_and_scales(model, batch):
