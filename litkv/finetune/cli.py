@@ -1,0 +1,251 @@
+"""`litkv finetune`: LoRA or full fine-tuning with gradients through the KV cache, on Lightning Fabric.
+
+`finetune` is the command (its signature is the CLI, through jsonargparse); `run` is the body that
+every process executes once Fabric is launched (tests call it with their own `Fabric`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+from tqdm.auto import tqdm
+
+from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
+from litkv.config import KVCacheConfig
+from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
+from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
+from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
+from litkv.finetune.state import (
+    TrainingState,
+    capture_rng,
+    checkpoint_name,
+    load_training_state,
+    restore_model,
+    restore_rng,
+    save_checkpoint,
+)
+from litkv.model import GPT
+
+__all__ = ["FinetuneArgs", "finetune", "run", "PRECISIONS"]
+
+#: Supported `--precision` values and the parameter dtype they train in. Mixed precision is not
+#: supported: the KV caches hold the parameters' dtype, which autocast would not produce.
+PRECISIONS = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+_DEFAULT_DATA = DataArgs()
+_DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512, chunk_size=128)
+_DEFAULT_TRAIN = TrainArgs()
+_DEFAULT_EVAL = EvalArgs()
+_DEFAULT_LORA = LoRAArgs()
+
+
+@dataclass
+class FinetuneArgs:
+    """All settings of a fine-tuning run (what `hyperparameters.yaml` records)."""
+
+    checkpoint_dir: Path
+    mode: str
+    data: DataArgs
+    kv_cache: KVCacheConfig
+    train: TrainArgs
+    eval: EvalArgs
+    lora: LoRAArgs
+    out_dir: Path
+    precision: str
+    devices: int
+    seed: int
+    resume: Path | None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("lora", "full"):
+            raise ValueError(f"mode must be 'lora' or 'full', got {self.mode!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {list(PRECISIONS)}, got {self.precision!r} (mixed precision is not "
+                "supported: the KV caches hold keys and values in the parameters' dtype)"
+            )
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"devices must be an int >= 1, got {self.devices!r}")
+        if self.data.path is None:
+            raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
+
+    def to_hparams(self) -> dict[str, Any]:
+        """A YAML-safe dict that `litkv finetune --config` accepts."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, Path):
+                return str(value)
+            if dataclasses.is_dataclass(value):
+                return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def default_precision() -> str:
+    """``bf16-true`` on a CUDA device that supports it, else ``32-true``."""
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-true"
+    return "32-true"
+
+
+def finetune(
+    checkpoint_dir: Path,
+    mode: Literal["lora", "full"] = "lora",
+    data: DataArgs = _DEFAULT_DATA,
+    kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
+    train: TrainArgs = _DEFAULT_TRAIN,
+    eval: EvalArgs = _DEFAULT_EVAL,
+    lora: LoRAArgs = _DEFAULT_LORA,
+    out_dir: Path = Path("out/finetune"),
+    precision: str | None = None,
+    devices: int = 1,
+    seed: int = 1337,
+    resume: Path | None = None,
+) -> None:
+    """Fine-tune a model on long sequences with its KV cache policy in place (gradients through the cache).
+
+    Every step runs each sequence chunk by chunk through the cache (`--kv_cache.*`) and takes the exact
+    gradient of that computation (`litkv.gradient.chunked_loss_backward`), so the model learns to live
+    with the policy's evictions. Checkpoints go to `out_dir/step-XXXXXX/` and `out_dir/final/`; each
+    is a checkpoint directory that `litkv generate` loads (LoRA adapters merged in).
+
+    Args:
+        checkpoint_dir: Base checkpoint (`model_config.yaml`, `model.safetensors` or `lit_model.pth`,
+            tokenizer), e.g. `litkv/assets/default` (the small model shipped with litkv).
+        mode: ``lora``: train low-rank adapters only; ``full``: train every parameter.
+        data: Fine-tuning data.
+        kv_cache: The cache the model is fine-tuned with.
+        train: Optimisation.
+        eval: Validation.
+        lora: LoRA adapters (``mode=lora``).
+        out_dir: Where checkpoints and logs (`logs/`) go.
+        precision: ``32-true``, ``bf16-true`` or ``16-true``. Default: ``bf16-true`` on a GPU that
+            supports it, else ``32-true``.
+        devices: Number of devices (processes); more than one runs data parallel (DDP).
+        seed: Random seed (LoRA initialisation, train/validation split, data order).
+        resume: A checkpoint directory of an earlier run (`out_dir/step-XXXXXX`) to continue from: its
+            weights, optimizer state, step and data order are restored.
+    """
+    args = FinetuneArgs(
+        checkpoint_dir=check_checkpoint_dir(checkpoint_dir),
+        mode=mode,
+        data=data,
+        kv_cache=kv_cache,
+        train=train,
+        eval=eval,
+        lora=lora,
+        out_dir=Path(out_dir),
+        precision=default_precision() if precision is None else precision,
+        devices=devices,
+        seed=seed,
+        resume=None if resume is None else Path(resume),
+    )
+    fabric = Fabric(
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        precision=args.precision,  # type: ignore[arg-type]
+        loggers=CSVLogger(root_dir=args.out_dir / "logs", name="finetune"),
+    )
+    fabric.launch()
+    run(fabric, args)
+
+
+def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
+    """Fine-tune on every process of a launched `fabric`; returns the trained (unmerged) model."""
+    fabric.seed_everything(args.seed)
+    state = None if args.resume is None else load_training_state(args.resume, args.mode)
+    data_seed = args.seed if state is None else state.data_seed
+    train_set, val_set = _load_data(args, data_seed)
+    if state is not None and state.num_train_examples != len(train_set):
+        raise ValueError(
+            f"cannot resume from {str(args.resume)!r}: it was trained on {state.num_train_examples} examples, "
+            f"the data now gives {len(train_set)} (same --data.* settings are needed)"
+        )
+    model = _build_model(fabric, args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=args.train.lr, weight_decay=args.train.weight_decay, betas=(args.train.beta1, args.train.beta2)
+    )
+    if state is not None:
+        optimizer.load_state_dict(state.optimizer)
+        restore_rng(state.rng)
+    fabric.print(
+        f"{args.mode} fine-tuning: {sum(p.numel() for p in params):,} trainable parameters, "
+        f"{len(train_set)} training and {len(val_set)} validation sequences, {fabric.world_size} process(es), "
+        f"cache {args.kv_cache.policy} with {args.kv_cache.cache_length} slots"
+    )
+    training = TrainingRun(
+        fabric=fabric,
+        model=model,
+        optimizer=optimizer,
+        train_set=train_set,
+        val_set=val_set,
+        order=DataOrder(len(train_set), args.train.global_batch_size, data_seed),
+        kv_cache=args.kv_cache,
+        train=args.train,
+        eval=args.eval,
+        save=lambda step, final: _save(fabric, args, model, optimizer, step, final, data_seed, len(train_set)),
+        log=tqdm.write if fabric.is_global_zero else (lambda message: None),
+        step=0 if state is None else state.step,
+    )
+    fit(training)
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    return model
+
+
+def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[Example]]:
+    tokenizer = load_tokenizer(args.checkpoint_dir)
+    examples = load_examples(args.data, tokenizer)
+    return split_examples(examples, args.data.val_fraction, data_seed)
+
+
+def _build_model(fabric: Fabric, args: FinetuneArgs) -> GPT:
+    """The base model on this process's device, adapters applied, trained weights restored on resume."""
+    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=PRECISIONS[args.precision])
+    if args.mode == "lora":
+        apply_lora(model, args.lora)
+        mark_only_lora_as_trainable(model)
+    else:
+        model.requires_grad_(True)
+    if args.resume is not None:
+        restore_model(model, args.resume, args.mode)
+    if fabric.world_size > 1:
+        # Every process starts from rank 0's trainable parameters (LoRA initialisation included).
+        for p in model.parameters():
+            if p.requires_grad:
+                torch.distributed.broadcast(p.data, src=0)
+    return model.train()
+
+
+def _save(
+    fabric: Fabric,
+    args: FinetuneArgs,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    final: bool,
+    data_seed: int,
+    num_train_examples: int,
+) -> None:
+    if fabric.is_global_zero:
+        state = TrainingState(args.mode, step, data_seed, num_train_examples, optimizer.state_dict(), capture_rng())
+        path = save_checkpoint(
+            args.out_dir / checkpoint_name(step, final),
+            model,
+            args.checkpoint_dir,
+            args.to_hparams(),
+            state,
+            prompt_style=args.data.prompt_style if args.data.is_json else None,
+        )
+        tqdm.write(f"saved {path}")
+    fabric.barrier()

@@ -1,0 +1,214 @@
+"""LoRA adapters for `litkv.GPT`: `LoRALinear`, applying, freezing, merging and saving adapters.
+
+A `LoRALinear` replaces an `nn.Linear` in place and keeps its `weight` and `bias` under the same names,
+so the base keys of the model's state dict do not change (`transformer.h.0.attn.qkv.weight` stays
+`transformer.h.0.attn.qkv.weight`); the adapter adds `lora_A` `(r, in_features)` and `lora_B`
+`(out_features, r)`. `merged_state_dict` folds the adapters into the base weights and returns a plain
+litkv/LitGPT state dict, which is what checkpoints hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "LORA_TARGETS",
+    "LoRAArgs",
+    "LoRALinear",
+    "apply_lora",
+    "mark_only_lora_as_trainable",
+    "lora_state_dict",
+    "load_lora_state_dict",
+    "merged_state_dict",
+    "merge_lora",
+]
+
+#: Where adapters can go: the attention's fused QKV and output projections, every linear layer of
+#: the MLP, and the LM head.
+LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp", "lm_head")
+_ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+@dataclass
+class LoRAArgs:
+    """LoRA hyperparameters (used with ``mode="lora"``).
+
+    Args:
+        r: Rank of the adapters.
+        alpha: Scaling numerator: the adapter output is multiplied by ``alpha / r``.
+        targets: Which linear layers get adapters, among ``attn.qkv``, ``attn.proj``, ``mlp`` (every
+            linear layer of the MLP) and ``lm_head``.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=lambda: ["attn.qkv", "attn.proj"])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"lora r must be an int >= 1, got {self.r!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise ValueError(f"lora alpha must be a number > 0, got {self.alpha!r}")
+        if isinstance(self.targets, str) or not isinstance(self.targets, (list, tuple)) or not self.targets:
+            raise TypeError(
+                f"lora targets must be a non-empty list of names from {list(LORA_TARGETS)}, got {self.targets!r}"
+            )
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown lora targets {unknown}; expected names from {list(LORA_TARGETS)}")
+
+
+class LoRALinear(nn.Module):
+    """`y = x W^T + b + (alpha / r) x A^T B^T` with `W`, `b` frozen in LoRA training.
+
+    There is no adapter dropout: the gradient engine recomputes every chunk, and a recomputation
+    would draw a different dropout mask than the forward it replays, making the gradient inexact.
+
+    Shapes: `weight` `(out_features, in_features)`, `bias` `(out_features,)` or `None`, `lora_A`
+    `(r, in_features)`, `lora_B` `(out_features, r)`. `lora_B` starts at zero, so a fresh adapter does
+    not change the output.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **factory))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.r = r
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `(..., in_features)` -> `(..., out_features)`."""
+        out = F.linear(x, self.weight, self.bias)
+        update = F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return out + update * self.scaling
+
+    def merged_weight(self) -> torch.Tensor:
+        """`W + (alpha / r) B A` `(out_features, in_features)`, computed in float32, in `W`'s dtype."""
+        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+        return (self.weight.float() + delta).to(self.weight.dtype).detach()
+
+    def to_linear(self) -> nn.Linear:
+        """A plain `nn.Linear` with the adapter folded into its weight."""
+        w = self.weight
+        linear = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None, device=w.device, dtype=w.dtype
+        )
+        with torch.no_grad():
+            linear.weight.copy_(self.merged_weight())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, scaling={self.scaling}"
+
+
+def _is_target(name: str, module: nn.Module, targets: list[str]) -> bool:
+    if not isinstance(module, nn.Linear):
+        return False
+    full = "." + name
+    return (
+        ("attn.qkv" in targets and full.endswith(".attn.qkv"))
+        or ("attn.proj" in targets and full.endswith(".attn.proj"))
+        or ("mlp" in targets and ".mlp." in full)
+        or ("lm_head" in targets and name == "lm_head")
+    )
+
+
+def apply_lora(model: nn.Module, args: LoRAArgs) -> list[str]:
+    """Replace the targeted `nn.Linear` layers of `model` by `LoRALinear` (in place).
+
+    Returns:
+        The names of the replaced modules.
+
+    Raises:
+        ValueError: if no module matches the targets.
+    """
+    if not isinstance(args, LoRAArgs):
+        raise TypeError(f"args must be LoRAArgs, got {type(args).__name__}")
+    names = [n for n, m in model.named_modules() if _is_target(n, m, list(args.targets))]
+    if not names:
+        raise ValueError(f"no linear layer of the model matches lora targets {list(args.targets)}")
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(getattr(parent, child), args.r, args.alpha))
+    return names
+
+
+def _lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def mark_only_lora_as_trainable(model: nn.Module) -> None:
+    """Freeze every parameter except the adapters' `lora_A` and `lora_B`."""
+    if not _lora_modules(model):
+        raise ValueError("the model has no LoRA adapters: call apply_lora() first")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.rpartition(".")[2] in _ADAPTER_NAMES)
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors only (`...lora_A`, `...lora_B`), detached."""
+    return {k: v.detach() for k, v in model.state_dict().items() if k.rpartition(".")[2] in _ADAPTER_NAMES}
+
+
+def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy adapter tensors into `model`; the keys must be exactly the model's adapter keys."""
+    expected = set(lora_state_dict(model))
+    got = set(state_dict)
+    if expected != got:
+        missing, unexpected = sorted(expected - got), sorted(got - expected)
+        raise ValueError(
+            f"LoRA weights do not match the model's adapters (check lora.r and lora.targets): "
+            f"missing {len(missing)} keys {missing[:3]}, unexpected {len(unexpected)} keys {unexpected[:3]}"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            if params[key].shape != value.shape:
+                raise ValueError(
+                    f"LoRA weight {key} has shape {tuple(value.shape)}, expected {tuple(params[key].shape)}"
+                )
+            params[key].copy_(value)
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain state dict of `model` with adapters folded in (the model is not changed).
+
+    Keys are those of the model without adapters (identical to `litgpt.GPT`'s for a `litkv.GPT`).
+    """
+    merged = {f"{name}.weight" if name else "weight": m.merged_weight() for name, m in _lora_modules(model)}
+    out = {}
+    for key, value in model.state_dict().items():
+        if key.rpartition(".")[2] in _ADAPTER_NAMES:
+            continue
+        out[key] = merged.get(key, value.detach())
+    return out
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight, replacing each `LoRALinear` by an `nn.Linear` (in place).
+
+    Returns:
+        `model`, whose state dict now has the plain keys.
+    """
+    for name, module in _lora_modules(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, module.to_linear())
+    return model
