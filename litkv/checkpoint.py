@@ -27,6 +27,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "default_checkpoint_dir",
     "check_checkpoint_dir",
+    "check_state_dict",
     "find_weights_file",
     "load_config",
     "load_state_dict",
@@ -126,6 +127,23 @@ def load_state_dict(path: str | Path, device: torch.device | str | None = None) 
     return dict(obj)
 
 
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise ValueError unless `state_dict` has exactly the keys and shapes of `model`'s."""
+    expected = model.state_dict()
+    if set(expected) != set(state_dict):
+        missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+        raise ValueError(
+            f"{source} do not match {CONFIG_FILE}: missing {len(missing)} keys {missing[:3]}, "
+            f"unexpected {len(unexpected)} keys {unexpected[:3]}"
+        )
+    for key, tensor in expected.items():
+        if tuple(state_dict[key].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{source} do not match {CONFIG_FILE}: {key} has shape {tuple(state_dict[key].shape)}, "
+                f"expected {tuple(tensor.shape)}"
+            )
+
+
 def load_model(
     checkpoint_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> GPT:
@@ -141,19 +159,7 @@ def load_model(
     state_dict = load_state_dict(find_weights_file(path))
     with torch.device("meta"):
         model = GPT(config)
-    expected, got = set(model.state_dict()), set(state_dict)
-    if expected != got:
-        missing, unexpected = sorted(expected - got), sorted(got - expected)
-        raise ValueError(
-            f"weights in {str(path)!r} do not match {CONFIG_FILE}: missing {len(missing)} keys "
-            f"{missing[:3]}, unexpected {len(unexpected)} keys {unexpected[:3]}"
-        )
-    for key, tensor in model.state_dict().items():
-        if tuple(state_dict[key].shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"weights in {str(path)!r} do not match {CONFIG_FILE}: {key} has shape "
-                f"{tuple(state_dict[key].shape)}, expected {tuple(tensor.shape)}"
-            )
+    check_state_dict(model, state_dict, f"weights in {str(path)!r}")
     model.load_state_dict(state_dict, strict=True, assign=True)
     model = model.to(device=torch.device("cpu") if device is None else torch.device(device))
     if dtype is not None:

@@ -1,0 +1,134 @@
+"""The `litkv` command line: `litkv <command> [options]` (also `python -m litkv ...`).
+
+Commands are plain functions whose typed signatures and docstrings jsonargparse turns into options
+(`--config file.yaml` works for each). Each command's module is imported only when it is used, so
+one command that cannot be imported does not break the others.
+
+Errors in the input (`ValueError`, `TypeError`, `FileNotFoundError` from litkv's checks) are printed
+as one line `error: ...` on stderr, without a traceback, and the exit status is 1. Set the
+environment variable `LITKV_DEBUG=1` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["COMMANDS", "main", "normalize_argv"]
+
+COMMANDS: dict[str, str] = {
+    "generate": "litkv.cli.generate_cmd:generate",
+    "finetune": "litkv.finetune.cli:finetune",
+    "convert": "litkv.cli.convert_cmd:convert",
+    "evaluate": "litkv.cli.evaluate_cmd:evaluate",
+    "bench": "litkv.bench:bench",
+}
+
+# Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).
+CHECKPOINT_POSITIONAL = ("generate", "evaluate")
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError)
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _is_config_value(value: str) -> bool:
+    """Whether a `--kv_cache` value is a config (YAML/JSON file or inline mapping), not a policy name."""
+    stripped = value.strip()
+    return stripped.startswith("{") or stripped.lower().endswith(_CONFIG_SUFFIXES) or Path(value).is_file()
+
+
+def _option_name(token: str) -> tuple[str, str | None]:
+    """`"--kv-cache.cache-length=8"` -> `("--kv_cache.cache_length", "8")`; dashes become underscores."""
+    name, eq, value = token.partition("=")
+    name = "--" + name[2:].replace("-", "_")
+    return name, (value if eq else None)
+
+
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrite command-line shortcuts into what jsonargparse understands.
+
+    - option names may use dashes: `--max-new-tokens` is `--max_new_tokens`;
+    - `--kv-cache NAME` / `--kv_cache NAME` is `--kv_cache.policy NAME` (a YAML/JSON value stays);
+    - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'`;
+    - `litkv generate DIR ...` (and `evaluate`) is `litkv generate --checkpoint_dir DIR ...`.
+    """
+    argv = list(argv)
+    if len(argv) >= 2 and argv[0] in CHECKPOINT_POSITIONAL and not argv[1].startswith("-"):
+        argv[1:2] = ["--checkpoint_dir", argv[1]]
+    out: list[str] = []
+    prompts: list[str] = []
+    prompt_at: int | None = None
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            out.extend(argv[i - 1 :])
+            break
+        if not token.startswith("--") or len(token) == 2:
+            out.append(token)
+            continue
+        name, value = _option_name(token)
+        if name in ("--kv_cache", "--prompt") and value is None and i < len(argv):
+            value, i = argv[i], i + 1
+        if name == "--prompt" and value is not None:
+            prompt_at = len(out) if prompt_at is None else prompt_at
+            prompts.append(value)
+        elif name == "--kv_cache" and value is not None:
+            out.extend([name, value] if _is_config_value(value) else ["--kv_cache.policy", value])
+        else:
+            out.append(name if value is None else f"{name}={value}")
+    if prompt_at is not None:
+        out[prompt_at:prompt_at] = ["--prompt", json.dumps(prompts)]
+    return out
+
+
+def _load_command(name: str) -> Callable[..., object]:
+    module_name, _, attr = COMMANDS[name].partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr)
+
+
+def _load_components(selected: str | None) -> dict[str, Callable[..., object]]:
+    """The chosen command only, or every importable command (for `litkv --help`)."""
+    if selected is not None:
+        try:
+            return {selected: _load_command(selected)}
+        except (ImportError, AttributeError) as err:
+            raise ImportError(f"command {selected!r} is not available: {err}") from err
+    components = {}
+    for name in COMMANDS:
+        try:
+            components[name] = _load_command(name)
+        except (ImportError, AttributeError) as err:
+            print(f"warning: command {name!r} is not available: {err}", file=sys.stderr)
+    return components
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err) if not isinstance(err, KeyError) or not err.args else str(err.args[0])
+    return " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or type(err).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `litkv` console script."""
+    from jsonargparse import CLI
+
+    args = normalize_argv(sys.argv[1:] if argv is None else argv)
+    selected = args[0] if args and args[0] in COMMANDS else None
+    debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
+    try:
+        components = _load_components(selected)
+        CLI(components, args=args, prog="litkv")
+    except (*USER_ERRORS, ImportError) as err:
+        if debug:
+            raise
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

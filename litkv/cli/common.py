@@ -1,0 +1,50 @@
+"""Helpers shared by the command functions: precision, device, checkpoint directory defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from litkv.checkpoint import default_checkpoint_dir
+
+__all__ = ["PRECISIONS", "resolve_checkpoint_dir", "resolve_device", "resolve_dtype"]
+
+PRECISIONS: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+}
+
+
+def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
+    """`checkpoint_dir`, or the model shipped with the package when it is `None`."""
+    return default_checkpoint_dir() if checkpoint_dir is None else Path(checkpoint_dir)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`device`, or CUDA when available, else CPU. Raises ValueError for an unusable device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"invalid device {device!r}: {err}") from err
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(precision: str | None, device: torch.device) -> torch.dtype:
+    """The parameter dtype for a Lightning-style precision string (`"32-true"`, `"bf16-true"`, ...).
+
+    `None`: bf16 on a CUDA device that supports it, float32 otherwise.
+    """
+    if precision is None:
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]

@@ -1,0 +1,168 @@
+"""`litkv generate`: sample from a checkpoint through a KV cache policy, streaming the text."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
+from litkv.cli.common import resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.config import KVCacheConfig
+from litkv.generate import generate as generate_tokens
+
+__all__ = ["generate", "DEFAULT_PROMPT"]
+
+DEFAULT_PROMPT = "And it came to pass, when"
+_DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated; a dataclass default lets --help list its fields
+
+
+def generate(
+    checkpoint_dir: Path | None = None,
+    prompt: list[str] | None = None,
+    prompt_file: Path | None = None,
+    max_new_tokens: int = 100,
+    kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int = 1234,
+    precision: str | None = None,
+    device: str | None = None,
+) -> list[torch.Tensor]:
+    """Generate text from a checkpoint, with a KV cache policy.
+
+    With one prompt the text is streamed as it is produced; several prompts run as one batch and
+    are printed at the end. A summary line (tokens, speed, cache bytes) goes to stderr.
+
+    Args:
+        checkpoint_dir: LitGPT-layout directory (model_config.yaml, model.safetensors or
+            lit_model.pth, tokenizer files). Default: the model shipped with litkv.
+        prompt: Prompt text; repeat ``--prompt`` for several prompts (one batch).
+        prompt_file: A file whose whole content is one prompt (instead of --prompt).
+        max_new_tokens: Number of tokens to generate per prompt.
+        kv_cache: KV cache policy and budget. ``--kv_cache NAME`` (or ``--kv-cache NAME``) is short
+            for ``--kv_cache.policy NAME``.
+        temperature: Sampling temperature; 0 for greedy decoding.
+        top_k: Sample among the k most likely tokens only.
+        top_p: Nucleus sampling threshold in (0, 1].
+        seed: Random seed of the sampler.
+        precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
+        device: "cpu", "cuda", "cuda:1", ... Default: CUDA if available.
+
+    Returns:
+        The new tokens of each prompt.
+    """
+    ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
+    texts = _read_prompts(prompt, prompt_file)
+    dev = resolve_device(device)
+    model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
+    tokenizer = load_tokenizer(ckpt)
+    encoded = [tokenizer.encode(text, device=dev).long() for text in texts]
+    for i, ids in enumerate(encoded):
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
+    longest = max(ids.numel() for ids in encoded) + max_new_tokens
+    if longest > model.config.block_size:
+        print(
+            f"warning: prompt + new tokens ({longest}) exceed the model's context length "
+            f"({model.config.block_size}); quality may degrade",
+            file=sys.stderr,
+        )
+    stream = _Stream(tokenizer, model, echo=len(texts) == 1)
+    if stream.echo:
+        print(texts[0], end="", flush=True)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+    stream.start()
+    outputs = generate_tokens(
+        model,
+        encoded,
+        max_new_tokens,
+        kv_cache,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_tokens=stop,
+        generator=generator,
+        on_tokens=stream,
+        progress=True,
+    )
+    if stream.echo:
+        print(flush=True)
+    else:
+        for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
+            print(f"--- prompt {i} ---\n{text}{tokenizer.decode(out)}", flush=True)
+    prompt_tokens = sum(ids.numel() for ids in encoded)
+    new_tokens = sum(out.numel() for out in outputs)
+    print(stream.summary(len(encoded), prompt_tokens, new_tokens, kv_cache), file=sys.stderr)
+    return outputs
+
+
+def _read_prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
+    """The prompts of the batch: `--prompt` values, or the content of `--prompt_file`, or the default."""
+    if prompt is not None and prompt_file is not None:
+        raise ValueError("give --prompt or --prompt_file, not both")
+    if prompt_file is not None:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+        return [path.read_text(encoding="utf-8")]
+    if prompt is None:
+        return [DEFAULT_PROMPT]
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError("--prompt was given an empty list; give at least one prompt")
+    return list(prompt)
+
+
+class _Stream:
+    """`on_tokens` callback: prints the new text of a single prompt, times prefill and decode."""
+
+    def __init__(self, tokenizer, model: torch.nn.Module, echo: bool) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.echo = echo
+        self.ids: list[int] = []
+        self.printed = ""
+        self.steps = 0
+        self.cache_bytes = 0
+        self.t_start = self.t_first = self.t_last = 0.0
+
+    def start(self) -> None:
+        self.t_start = time.perf_counter()
+
+    def __call__(self, tokens: torch.Tensor) -> None:
+        """`tokens`: `(B,)` the step's new tokens."""
+        values = tokens.tolist()  # also synchronises the device, for the timings
+        now = time.perf_counter()
+        if self.steps == 0:
+            self.t_first = now
+            self.cache_bytes = sum(cache.nbytes() for cache in self.model.kv_caches if cache is not None)
+        self.t_last = now
+        self.steps += 1
+        if not self.echo:
+            return
+        eos = self.tokenizer.eos_id
+        if self.ids and eos is not None and self.ids[-1] == eos:
+            return
+        self.ids.append(values[0])
+        text = self.tokenizer.decode(torch.tensor(self.ids))
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(self.printed) :], end="", flush=True)
+            self.printed = text
+
+    def summary(self, batch_size: int, prompt_tokens: int, new_tokens: int, kv_cache: KVCacheConfig) -> str:
+        """One line: prompt and new tokens, prefill and decode speed (all rows), cache bytes."""
+        prefill_s = max(self.t_first - self.t_start, 1e-9)
+        decode_s = self.t_last - self.t_first
+        rate = batch_size * (self.steps - 1) / decode_s if self.steps > 1 and decode_s > 0 else None
+        decode = "n/a" if rate is None else f"{rate:.1f} tok/s"
+        return (
+            f"prompt tokens: {prompt_tokens} | new tokens: {new_tokens} | "
+            f"prefill: {prompt_tokens / prefill_s:.1f} tok/s | decode: {decode} | "
+            f"cache: {kv_cache.policy}, {kv_cache.cache_length} slots, {self.cache_bytes / 2**20:.2f} MiB"
+        )

@@ -1,0 +1,196 @@
+"""Hugging Face model directory -> litkv/LitGPT checkpoint directory, with litgpt's weight converters.
+
+The model `Config` is a litgpt preset when one is named (`model_name`) or matches the directory
+name; otherwise it is built from `config.json` for the architectures listed in `HF_ARCHITECTURES`
+(Llama, Mistral, Qwen2, Qwen3), which also covers small or random models that have no preset.
+Weights are read from safetensors files, or from `.bin` files with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from litgpt.config import name_to_config
+from litgpt.scripts import convert_hf_checkpoint as lit_convert
+from litgpt.utils import save_config
+
+from litkv.checkpoint import SAFETENSORS_FILE, check_state_dict, load_state_dict, save_state_dict_atomic
+from litkv.config import Config
+from litkv.model import GPT
+
+__all__ = ["HF_ARCHITECTURES", "TOKENIZER_FILES", "config_from_hf", "convert_hf_checkpoint"]
+
+HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "config.json",
+)
+
+
+def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} has no config.json")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and litgpt `rope_adjustments` from `rope_parameters` (transformers 5) or `rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return base, None
+    if kind != "llama3":
+        raise NotImplementedError(f"RoPE scaling of type {kind!r} is not supported by the converter")
+    adjustments = {
+        "factor": float(params["factor"]),
+        "low_freq_factor": float(params["low_freq_factor"]),
+        "high_freq_factor": float(params["high_freq_factor"]),
+        "original_max_seq_len": int(params["original_max_position_embeddings"]),
+    }
+    return base, adjustments
+
+
+def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, list[int] | None]:
+    """Window size and per-layer flags (1: sliding) from `sliding_window`/`layer_types`/`use_sliding_window`."""
+    window = hf.get("sliding_window")
+    n_layer = hf["num_hidden_layers"]
+    if not window:
+        return None, None
+    if hf.get("layer_types"):
+        flags = [int(kind == "sliding_attention") for kind in hf["layer_types"]]
+    elif hf.get("use_sliding_window", hf.get("model_type") == "mistral"):
+        flags = [1] * n_layer
+    else:
+        flags = [0] * n_layer
+    return (window, flags) if any(flags) else (None, None)
+
+
+def config_from_hf(hf: dict[str, Any], name: str) -> Config:
+    """A litgpt `Config` from a Hugging Face `config.json` of one of `HF_ARCHITECTURES`."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        raise ValueError(
+            f"cannot build a config for model_type {model_type!r}: supported are {list(HF_ARCHITECTURES)}; "
+            "for other models pass --model_name with a litgpt preset name"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act must be 'silu' for {model_type}, got {hf['hidden_act']!r}")
+    n_head = hf["num_attention_heads"]
+    rope_base, rope_adjustments = _rope(hf)
+    window, window_layers = _sliding_window(hf)
+    return Config(
+        name=name,
+        block_size=hf["max_position_embeddings"],
+        vocab_size=hf["vocab_size"],
+        padded_vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_embd=hf["hidden_size"],
+        n_head=n_head,
+        n_query_groups=hf.get("num_key_value_heads") or n_head,
+        head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        intermediate_size=hf["intermediate_size"],
+        rotary_percentage=1.0,
+        rope_base=rope_base,
+        rope_adjustments=rope_adjustments,
+        parallel_residual=False,
+        bias=False,
+        attn_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        norm_class_name="RMSNorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        norm_qk=model_type == "qwen3",
+        mlp_class_name="LLaMAMLP",
+        sliding_window_size=window,
+        sliding_window_indices=window_layers,
+    )
+
+
+def _pick_config(hf_dir: Path, hf: dict[str, Any], model_name: str | None) -> tuple[Config, str]:
+    """The Config, and the name that selects litgpt's weight copy function."""
+    if model_name is not None:
+        if model_name not in name_to_config:
+            raise ValueError(f"unknown litgpt model name {model_name!r} (see litgpt.config.name_to_config)")
+        return Config.from_name(model_name), model_name
+    if hf_dir.name in name_to_config:
+        return Config.from_name(hf_dir.name), hf_dir.name
+    family = {"qwen2": "qwen2.5", "qwen3": "qwen3"}.get(hf.get("model_type", ""), hf.get("model_type", ""))
+    return config_from_hf(hf, hf_dir.name), family
+
+
+def _copy_fn(config: Config, name: str):
+    """litgpt's weight copy function for a model, as `convert_hf_checkpoint` picks it."""
+    low = name.lower()
+    if "falcon" in low:
+        return partial(lit_convert.copy_weights_falcon, config)
+    if low.startswith("gemma-2"):
+        return partial(lit_convert.copy_weights_gemma_2, {})
+    if low.startswith("gemma-3"):
+        return partial(lit_convert.copy_weights_gemma_3, {}, config=config)
+    if low.startswith("phi"):
+        return partial(lit_convert.copy_weights_phi, config, {})
+    if low.startswith(("qwen2.5", "qwq")):
+        return partial(lit_convert.copy_weights_qwen_2_5, config, {})
+    if low.startswith("olmo-2-"):
+        return partial(lit_convert.copy_weights_olmo2, config, {})
+    if low.startswith("qwen3"):
+        return partial(lit_convert.copy_weights_qwen_3, config, {})
+    if config.mlp_class_name in ("LLaMAMLP", "GemmaMLP", "LLaMAMoE"):
+        return partial(lit_convert.copy_weights_hf_llama, config, {})
+    return partial(lit_convert.copy_weights_gpt_neox, config)
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        files = sorted(f for f in hf_dir.glob("*.bin") if f.name != "training_args.bin")
+    if not files:
+        raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} has no .safetensors or .bin weights")
+    return files
+
+
+def convert_hf_checkpoint(
+    hf_dir: str | Path, out_dir: str | Path, model_name: str | None = None, dtype: torch.dtype | None = None
+) -> Path:
+    """Convert a Hugging Face model directory into a checkpoint directory that litkv loads.
+
+    Args:
+        hf_dir: directory with `config.json`, weights (`*.safetensors` or `*.bin`) and tokenizer files.
+        out_dir: where to write `model_config.yaml`, `model.safetensors` and the tokenizer files.
+        model_name: a litgpt preset name (default: the directory name if it is one, else a config
+            built from `config.json`).
+        dtype: convert the weights to this dtype (default: keep the stored dtype).
+
+    Returns:
+        `out_dir`.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} does not exist")
+    if hf_dir.resolve() == out_dir.resolve():
+        raise ValueError("out_dir must differ from hf_dir")
+    hf = _read_hf_config(hf_dir)
+    config, family = _pick_config(hf_dir, hf, model_name)
+    copy_fn = _copy_fn(config, family)
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in _weight_files(hf_dir):
+        copy_fn(state_dict, load_state_dict(path), saver=None, dtype=dtype)
+    with torch.device("meta"):
+        reference = GPT(config)
+    check_state_dict(reference, state_dict, f"converted weights of {str(hf_dir)!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_state_dict_atomic(out_dir / SAFETENSORS_FILE, state_dict)
+    save_config(config, out_dir)
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out_dir / name)
+    return out_dir
