@@ -2,6 +2,7 @@
 
 from litkv.config import Config, KVCacheConfig
 from litkv.generate import forward_chunked, generate
+from litkv.gradient import chunked_loss_backward
 from litkv.kvcache import KVCache, register_kv_cache
 from litkv.model import GPT
 
@@ -10,6 +11,7 @@ __all__ = [
     "Config",
     "KVCache",
     "KVCacheConfig",
+    "chunked_loss_backward",
     "forward_chunked",
     "generate",
     "register_kv_cache",
