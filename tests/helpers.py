@@ -1,0 +1,191 @@
+"""Test helpers: tiny configs, random weights and an independent float64 reference forward.
+
+Import from tests as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from litkv import GPT, Config
+
+__all__ = [
+    "MaskFn",
+    "RefOutput",
+    "band_mask",
+    "causal_mask",
+    "chunked_last_recent_mask",
+    "max_diff",
+    "randomize_",
+    "random_gpt",
+    "reference_forward",
+    "tiny_config",
+]
+
+# allowed(q_pos (T, 1), k_pos (1, T)) -> (T, T) bool, True where query q may attend to key k.
+MaskFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+TINY = dict(
+    n_layer=2,
+    n_embd=64,
+    n_head=4,
+    n_query_groups=2,
+    head_size=16,
+    intermediate_size=128,
+    vocab_size=128,
+    padded_vocab_size=128,
+    block_size=256,
+)
+
+
+def tiny_config(name: str, **overrides: object) -> Config:
+    """LitGPT preset `name` shrunk to 2 layers, width 64, vocabulary 128 (overridable)."""
+    return Config.from_name(name, **{**TINY, **overrides})
+
+
+def randomize_(module: nn.Module, seed: int) -> None:
+    """Re-draw every parameter so that no weight is trivial and logits are well spread.
+
+    Matrices (embeddings included, so that tied LM heads stay tame): N(0, 1/n_columns); norm weights:
+    1 + N(0, 0.1^2); biases: N(0, 0.1^2).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            if param.dim() >= 2:
+                param.copy_(noise * param.shape[-1] ** -0.5)
+            elif name.endswith("bias"):
+                param.copy_(noise * 0.1)
+            else:
+                param.copy_(1.0 + noise * 0.1)
+
+
+def random_gpt(config: Config, seed: int = 0) -> GPT:
+    """A `litkv.GPT` in eval mode with `randomize_`d float32 weights."""
+    model = GPT(config)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute elementwise difference (as float64)."""
+    return (a.double() - b.double()).abs().max().item()
+
+
+def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention."""
+    return k <= q
+
+
+def band_mask(width: int, sinks: int = 0) -> MaskFn:
+    """Causal band: key `k` visible from query `q` iff `q - k <= width - sinks` or `k < sinks`."""
+    return lambda q, k: (k <= q) & ((q - k <= width - sinks) | (k < sinks))
+
+
+def chunked_last_recent_mask(cache_length: int, sinks: int, starts: Sequence[int]) -> MaskFn:
+    """What a last-recent cache shows a query whose chunk starts at `start`: the chunk so far, the
+    `cache_length - sinks` tokens before `start` and the first `sinks` tokens."""
+
+    def allowed(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        bounds = torch.tensor(list(starts))
+        start = bounds[torch.searchsorted(bounds, q, right=True) - 1]
+        return (k <= q) & ((k >= start - (cache_length - sinks)) | (k < sinks))
+
+    return allowed
+
+
+@dataclass
+class RefOutput:
+    logits: torch.Tensor  # (B, T, vocab) float64
+    hidden: torch.Tensor  # (B, T, n_embd) float64, after the final norm
+    block_inputs: list[torch.Tensor]  # input of each block, after the hook
+
+
+def reference_forward(
+    model: GPT,
+    idx: torch.Tensor,
+    masks: MaskFn | Sequence[MaskFn] = causal_mask,
+    hook: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None,
+) -> RefOutput:
+    """Float64 forward of a Llama/Pythia-style model with an explicit mask per layer.
+
+    Attention and RoPE are written here from scratch; norms and MLPs are the model's own (LitGPT's)
+    modules, run on a float64 copy. Supports GQA, qkv bias, partial rotary and parallel residual.
+    """
+    c = model.config
+    _check_reference_supported(c)
+    ref = copy.deepcopy(model).double()
+    masks = [masks] * c.n_layer if callable(masks) else list(masks)
+    pos = torch.arange(idx.shape[1])
+    x = ref.transformer.wte(idx)
+    inputs = []
+    for i, block in enumerate(ref.transformer.h):
+        if hook is not None:
+            replaced = hook(i, x)
+            x = x if replaced is None else replaced.double()
+        inputs.append(x)
+        allowed = masks[i](pos[:, None], pos[None, :])
+        x = _reference_block(block, x, allowed, c)
+    hidden = ref.transformer.ln_f(x)
+    return RefOutput(ref.lm_head(hidden), hidden, inputs)
+
+
+def _check_reference_supported(c: Config) -> None:
+    unsupported = {
+        "rope_adjustments": c.rope_adjustments,
+        "norm_qk": c.norm_qk,
+        "sliding_window_size": c.sliding_window_size,
+        "attention_logit_softcapping": c.attention_logit_softcapping,
+        "final_logit_softcapping": c.final_logit_softcapping,
+        "attention_scores_scalar": c.attention_scores_scalar,
+        "scale_embeddings": c.scale_embeddings,
+        "post_attention_norm": c.post_attention_norm,
+        "post_mlp_norm": c.post_mlp_norm,
+        "rope_interleave": getattr(c, "rope_interleave", False),
+        "rope_local_base_freq": c.rope_local_base_freq,
+    }
+    used = {k: v for k, v in unsupported.items() if v}
+    if used:
+        raise NotImplementedError(f"reference_forward does not support {used}")
+
+
+def _reference_block(block: nn.Module, x: torch.Tensor, allowed: torch.Tensor, c: Config) -> torch.Tensor:
+    h = block.norm_1(x)
+    attn = _reference_attention(block.attn, h, allowed, c)
+    if c.parallel_residual:
+        h2 = h if c.shared_attention_norm else block.norm_2(x)
+        return x + attn + block.mlp(h2)
+    x = x + attn
+    return x + block.mlp(block.norm_2(x))
+
+
+def _reference_attention(attn: nn.Module, x: torch.Tensor, allowed: torch.Tensor, c: Config) -> torch.Tensor:
+    b, t, _ = x.shape
+    hs, nh, g = c.head_size, c.n_head, c.n_query_groups
+    q, k, v = attn.qkv(x).split((nh * hs, g * hs, g * hs), dim=-1)
+    q = _reference_rope(q.view(b, t, nh, hs), c)
+    k = _reference_rope(k.view(b, t, g, hs), c)
+    v = v.view(b, t, g, hs)
+    group = torch.arange(nh) // (nh // g)  # query head -> its KV head
+    k, v = k[:, :, group], v[:, :, group]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / hs**0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    return attn.proj(y.reshape(b, t, nh * hs))
+
+
+def _reference_rope(x: torch.Tensor, c: Config) -> torch.Tensor:
+    """Rotate-half RoPE on the first `rope_n_elem` features of `x` `(B, T, heads, hs)`."""
+    n = c.rope_n_elem
+    half = n // 2
+    freq = 1.0 / c.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / n)
+    angle = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * freq  # (T, n/2)
+    cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
+    x1, x2, rest = x[..., :half], x[..., half:n], x[..., n:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
