@@ -1,0 +1,80 @@
+"""Batch invariance: prompts of lengths 5, 17 and 40 in one (left-padded) batch give the same logits
+and the same generated tokens as each prompt alone, with dense and last-recent caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import max_diff, random_gpt, tiny_config
+
+from litkv import GPT, KVCacheConfig, forward_chunked, generate
+from litkv.generate import pad_prompts
+
+LENGTHS = (5, 17, 40)
+MODELS = {
+    "smollm2": ("SmolLM2-135M", {}),
+    "gemma2": ("gemma-2-2b", dict(sliding_window_size=8, attention_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+}
+CACHES = {
+    "dense": KVCacheConfig(policy="dense", cache_length=64, chunk_size=4, prefill_length=4),
+    # Evicts during the prefill of the 40-token prompt; the shorter ones fit.
+    "last-recent": KVCacheConfig(policy="last-recent", cache_length=24, chunk_size=8, prefill_length=8),
+    # Token by token: every prompt longer than the cache evicts, chunk boundaries play no role.
+    "last-recent-sinks": KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=1, prefill_length=1, sinks=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> GPT:
+    preset, overrides = MODELS[request.param]
+    return random_gpt(tiny_config(preset, **overrides), seed=11)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=gen) for n in LENGTHS]
+
+
+def test_pad_prompts_left_pads() -> None:
+    idx, pos = pad_prompts([torch.tensor([7, 8]), torch.tensor([4, 5, 6])], torch.device("cpu"))
+    assert pos.tolist() == [[-1, 0, 1], [0, 1, 2]]
+    assert idx[0, 1:].tolist() == [7, 8] and idx[1].tolist() == [4, 5, 6]
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@torch.inference_mode()
+def test_batch_logits_equal_alone(model: GPT, prompts: list[torch.Tensor], cache: str) -> None:
+    kv_cache = CACHES[cache]
+    idx, input_pos = pad_prompts(prompts, torch.device("cpu"))
+    batched = forward_chunked(model, idx, kv_cache, input_pos=input_pos)
+    for row, prompt in enumerate(prompts):
+        alone = forward_chunked(model, prompt[None], kv_cache)[0]
+        assert max_diff(batched[row, -len(prompt) :], alone) <= 1e-5
+        full = model(prompt[None])[0]
+        if cache == "dense":
+            assert max_diff(alone, full) <= 1e-5
+        elif len(prompt) > kv_cache.cache_length:
+            assert max_diff(alone, full) > 1e-3  # the cache did evict: the check above has teeth
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_batch_tokens_equal_alone(model: GPT, prompts: list[torch.Tensor], cache: str) -> None:
+    kv_cache = CACHES[cache]
+    batched = generate(model, prompts, max_new_tokens=8, kv_cache=kv_cache)
+    assert len(batched) == len(prompts)
+    for prompt, tokens in zip(prompts, batched, strict=True):
+        alone = generate(model, [prompt], max_new_tokens=8, kv_cache=kv_cache)[0]
+        assert tokens.tolist() == alone.tolist()
+        assert len(alone) == 8
+
+
+def test_rows_stop_independently(model: GPT, prompts: list[torch.Tensor]) -> None:
+    kv_cache = CACHES["dense"]
+    alone = [generate(model, [p], max_new_tokens=8, kv_cache=kv_cache)[0].tolist() for p in prompts]
+    stop = alone[0][2]
+    batched = generate(model, prompts, max_new_tokens=8, kv_cache=kv_cache, stop_tokens=(stop,))
+    for expected, tokens in zip(alone, batched, strict=True):
+        cut = expected.index(stop) + 1 if stop in expected else len(expected)
+        assert tokens.tolist() == expected[:cut]
+    assert len(batched[0]) <= 3
