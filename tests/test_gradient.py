@@ -133,6 +133,12 @@ CASES = [
         True,
         id="qh2o-int4-p9-c6",
     ),
+    pytest.param(  # qh2o switches float storage to int4 itself: the engine must follow the cache
+        dict(policy="qh2o", cache_length=16, chunk_size=5),
+        True,
+        id="qh2o-default-storage",
+        marks=pytest.mark.filterwarnings("ignore:policy 'qh2o' needs quantised storage"),
+    ),
 ]
 
 

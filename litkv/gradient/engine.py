@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from litkv.config import KVCacheConfig
-from litkv.gradient.replay import ReplayKVCache, stored_view
+from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
 from litkv.model import GPT
 
@@ -80,7 +80,7 @@ def chunked_loss_backward(
         for chunk in reversed(range(len(bounds))):
             start, end = bounds[chunk]
             total += _backward_chunk(
-                model, idx[:, start:end], input_pos[:, start:end], targets[:, start:end], tapes, configs, chunk, weight
+                model, idx[:, start:end], input_pos[:, start:end], targets[:, start:end], tapes, chunk, weight
             )
     finally:
         model.set_kv_caches(None)
@@ -104,15 +104,15 @@ def record_forward(
     """
     b, t = idx.shape
     caches = model.build_kv_caches(list(configs), b)
-    tapes = [LayerTape(b, c.shape.n_query_groups, t, c.shape.key_size, c.shape.value_size, c.dtype) for c in caches]
+    tapes = [LayerTape(c, t, stores_gradients(c.config, c.shape, idx.device, c.dtype)) for c in caches]
     model.set_kv_caches(caches)
     try:
         with torch.no_grad():
             for start, end in bounds:
-                before = [(cache.positions.clone(), cache.num_filled) for cache in caches]
+                before = [cache.positions.clone() for cache in caches]
                 model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
-                for tape, cache, (positions, filled) in zip(tapes, caches, before, strict=True):
-                    tape.record_chunk(cache, positions, filled, start, end)
+                for tape, cache, positions in zip(tapes, caches, before, strict=True):
+                    tape.record_chunk(cache, positions, start, end)
         for tape, cache in zip(tapes, caches, strict=True):
             tape.finish(cache)
     finally:
@@ -126,7 +126,6 @@ def _backward_chunk(
     input_pos: torch.Tensor,
     targets: torch.Tensor,
     tapes: Sequence[LayerTape],
-    configs: Sequence[KVCacheConfig],
     chunk: int,
     weight: float,
 ) -> float:
@@ -137,12 +136,12 @@ def _backward_chunk(
     """
     device = idx.device
     caches = []
-    for tape, config in zip(tapes, configs, strict=True):
+    for tape in tapes:
         positions = tape.rewind(chunk)
         keys, values = tape.gather(positions)
-        keys = keys.to(device).requires_grad_()
-        values = values.to(device).requires_grad_()
-        caches.append(ReplayKVCache(config, keys, values, positions.to(device)))
+        keys = keys.to(device).requires_grad_(tape.track_grads)
+        values = values.to(device).requires_grad_(tape.track_grads)
+        caches.append(ReplayKVCache(tape.config, keys, values, positions.to(device)))
     model.set_kv_caches(caches)
     logits = model(idx, input_pos)
     loss_sum = F.cross_entropy(
@@ -151,17 +150,25 @@ def _backward_chunk(
     roots: list[torch.Tensor] = [loss_sum * weight]
     grads: list[torch.Tensor | None] = [None]
     start = int(input_pos[0, 0])
-    for tape, cache, config in zip(tapes, caches, configs, strict=True):
+    for tape, cache in zip(tapes, caches, strict=True):
         grad_keys, grad_values = tape.grads_of(start, start + idx.shape[1])
-        if cache.new_keys is None or not (bool(grad_keys.any()) or bool(grad_values.any())):
+        if not tape.track_grads or cache.new_keys is None or not (bool(grad_keys.any()) or bool(grad_values.any())):
             continue
-        stored_keys, stored_values = stored_view(config, cache.new_keys, cache.new_values)
-        roots += [stored_keys, stored_values]
-        grads += [grad_keys.to(device, stored_keys.dtype), grad_values.to(device, stored_values.dtype)]
+        stored = stored_view(tape.config, cache.new_keys, cache.new_values)
+        for tensor, grad in zip(stored, (grad_keys, grad_values), strict=True):
+            if tensor.requires_grad:
+                roots.append(tensor)
+                grads.append(grad.to(device, tensor.dtype))
     torch.autograd.backward(roots, grads)
     for tape, cache in zip(tapes, caches, strict=True):
-        if cache.num_filled and cache.cached_keys.grad is not None and cache.cached_values.grad is not None:
-            tape.accumulate(cache.positions, cache.cached_keys.grad, cache.cached_values.grad)
+        if tape.track_grads and cache.num_filled:
+            grad_keys, grad_values = cache.cached_keys.grad, cache.cached_values.grad
+            zeros = torch.zeros_like
+            tape.accumulate(
+                cache.positions,
+                zeros(cache.cached_keys) if grad_keys is None else grad_keys,
+                zeros(cache.cached_values) if grad_values is None else grad_values,
+            )
     return float(loss_sum.detach())
 
 

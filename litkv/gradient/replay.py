@@ -12,7 +12,7 @@ from litkv.config import KVCacheConfig
 from litkv.kvcache.base import CacheShape, KVCache
 from litkv.kvcache.storage import make_storage
 
-__all__ = ["ReplayKVCache", "stored_view"]
+__all__ = ["ReplayKVCache", "stored_view", "stores_gradients"]
 
 
 class ReplayKVCache(KVCache):
@@ -105,3 +105,16 @@ def stored_view(config: KVCacheConfig, keys: torch.Tensor, values: torch.Tensor)
     valid = torch.ones(b, g, t, dtype=torch.bool, device=keys.device)
     storage.write(dest, keys, values, valid)
     return storage.read()
+
+
+def stores_gradients(config: KVCacheConfig, shape: CacheShape, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether keys/values read back from `config`'s storage carry gradients to the ones written.
+
+    True for float storage; False for quantised storage, whose rounding is not differentiable (then
+    `forward_chunked` sends no gradient through cached entries, and neither does the engine).
+    """
+    probe_keys = torch.zeros(1, 1, 1, shape.key_size, device=device, dtype=dtype, requires_grad=True)
+    probe_values = torch.zeros(1, 1, 1, shape.value_size, device=device, dtype=dtype, requires_grad=True)
+    with torch.enable_grad():
+        keys, values = stored_view(config, probe_keys, probe_values)
+    return keys.requires_grad or values.requires_grad

@@ -6,8 +6,9 @@ For one layer, the tape keeps on the host:
   when the storage is lossy), `(B, G, T + 1, head_size)`; index `T` is a scratch row that absorbs
   writes and reads for empty slots;
 - per chunk, which slots the chunk changed and the token positions those slots held before it (the
-  policy's choices, `O(chunk)` per chunk), and how many slots were in use before it;
-- float32 gradient accumulators for the cached keys and values, the same shape as the keys/values.
+  policy's choices, `O(chunk)` per chunk);
+- float32 gradient accumulators for the cached keys and values, the same shape as the keys/values
+  (only when stored entries carry gradients: quantised storage is not differentiable).
 
 Starting from the positions after the last chunk, undoing the changes of chunks `N-1, ..., c` gives
 the slot positions chunk `c` attended to. Host memory is `O(T)`; nothing here grows on the compute
@@ -29,36 +30,42 @@ class LayerTape:
     """Host-side record of one layer's cache over a chunked pass, plus gradient accumulators.
 
     Args:
-        batch_size, n_query_groups, seq_len, key_size, value_size: `B`, `G`, `T` and head sizes.
-        dtype: dtype of the recorded keys/values (the cache dtype).
+        cache: the layer's (fresh) cache; its shape, dtype and config (as the policy adjusted it) are kept.
+        seq_len: `T`.
+        track_grads: whether stored keys/values carry gradients back to the keys/values that produced
+            them (False for non-differentiable lossy storage); without, no accumulators are kept.
+
+    Attributes:
+        config: the cache's config (its storage kind is what `stored_view` must reproduce).
+        track_grads: as given.
     """
 
-    def __init__(
-        self, batch_size: int, n_query_groups: int, seq_len: int, key_size: int, value_size: int, dtype: torch.dtype
-    ) -> None:
-        b, g, rows = batch_size, n_query_groups, seq_len + 1
+    def __init__(self, cache: KVCache, seq_len: int, track_grads: bool) -> None:
+        s = cache.shape
+        b, g, rows = s.batch_size, s.n_query_groups, seq_len + 1
+        self.config = cache.config
         self.seq_len = seq_len
-        self.keys = torch.zeros(b, g, rows, key_size, dtype=dtype, device=_HOST)
-        self.values = torch.zeros(b, g, rows, value_size, dtype=dtype, device=_HOST)
-        self.grad_keys = torch.zeros(b, g, rows, key_size, dtype=torch.float32, device=_HOST)
-        self.grad_values = torch.zeros(b, g, rows, value_size, dtype=torch.float32, device=_HOST)
+        self.track_grads = track_grads
+        self.keys = torch.zeros(b, g, rows, s.key_size, dtype=cache.dtype, device=_HOST)
+        self.values = torch.zeros(b, g, rows, s.value_size, dtype=cache.dtype, device=_HOST)
+        grad_rows = rows if track_grads else 0
+        self.grad_keys = torch.zeros(b, g, grad_rows, s.key_size, dtype=torch.float32, device=_HOST)
+        self.grad_values = torch.zeros(b, g, grad_rows, s.value_size, dtype=torch.float32, device=_HOST)
         self._rows = torch.arange(b)[:, None, None]
         self._groups = torch.arange(g)[None, :, None]
         self._slots: list[torch.Tensor] = []
         self._previous: list[torch.Tensor] = []
-        self._filled: list[int] = []
         self._positions: torch.Tensor | None = None
         self._cursor = 0
 
     # -- forward: recording ---------------------------------------------------------------------
 
-    def record_chunk(self, cache: KVCache, before: torch.Tensor, filled: int, start: int, end: int) -> None:
+    def record_chunk(self, cache: KVCache, before: torch.Tensor, start: int, end: int) -> None:
         """Record what the chunk `[start, end)` did to `cache`.
 
         Args:
             cache: the layer's cache, right after the chunk's `update()`.
             before: `(B, G, L)` the cache's positions before the chunk.
-            filled: the cache's `num_filled` before the chunk.
             start, end: token range of the chunk (positions are token indices).
         """
         after = cache.positions
@@ -67,7 +74,6 @@ class LayerTape:
         slots = torch.sort(changed.to(torch.int8), dim=2, descending=True, stable=True).indices[..., :n]
         self._slots.append(slots.to(_HOST, torch.int32))
         self._previous.append(before.gather(2, slots).to(_HOST, torch.int32))
-        self._filled.append(filled)
         new_pos = after.gather(2, slots)
         target = torch.where((new_pos >= start) & (new_pos < end), new_pos, self.seq_len).to(_HOST)
         keys, values = cache.storage.read()
@@ -96,7 +102,10 @@ class LayerTape:
             )
         self._cursor = chunk
         self._positions.scatter_(2, self._slots[chunk].long(), self._previous[chunk].long())
-        return self._positions[..., : self._filled[chunk]].clone()
+        # Trailing slots empty in every row and head are left out (policies may fill slots in any order).
+        used = (self._positions >= 0).flatten(0, 1).any(dim=0).nonzero()
+        n = int(used[-1]) + 1 if used.numel() else 0
+        return self._positions[..., :n].clone()
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recorded keys `(B, G, n, key_size)` and values `(B, G, n, value_size)` of `positions` `(B, G, n)`."""
@@ -105,12 +114,17 @@ class LayerTape:
 
     def accumulate(self, positions: torch.Tensor, grad_keys: torch.Tensor, grad_values: torch.Tensor) -> None:
         """Add gradients `(B, G, n, *)` of the cached entries at `positions` `(B, G, n)` to the accumulators."""
+        if not self.track_grads:
+            raise RuntimeError("this tape keeps no gradient accumulators (track_grads=False)")
         index = self._host_index(positions)
         self.grad_keys.index_put_(index, grad_keys.to(_HOST, torch.float32), accumulate=True)
         self.grad_values.index_put_(index, grad_values.to(_HOST, torch.float32), accumulate=True)
 
     def grads_of(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulated gradients of the stored keys/values of tokens `[start, end)`: `(B, G, end - start, *)`."""
+        """Accumulated gradients of the stored keys/values of tokens `[start, end)`: `(B, G, end - start, *)`.
+
+        Empty along the token axis when the tape does not track gradients.
+        """
         return self.grad_keys[:, :, start:end], self.grad_values[:, :, start:end]
 
     def _host_index(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
