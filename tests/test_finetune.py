@@ -112,8 +112,8 @@ def ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("base"))
 
 
-def cli(*args: str | Path) -> None:
-    jsonargparse.CLI(finetune, args=[str(a) for a in args])
+def cli(checkpoint_dir: Path, *args: str | Path) -> None:
+    jsonargparse.CLI(finetune, args=["--checkpoint_dir", str(checkpoint_dir), *(str(a) for a in args)])
 
 
 def windows(checkpoint_dir: Path, text_file: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,7 +283,7 @@ def test_instruction_data_and_config_file(ckpt, tmp_path):
         "out_dir": str(tmp_path / "out"),
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    cli("--config", tmp_path / "c.yaml")
+    jsonargparse.CLI(finetune, args=["--config", str(tmp_path / "c.yaml")])
     final = tmp_path / "out" / "final"
     assert yaml.safe_load((final / "prompt_style.yaml").read_text())["class_path"] == "litgpt.prompts.Alpaca"
     hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
@@ -314,3 +314,17 @@ def test_clear_errors(ckpt, tmp_path):
         DataArgs(prompt_style="nope")
     with pytest.raises(FileNotFoundError, match="training_state.pt"):
         finetune(ckpt, data=DataArgs(path=text, seq_length=SEQ), resume=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["finetune_lora.yaml", "finetune_full.yaml"])
+def test_shipped_configs_parse(name):
+    path = Path(__file__).parents[1] / "configs" / name
+    parser = jsonargparse.ArgumentParser()
+    parser.add_argument("--config", action="config")
+    parser.add_function_arguments(finetune)
+    cfg = parser.parse_args(["--config", str(path)])
+    raw = yaml.safe_load(path.read_text())
+    assert cfg.mode == raw["mode"] and cfg.kv_cache.policy == raw["kv_cache"]["policy"] == "h2o"
+    assert cfg.train.max_steps == raw["train"]["max_steps"] and cfg.data.seq_length == raw["data"]["seq_length"]
+    init = parser.instantiate_classes(cfg)
+    assert isinstance(init.kv_cache, KVCacheConfig) and init.kv_cache.cache_length == raw["kv_cache"]["cache_length"]

@@ -16,7 +16,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from tqdm.auto import tqdm
 
-from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoint import check_checkpoint_dir, default_checkpoint_dir, load_model, load_tokenizer
 from litkv.config import KVCacheConfig
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
@@ -98,7 +98,7 @@ def default_precision() -> str:
 
 
 def finetune(
-    checkpoint_dir: Path,
+    checkpoint_dir: Path | None = None,
     mode: Literal["lora", "full"] = "lora",
     data: DataArgs = _DEFAULT_DATA,
     kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
@@ -120,7 +120,7 @@ def finetune(
 
     Args:
         checkpoint_dir: Base checkpoint (`model_config.yaml`, `model.safetensors` or `lit_model.pth`,
-            tokenizer), e.g. `litkv/assets/default` (the small model shipped with litkv).
+            tokenizer files). Default: the small model shipped with litkv (`litkv/assets/default`).
         mode: ``lora``: train low-rank adapters only; ``full``: train every parameter.
         data: Fine-tuning data.
         kv_cache: The cache the model is fine-tuned with.
@@ -136,7 +136,7 @@ def finetune(
             weights, optimizer state, step and data order are restored.
     """
     args = FinetuneArgs(
-        checkpoint_dir=check_checkpoint_dir(checkpoint_dir),
+        checkpoint_dir=check_checkpoint_dir(default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir),
         mode=mode,
         data=data,
         kv_cache=kv_cache,

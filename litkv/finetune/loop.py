@@ -251,17 +251,18 @@ def fit(run: TrainingRun) -> None:
     params = [p for p in run.model.parameters() if p.requires_grad]
     run.model.train()
     bar = tqdm(total=train.max_steps, initial=run.step, desc="finetune", unit="step", disable=not fabric.is_global_zero)
-    window_tokens, window_start = 0, time.perf_counter()
+    window_tokens, window_seconds = 0, 0.0  # training steps only, not validation or saving
     while run.step < train.max_steps:
+        start = time.perf_counter()
         loss, tokens = _train_step(run, params)
+        window_seconds += time.perf_counter() - start
         run.step += 1
         window_tokens += tokens
         bar.update(1)
         if run.step % train.log_interval == 0 or run.step == train.max_steps:
-            elapsed = time.perf_counter() - window_start
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{window_tokens / max(elapsed, 1e-9):.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{window_tokens / max(window_seconds, 1e-9):.0f}")
             fabric.log_dict({"train_loss": loss, "lr": lr_at(run.step - 1, train)}, step=run.step)
-            window_tokens, window_start = 0, time.perf_counter()
+            window_tokens, window_seconds = 0, 0.0
         if run.val_set and (run.step % run.eval.interval == 0 or run.step == train.max_steps):
             val_loss = validate(run)
             run.log(f"step {run.step}: val loss {val_loss:.4f}, val ppl {math.exp(min(val_loss, 50.0)):.2f}")
