@@ -66,7 +66,7 @@ def chunked_loss_backward(
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad: there is nothing to accumulate gradients into")
     device = model.lm_head.weight.device
-    idx, targets = input_ids.to(device), targets.to(device)
+    idx, targets = input_ids.to(device), targets.to(device, torch.long)
     n_valid = int((targets != IGNORE_INDEX).sum())
     if n_valid == 0:
         raise ValueError("every target is -100 (ignored): the mean cross-entropy is undefined")
@@ -141,7 +141,7 @@ def _backward_chunk(
         keys, values = tape.gather(positions)
         keys = keys.to(device).requires_grad_(tape.track_grads)
         values = values.to(device).requires_grad_(tape.track_grads)
-        caches.append(ReplayKVCache(tape.config, keys, values, positions.to(device)))
+        caches.append(ReplayKVCache(keys, values, positions.to(device)))
     model.set_kv_caches(caches)
     logits = model(idx, input_pos)
     loss_sum = F.cross_entropy(

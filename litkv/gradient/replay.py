@@ -10,7 +10,7 @@ import torch
 
 from litkv.config import KVCacheConfig
 from litkv.kvcache.base import CacheShape, KVCache
-from litkv.kvcache.storage import make_storage
+from litkv.kvcache.storage import FloatStorage, make_storage
 
 __all__ = ["ReplayKVCache", "stored_view", "stores_gradients"]
 
@@ -19,7 +19,6 @@ class ReplayKVCache(KVCache):
     """Attends to fixed cached slots plus the new tokens, and keeps the new keys/values for the caller.
 
     Args:
-        config: the layer's cache config (storage kind and group size are used by `stored_view`).
         keys: `(B, G, n, key_size)` cached keys as attention read them, usually leaves requiring grad.
         values: `(B, G, n, value_size)` cached values.
         positions: `(B, G, n)` int64 token positions of the cached slots, `-1` for empty ones.
@@ -30,9 +29,7 @@ class ReplayKVCache(KVCache):
 
     needs_attn_weights = False
 
-    def __init__(
-        self, config: KVCacheConfig, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-    ) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         b, g, n, key_size = keys.shape
         if values.shape[:3] != keys.shape[:3] or tuple(positions.shape) != (b, g, n):
             raise ValueError(
@@ -44,7 +41,8 @@ class ReplayKVCache(KVCache):
         replay_config = KVCacheConfig(policy="dense", cache_length=slots, chunk_size=1)
         shape = CacheShape(b, g, slots, key_size, values.shape[-1])
         super().__init__(replay_config, shape, keys.device, keys.dtype)
-        self.source_config = config
+        if n > 0 and isinstance(self.storage, FloatStorage):
+            self.storage.keys, self.storage.values = keys, values  # hold the slots, drop the zeros
         self.cached_keys = keys
         self.cached_values = values
         self.positions = positions
