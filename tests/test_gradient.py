@@ -176,6 +176,43 @@ def test_cache_as_long_as_sequence_matches_full_model(model, batch, options):
     assert _max_rel_error(grads, ref_grads) <= TOLERANCE
 
 
+def test_gemma_style_model(batch):
+    """Sliding-window layer, attention and final logit soft-capping, RMSNorm, post norms, one KV group."""
+    _require("h2o", "float")
+    torch.manual_seed(6)
+    config = litkv.Config(
+        n_layer=2,
+        n_head=4,
+        n_query_groups=1,
+        n_embd=32,
+        block_size=256,
+        vocab_size=VOCAB,
+        padded_vocab_size=VOCAB,
+        rotary_percentage=1.0,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=64,
+        parallel_residual=False,
+        post_attention_norm=True,
+        post_mlp_norm=True,
+        sliding_window_size=6,
+        sliding_window_indices=[1, 0],
+        attention_logit_softcapping=20.0,
+        final_logit_softcapping=15.0,
+    )
+    model = litkv.GPT(config)
+    idx, targets = batch
+    for kv_cache in (
+        KVCacheConfig(policy="h2o", cache_length=16, chunk_size=5),
+        KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=4, sinks=2),
+    ):
+        ref_loss, ref_grads = _reference(model, idx, targets, kv_cache)
+        loss, grads = _engine(model, idx, targets, kv_cache)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert _max_rel_error(grads, ref_grads) <= TOLERANCE
+
+
 def test_per_layer_configs(model, batch):
     _require("h2o", "float")
     configs = [
