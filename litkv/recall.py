@@ -1,0 +1,148 @@
+"""The synthetic pass-key recall task, rebuilt from a checkpoint's `recall_format.json`.
+
+An example of `length` tokens is `filler[:cut] + needle + filler[cut:] + question + answer`: every
+part is tokenized on its own (no special tokens) and the token lists are concatenated; `filler` is a
+window of natural text (from the format's `filler_file`) with as many tokens as needed to reach
+`length`, and `cut = round(depth * len(filler))`. A model recalls the key if greedy decoding after
+the question reproduces every answer token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RECALL_FILE", "RecallExample", "RecallFormat", "RecallTask", "encode_plain"]
+
+RECALL_FILE = "recall_format.json"
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of `text` without BOS/EOS or other special tokens (litgpt `Tokenizer`)."""
+    if getattr(tokenizer, "backend", None) == "huggingface":
+        return list(tokenizer.processor.encode(text, add_special_tokens=False).ids)
+    if getattr(tokenizer, "backend", None) == "sentencepiece":
+        return list(tokenizer.processor.encode(text))
+    return tokenizer.encode(text, bos=False, eos=False).tolist()
+
+
+@dataclass(frozen=True)
+class RecallFormat:
+    """The task's text templates and key alphabet (the fields of `recall_format.json` that matter)."""
+
+    needle: str
+    question: str
+    answer: str
+    num_digits: int = 5
+    digits: str = "0123456789"
+    first_digit_nonzero: bool = True
+    filler_file: str = "heldout.txt"
+    context_length: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("needle", "answer"):
+            if "{key}" not in getattr(self, name):
+                raise ValueError(f"recall format field {name!r} must contain '{{key}}', got {getattr(self, name)!r}")
+        if not isinstance(self.num_digits, int) or self.num_digits < 1:
+            raise ValueError(f"num_digits must be an int >= 1, got {self.num_digits!r}")
+        if len(self.digits) < 2:
+            raise ValueError(f"digits must hold at least 2 characters, got {self.digits!r}")
+        if not isinstance(self.context_length, int) or self.context_length < 1:
+            raise ValueError(f"context_length must be an int >= 1, got {self.context_length!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RecallFormat:
+        """Build from the JSON content; unknown (descriptive) keys are ignored, required ones checked."""
+        missing = [key for key in ("needle", "question", "answer") if key not in data]
+        if missing:
+            raise ValueError(f"recall format lacks the fields {missing}")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> RecallFormat:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"recall task format {str(path)!r} does not exist")
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+@dataclass(frozen=True)
+class RecallExample:
+    """One example: `ids[answer_start:]` are the answer tokens the model must produce."""
+
+    ids: list[int]
+    answer_start: int
+    depth: float
+    key: str
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.ids[: self.answer_start]
+
+    @property
+    def answer(self) -> list[int]:
+        return self.ids[self.answer_start :]
+
+
+class RecallTask:
+    """Builds pass-key examples from a format, a tokenizer and a stream of filler tokens."""
+
+    def __init__(self, fmt: RecallFormat, tokenizer: Any, filler_ids: Sequence[int]) -> None:
+        self.fmt = fmt
+        self.tokenizer = tokenizer
+        self.filler_ids = list(filler_ids)
+        self.question_ids = encode_plain(tokenizer, fmt.question)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, tokenizer: Any) -> RecallTask:
+        """The task of `checkpoint_dir/recall_format.json`, filler from its `filler_file` (same directory)."""
+        directory = Path(checkpoint_dir)
+        fmt = RecallFormat.load(directory / RECALL_FILE)
+        filler_path = directory / fmt.filler_file
+        if not filler_path.is_file():
+            raise FileNotFoundError(f"recall filler file {str(filler_path)!r} does not exist")
+        return cls(fmt, tokenizer, encode_plain(tokenizer, filler_path.read_text(encoding="utf-8")))
+
+    def random_key(self, rng: random.Random) -> str:
+        """`num_digits` digits, the first one non-zero if the format says so."""
+        digits = self.fmt.digits
+        first = digits[1:] if self.fmt.first_digit_nonzero else digits
+        return rng.choice(first) + "".join(rng.choice(digits) for _ in range(self.fmt.num_digits - 1))
+
+    def make_example(self, filler_ids: Sequence[int], length: int, depth: float, key: str) -> RecallExample:
+        """One example of exactly `length` tokens with the needle at relative `depth` in the filler."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+        needle = encode_plain(self.tokenizer, self.fmt.needle.format(key=key))
+        answer = encode_plain(self.tokenizer, self.fmt.answer.format(key=key))
+        n_fill = length - len(needle) - len(self.question_ids) - len(answer)
+        if n_fill < 0 or len(filler_ids) < n_fill:
+            raise ValueError(
+                f"cannot build a recall example of {length} tokens: needs {max(n_fill, 0)} filler tokens "
+                f"and at least {length - max(n_fill, 0)} tokens for needle, question and answer; "
+                f"got {len(filler_ids)} filler tokens"
+            )
+        cut = round(depth * n_fill)
+        filler = list(filler_ids[:n_fill])
+        ids = filler[:cut] + needle + filler[cut:] + self.question_ids + answer
+        return RecallExample(ids, length - len(answer), depth, key)
+
+    def examples(self, length: int, depths: Sequence[float], per_depth: int, seed: int = 0) -> list[RecallExample]:
+        """`per_depth` examples at each depth, each on a random filler window, with a random key."""
+        if len(self.filler_ids) <= length:
+            raise ValueError(
+                f"the filler text has {len(self.filler_ids)} tokens, fewer than the example length {length}"
+            )
+        rng = random.Random(seed)
+        out = []
+        for depth in depths:
+            for _ in range(per_depth):
+                start = rng.randrange(len(self.filler_ids) - length)
+                window = self.filler_ids[start : start + length]
+                out.append(self.make_example(window, length, depth, self.random_key(rng)))
+        return out
