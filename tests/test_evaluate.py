@@ -1,0 +1,193 @@
+"""litkv.evaluate and litkv.recall, checked against independent float64 references (tests/helpers.py)
+and against the task builder of scripts/train_default_model.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import chunked_last_recent_mask, random_gpt, reference_forward, tiny_config
+from test_checkpoint import TEXT, make_tiny_checkpoint
+
+from litkv.checkpoint import load_tokenizer
+from litkv.cli.evaluate_cmd import evaluate, format_table, plot_results
+from litkv.config import KVCacheConfig
+from litkv.evaluate import PolicyResult, cache_config, evaluate_policies, recall_accuracy, text_windows
+from litkv.recall import RecallExample, RecallFormat, RecallTask, encode_plain
+
+REPO = Path(__file__).resolve().parents[1]
+FORMAT = {
+    "name": "passkey",
+    "needle": "\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
+    "question": "\nWhat is the pass key? The pass key is",
+    "answer": " {key}",
+    "num_digits": 5,
+    "digits": "0123456789",
+    "first_digit_nonzero": True,
+    "filler_file": "heldout.txt",
+    "context_length": 96,
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt")
+    make_tiny_checkpoint(path)
+    (path / "recall_format.json").write_text(json.dumps(FORMAT))
+    (path / "heldout.txt").write_text(TEXT * 3)
+    return path
+
+
+def test_text_windows() -> None:
+    ids = torch.arange(100)
+    w = text_windows(ids, 9, 4)
+    assert w.shape == (4, 10) and w.dtype == torch.long
+    assert w[0, 0] == 0 and w[-1, -1] == 99  # spread over the whole text
+    assert all(bool((row[1:] - row[:-1] == 1).all()) for row in w)
+    with pytest.raises(ValueError, match="fewer than 20 windows"):
+        text_windows(ids, 9, 20)
+
+
+def test_cache_config_clips_chunks_and_quantises_qh2o() -> None:
+    template = KVCacheConfig(chunk_size=64, prefill_length=128, cache_length=1024)
+    cfg = cache_config(template, "h2o", 32)
+    assert (cfg.policy, cfg.cache_length, cfg.chunk_size, cfg.prefill_length) == ("h2o", 32, 32, 32)
+    assert cache_config(template, "qh2o", 64).storage == "int4"
+    assert cache_config(KVCacheConfig(storage="int8"), "qh2o", 64).storage == "int8"
+    with pytest.raises(ValueError, match="unknown KV cache policy 'nope'"):
+        cache_config(template, "nope", 64)
+
+
+def _metrics(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """Perplexity, mean KL(ref || logits), top-1 agreement, written out with plain formulas."""
+    p_ref = torch.softmax(ref.double(), -1)
+    logp = torch.log_softmax(logits.double(), -1)
+    nll = -logp.gather(-1, targets[..., None]).mean()
+    kl = (p_ref * (torch.log(p_ref) - logp)).sum(-1).mean()
+    top1 = (logits.argmax(-1) == ref.argmax(-1)).double().mean()
+    return math.exp(float(nll)), float(kl), float(top1)
+
+
+def test_quality_metrics_match_float64_reference() -> None:
+    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    torch.manual_seed(0)
+    windows = torch.randint(0, 128, (3, 41))
+    template = KVCacheConfig(chunk_size=8)
+    results = evaluate_policies(model, windows, ["dense", "last-recent"], [16, 64], template=template, batch_size=2)
+    assert [(r.policy, r.cache_length) for r in results] == [("dense", 40), ("last-recent", 16), ("last-recent", 64)]
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    starts = [s for s, _ in cache_config(template, "last-recent", 16).chunk_bounds(40)]
+    with torch.no_grad():
+        dense = reference_forward(model, inputs).logits
+        evicting = reference_forward(model, inputs, chunked_last_recent_mask(16, 0, starts)).logits
+    for res, logits in zip(results, (dense, evicting, dense), strict=True):
+        ppl, kl, top1 = _metrics(logits, dense, targets)
+        assert res.perplexity == pytest.approx(ppl, rel=1e-4)
+        assert res.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)
+        assert res.top1 == pytest.approx(top1, abs=1e-9)
+    assert results[1].kl > 1e-3 and results[1].top1 < 1.0  # eviction shows
+    assert results[0].kl == pytest.approx(0.0, abs=1e-6) and results[0].top1 == 1.0
+    bytes_per_slot = 2 * 2 * model.config.n_query_groups * model.config.head_size * 4  # layers, K+V, fp32
+    assert results[1].cache_bytes == 16 * bytes_per_slot
+
+
+def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """Greedy continuation with plain full forward passes (no cache)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_recall_accuracy_scores_greedy_answers() -> None:
+    model = random_gpt(tiny_config("pythia-14m"), seed=1)
+    rng = random.Random(0)
+    examples = []
+    for i in range(6):
+        prompt = [rng.randrange(128) for _ in range(20 + i)]
+        answer = _greedy(model, prompt, 3)
+        if i % 2:  # a wrong last digit must fail the example
+            answer[-1] = (answer[-1] + 1) % 128
+        examples.append(RecallExample(prompt + answer, len(prompt), depth=float(i % 2), key=str(i)))
+    acc = recall_accuracy(model, examples, KVCacheConfig(cache_length=64, chunk_size=8), batch_size=4)
+    assert acc == {0.0: 1.0, 1.0: 0.0}
+
+
+def test_recall_task_builds_the_documented_layout(ckpt: Path) -> None:
+    tok = load_tokenizer(ckpt)
+    task = RecallTask.from_checkpoint(ckpt, tok)
+    examples = task.examples(96, [0.0, 0.5, 1.0], per_depth=2, seed=7)
+    assert len(examples) == 6 and {e.depth for e in examples} == {0.0, 0.5, 1.0}
+    for ex in examples:
+        assert len(ex.ids) == 96 and len(ex.key) == 5 and ex.key[0] != "0"
+        assert ex.answer == encode_plain(tok, f" {ex.key}")
+        assert tok.decode(torch.tensor(ex.ids)).endswith(f"What is the pass key? The pass key is {ex.key}")
+        needle = encode_plain(tok, FORMAT["needle"].format(key=ex.key))
+        at = next(i for i in range(len(ex.ids)) if ex.ids[i : i + len(needle)] == needle)
+        n_fill = 96 - len(needle) - len(task.question_ids) - len(ex.answer)
+        assert at == round(ex.depth * n_fill)
+    assert examples == task.examples(96, [0.0, 0.5, 1.0], per_depth=2, seed=7)  # seeded
+    with pytest.raises(ValueError, match="depth must be in"):
+        task.make_example(task.filler_ids, 96, 1.5, "12345")
+
+
+def test_recall_task_matches_training_script(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = REPO / "scripts" / "train_default_model.py"
+    spec = importlib.util.spec_from_file_location("train_default_model", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    tok = load_tokenizer(ckpt)
+    task = RecallTask(RecallFormat.from_dict(module.RECALL_FORMAT), tok, encode_plain(tok, TEXT))
+    for depth in (0.0, 0.3, 1.0):
+        ours = task.make_example(task.filler_ids, 200, depth, "90210")
+        ids, answer_start = module.make_recall_example(tok.processor, task.filler_ids, 200, depth, "90210")
+        assert (ours.ids, ours.answer_start) == (ids, answer_start)
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    assert [task.random_key(rng_a) for _ in range(5)] == [module.random_key(rng_b) for _ in range(5)]
+
+
+def test_recall_format_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="lacks the fields"):
+        RecallFormat.from_dict({"needle": "{key}"})
+    with pytest.raises(ValueError, match="'answer' must contain"):
+        RecallFormat.from_dict({**FORMAT, "answer": "no key"})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        RecallFormat.load(tmp_path / "recall_format.json")
+
+
+def test_evaluate_command_writes_table_json_and_plot(ckpt: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    results = evaluate(
+        ckpt, budgets=[16, 32], num_windows=2, recall_depths=[0.0, 1.0], recall_cases=2, out_dir=out, device="cpu"
+    )
+    assert [(r.policy, r.cache_length) for r in results][:3] == [
+        ("dense", 96),
+        ("last-recent", 16),
+        ("last-recent", 32),
+    ]
+    assert {r.policy for r in results} == {"dense", "last-recent", "h2o", "qh2o"}
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split()[:6] == ["policy", "budget", "cache", "MiB", "ppl", "KL"]
+    assert "dense" in printed and "96 (full)" in printed and "rec@0" in printed
+    data = json.loads((out / "evaluate.json").read_text())
+    assert data["window"] == 96 and data["recall_examples"] == 4
+    assert [r["policy"] for r in data["results"]] == [r.policy for r in results]
+    assert set(data["results"][0]["recall"]) == {"0", "1"}
+    assert (out / "evaluate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_format_table_and_plot_without_recall(tmp_path: Path) -> None:
+    results = [PolicyResult("dense", 64, 10.0, 0.0, 1.0), PolicyResult("h2o", 16, 12.5, 0.25, 0.75)]
+    table = format_table(results).splitlines()
+    assert table[1].split() == ["dense", "64", "(full)", "0.00", "10.000", "0", "1.000"]
+    assert table[2].split() == ["h2o", "16", "0.00", "12.500", "0.25", "0.750"]
+    plot_results(results, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
