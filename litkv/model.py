@@ -63,13 +63,18 @@ class GPT(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> list[KVCache]:
-        """One fresh cache per layer (a single config for all layers, or one config per layer)."""
+        """One fresh cache per layer (a single config for all layers, or one config per layer).
+
+        The caches take `dtype`, else the autocast dtype when autocast is on, else the model's dtype.
+        """
         configs = [kv_cache] * self.config.n_layer if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
         if len(configs) != self.config.n_layer:
             raise ValueError(f"expected one KVCacheConfig per layer ({self.config.n_layer}), got {len(configs)}")
         ref = self.lm_head.weight
         device = ref.device if device is None else device
-        dtype = ref.dtype if dtype is None else dtype
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(ref.device.type)
+            dtype = torch.get_autocast_dtype(ref.device.type) if autocast else ref.dtype
         caches = []
         for cfg in configs:
             if not isinstance(cfg, KVCacheConfig):

@@ -67,7 +67,9 @@ class KVCache(ABC):
         needs_attn_weights: Whether `select_drop` needs the attention weights summed over the call's
             queries and each KV group's query heads, `(B, G, L + T)` float32.
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
-        num_filled: Host counter: slots `[num_filled, L)` have never been written.
+        num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
+            no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it);
+            after an eviction or with quantised storage, empty slots can be anywhere.
     """
 
     needs_attn_weights: ClassVar[bool] = False
