@@ -29,7 +29,7 @@ COMMANDS: dict[str, str] = {
 }
 
 # Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).
-CHECKPOINT_POSITIONAL = ("generate", "evaluate")
+CHECKPOINT_POSITIONAL = ("generate", "evaluate", "finetune")
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError)
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -53,11 +53,12 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     - option names may use dashes: `--max-new-tokens` is `--max_new_tokens`;
     - `--kv-cache NAME` / `--kv_cache NAME` is `--kv_cache.policy NAME` (a YAML/JSON value stays);
     - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'`;
-    - `litkv generate DIR ...` (and `evaluate`) is `litkv generate --checkpoint_dir DIR ...`.
+    - `litkv generate DIR ...` (and `evaluate`, `finetune`) is `litkv generate --checkpoint_dir DIR ...`.
     """
     argv = list(argv)
+    positional: list[str] = []
     if len(argv) >= 2 and argv[0] in CHECKPOINT_POSITIONAL and not argv[1].startswith("-"):
-        argv[1:2] = ["--checkpoint_dir", argv[1]]
+        positional = ["--checkpoint_dir", argv.pop(1)]  # goes last, so that no --config overrides it
     out: list[str] = []
     prompts: list[str] = []
     prompt_at: int | None = None
@@ -83,7 +84,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             out.append(name if value is None else f"{name}={value}")
     if prompt_at is not None:
         out[prompt_at:prompt_at] = ["--prompt", json.dumps(prompts)]
-    return out
+    return out + positional
 
 
 def _load_command(name: str) -> Callable[..., object]:

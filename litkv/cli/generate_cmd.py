@@ -91,7 +91,7 @@ def generate(
         progress=True,
     )
     if stream.echo:
-        print(flush=True)
+        stream.finish()
     else:
         for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
             print(f"--- prompt {i} ---\n{text}{tokenizer.decode(out)}", flush=True)
@@ -150,10 +150,17 @@ class _Stream:
         if self.ids and eos is not None and self.ids[-1] == eos:
             return
         self.ids.append(values[0])
-        text = self.tokenizer.decode(torch.tensor(self.ids))
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(self.printed) :], end="", flush=True)
+        self._print(final=False)
+
+    def _print(self, final: bool) -> None:
+        text = self.tokenizer.decode(torch.tensor(self.ids, dtype=torch.long))
+        if final or not text.endswith("\ufffd"):  # else wait for the rest of a multi-byte character
+            print(text[len(self.printed) :], end="\n" if final else "", flush=True)
             self.printed = text
+
+    def finish(self) -> None:
+        """Print what is left (an incomplete character included) and end the line."""
+        self._print(final=True)
 
     def summary(self, batch_size: int, prompt_tokens: int, new_tokens: int, kv_cache: KVCacheConfig) -> str:
         """One line: prompt and new tokens, prefill and decode speed (all rows), cache bytes."""
