@@ -175,8 +175,14 @@ class GPT(nn.Module):
     def _check_positions(self, idx: torch.Tensor, input_pos: torch.Tensor) -> None:
         if input_pos.shape != idx.shape:
             raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
-        if any(cache is None for cache in self.kv_caches):
+        caches = self.kv_caches
+        if any(cache is None for cache in caches):
             raise ValueError("input_pos was given but no KV caches are attached: call set_kv_caches() first")
+        if idx.shape[0] != caches[0].shape.batch_size:
+            raise ValueError(
+                f"batch size changed mid-sequence: the KV caches were built for batch size "
+                f"{caches[0].shape.batch_size}, got idx with batch size {idx.shape[0]}"
+            )
         running = torch.cummax(input_pos, dim=1).values
         before = torch.full_like(input_pos[:, :1], -1) if self._last_pos is None else self._last_pos[:, None]
         previous = torch.cat((before, running[:, :-1]), dim=1).clamp(min=before)

@@ -98,12 +98,6 @@ def test_batch_size_differs_from_cache(cached: GPT) -> None:
         cached(_tokens(1, 4), _pos(0, 4, batch=1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="core bug: GPT._check_positions concatenates the previous call's (B_old,) last positions with "
-    "the new (B_new, T) positions and torch.cat raises a RuntimeError before the cache's batch check",
-)
 @torch.inference_mode()
 def test_batch_size_changes_mid_sequence(cached: GPT) -> None:
     cached(_tokens(B, 4), _pos(0, 4))
