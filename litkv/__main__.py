@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
 
 # Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).
 CHECKPOINT_POSITIONAL = ("generate", "evaluate", "finetune")
+DESCRIPTION = "litkv: a LitGPT-style GPT with a pluggable, evicting KV cache. Run `litkv COMMAND --help`."
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError)
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -123,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:
         components = _load_components(selected)
-        CLI(components, args=args, prog="litkv")
+        CLI(components, args=args, prog="litkv", description=DESCRIPTION)
     except (*USER_ERRORS, ImportError) as err:
         if debug:
             raise
