@@ -87,22 +87,32 @@ def _attend_eager(
     need_weights: bool,
     query_valid: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Blockwise eager attention. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)`."""
-    b, g, q_per_kv, t, _ = qg.shape
+    """Blockwise eager attention. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)`.
+
+    Scores are float32 (also for bfloat16 inputs). Each block of queries holds at most about
+    `WEIGHTS_BLOCK_ELEMENTS` scores; the group's query heads are folded into the query axis so that
+    both products are plain batched matrix products over `(B, G)`.
+    """
+    b, g, q_per_kv, t, hs = qg.shape
     s = k.shape[2]
     block = max(1, WEIGHTS_BLOCK_ELEMENTS // max(1, b * g * q_per_kv * s))
+    keys_t = k.float().transpose(2, 3)
     outputs = []
     weight_sum = torch.zeros(b, g, s, dtype=torch.float32, device=qg.device) if need_weights else None
     for start in range(0, t, block):
         end = min(start + block, t)
-        scores = torch.einsum("bgqtd,bgsd->bgqts", qg[:, :, :, start:end].float(), k.float()) * scale
+        n = end - start
+        q_block = qg[:, :, :, start:end].float().reshape(b, g, q_per_kv * n, hs)
+        scores = torch.matmul(q_block, keys_t).mul_(scale).view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask[:, :, None, start:end], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        outputs.append(torch.einsum("bgqts,bgsd->bgqtd", probs.to(v.dtype), v))
+        out = torch.matmul(probs.view(b, g, q_per_kv * n, s).to(v.dtype), v)
+        outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
         if weight_sum is not None:
+            probs = probs.detach()
             if query_valid is not None:
                 probs = probs * query_valid[:, None, None, start:end, None]
-            weight_sum += probs.detach().sum(dim=(2, 3))
-    return torch.cat(outputs, dim=3), weight_sum
+            weight_sum += probs.sum(dim=(2, 3))
+    return torch.cat(outputs, dim=3) if len(outputs) > 1 else outputs[0], weight_sum

@@ -49,11 +49,14 @@ def test_round_trip_error_bound(bits: int, group: int, scale_dtype: torch.dtype)
     assert float(err[0, 0].max()) <= 0.25 * eps  # constant vector: (almost) exact
 
 
-def test_int4_packs_two_codes_per_byte_low_nibble_first() -> None:
+def test_int4_packs_two_codes_per_byte_first_half_in_low_nibbles() -> None:
     x = torch.arange(16, dtype=torch.float32).repeat(2)[None]  # one group of 32: codes 0..15 twice
     codes, scale, offset = quantize(x, 4, 32, torch.float16)
     assert float(scale) == 1.0 and float(offset) == 0.0
-    expected = [(2 * i) | ((2 * i + 1) << 4) for i in range(8)] * 2
+    assert codes.shape == (1, 16)
+    expected = [i | ((15 - i) << 4) for i in range(16)]
+    x[0, 16:] = x[0, 16:].flip(0)  # second half 15..0: byte i holds codes i and 15 - i
+    codes, scale, offset = quantize(x, 4, 32, torch.float16)
     assert codes[0].tolist() == expected
     torch.testing.assert_close(dequantize((codes, scale, offset), 4, 32, torch.float32), x)
 
@@ -114,6 +117,8 @@ def test_bytes_at_head_size_64(model_dtype: torch.dtype) -> None:
 
 
 def test_bad_group_sizes() -> None:
+    with pytest.raises(ValueError, match="one size"):
+        QuantizedStorage(CacheShape(1, 1, 4, 64, 32), None, torch.float32, 8, 32)
     with pytest.raises(ValueError, match="multiple of 24"):
         QuantizedStorage(CacheShape(1, 1, 4, 64, 64), None, torch.float32, 8, 24)
     with pytest.raises(ValueError, match="even"):
@@ -121,7 +126,7 @@ def test_bad_group_sizes() -> None:
     with pytest.raises(ValueError, match="bits"):
         QuantizedStorage(CacheShape(1, 1, 4, 8, 8), None, torch.float32, 2, 8)
     store = QuantizedStorage(CacheShape(1, 1, 4, 16, 16), None, torch.float32, 8, 64)  # one group per vector
-    assert store.key_group == 16
+    assert store.group == 16
 
 
 def test_dense_int8_greedy_tokens_equal_float() -> None:

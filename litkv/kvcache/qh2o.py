@@ -66,11 +66,8 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def score(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
         """`(B, G, L + T)` normalised H2O score minus the weighted normalised quantisation error."""
-        attention = super().score(positions, attn_weights)
-        errors = torch.cat((self.quant_errors, self._call_new_errors()), dim=2)
-        valid = positions >= 0
-        attention = attention.masked_fill(~valid, 0.0)
-        errors = errors.masked_fill(~valid, 0.0)
+        attention = super().score(positions, attn_weights)  # 0 for empty slots and pads
+        errors = torch.cat((self.quant_errors, self._call_new_errors()), dim=2)  # 0 there too
         weight = self.config.quant_error_weight
         return _share_of_max(attention) - weight * _share_of_max(errors)
 
@@ -89,5 +86,4 @@ class QuantizedH2OKVCache(H2OKVCache):
 
 def _share_of_max(x: torch.Tensor) -> torch.Tensor:
     """`x / max(x)` along the last axis (0 where the maximum is 0). `x`: `(B, G, N)`, non-negative."""
-    top = x.amax(dim=2, keepdim=True)
-    return x / torch.where(top > 0, top, torch.ones_like(top))
+    return x / x.amax(dim=2, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)

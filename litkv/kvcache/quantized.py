@@ -5,7 +5,8 @@ numbers along the head dimension (`group_size` larger than the head size means o
 A group is quantised asymmetrically: `x ~ offset + scale * q` with `q` in `[0, 2^bits - 1]`,
 `offset` the group minimum rounded down and `scale` the range over `2^bits - 1` rounded up to 16
 bits, so the round-trip error of every number is at most `scale / 2` (up to float32 rounding).
-int4 codes are packed two per byte (element `2i` in the low nibble, `2i + 1` in the high nibble).
+int4 codes are packed two per byte: element `i` in the low nibble, element `i + head_size / 2` in the
+high nibble (so that unpacking is two contiguous halves, not an interleave).
 Scales and offsets are bfloat16 for bfloat16 models, float16 otherwise (values beyond float16's
 range, about 65,504, need a bfloat16 model).
 
@@ -20,7 +21,7 @@ import torch
 
 from litkv.kvcache.storage import CacheShape, KVStorage, scatter_slots
 
-__all__ = ["QuantizedStorage", "QuantizedTensor", "quantize", "dequantize"]
+__all__ = ["QuantizedStorage", "QuantizedTensor", "dequantize", "quantize", "round_trip_error"]
 
 QuantizedTensor = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, offsets
 
@@ -31,6 +32,18 @@ def _round_toward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor
     wrong = rounded.float() < x if up else rounded.float() > x
     target = torch.full_like(rounded, float("inf") if up else float("-inf"))
     return torch.where(wrong, torch.nextafter(rounded, target), rounded)
+
+
+def _codes(groups: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> QuantizedTensor:
+    """`(..., n, group)` float32 -> codes `(..., n, group)` (float32, integral), scales, offsets `(..., n)`."""
+    levels = (1 << bits) - 1
+    low, high = torch.aminmax(groups, dim=-1)
+    offset = _round_toward(low, scale_dtype, up=False)
+    low = offset.float()
+    scale = _round_toward((high - low) / levels, scale_dtype, up=True)
+    inverse = scale.float().clamp(min=1e-30).reciprocal()  # constant groups: scale 0, any code decodes exactly
+    codes = ((groups - low[..., None]) * inverse[..., None]).round_().clamp_(0, levels)
+    return codes, scale, offset
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> QuantizedTensor:
@@ -46,17 +59,11 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dty
         codes `(..., D)` uint8 for 8 bits or `(..., D // 2)` uint8 for 4 bits (two per byte), scales
         and offsets `(..., D // group_size)` in `scale_dtype`.
     """
-    levels = (1 << bits) - 1
-    groups = x.detach().float().unflatten(-1, (-1, group_size))
-    offset = _round_toward(groups.amin(dim=-1), scale_dtype, up=False)
-    low = offset.float()
-    scale = _round_toward((groups.amax(dim=-1) - low) / levels, scale_dtype, up=True)
-    high = scale.float()
-    inverse = torch.where(high > 0, 1.0 / high, torch.zeros_like(high))
-    codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp_(0, levels)
+    codes, scale, offset = _codes(x.detach().float().unflatten(-1, (-1, group_size)), bits, scale_dtype)
     codes = codes.flatten(-2).to(torch.uint8)
     if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        half = codes.shape[-1] // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
     return codes, scale, offset
 
 
@@ -64,14 +71,27 @@ def dequantize(q: QuantizedTensor, bits: int, group_size: int, dtype: torch.dtyp
     """Inverse of `quantize`: `(..., D)` in `dtype`."""
     codes, scale, offset = q
     if bits == 4:
-        codes = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
+        codes = torch.cat((codes & 0x0F, codes >> 4), dim=-1)
     groups = codes.float().unflatten(-1, (-1, group_size))
-    x = groups * scale.float()[..., None] + offset.float()[..., None]
+    x = groups.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
     return x.flatten(-2).to(dtype)
 
 
+def round_trip_error(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> torch.Tensor:
+    """`(...)` float32 mean squared error of `dequantize(quantize(x))` against `x` `(..., D)` (in float32,
+    before any cast to the model dtype), without packing and unpacking the codes."""
+    groups = x.detach().float().unflatten(-1, (-1, group_size))
+    codes, scale, offset = _codes(groups, bits, scale_dtype)
+    restored = codes.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
+    return (groups - restored).square().flatten(-2).mean(dim=-1)
+
+
 class QuantizedStorage(KVStorage):
-    """Keys and values as int8 or int4 codes plus 16-bit per-group scales and offsets (lossy)."""
+    """Keys and values as int8 or int4 codes plus 16-bit per-group scales and offsets (lossy).
+
+    A slot's key and value are quantised together: codes `(B, G, L, 2, head_size * bits / 8)`, scales
+    and offsets `(B, G, L, 2, head_size / group)` (index 0 of the fourth axis: key, 1: value).
+    """
 
     lossless = False
 
@@ -82,53 +102,48 @@ class QuantizedStorage(KVStorage):
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        size = shape.key_size
+        if shape.value_size != size:
+            raise ValueError(
+                f"quantised storage needs keys and values of one size, got key_size={size} and "
+                f"value_size={shape.value_size}"
+            )
+        self.group = min(group_size, size)
+        if size % self.group != 0:
+            raise ValueError(f"quant_group_size must divide the head size: {size} is not a multiple of {group_size}")
+        if bits == 4 and size % 2 != 0:
+            raise ValueError(f"int4 storage packs two numbers per byte and needs an even head size, got {size}")
         self.bits = bits
         self.dtype = dtype
         self.scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-        self.key_group = self._group_for(shape.key_size, group_size, "key_size")
-        self.value_group = self._group_for(shape.value_size, group_size, "value_size")
-        self.keys = self._empty(shape, shape.key_size, self.key_group, device)
-        self.values = self._empty(shape, shape.value_size, self.value_group, device)
-
-    def _group_for(self, size: int, group_size: int, name: str) -> int:
-        group = min(group_size, size)
-        if size % group != 0:
-            raise ValueError(
-                f"quant_group_size must divide the head size: {name}={size} is not a multiple of {group_size}"
-            )
-        if self.bits == 4 and size % 2 != 0:
-            raise ValueError(f"int4 storage packs two numbers per byte and needs an even {name}, got {size}")
-        return group
-
-    def _empty(self, shape: CacheShape, size: int, group: int, device: torch.device | None) -> QuantizedTensor:
-        lead = (shape.batch_size, shape.n_query_groups, shape.cache_length)
-        codes = torch.zeros(*lead, size * self.bits // 8, dtype=torch.uint8, device=device)
-        scale = torch.zeros(*lead, size // group, dtype=self.scale_dtype, device=device)
-        return codes, scale, torch.zeros_like(scale)
+        lead = (shape.batch_size, shape.n_query_groups, shape.cache_length, 2)
+        self.codes = torch.zeros(*lead, size * bits // 8, dtype=torch.uint8, device=device)
+        self.scales = torch.zeros(*lead, size // self.group, dtype=self.scale_dtype, device=device)
+        self.offsets = torch.zeros_like(self.scales)
 
     # -- KVStorage ------------------------------------------------------------------------------
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._dequantize(self.keys, self.key_group), self._dequantize(self.values, self.value_group)
+        both = self._dequantize((self.codes, self.scales, self.offsets))
+        return both[:, :, :, 0], both[:, :, :, 1]
 
     def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = tuple(t[:, :, :end] for t in self.keys)
-        values = tuple(t[:, :, :end] for t in self.values)
-        return self._dequantize(keys, self.key_group), self._dequantize(values, self.value_group)
+        both = self._dequantize((self.codes[:, :, :end], self.scales[:, :, :end], self.offsets[:, :, :end]))
+        return both[:, :, :, 0], both[:, :, :, 1]
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         end = start + keys.shape[2]
-        pairs = ((self.keys, keys, self.key_group), (self.values, values, self.value_group))
-        for buffers, x, group in pairs:
-            for buffer, part in zip(buffers, self._quantize(x, group), strict=True):
-                buffer[:, :, start:end] = part
+        for buffer, part in zip(self._buffers(), self._quantize(keys, values), strict=True):
+            buffer[:, :, start:end] = part
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
-        self.keys = self._scatter(self.keys, dest, self._quantize(keys, self.key_group), valid)
-        self.values = self._scatter(self.values, dest, self._quantize(values, self.value_group), valid)
+        new = self._quantize(keys, values)
+        self.codes, self.scales, self.offsets = (
+            scatter_slots(buffer, dest, part, valid) for buffer, part in zip(self._buffers(), new, strict=True)
+        )
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.keys, *self.values))
+        return sum(t.nbytes for t in self._buffers())
 
     # -- quantisation error ---------------------------------------------------------------------
 
@@ -136,29 +151,22 @@ class QuantizedStorage(KVStorage):
         """Round-trip error of tokens before they are stored.
 
         Args:
-            keys: `(B, G, T, key_size)`; values: `(B, G, T, value_size)`.
+            keys: `(B, G, T, head_size)`; values: `(B, G, T, head_size)`.
 
         Returns:
             `(B, G, T)` float32: mean squared round-trip error of the key plus that of the value.
         """
-        errors = []
-        for x, group in ((keys, self.key_group), (values, self.value_group)):
-            x = x.detach()
-            restored = dequantize(self._quantize(x, group), self.bits, group, torch.float32)
-            errors.append((restored - x.float()).square().mean(dim=-1))
-        return errors[0] + errors[1]
+        both = torch.stack((keys, values), dim=3)
+        return round_trip_error(both, self.bits, self.group, self.scale_dtype).sum(dim=-1)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _quantize(self, x: torch.Tensor, group: int) -> QuantizedTensor:
-        return quantize(x, self.bits, group, self.scale_dtype)
+    def _buffers(self) -> QuantizedTensor:
+        return self.codes, self.scales, self.offsets
 
-    def _dequantize(self, q: QuantizedTensor, group: int) -> torch.Tensor:
-        return dequantize(q, self.bits, group, self.dtype)
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedTensor:
+        """`(B, G, T, D)` keys and values -> codes, scales, offsets `(B, G, T, 2, *)`."""
+        return quantize(torch.stack((keys, values), dim=3), self.bits, self.group, self.scale_dtype)
 
-    @staticmethod
-    def _scatter(
-        buffers: QuantizedTensor, dest: torch.Tensor, new: QuantizedTensor, valid: torch.Tensor
-    ) -> QuantizedTensor:
-        codes, scale, offset = (scatter_slots(b, dest, n, valid) for b, n in zip(buffers, new, strict=True))
-        return codes, scale, offset
+    def _dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        return dequantize(q, self.bits, self.group, self.dtype)

@@ -130,30 +130,41 @@ class ScoreKVCache(KVCache):
         sinks and the recent window."""
         t = positions.shape[2] - self.cache_length
         scores = self.score(positions, attn_weights).to(torch.float32)
-        rank = scores.masked_fill(self._protected(positions), float("inf"))
-        rank = rank.masked_fill(positions < 0, float("-inf"))
+        protected = self._protected(positions)
+        if protected is not None:
+            scores = scores.masked_fill(protected, float("inf"))
+        rank = scores.masked_fill(positions < 0, float("-inf"))
         drop = torch.topk(rank, t, dim=2, largest=False, sorted=False).indices
         self._drop = drop
         return drop
 
     def after_write(self, replaced: torch.Tensor, slot_weights: torch.Tensor | None) -> None:
-        """Update `attn_sums` and `query_counts`: reset for new tokens, then add this call's share."""
-        empty = self.positions < 0
+        """Update `attn_sums` and `query_counts`: reset for new tokens, then add this call's share.
+
+        Empty slots stay at zero: their weights are zero, and a slot never becomes empty again.
+        """
         if self.needs_attn_weights and slot_weights is not None:
-            sums = self.attn_sums.masked_fill(replaced, 0.0) + slot_weights
-            self.attn_sums = sums.masked_fill(empty, 0.0)
+            self.attn_sums = self.attn_sums.masked_fill(replaced, 0.0) + slot_weights
         if self.config.normalize_scores:
             counts = self.query_counts.masked_fill(replaced, 0.0)
             self.query_counts = counts + query_counts(self._call_query_pos(), self.positions)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _protected(self, positions: torch.Tensor) -> torch.Tensor:
-        """`(B, G, N)` bool: sinks and the `recent` newest candidates (by position) of each row and head."""
-        protected = (positions >= 0) & (positions < self.sinks)
+    def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """`(B, G, N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.
+
+        Pads and empty slots may be marked too (when a row has fewer than `recent` tokens); the
+        caller ranks them first anyway. `None` when nothing is protected.
+        """
+        protected = None
         if self.recent > 0:
-            kth = torch.topk(positions, self.recent, dim=2, sorted=False).values.amin(dim=2, keepdim=True)
-            protected = protected | ((positions >= kth) & (positions >= 0))
+            n = positions.shape[2]
+            kth = torch.kthvalue(positions, n - self.recent + 1, dim=2, keepdim=True).values
+            protected = positions >= kth
+        if self.sinks > 0:
+            sinks = positions < self.sinks
+            protected = sinks if protected is None else protected | sinks
         return protected
 
     def _call_query_pos(self) -> torch.Tensor:
