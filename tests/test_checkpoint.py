@@ -205,3 +205,17 @@ def test_default_checkpoint_dir() -> None:
     import litkv
 
     assert default_checkpoint_dir() == Path(litkv.__file__).parent / "assets" / "default"
+
+
+def test_litgpt_converted_pth_loads(tmp_path: Path) -> None:
+    """`lit_model.pth` as litgpt's HF converter writes it (`incremental_save`) loads with weights_only."""
+    from litgpt.utils import incremental_save
+
+    made = make_tiny_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with incremental_save(tmp_path / "lit_model.pth") as saver:
+        saver.save({k: saver.store_early(v) for k, v in made.state_dict().items()})
+    model = load_model(tmp_path)
+    idx = torch.randint(0, 384, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), made(idx))
