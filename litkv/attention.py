@@ -106,7 +106,7 @@ def _attend_eager(
         scores = torch.matmul(q_block, keys_t).mul_(scale).view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask[:, :, None, start:end], float("-inf"))
+        scores = torch.where(mask[:, :, None, start:end], scores, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs.view(b, g, q_per_kv * n, s).to(v.dtype), v)
         outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
