@@ -1,9 +1,10 @@
 """Decode speed and cache memory of the KV cache policies on the SmolLM2-135M architecture.
 
 Random weights, float32 on CPU by default. Each policy prefills the same long prompt in chunks
-(`KVCacheConfig.chunk_bounds`), then decodes greedily. The decode steps of the policies are
-interleaved (one step of each policy in turn, in a rotating order), so that all of them see the same
-load on a shared machine; decode tokens/s is `batch_size / median step time`. Cache bytes are what
+(`KVCacheConfig.chunk_bounds`), then decodes greedily. The policies' prefill chunks and decode steps
+are interleaved (one chunk or step of each policy in turn; decode in a rotating order), so that all of
+them see the same load on a shared machine. Prefill time is the sum of a policy's chunk times; decode
+tokens/s is `batch_size / median step time`. Cache bytes are what
 the layers' keys and values hold (`KVCache.nbytes()`: scales and offsets included for quantised
 storage). Ratios are against dense and h2o measured in the same run.
 
@@ -54,20 +55,31 @@ def policy_configs(args: argparse.Namespace, head_size: int) -> dict[str, KVCach
 
 
 @torch.inference_mode()
-def prefill(model: GPT, idx: torch.Tensor, config: KVCacheConfig) -> Run:
-    """Build fresh caches and run the prompt through them chunk by chunk (timed)."""
+def prefill_all(model: GPT, idx: torch.Tensor, configs: dict[str, KVCacheConfig]) -> dict[str, Run]:
+    """Run the prompt through fresh caches of every policy, chunk by chunk, one chunk of each policy in
+    turn (so that all see the same load); returns the runs with their summed chunk times."""
     b, t = idx.shape
-    caches = model.build_kv_caches(config, b)
-    model.set_kv_caches(caches)
     pos = torch.arange(t).expand(b, t)
-    start = time.perf_counter()
-    hidden = None
-    for s, e in config.chunk_bounds(t):
-        hidden = model(idx[:, s:e], pos[:, s:e], lm_head=False)
-    tokens = model.logits(hidden[:, -1]).argmax(dim=-1)
-    elapsed = time.perf_counter() - start
-    model.set_kv_caches(None)
-    return Run(config, caches, tokens, t, elapsed, sum(cache.nbytes() for cache in caches))
+    caches = {name: model.build_kv_caches(config, b) for name, config in configs.items()}
+    chunks = {name: config.chunk_bounds(t) for name, config in configs.items()}
+    elapsed = dict.fromkeys(configs, 0.0)
+    tokens: dict[str, torch.Tensor] = {}
+    for i in range(max(len(c) for c in chunks.values())):
+        for name in configs:
+            if i >= len(chunks[name]):
+                continue
+            s, e = chunks[name][i]
+            model.set_kv_caches(caches[name])
+            start = time.perf_counter()
+            hidden = model(idx[:, s:e], pos[:, s:e], lm_head=False)
+            if e == t:
+                tokens[name] = model.logits(hidden[:, -1]).argmax(dim=-1)
+            elapsed[name] += time.perf_counter() - start
+            model.set_kv_caches(None)
+    return {
+        name: Run(config, caches[name], tokens[name], t, elapsed[name], sum(c.nbytes() for c in caches[name]))
+        for name, config in configs.items()
+    }
 
 
 @torch.inference_mode()
@@ -146,13 +158,13 @@ def main() -> None:
         f"{args.cache_length} (dense: {args.prompt_length + args.new_tokens}), prefill chunks "
         f"{args.cache_length} then {args.chunk_size}"
     )
-    configs = policy_configs(args, config.head_size)
-    runs: dict[str, Run] = {}
-    for name in args.policies.split(","):
-        if name not in configs:
-            raise ValueError(f"unknown policy {name!r} for this benchmark; choose from {sorted(configs)}")
-        print(f"prefill {name} ...", file=sys.stderr, flush=True)
-        runs[name] = prefill(model, idx, configs[name])
+    available = policy_configs(args, config.head_size)
+    names = args.policies.split(",")
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown} for this benchmark; choose from {sorted(available)}")
+    print("prefill, chunks interleaved ...", file=sys.stderr, flush=True)
+    runs = prefill_all(model, idx, {name: available[name] for name in names})
     print(f"decode {args.new_tokens - 1} steps per policy, interleaved ...", file=sys.stderr, flush=True)
     order = list(runs.values())
     for step in range(args.new_tokens - 1):
