@@ -29,12 +29,15 @@ def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = No
         `(B, G, T, S)` bool. Rows of pad queries are all True (their output is never used, and a
         fully masked row would give NaN).
     """
-    q = q_pos[:, None, :, None]
-    k = k_pos[:, :, None, :]
-    allowed = (k >= 0) & (k <= q)
+    # Empty keys compare above every real query and pad queries above every key, so that one
+    # full-size comparison gives the mask.
+    top = torch.iinfo(torch.long).max
+    q = torch.where(q_pos < 0, top, q_pos)[:, None, :, None]
+    k = torch.where(k_pos < 0, top - 1, k_pos)[:, :, None, :]
+    allowed = k <= q
     if window is not None:
-        allowed = allowed & (q - k < window)
-    return allowed | (q < 0)
+        allowed = allowed & ((q - k < window) | (q == top))
+    return allowed
 
 
 def attend(
@@ -53,7 +56,8 @@ def attend(
         q: `(B, n_head, T, hs)`.
         k: `(B, G, S, hs)`.
         v: `(B, G, S, hv)`.
-        mask: `(B, G, T, S)` bool (broadcastable in B and G), True where attention is allowed.
+        mask: `(B, G, T, S)` or `(B, 1, T, S)` bool, True where attention is allowed. A mask shared by
+            all KV groups lets a multi-token call use SDPA's grouped-query kernel.
         scale: factor applied to `q @ k^T`.
         softcap: attention-logit soft-capping threshold, or `None`.
         need_weights: also return the weights summed over queries and each group's heads.
@@ -66,10 +70,13 @@ def attend(
     g, s = k.shape[1], k.shape[2]
     q_per_kv = n_head // g
     qg = q.view(b, g, q_per_kv, t, hs)
-    mask = mask.expand(b, g, t, s)
     if need_weights or softcap is not None:
-        y, weights = _attend_eager(qg, k, v, mask, scale, softcap, need_weights, query_valid)
+        y, weights = _attend_eager(qg, k, v, mask.expand(b, g, t, s), scale, softcap, need_weights, query_valid)
+    elif t > 1 and mask.shape[1] == 1:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        weights = None
     else:
+        mask = mask.expand(b, g, t, s)
         folded_mask = mask[:, :, None].expand(b, g, q_per_kv, t, s).reshape(b, g, q_per_kv * t, s)
         y = F.scaled_dot_product_attention(qg.reshape(b, g, q_per_kv * t, hs), k, v, attn_mask=folded_mask, scale=scale)
         weights = None

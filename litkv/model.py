@@ -281,7 +281,7 @@ class CausalSelfAttention(nn.Module):
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
             keys, values, k_pos = cache.attend_inputs(k, v, input_pos)
-            mask = build_mask(input_pos, k_pos, self.window)
+            mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
             y, weights = attend(q, keys, values, mask, self.scale, softcap, cache.needs_attn_weights, input_pos >= 0)
             cache.update(weights)
         return self.proj(y)

@@ -66,6 +66,9 @@ class KVCache(ABC):
     Attributes:
         needs_attn_weights: Whether `select_drop` needs the attention weights summed over the call's
             queries and each KV group's query heads, `(B, G, L + T)` float32.
+        heads_share_positions: Whether every KV head of a row always holds the same tokens in the same
+            slots (true for policies that do not look at keys or attention); attention then builds one
+            mask per row instead of one per head.
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
         num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
             no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it);
@@ -73,6 +76,7 @@ class KVCache(ABC):
     """
 
     needs_attn_weights: ClassVar[bool] = False
+    heads_share_positions: ClassVar[bool] = False
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from litkv.kvcache.base import KVCache
@@ -11,6 +13,8 @@ __all__ = ["DenseKVCache"]
 
 class DenseKVCache(KVCache):
     """Exact attention over everything seen so far, in at most `cache_length` slots."""
+
+    heads_share_positions: ClassVar[bool] = True
 
     def check_room(self, num_new: int) -> None:
         if self.num_filled + num_new > self.cache_length:

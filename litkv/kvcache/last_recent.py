@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from litkv.kvcache.base import KVCache
@@ -11,6 +13,8 @@ __all__ = ["LastRecentKVCache"]
 
 class LastRecentKVCache(KVCache):
     """Keeps the `cache_length - sinks` most recent tokens and the first `sinks` tokens (StreamingLLM)."""
+
+    heads_share_positions: ClassVar[bool] = True
 
     def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
         """Drop the oldest tokens (empty slots and pads first); tokens at positions `< sinks` stay."""
