@@ -38,7 +38,7 @@ class KVCacheConfig:
     chunk_size: int = 256
     prefill_length: int | None = None
     storage: str = "float"
-    quant_group_size: int = 32
+    quant_group_size: int = 64
     sinks: int = 0
     recent: int | None = None
     normalize_scores: bool = False

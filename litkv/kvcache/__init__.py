@@ -4,6 +4,7 @@ from litkv.kvcache.base import CacheShape, KVCache
 from litkv.kvcache.dense import DenseKVCache
 from litkv.kvcache.last_recent import LastRecentKVCache
 from litkv.kvcache.registry import get_kv_cache_class, known_policies, register_kv_cache
+from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import FloatStorage, KVStorage
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "KVCache",
     "KVStorage",
     "LastRecentKVCache",
+    "ScoreKVCache",
     "get_kv_cache_class",
     "known_policies",
     "register_kv_cache",

@@ -50,6 +50,8 @@ def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, tor
         new token `src[j]` goes into slot `dest[j]` where `valid[j]`.
     """
     b, g, t = drop.shape
+    if t == 1:  # decode step: the dropped slot takes the new token, unless the new token is dropped
+        return drop.clamp(max=cache_length - 1), torch.zeros_like(drop), drop < cache_length
     is_drop = torch.zeros(b, g, cache_length + t, dtype=torch.bool, device=drop.device)
     is_drop.scatter_(2, drop, True)
     freed = is_drop[..., :cache_length].to(torch.int8)
