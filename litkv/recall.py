@@ -40,6 +40,7 @@ class RecallFormat:
     num_digits: int = 5
     digits: str = "0123456789"
     first_digit_nonzero: bool = True
+    distinct_digits: bool = False
     filler_file: str = "heldout.txt"
     context_length: int = 1024
 
@@ -51,6 +52,8 @@ class RecallFormat:
             raise ValueError(f"num_digits must be an int >= 1, got {self.num_digits!r}")
         if len(self.digits) < 2:
             raise ValueError(f"digits must hold at least 2 characters, got {self.digits!r}")
+        if self.distinct_digits and self.num_digits > len(self.digits):
+            raise ValueError(f"cannot draw {self.num_digits} distinct digits from {self.digits!r}")
         if not isinstance(self.context_length, int) or self.context_length < 1:
             raise ValueError(f"context_length must be an int >= 1, got {self.context_length!r}")
 
@@ -109,10 +112,13 @@ class RecallTask:
         return cls(fmt, tokenizer, encode_plain(tokenizer, filler_path.read_text(encoding="utf-8")))
 
     def random_key(self, rng: random.Random) -> str:
-        """`num_digits` digits, the first one non-zero if the format says so."""
-        digits = self.fmt.digits
-        first = digits[1:] if self.fmt.first_digit_nonzero else digits
-        return rng.choice(first) + "".join(rng.choice(digits) for _ in range(self.fmt.num_digits - 1))
+        """`num_digits` digits (all distinct if the format says so), redrawn while the first is a
+        forbidden zero."""
+        digits, n = list(self.fmt.digits), self.fmt.num_digits
+        while True:
+            key = rng.sample(digits, n) if self.fmt.distinct_digits else rng.choices(digits, k=n)
+            if not (self.fmt.first_digit_nonzero and key[0] == "0"):
+                return "".join(key)
 
     def make_example(self, filler_ids: Sequence[int], length: int, depth: float, key: str) -> RecallExample:
         """One example of exactly `length` tokens with the needle at relative `depth` in the filler."""

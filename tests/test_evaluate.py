@@ -30,6 +30,7 @@ FORMAT = {
     "num_digits": 5,
     "digits": "0123456789",
     "first_digit_nonzero": True,
+    "distinct_digits": True,
     "filler_file": "heldout.txt",
     "context_length": 96,
 }
@@ -126,7 +127,7 @@ def test_recall_task_builds_the_documented_layout(ckpt: Path) -> None:
     examples = task.examples(96, [0.0, 0.5, 1.0], per_depth=2, seed=7)
     assert len(examples) == 6 and {e.depth for e in examples} == {0.0, 0.5, 1.0}
     for ex in examples:
-        assert len(ex.ids) == 96 and len(ex.key) == 5 and ex.key[0] != "0"
+        assert len(ex.ids) == 96 and len(set(ex.key)) == 5 and ex.key[0] != "0"
         assert ex.answer == encode_plain(tok, f" {ex.key}")
         assert tok.decode(torch.tensor(ex.ids)).endswith(f"What is the pass key? The pass key is {ex.key}")
         needle = encode_plain(tok, FORMAT["needle"].format(key=ex.key))
