@@ -9,6 +9,7 @@ from litgpt.config import Config
 __all__ = ["Config", "KVCacheConfig", "STORAGE_KINDS"]
 
 STORAGE_KINDS = ("float", "int8", "int4")
+DEFAULT_CHUNK_SIZE = 256
 
 
 @dataclass
@@ -20,6 +21,7 @@ class KVCacheConfig:
             ``"package.module:Class"`` path to a `KVCache` subclass.
         cache_length: Number of slots per (batch row, KV head) and layer.
         chunk_size: Number of tokens per call after the first (prefill) chunk. At most `cache_length`.
+            ``None``: ``min(256, cache_length)`` (see `chunk_length`).
         prefill_length: Length of the first (prefill) chunk. ``None``: `chunk_size`. At most `cache_length`.
             While the cache is not full, chunking does not change any result; a longer first chunk only
             trades memory for speed.
@@ -35,7 +37,7 @@ class KVCacheConfig:
 
     policy: str = "dense"
     cache_length: int = 1024
-    chunk_size: int = 256
+    chunk_size: int | None = None
     prefill_length: int | None = None
     storage: str = "float"
     quant_group_size: int = 64
@@ -46,7 +48,8 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("cache_length", self.cache_length, minimum=1)
-        _check_int("chunk_size", self.chunk_size, minimum=1)
+        if self.chunk_size is not None:
+            _check_int("chunk_size", self.chunk_size, minimum=1)
         _check_int("quant_group_size", self.quant_group_size, minimum=1)
         _check_int("sinks", self.sinks, minimum=0)
         if not isinstance(self.policy, str) or not self.policy:
@@ -55,9 +58,9 @@ class KVCacheConfig:
             from litkv.kvcache.registry import check_policy_name
 
             check_policy_name(self.policy)
-        if self.chunk_size > self.cache_length:
+        if self.chunk_length > self.cache_length:
             raise ValueError(
-                f"chunk_size must be <= cache_length, got chunk_size={self.chunk_size} and "
+                f"chunk_size must be <= cache_length, got chunk_size={self.chunk_length} and "
                 f"cache_length={self.cache_length}"
             )
         if self.prefill_length is not None:
@@ -91,9 +94,14 @@ class KVCacheConfig:
         return 0
 
     @property
+    def chunk_length(self) -> int:
+        """Tokens per call after the prefill chunk: `chunk_size`, or ``min(256, cache_length)``."""
+        return min(DEFAULT_CHUNK_SIZE, self.cache_length) if self.chunk_size is None else self.chunk_size
+
+    @property
     def first_chunk_length(self) -> int:
         """Length of the first (prefill) chunk."""
-        return self.chunk_size if self.prefill_length is None else self.prefill_length
+        return self.chunk_length if self.prefill_length is None else self.prefill_length
 
     def chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """Split ``range(seq_len)`` into ``[(start, end), ...]``: the prefill chunk, then `chunk_size`."""
@@ -101,7 +109,7 @@ class KVCacheConfig:
         start, end = 0, min(self.first_chunk_length, seq_len)
         while start < seq_len:
             bounds.append((start, end))
-            start, end = end, min(end + self.chunk_size, seq_len)
+            start, end = end, min(end + self.chunk_length, seq_len)
         return bounds
 
 

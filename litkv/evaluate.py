@@ -64,7 +64,7 @@ def cache_config(template: KVCacheConfig, policy: str, cache_length: int) -> KVC
         template,
         policy=policy,
         cache_length=cache_length,
-        chunk_size=min(template.chunk_size, cache_length),
+        chunk_size=min(template.chunk_length, cache_length),
         prefill_length=None if prefill is None else min(prefill, cache_length),
         storage=storage,
     )

@@ -157,6 +157,19 @@ def test_shipped_generate_config_parses(ckpt: Path, capsys: pytest.CaptureFixtur
     assert "cache: h2o, 128 slots" in capsys.readouterr().err
 
 
+def test_cache_length_alone_and_num_threads(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
+    """A budget below the default chunk size needs no --kv_cache.chunk_size; --num_threads is applied."""
+    before = torch.get_num_threads()
+    try:
+        args = ["--kv-cache", "h2o", "--kv_cache.cache_length", "12", "--num_threads", "1", "--prompt", PROMPT]
+        main(["generate", str(ckpt), *args, "--max_new_tokens", "20", "--temperature", "0"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "cache: h2o, 12 slots" in capsys.readouterr().err
+    assert "num_threads must be an int >= 1, got 0" in main_error(capsys, "generate", str(ckpt), "--num_threads", "0")
+
+
 def test_prompt_file(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "p.txt"
     path.write_text("The passkey is")

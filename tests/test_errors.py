@@ -89,6 +89,13 @@ def test_chunk_config_longer_than_cache(kwargs: dict[str, int], message: str) ->
         KVCacheConfig(policy="dense", cache_length=8, **kwargs)
 
 
+@pytest.mark.parametrize("cache_length,expected", [(8, 8), (256, 256), (1000, 256)])
+def test_default_chunk_size_fits_the_cache(cache_length: int, expected: int) -> None:
+    config = KVCacheConfig(policy="h2o", cache_length=cache_length)
+    assert config.chunk_size is None and config.chunk_length == expected
+    assert config.chunk_bounds(2 * cache_length)[0] == (0, expected)
+
+
 # -- batch size --------------------------------------------------------------------------------
 
 

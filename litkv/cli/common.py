@@ -8,7 +8,7 @@ import torch
 
 from litkv.checkpoint import default_checkpoint_dir
 
-__all__ = ["PRECISIONS", "resolve_checkpoint_dir", "resolve_device", "resolve_dtype"]
+__all__ = ["PRECISIONS", "apply_num_threads", "resolve_checkpoint_dir", "resolve_device", "resolve_dtype"]
 
 PRECISIONS: dict[str, torch.dtype] = {
     "32-true": torch.float32,
@@ -48,3 +48,12 @@ def resolve_dtype(precision: str | None, device: torch.device) -> torch.dtype:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     return PRECISIONS[precision]
+
+
+def apply_num_threads(num_threads: int | None) -> None:
+    """Set torch's CPU thread count; `None` keeps torch's default. Raises ValueError below 1."""
+    if num_threads is None:
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
+    torch.set_num_threads(num_threads)

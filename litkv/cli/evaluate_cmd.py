@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer, save_file_atomic
-from litkv.cli.common import resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
 from litkv.evaluate import DENSE, PolicyResult, evaluate_policies, text_windows
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
@@ -40,6 +40,7 @@ def evaluate(
     out_dir: Path = Path("out/evaluate"),
     precision: str | None = None,
     device: str | None = None,
+    num_threads: int | None = None,
 ) -> list[PolicyResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
@@ -62,10 +63,12 @@ def evaluate(
         out_dir: Where to write evaluate.json and evaluate.png.
         precision: "32-true", "bf16-true", ... Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
+        num_threads: CPU threads for torch. Default: torch's choice (one per core).
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     policies = list(DEFAULT_POLICIES if policies is None else policies)
     budgets = list(DEFAULT_BUDGETS if budgets is None else budgets)
+    apply_num_threads(num_threads)
     dev = resolve_device(device)
     model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
     tokenizer = load_tokenizer(ckpt)
@@ -87,7 +90,7 @@ def evaluate(
     print(format_table(results))
     print(
         f"{num_windows} windows of {window} tokens from {text_path.name}; {len(examples)} recall examples; "
-        f"chunk_size {kv_cache.chunk_size}; {elapsed:.0f} s"
+        f"chunk_size {kv_cache.chunk_length}; {elapsed:.0f} s"
     )
     _write_outputs(Path(out_dir), results, _run_info(ckpt, text_path, window, num_windows, len(examples), kv_cache))
     return results

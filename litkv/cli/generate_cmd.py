@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
-from litkv.cli.common import resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
 from litkv.generate import generate as generate_tokens
 
@@ -31,6 +31,7 @@ def generate(
     seed: int = 1234,
     precision: str | None = None,
     device: str | None = None,
+    num_threads: int | None = None,
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -51,12 +52,14 @@ def generate(
         seed: Random seed of the sampler.
         precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", "cuda:1", ... Default: CUDA if available.
+        num_threads: CPU threads for torch. Default: torch's choice (one per core).
 
     Returns:
         The new tokens of each prompt.
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
+    apply_num_threads(num_threads)
     dev = resolve_device(device)
     model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
     tokenizer = load_tokenizer(ckpt)
