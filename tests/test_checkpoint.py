@@ -1,11 +1,7 @@
-"""Safe checkpoint loading/saving (litkv.checkpoint), checked against litgpt's own GPT on the same weights.
-
-`make_tiny_checkpoint` and `train_tiny_tokenizer` are also used by the CLI, convert and evaluate tests.
-"""
+"""Safe checkpoint loading/saving (litkv.checkpoint), checked against litgpt's own GPT on the same weights."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,6 +9,7 @@ import pytest
 import torch
 from litgpt.model import GPT as LitGPT
 from litgpt.utils import save_config
+from tiny_checkpoint import checkpoint_config, make_tiny_checkpoint, train_tiny_tokenizer
 
 from litkv.checkpoint import (
     check_checkpoint_dir,
@@ -24,68 +21,7 @@ from litkv.checkpoint import (
     save_file_atomic,
     save_state_dict_atomic,
 )
-from litkv.config import Config
 from litkv.model import GPT
-
-TEXT = (
-    "The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was with "
-    "the fox. The passkey is 12345. Remember it. What is the passkey? The passkey is 12345. "
-) * 20
-
-
-def train_tiny_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
-    """A byte-level BPE `tokenizer.json` + `tokenizer_config.json` (eos `<|endoftext|>`) in `out_dir`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT], trainer=trainer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "add_bos_token": False}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-def tiny_config(vocab_size: int = 384, block_size: int = 256) -> Config:
-    return Config(
-        name="tiny-llama",
-        block_size=block_size,
-        vocab_size=vocab_size,
-        padded_vocab_size=vocab_size,
-        n_layer=2,
-        n_head=4,
-        n_query_groups=2,
-        n_embd=32,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        intermediate_size=64,
-    )
-
-
-def make_tiny_checkpoint(out_dir: Path, seed: int = 0, fmt: str = "safetensors", block_size: int = 256) -> GPT:
-    """A random tiny GQA/RoPE GPT with a trained BPE tokenizer, saved in LitGPT layout."""
-    torch.manual_seed(seed)
-    config = tiny_config(block_size=block_size)
-    model = GPT(config)
-    with torch.no_grad():  # larger weights than the default init, so that the logits are not flat
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, out_dir)
-    name = "model.safetensors" if fmt == "safetensors" else "lit_model.pth"
-    save_state_dict_atomic(out_dir / name, model.state_dict())
-    train_tiny_tokenizer(out_dir)
-    return model.eval()
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pth"])
@@ -143,10 +79,10 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
         check_checkpoint_dir(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="model_config.yaml"):
         check_checkpoint_dir(tmp_path)
-    save_config(tiny_config(), tmp_path)
+    save_config(checkpoint_config(), tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors or lit_model.pth"):
         check_checkpoint_dir(tmp_path)
-    save_state_dict_atomic(tmp_path / "model.safetensors", GPT(tiny_config()).state_dict())
+    save_state_dict_atomic(tmp_path / "model.safetensors", GPT(checkpoint_config()).state_dict())
     with pytest.raises(FileNotFoundError, match="tokenizer.json or tokenizer.model"):
         check_checkpoint_dir(tmp_path)
     with pytest.raises(FileNotFoundError, match="tokenizer"):
@@ -157,7 +93,7 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
 
 def test_mismatched_weights_are_reported(tmp_path: Path) -> None:
     make_tiny_checkpoint(tmp_path)
-    other = tiny_config()
+    other = checkpoint_config()
     other.n_layer = 3
     save_config(other, tmp_path)
     with pytest.raises(ValueError, match="missing .* keys .*transformer.h.2"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import make_tiny_checkpoint
+from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoint import load_model, load_tokenizer
@@ -46,7 +46,7 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 def _make_hf_llama(hf_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from test_checkpoint import train_tiny_tokenizer
+    from tiny_checkpoint import train_tiny_tokenizer
 
     config = transformers.LlamaConfig(
         vocab_size=384,

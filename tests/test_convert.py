@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import train_tiny_tokenizer
+from tiny_checkpoint import train_tiny_tokenizer
 from tokenizers import Tokenizer
 
 from litkv.checkpoint import load_config, load_model

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import chunked_last_recent_mask, random_gpt, reference_forward, tiny_config
-from test_checkpoint import TEXT, make_tiny_checkpoint
+from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
 from litkv.checkpoint import load_tokenizer
 from litkv.cli.evaluate_cmd import evaluate, format_table, plot_results

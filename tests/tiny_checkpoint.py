@@ -1,0 +1,78 @@
+"""A tiny LitGPT-layout checkpoint (random GQA/RoPE GPT, trained byte-level BPE tokenizer) for tests.
+
+Used by the checkpoint, CLI, convert and evaluate tests: ``from tiny_checkpoint import ...``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from litgpt.utils import save_config
+
+from litkv.checkpoint import save_state_dict_atomic
+from litkv.config import Config
+from litkv.model import GPT
+
+__all__ = ["TEXT", "checkpoint_config", "make_tiny_checkpoint", "train_tiny_tokenizer"]
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was with "
+    "the fox. The passkey is 12345. Remember it. What is the passkey? The passkey is 12345. "
+) * 20
+
+
+def train_tiny_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
+    """A byte-level BPE `tokenizer.json` + `tokenizer_config.json` (eos `<|endoftext|>`) in `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "add_bos_token": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def checkpoint_config(vocab_size: int = 384, block_size: int = 256) -> Config:
+    return Config(
+        name="tiny-llama",
+        block_size=block_size,
+        vocab_size=vocab_size,
+        padded_vocab_size=vocab_size,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=2,
+        n_embd=32,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=64,
+    )
+
+
+def make_tiny_checkpoint(out_dir: Path, seed: int = 0, fmt: str = "safetensors", block_size: int = 256) -> GPT:
+    """A random tiny GQA/RoPE GPT with a trained BPE tokenizer, saved in LitGPT layout."""
+    torch.manual_seed(seed)
+    config = checkpoint_config(block_size=block_size)
+    model = GPT(config)
+    with torch.no_grad():  # larger weights than the default init, so that the logits are not flat
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, out_dir)
+    name = "model.safetensors" if fmt == "safetensors" else "lit_model.pth"
+    save_state_dict_atomic(out_dir / name, model.state_dict())
+    train_tiny_tokenizer(out_dir)
+    return model.eval()
