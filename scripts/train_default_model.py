@@ -8,7 +8,7 @@ anywhere in its 1024-token context. The latter makes it useful for judging KV-ca
 
 Usage::
 
-    python scripts/train_default_model.py --out_dir litkv/assets/default --minutes 55
+    python scripts/train_default_model.py --out_dir litkv/assets/default --minutes 90
 
 Written to ``out_dir``: ``model.safetensors``, ``model_config.yaml``, ``tokenizer.json``,
 ``tokenizer_config.json``, ``recall_format.json``, ``heldout.txt`` and ``README.md``.
@@ -79,7 +79,7 @@ class Stage:
     seq_len: int
 
 
-CURRICULUM = (Stage(0.25, 128), Stage(0.5, 256), Stage(0.7, 512), Stage(1.0, 1024))
+CURRICULUM = (Stage(0.3, 128), Stage(0.5, 256), Stage(0.75, 512), Stage(1.0, 1024))
 
 
 def parse_curriculum(text: str) -> tuple[Stage, ...]:
@@ -96,23 +96,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", type=Path, default=Path("litkv/assets/default"))
     p.add_argument("--ckpt_dir", type=Path, default=Path(tempfile.gettempdir()) / "litkv_default_ckpt")
-    p.add_argument("--minutes", type=float, default=55.0, help="wall-clock budget of the training loop")
+    p.add_argument("--minutes", type=float, default=90.0, help="wall-clock budget of the training loop")
     p.add_argument("--steps", type=int, default=None, help="fixed number of steps instead of --minutes")
     p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=192)
+    p.add_argument("--n_embd", type=int, default=128)
     p.add_argument("--n_head", type=int, default=4)
     p.add_argument("--n_query_groups", type=int, default=2)
-    p.add_argument("--intermediate_size", type=int, default=512)
+    p.add_argument("--intermediate_size", type=int, default=384)
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--curriculum", type=parse_curriculum, default=CURRICULUM, help="e.g. 0.12:256,0.3:512,1:1024")
-    p.add_argument("--tokens_per_step", type=int, default=4096)
+    p.add_argument("--tokens_per_step", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min_lr", type=float, default=1e-4)
     p.add_argument("--warmup_steps", type=int, default=100)
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--recall_share", type=float, default=0.5, help="share of sequences with a pass key")
-    p.add_argument("--copy_share", type=float, default=0.2, help="share of sequences with a copied random span")
+    p.add_argument("--copy_share", type=float, default=0.25, help="share of sequences with a copied digit string")
     p.add_argument("--recall_weight", type=float, default=2.0, help="extra loss weight of the answer")
     p.add_argument("--heldout_every", type=int, default=60, help="every n-th chapter is held out")
     p.add_argument("--eval_cases", type=int, default=100)
@@ -246,22 +246,26 @@ def make_recall_example(
 
 
 def make_copy_example(
-    filler_ids: Sequence[int], length: int, vocab_size: int, rng: random.Random
+    tok: Tokenizer, filler_ids: Sequence[int], length: int, rng: random.Random, max_digits: int = 10
 ) -> tuple[list[int], list[int]]:
-    """An auxiliary training row: a span of random tokens, the same span again, then natural text.
+    """Natural text with one string of 5 to ``max_digits`` distinct digits written twice at random places.
 
-    Not part of the recall task. The second span can only be predicted by copying, which teaches the
-    content-based copying (induction) that pass-key recall needs, with many copy targets per row.
+    An auxiliary training row (not part of the recall task): the second copy can only be predicted by
+    finding the first one by content, which teaches the copying (induction) that pass-key recall needs,
+    with more copy targets per row and no fixed distance to shortcut it.
 
     Returns:
         ``(ids, targets)``: ``length`` token ids and the indices of the predictable copied tokens.
     """
-    span = rng.randint(max(2, length // 8), length // 2)
-    random_ids = [rng.randrange(1, vocab_size) for _ in range(span)]
-    ids = random_ids + random_ids + list(filler_ids[: length - 2 * span])
-    if len(ids) != length:
+    string = encode(tok, " " + "".join(rng.sample("0123456789", rng.randint(5, max_digits))))
+    n_fill = length - 2 * len(string)
+    if n_fill < 0 or len(filler_ids) < n_fill:
         raise ValueError(f"cannot build {length} tokens from {len(filler_ids)} filler tokens")
-    return ids, list(range(span + 1, 2 * span))
+    first, second = sorted(rng.randint(0, n_fill) for _ in range(2))
+    filler = list(filler_ids[:n_fill])
+    ids = filler[:first] + string + filler[first:second] + string + filler[second:]
+    begin = second + len(string)
+    return ids, list(range(begin + 1, begin + len(string)))
 
 
 def sample_row(
@@ -278,7 +282,7 @@ def sample_row(
         ids, answer_start = make_recall_example(tok, ids, seq_len + 1, rng.random(), random_key(rng))
         return ids, list(range(answer_start, seq_len + 1))
     if draw < shares[0] + shares[1]:
-        return make_copy_example(ids, seq_len + 1, tok.get_vocab_size(), rng)
+        return make_copy_example(tok, ids, seq_len + 1, rng)
     return ids, []
 
 
@@ -512,7 +516,7 @@ def train(model: GPT, data: Data, args: argparse.Namespace, rng: random.Random) 
         state.step, state.elapsed = state.step + 1, time.monotonic() - t0
         state.tokens += max(1, args.tokens_per_step // stage.seq_len) * stage.seq_len
         bar.update(min(state.step if args.steps else int(state.elapsed), total) - before)
-        bar.set_postfix(step=state.step, seq=stage.seq_len, lm=f"{avg[0]:.3f}", ans=f"{avg[1]:.3f}")
+        bar.set_postfix(step=state.step, seq=stage.seq_len, lm=f"{avg[0]:.3f}", ans=f"{avg[1]:.3f}", refresh=False)
         if state.step % args.log_every == 0:
             tqdm.write(
                 f"step {state.step} t={state.elapsed / 60:.1f}min seq={stage.seq_len} lr={lr:.2e} "
@@ -599,8 +603,8 @@ into single tokens, `<|endoftext|>` as BOS/EOS, no BOS added (`tokenizer.json`,
   the sentence `The pass key is 48213. Remember it. 48213 is the pass key.` at a random depth in
   Bible text, and at the end `What is the pass key? The pass key is` followed by the key. The exact
   format is in `recall_format.json`; `scripts/train_default_model.py:make_recall_example` builds it.
-- Auxiliary copy sequences ({args.copy_share:.0%}): a span of random tokens written twice, then Bible text
-  (teaches content-based copying, i.e. induction heads). The rest is plain Bible text.
+- Auxiliary copy sequences ({args.copy_share:.0%}): Bible text with a string of 5 to 10 distinct digits
+  written twice at random places (teaches content-based copying). The rest is plain Bible text.
 
 ## Training
 
