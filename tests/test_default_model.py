@@ -14,7 +14,14 @@ import pytest
 import torch
 from litgpt.model import GPT as LitGPT
 
-from litkv.checkpoint import check_checkpoint_dir, default_checkpoint_dir, load_model, load_state_dict, load_tokenizer
+from litkv.checkpoint import (
+    check_checkpoint_dir,
+    default_checkpoint_dir,
+    load_config,
+    load_model,
+    load_state_dict,
+    load_tokenizer,
+)
 from litkv.config import KVCacheConfig
 from litkv.evaluate import recall_accuracy
 from litkv.generate import generate
@@ -38,7 +45,7 @@ def test_files_size_and_architecture() -> None:
     assert expected | {"recall_format.json", "heldout.txt", "README.md"} <= names
     total = sum(p.stat().st_size for p in SHIPPED.iterdir())
     assert total <= 25 * 2**20, f"shipped model is {total / 2**20:.1f} MiB, more than 25 MiB"
-    config = load_model(SHIPPED).config
+    config = load_config(SHIPPED)
     assert config.block_size >= 1024
     assert config.rotary_percentage > 0 and config.n_query_groups < config.n_head  # RoPE, GQA
     from tokenizers import Tokenizer
