@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from litgpt.model import GPT as LitGPT
-from litgpt.model import apply_rope, apply_rope_interleave, yarn_get_mscale
 
 from litkv.attention import attend, build_mask
 from litkv.config import Config, KVCacheConfig
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.registry import get_kv_cache_class
 from litkv.kvcache.storage import CacheShape
+from litkv.rope import apply_rope, yarn_mscale
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook"]
 
@@ -262,7 +262,7 @@ class CausalSelfAttention(nn.Module):
         mscale = 1.0
         adjustments = config.rope_adjustments or {}
         if adjustments.get("mscale_all_dim") and adjustments.get("factor"):
-            mscale = yarn_get_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
+            mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
         self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
         self.kv_cache: KVCache | None = None
         self.config = config
@@ -302,9 +302,8 @@ class CausalSelfAttention(nn.Module):
         if c.norm_qk and c.norm_qk_type == "default":
             q, k = self.norm_q(q), self.norm_k(k)
         n = c.rope_n_elem
-        rope = apply_rope_interleave if c.rope_interleave else apply_rope
-        q = torch.cat((rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
-        k = torch.cat((rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
+        q = torch.cat((apply_rope(q[..., :n], cos, sin, c.rope_interleave), q[..., n:]), dim=-1)
+        k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
         return q, k, v
 
     def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:

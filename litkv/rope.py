@@ -1,0 +1,47 @@
+"""Rotary position embeddings applied to queries and keys (LitGPT's and Hugging Face's conventions).
+
+The cos/sin tables come from LitGPT (`GPT.rope_cache`, with all its scaling variants); applying them
+is litkv's own, so that the attention does not depend on helper functions that move between LitGPT
+patch releases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["apply_rope", "yarn_mscale"]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """Rotate `x` by the angles whose cosines and sines are `cos` and `sin`.
+
+    Args:
+        x: `(B, H, T, n)` queries or keys (the rotated part of the head only).
+        cos: `(B or 1, T, n)` cosines.
+        sin: `(B or 1, T, n)` sines.
+        interleave: Pairs are `(x[2i], x[2i+1])` (GPT-J / DeepSeek layout) instead of `(x[i], x[i + n/2])`;
+            the output is in the half-split layout either way, as in Hugging Face's `apply_rotary_pos_emb_interleave`.
+
+    Returns:
+        `(B, H, T, n)` in the dtype of `x`.
+    """
+    if cos.dim() != 3 or cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must be 3-D of one shape (B, T, n), got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if interleave:
+        *lead, d = x.shape
+        x = x.view(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature factor: `0.1 * mscale * ln(factor) + 1` for `factor > 1`, else 1."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
