@@ -24,7 +24,9 @@ class KVCacheConfig:
             ``None``: ``min(256, cache_length)`` (see `chunk_length`).
         prefill_length: Length of the first (prefill) chunk. ``None``: `chunk_size`. At most `cache_length`.
             While the cache is not full, chunking does not change any result; a longer first chunk only
-            trades memory for speed.
+            trades memory for speed. (Quantised storage: new tokens are attended as they are stored, so
+            the same holds up to a rare code flipping at a rounding boundary when a key computed in
+            another chunk shape differs in its last float bit.)
         storage: Where slots live: ``"float"`` (model dtype), ``"int8"`` or ``"int4"`` (quantised).
         quant_group_size: Group size along the head dimension for quantised storage.
         sinks: Number of initial tokens that are never evicted (StreamingLLM attention sinks).

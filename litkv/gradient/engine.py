@@ -141,7 +141,7 @@ def _backward_chunk(
         keys, values = tape.gather(positions)
         keys = keys.to(device).requires_grad_(tape.track_grads)
         values = values.to(device).requires_grad_(tape.track_grads)
-        caches.append(ReplayKVCache(keys, values, positions.to(device)))
+        caches.append(ReplayKVCache(keys, values, positions.to(device), tape.config))
     model.set_kv_caches(caches)
     logits = model(idx, input_pos)
     loss_sum = F.cross_entropy(

@@ -22,6 +22,8 @@ class ReplayKVCache(KVCache):
         keys: `(B, G, n, key_size)` cached keys as attention read them, usually leaves requiring grad.
         values: `(B, G, n, value_size)` cached values.
         positions: `(B, G, n)` int64 token positions of the cached slots, `-1` for empty ones.
+        stored_as: the recorded cache's config; with lossy storage, the new tokens are attended as it
+            stores them (`KVStorage.as_stored`), as in the recorded forward pass.
 
     Attributes:
         new_keys, new_values: `(B, G, T, *)` keys/values of the replayed chunk, set by `attend_inputs`.
@@ -29,7 +31,9 @@ class ReplayKVCache(KVCache):
 
     needs_attn_weights = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, stored_as: KVCacheConfig | None = None
+    ) -> None:
         b, g, n, key_size = keys.shape
         if values.shape[:3] != keys.shape[:3] or tuple(positions.shape) != (b, g, n):
             raise ValueError(
@@ -49,6 +53,13 @@ class ReplayKVCache(KVCache):
         self.num_filled = n
         self.new_keys: torch.Tensor | None = None
         self.new_values: torch.Tensor | None = None
+        # The recorded cache's storage: new tokens are attended as that storage will return them.
+        self.recorded_storage = None
+        if stored_as is not None and stored_as.storage != "float":
+            one = CacheShape(b, g, 1, key_size, values.shape[-1])
+            self.recorded_storage = make_storage(
+                stored_as.storage, one, keys.device, keys.dtype, stored_as.quant_group_size
+            )
 
     def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
         raise RuntimeError("a replay cache never evicts: its slots come from the recorded forward pass")
@@ -66,6 +77,8 @@ class ReplayKVCache(KVCache):
                 f"got keys {tuple(keys.shape)} and input_pos {tuple(input_pos.shape)}"
             )
         self.new_keys, self.new_values = keys, values
+        if self.recorded_storage is not None:
+            keys, values = self.recorded_storage.as_stored(keys, values)
         new_pos = input_pos[:, None, :].expand(b, g, t)
         if self.num_filled == 0:
             return keys, values, new_pos

@@ -152,9 +152,10 @@ class KVCache(ABC):
             return all_keys, all_values, self._pending.positions
         self.check_room(t)
         old_keys, old_values = self.storage.read()
+        seen_keys, seen_values = self.storage.as_stored(keys, values)
         candidates = torch.cat((self.positions, new_pos), dim=2)
         self._pending = _Pending(False, start, keys, values, candidates)
-        return torch.cat((old_keys, keys), dim=2), torch.cat((old_values, values), dim=2), candidates
+        return torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2), candidates
 
     def update(self, attn_weights: torch.Tensor | None) -> None:
         """Evict and write, after the call's queries have attended (`attn_weights`: `(B, G, S)`)."""
@@ -174,6 +175,7 @@ class KVCache(ABC):
             self.after_write(replaced, slot_weights)
             return
         drop = self.select_drop(pending.positions, attn_weights)
+        self._check_drop(drop, t)
         dest, src, valid = pair_drops(drop, length)
         keys = _gather_tokens(pending.keys, src)
         values = _gather_tokens(pending.values, src)
@@ -193,6 +195,33 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Bytes held by the keys and values (scales and offsets included for quantised storage)."""
         return self.storage.nbytes()
+
+    def drops_valid_by_construction(self) -> bool:
+        """Whether `select_drop` returns valid indices by construction, so that `update` need not check
+        their values (one host sync per call). Built-in policies override; a custom policy is checked."""
+        return False
+
+    def _check_drop(self, drop: object, t: int) -> None:
+        """Raise naming the policy if `drop` is not `(B, G, T)` int64 distinct indices in `[0, L + T)`."""
+        name = type(self).__name__
+        expected = (*self.positions.shape[:2], t)
+        if not isinstance(drop, torch.Tensor) or drop.dtype != torch.int64:
+            got = drop.dtype if isinstance(drop, torch.Tensor) else type(drop).__name__
+            raise TypeError(f"{name}.select_drop must return an int64 tensor, got {got}")
+        if tuple(drop.shape) != expected:
+            raise ValueError(f"{name}.select_drop must return shape {expected} (B, G, T), got {tuple(drop.shape)}")
+        if self.drops_valid_by_construction():
+            return
+        n = self.cache_length + t
+        ordered = torch.sort(drop, dim=2).values
+        out_of_range = (ordered[..., 0] < 0) | (ordered[..., -1] >= n)
+        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=2)
+        if bool((out_of_range | repeated).any()):
+            row, head = (out_of_range | repeated).nonzero()[0].tolist()
+            raise ValueError(
+                f"{name}.select_drop must return {t} distinct candidate indices in [0, {n}) per (row, KV head); "
+                f"row {row}, head {head} got {drop[row, head].tolist()}"
+            )
 
     def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor) -> None:
         s = self.shape

@@ -24,6 +24,10 @@ class DenseKVCache(KVCache):
                 "cache_length or a policy that evicts, e.g. 'last-recent' or 'h2o'"
             )
 
+    def drops_valid_by_construction(self) -> bool:
+        """Its own `select_drop` (not an override) gives distinct in-range indices."""
+        return type(self).select_drop is DenseKVCache.select_drop
+
     def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
         """Drop the empty slots `[num_filled, num_filled + T)`, so every new token is kept."""
         b, g, total = positions.shape

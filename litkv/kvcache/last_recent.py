@@ -16,6 +16,10 @@ class LastRecentKVCache(KVCache):
 
     heads_share_positions: ClassVar[bool] = True
 
+    def drops_valid_by_construction(self) -> bool:
+        """Its own `select_drop` (not an override) gives distinct in-range indices."""
+        return type(self).select_drop is LastRecentKVCache.select_drop
+
     def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
         """Drop the oldest tokens (empty slots and pads first); tokens at positions `< sinks` stay."""
         t = positions.shape[2] - self.cache_length

@@ -10,9 +10,10 @@ high nibble (so that unpacking is two contiguous halves, not an interleave).
 Scales and offsets are bfloat16 for bfloat16 models, float16 otherwise (values beyond float16's
 range, about 65,504, need a bfloat16 model).
 
-Slots are dequantised to the model dtype when read. Quantisation is not differentiable: gradients do
-not flow into tokens once they are stored (they do through the new tokens of a call, which attend in
-full precision).
+Slots are dequantised to the model dtype when read. The new tokens of a call are attended exactly as
+they will be read back (`as_stored`), so results do not depend on chunk boundaries or padding.
+Quantisation is not differentiable: gradients do not flow into tokens once they are stored; through
+the new tokens of a call they pass straight through the rounding.
 """
 
 from __future__ import annotations
@@ -144,6 +145,15 @@ class QuantizedStorage(KVStorage):
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._buffers())
+
+    def as_stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantise and dequantise `(B, G, T, D)` keys and values; gradients pass straight through."""
+        both = self._dequantize(self._quantize(keys, values))
+        seen_keys, seen_values = both[:, :, :, 0], both[:, :, :, 1]
+        if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
+            seen_keys = keys + (seen_keys - keys).detach()
+            seen_values = values + (seen_values - values).detach()
+        return seen_keys, seen_values
 
     # -- quantisation error ---------------------------------------------------------------------
 

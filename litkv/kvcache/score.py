@@ -125,6 +125,10 @@ class ScoreKVCache(KVCache):
         self._drop = None
         return out
 
+    def drops_valid_by_construction(self) -> bool:
+        """Its own `select_drop` (not an override) gives distinct in-range indices."""
+        return type(self).select_drop is ScoreKVCache.select_drop
+
     def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
         """The `T` lowest-ranked candidates: pads and empty slots, then the lowest scores outside the
         sinks and the recent window."""

@@ -77,6 +77,16 @@ class KVStorage:
         """Bytes held by this storage's tensors."""
         raise NotImplementedError
 
+    def as_stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New `(B, G, T, *)` keys and values exactly as a later read will return them once written.
+
+        Attention uses this for the new tokens of a call, so that a token looks the same to every query
+        whether it arrives in the same chunk or a later one (no dependence on chunk boundaries or on
+        left padding). Lossless storage returns its inputs; lossy storage passes gradients straight
+        through its rounding.
+        """
+        return keys, values
+
 
 class FloatStorage(KVStorage):
     """Keys and values kept as they come, in the model dtype."""
