@@ -6,11 +6,13 @@ Import from tests as ``from helpers import ...`` (pytest puts ``tests/`` on ``sy
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from litgpt.model import RMSNorm
 
 from litkv import GPT, Config
 
@@ -20,10 +22,13 @@ __all__ = [
     "band_mask",
     "causal_mask",
     "chunked_last_recent_mask",
+    "float64_model",
+    "forward_depth",
     "max_diff",
     "randomize_",
     "random_gpt",
     "reference_forward",
+    "rounding_bound",
     "tiny_config",
 ]
 
@@ -73,9 +78,73 @@ def random_gpt(config: Config, seed: int = 0) -> GPT:
     return model.eval()
 
 
+class _DtypeRMSNorm(RMSNorm):
+    """LitGPT's RMSNorm computed in the input's dtype (LitGPT's own casts float64 inputs to float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (1 + self.weight) if self.add_unit_offset else self.weight
+        return x * torch.rsqrt(torch.mean(x * x, dim=self.dim, keepdim=True) + self.eps) * weight.to(x.dtype)
+
+
+def float64_model(model: nn.Module) -> nn.Module:
+    """`model.double()` (in place, returned) with every LitGPT RMSNorm computing in float64.
+
+    LitGPT's `RMSNorm.forward` runs in float32 whatever the input dtype, which would leave float32
+    rounding in a float64 computation (in the norm weights' gradients, summed over tokens, and
+    wherever an input sits near a float32 rounding boundary). Same parameters, same state_dict.
+    litkv's eager attention (soft-capping, attention weights) still computes its scores in float32.
+    """
+    model.double()
+    for module in model.modules():
+        if type(module) is RMSNorm:
+            module.__class__ = _DtypeRMSNorm
+    return model
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute elementwise difference (as float64)."""
     return (a.double() - b.double()).abs().max().item()
+
+
+def rounding_bound(reference: torch.Tensor, depth: int, dtype: torch.dtype = torch.float32, ulps: float = 8.0) -> float:
+    """Largest `max_diff` from `reference` that rounding alone explains, when the compared values
+    went through a chain of `depth` accumulations rounded in `dtype` (see `forward_depth`).
+
+    Returns `ulps * eps(dtype) * sqrt(depth) * max|reference|`. Derivation: each addition of an
+    accumulation chain rounds with a relative error of at most `u = eps / 2`, the errors have random
+    signs, so after `depth` of them the relative error is about `u * sqrt(depth)` (one standard
+    deviation; Higham & Mary, "A new approach to probabilistic rounding error analysis", 2019), and
+    relative to the largest magnitude in play, since a normalisation or a matrix product mixes every
+    entry's error into every output. `ulps = 8` (16 standard deviations) covers the maximum over
+    ~1e4 compared entries (4.5 sd), two independently rounded sides (x sqrt 2) and an amplification
+    of up to 2.5 by the softmaxes and norms (measured on this suite: at most 0.22 of `ulps = 1`, on
+    any one comparison). The bound depends on the magnitudes and the computation,
+    not on the CPU: a different summation order (AVX2, AVX-512, another BLAS) changes which errors
+    occur, not their size. Any logic error (a wrong mask, a lost token, a cast to a 16-bit type)
+    shows up orders of magnitude above it, and for float64 (`eps = 2.2e-16`) the bound is far below
+    what float32 could reach.
+
+    Args:
+        reference: the expected values (any shape); only its largest magnitude is used.
+        depth: number of rounded accumulations on the longest path from inputs to the output.
+        dtype: precision the compared computations ran in (the less precise of the two sides).
+        ulps: multiples of `eps(dtype) * sqrt(depth)` allowed, relative to `max|reference|`.
+    """
+    scale = reference.detach().abs().max().item()
+    return ulps * torch.finfo(dtype).eps * math.sqrt(depth) * scale
+
+
+def forward_depth(config: Config, keys: int) -> int:
+    """Rounded accumulations on the longest path of a forward of `config` (for `rounding_bound`).
+
+    Per block: `n_embd` (qkv), `head_size` (q.k), `keys` (softmax sum and probs @ v), `n_head *
+    head_size` (attention projection), `n_embd` and `intermediate_size` (MLP), `2 * n_embd` (the two
+    norms); then `2 * n_embd` (final norm, LM head). `keys` is the largest number of keys one query
+    sums over (sequence length, or cache slots + chunk).
+    """
+    c = config
+    block = 4 * c.n_embd + c.head_size + 2 * keys + c.n_head * c.head_size + c.intermediate_size
+    return c.n_layer * block + 2 * c.n_embd
 
 
 def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -116,11 +185,12 @@ def reference_forward(
     """Float64 forward of a Llama/Pythia-style model with an explicit mask per layer.
 
     Attention and RoPE are written here from scratch; norms and MLPs are the model's own (LitGPT's)
-    modules, run on a float64 copy. Supports GQA, qkv bias, partial rotary and parallel residual.
+    modules, run on a `float64_model` copy (RMSNorm included). Supports GQA, qkv bias, partial rotary
+    and parallel residual.
     """
     c = model.config
     _check_reference_supported(c)
-    ref = copy.deepcopy(model).double()
+    ref = float64_model(copy.deepcopy(model))
     masks = [masks] * c.n_layer if callable(masks) else list(masks)
     pos = torch.arange(idx.shape[1])
     x = ref.transformer.wte(idx)

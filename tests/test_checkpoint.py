@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import forward_depth, max_diff, rounding_bound
 from litgpt.model import GPT as LitGPT
 from litgpt.utils import save_config
 from tiny_checkpoint import checkpoint_config, make_tiny_checkpoint, train_tiny_tokenizer
@@ -35,7 +36,8 @@ def test_load_model_matches_litgpt(tmp_path: Path, fmt: str) -> None:
     ref.eval()
     idx = torch.randint(0, config.padded_vocab_size, (2, 17))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx), ref(idx), rtol=1e-4, atol=1e-4)
+        expected = ref(idx)
+        assert max_diff(model(idx), expected) <= rounding_bound(expected, forward_depth(config, 17))
     assert not model.training
     assert model.lm_head.weight.dtype == torch.float32
 
@@ -154,4 +156,6 @@ def test_litgpt_converted_pth_loads(tmp_path: Path) -> None:
     model = load_model(tmp_path)
     idx = torch.randint(0, 384, (1, 9))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx), made(idx))
+        expected = made(idx)
+        # same code and weights; the BLAS may still sum differently for differently aligned tensors
+        assert max_diff(model(idx), expected) <= rounding_bound(expected, forward_depth(made.config, 9))
