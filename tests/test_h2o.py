@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import forward_depth, max_diff, rounding_bound
 
 import litkv
 from litkv.attention import attend, build_mask
@@ -106,7 +107,8 @@ def test_h2o_matches_brute_force(chunk_size: int, normalize: bool, sinks: int, r
         cache.update(weights)
         y_ref = oracle.step(q, k, v, start, end).transpose(1, 2).reshape(B, end - start, -1)
         valid = ps >= 0
-        torch.testing.assert_close(y[valid].double(), y_ref[valid], rtol=1e-5, atol=1e-5)
+        # float32 attention over at most L + chunk keys (q.k over HS, softmax and probs @ v over the keys)
+        assert max_diff(y[valid], y_ref[valid]) <= rounding_bound(y_ref[valid], HS + 2 * (L + chunk_size))
         scores = cache.slot_scores()
         for b in range(B):
             for g in range(G):
@@ -128,7 +130,7 @@ def test_h2o_with_room_for_everything_equals_dense() -> None:
     for chunk_size in (1, 7):
         config = KVCacheConfig("h2o", cache_length=40, chunk_size=chunk_size, prefill_length=6)
         out = litkv.forward_chunked(model, idx, config)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert max_diff(out, expected) <= rounding_bound(expected, forward_depth(model.config, 40 + chunk_size))
 
 
 def test_h2o_scores_accumulate_over_prefill_chunks() -> None:
@@ -144,7 +146,9 @@ def test_h2o_scores_accumulate_over_prefill_chunks() -> None:
         cache.update(w)
     # total attention handed out = number of valid (query, head) pairs; each row keeps all of it
     per_row = (pos >= 0).sum(dim=1).double() * (N_HEAD // G)
-    torch.testing.assert_close(cache.slot_scores().double().sum(dim=2), per_row[:, None].expand(B, G))
+    # float32 sums: softmax over at most L keys, accumulated over the L queries' heads
+    depth = HS + 2 * L + L * (N_HEAD // G)
+    assert max_diff(cache.slot_scores().sum(dim=2), per_row[:, None].expand(B, G)) <= rounding_bound(per_row, depth)
 
 
 def test_h2o_generates_with_eviction() -> None:
