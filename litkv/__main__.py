@@ -16,7 +16,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 __all__ = ["COMMANDS", "main", "normalize_argv"]
 
@@ -36,9 +35,13 @@ _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def _is_config_value(value: str) -> bool:
-    """Whether a `--kv_cache` value is a config (YAML/JSON file or inline mapping), not a policy name."""
+    """Whether a `--kv_cache` value is a config (inline mapping or `.yaml`/`.yml`/`.json` file), not a policy.
+
+    Decided by the value alone, never by the files in the working directory: `--kv-cache h2o` is the
+    policy `h2o` even where a file named `h2o` exists.
+    """
     stripped = value.strip()
-    return stripped.startswith("{") or stripped.lower().endswith(_CONFIG_SUFFIXES) or Path(value).is_file()
+    return stripped.startswith("{") or stripped.lower().endswith(_CONFIG_SUFFIXES)
 
 
 def _option_name(token: str) -> tuple[str, str | None]:
@@ -53,6 +56,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
     - option names may use dashes: `--max-new-tokens` is `--max_new_tokens`;
     - `--kv-cache NAME` / `--kv_cache NAME` is `--kv_cache.policy NAME` (a YAML/JSON value stays);
+    - `--kv_cache.OPTION` (not a `KVCacheConfig` field) is the policy option `--kv_cache.options.OPTION`;
     - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'`;
     - `litkv generate DIR ...` (and `evaluate`, `finetune`) is `litkv generate --checkpoint_dir DIR ...`.
     """
@@ -74,6 +78,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             out.append(token)
             continue
         name, value = _option_name(token)
+        name = _policy_option_name(name)
         if name in ("--kv_cache", "--prompt") and value is None and i < len(argv):
             value, i = argv[i], i + 1
         if name == "--prompt" and value is not None:
@@ -84,8 +89,39 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
         else:
             out.append(name if value is None else f"{name}={value}")
     if prompt_at is not None:
-        out[prompt_at:prompt_at] = ["--prompt", json.dumps(prompts)]
+        _check_utf8(prompts)
+        # ensure_ascii=False: non-BMP characters (emoji) stay as they are; escaped, they would become
+        # surrogate pairs that jsonargparse's YAML loader refuses.
+        out[prompt_at:prompt_at] = ["--prompt", json.dumps(prompts, ensure_ascii=False)]
     return out + positional
+
+
+def _policy_option_name(name: str) -> str:
+    """`--kv_cache.sinks` -> `--kv_cache.options.sinks`: a name that is not a `KVCacheConfig` field is a
+    policy option (validated by the policy's `Options` dataclass when the config is built)."""
+    prefix = "--kv_cache."
+    if not name.startswith(prefix):
+        return name
+    from dataclasses import fields
+
+    from litkv.config import KVCacheConfig
+
+    head = name[len(prefix) :].split(".", 1)[0]
+    if head in {f.name for f in fields(KVCacheConfig)}:
+        return name
+    return f"{prefix}options.{name[len(prefix) :]}"
+
+
+def _check_utf8(prompts: Sequence[str]) -> None:
+    """ValueError for a prompt with bytes that are not UTF-8 (Python keeps them as lone surrogates)."""
+    for i, text in enumerate(prompts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"--prompt {i} is not valid UTF-8 text (bad byte at character {err.start}: "
+                f"{text[max(err.start - 10, 0) : err.start]!r}...); use --prompt_file for other encodings"
+            ) from None
 
 
 def _load_command(name: str) -> Callable[..., object]:
@@ -119,10 +155,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `litkv` console script."""
     from jsonargparse import CLI
 
-    args = normalize_argv(sys.argv[1:] if argv is None else argv)
-    selected = args[0] if args and args[0] in COMMANDS else None
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:
+        args = normalize_argv(sys.argv[1:] if argv is None else argv)
+        selected = args[0] if args and args[0] in COMMANDS else None
         components = _load_components(selected)
         CLI(components, args=args, prog="litkv", description=DESCRIPTION)
     except (*USER_ERRORS, ImportError) as err:

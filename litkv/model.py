@@ -22,10 +22,47 @@ from litkv.kvcache.registry import get_kv_cache_class
 from litkv.kvcache.storage import CacheShape
 from litkv.rope import apply_rope, yarn_mscale
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
 
 # Called with (block index, block input `(B, T, n_embd)`); a returned tensor replaces the input.
 BlockHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+def check_integer_tensor(name: str, value: object, what: str = "token ids") -> None:
+    """Raise TypeError unless `value` is a tensor of an integer dtype (bool, float, complex refused).
+
+    Token ids and positions are never cast from a float or bool tensor: that would silently truncate.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an integer (int64) tensor of {what}, got {type(value).__name__}")
+    dtype = value.dtype
+    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(
+            f"{name} must be an integer (int64) tensor of {what}, got dtype {dtype}: float and bool "
+            "tensors are not converted silently"
+        )
+
+
+def kv_cache_configs(kv_cache: object) -> list[KVCacheConfig] | None:
+    """Check a `kv_cache` argument: a `KVCacheConfig` (returns `None`) or a non-empty list/tuple of them.
+
+    Raises TypeError naming the type given (e.g. a dict or a policy name string).
+    """
+    if isinstance(kv_cache, KVCacheConfig):
+        return None
+    if not isinstance(kv_cache, (list, tuple)) or not kv_cache:
+        hint = " (build one: KVCacheConfig(policy=...))" if isinstance(kv_cache, (str, dict)) else ""
+        raise TypeError(
+            "kv_cache must be a KVCacheConfig or a non-empty list of them (one per layer), "
+            f"got {type(kv_cache).__name__} {kv_cache!r:.80}{hint}"
+        )
+    for i, cfg in enumerate(kv_cache):
+        if not isinstance(cfg, KVCacheConfig):
+            raise TypeError(
+                f"kv_cache must be a KVCacheConfig or a list of them (one per layer), "
+                f"but kv_cache[{i}] is {type(cfg).__name__} {cfg!r:.80}"
+            )
+    return list(kv_cache)
 
 
 class GPT(nn.Module):
@@ -67,7 +104,10 @@ class GPT(nn.Module):
 
         The caches take `dtype`, else the autocast dtype when autocast is on, else the model's dtype.
         """
-        configs = [kv_cache] * self.config.n_layer if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
+        per_layer = kv_cache_configs(kv_cache)
+        configs = [kv_cache] * self.config.n_layer if per_layer is None else per_layer
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if len(configs) != self.config.n_layer:
             raise ValueError(f"expected one KVCacheConfig per layer ({self.config.n_layer}), got {len(configs)}")
         ref = self.lm_head.weight
@@ -77,8 +117,6 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(ref.device.type) if autocast else ref.dtype
         caches = []
         for cfg in configs:
-            if not isinstance(cfg, KVCacheConfig):
-                raise TypeError(f"expected KVCacheConfig, got {type(cfg).__name__}")
             c = self.config
             shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
             caches.append(get_kv_cache_class(cfg.policy)(cfg, shape, device, dtype))
@@ -119,12 +157,12 @@ class GPT(nn.Module):
         Returns:
             `(B, T, padded_vocab_size)` logits, or `(B, T, n_embd)` hidden states.
         """
-        self._check_idx(idx)
+        idx = self._check_idx(idx)
         t = idx.shape[1]
         if input_pos is None:
             positions = torch.arange(t, device=idx.device)[None]
         else:
-            self._check_positions(idx, input_pos)
+            input_pos = self._check_positions(idx, input_pos)
             positions = input_pos
         cos, sin = self.rope(positions)
         x = self.transformer.wte(idx)
@@ -160,9 +198,11 @@ class GPT(nn.Module):
         index = positions.clamp(min=0)
         return cos[index], sin[index]
 
-    def _check_idx(self, idx: torch.Tensor) -> None:
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"idx must be an int64 tensor of token ids, got {getattr(idx, 'dtype', type(idx))}")
+    def _check_idx(self, idx: torch.Tensor) -> torch.Tensor:
+        """`idx` itself, or widened to int64 when it has a narrower integer dtype (lossless)."""
+        check_integer_tensor("idx", idx)
+        if idx.dtype not in (torch.int32, torch.int64):
+            idx = idx.long()
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
         if idx.numel():
@@ -171,17 +211,23 @@ class GPT(nn.Module):
             if low < 0 or high >= vocab:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary: ids must be in [0, {vocab})")
+        return idx
 
-    def _check_positions(self, idx: torch.Tensor, input_pos: torch.Tensor) -> None:
+    def _check_positions(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """`input_pos` itself, or widened to int64 when it has a narrower integer dtype (lossless)."""
+        check_integer_tensor("input_pos", input_pos, what="token positions")
+        if input_pos.dtype not in (torch.int32, torch.int64):
+            input_pos = input_pos.long()
         if input_pos.shape != idx.shape:
             raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
         caches = self.kv_caches
         if any(cache is None for cache in caches):
             raise ValueError("input_pos was given but no KV caches are attached: call set_kv_caches() first")
-        if idx.shape[0] != caches[0].shape.batch_size:
+        cache_batch = caches[0].positions.shape[0]
+        if idx.shape[0] != cache_batch:
             raise ValueError(
                 f"batch size changed mid-sequence: the KV caches were built for batch size "
-                f"{caches[0].shape.batch_size}, got idx with batch size {idx.shape[0]}"
+                f"{cache_batch}, got idx with batch size {idx.shape[0]}"
             )
         running = torch.cummax(input_pos, dim=1).values
         before = torch.full_like(input_pos[:, :1], -1) if self._last_pos is None else self._last_pos[:, None]
@@ -195,6 +241,7 @@ class GPT(nn.Module):
             )
         last = running[:, -1]
         self._last_pos = last if self._last_pos is None else torch.maximum(self._last_pos, last)
+        return input_pos
 
 
 class Block(nn.Module):
@@ -280,10 +327,10 @@ class CausalSelfAttention(nn.Module):
             cache = self.kv_cache
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
-            keys, values, k_pos = cache.attend_inputs(k, v, input_pos)
+            keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
             mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
             y, weights = attend(q, keys, values, mask, self.scale, softcap, cache.needs_attn_weights, input_pos >= 0)
-            cache.update(weights)
+            cache.evict_and_store(weights)
         return self.proj(y)
 
     def _qkv(

@@ -46,7 +46,9 @@ def policy_configs(args: argparse.Namespace, head_size: int) -> dict[str, KVCach
     group = min(args.quant_group_size, head_size)
     return {
         "dense": KVCacheConfig("dense", cache_length=full, chunk_size=chunk, prefill_length=args.prompt_length),
-        "last-recent": KVCacheConfig("last-recent", cache_length=args.cache_length, chunk_size=chunk, sinks=4),
+        "last-recent": KVCacheConfig(
+            "last-recent", cache_length=args.cache_length, chunk_size=chunk, options=dict(sinks=4)
+        ),
         "h2o": KVCacheConfig("h2o", cache_length=args.cache_length, chunk_size=chunk),
         "qh2o": KVCacheConfig(
             "qh2o", cache_length=args.cache_length, chunk_size=chunk, storage="int4", quant_group_size=group

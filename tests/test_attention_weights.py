@@ -69,7 +69,7 @@ def _cache_call(seed: int, storage: str = "float") -> tuple[torch.Tensor, ...]:
         v = torch.randn(B, G, t, HS, generator=gen)
         keys, values, k_pos = cache.attend_inputs(k, v, pos)
         if pos is first:
-            cache.update(None)
+            cache.evict_and_store(None)
     q = torch.randn(B, N_HEAD, second.shape[1], HS, generator=gen) * 2
     return q, keys, values, second, k_pos
 

@@ -25,7 +25,9 @@ CACHES = {
     # Evicts during the prefill of the 40-token prompt; the shorter ones fit.
     "last-recent": KVCacheConfig(policy="last-recent", cache_length=24, chunk_size=8, prefill_length=8),
     # Token by token: every prompt longer than the cache evicts, chunk boundaries play no role.
-    "last-recent-sinks": KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=1, prefill_length=1, sinks=2),
+    "last-recent-sinks": KVCacheConfig(
+        policy="last-recent", cache_length=12, chunk_size=1, prefill_length=1, options=dict(sinks=2)
+    ),
 }
 
 

@@ -77,7 +77,9 @@ def test_tova_keeps_what_the_newest_query_attends_to(examples_on_path: None) -> 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, n, hs, generator=gen, dtype=torch.float64) for h in (heads, g, g))
     pos = torch.arange(n).expand(b, n)
-    config = KVCacheConfig("tova_policy:TOVAKVCache", cache_length=length, chunk_size=1, prefill_length=1, sinks=1)
+    config = KVCacheConfig(
+        "tova_policy:TOVAKVCache", cache_length=length, chunk_size=1, prefill_length=1, options=dict(sinks=1)
+    )
     cache = cls(config, CacheShape(b, g, length, hs, hs), None, torch.float32)
     expected = _brute_force_tova(q, k, pos, length, sinks=1, scale=1 / math.sqrt(hs))
     for i in range(n):
@@ -85,7 +87,7 @@ def test_tova_keeps_what_the_newest_query_attends_to(examples_on_path: None) -> 
         keys, values, k_pos = cache.attend_inputs(k[:, :, i : i + 1].float(), v[:, :, i : i + 1].float(), ps)
         _, w = attend(q[:, :, i : i + 1].float(), keys, values, build_mask(ps, k_pos), 1 / math.sqrt(hs),
                       need_weights=True)  # fmt: skip
-        cache.update(w)
+        cache.evict_and_store(w)
         held = [[sorted(p for p in cache.positions[bi, gi].tolist() if p >= 0) for gi in range(g)] for bi in range(b)]
         assert held == expected[i], f"after token {i}"
     assert expected[-1][0][0] != list(range(n - length, n))  # not simply the most recent tokens

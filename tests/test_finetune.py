@@ -277,7 +277,7 @@ def test_instruction_data_and_config_file(ckpt, tmp_path):
         "checkpoint_dir": str(ckpt),
         "mode": "lora",
         "data": {"path": str(data), "seq_length": 200, "val_fraction": 0.2, "prompt_style": "alpaca"},
-        "kv_cache": {"policy": "last-recent", "cache_length": 16, "chunk_size": 8, "sinks": 2},
+        "kv_cache": {"policy": "last-recent", "cache_length": 16, "chunk_size": 8, "options": {"sinks": 2}},
         "train": {"max_steps": 1, "global_batch_size": 2, "micro_batch_size": 2},
         "lora": {"r": 2, "alpha": 4.0, "targets": ["attn.qkv", "lm_head"]},
         "out_dir": str(tmp_path / "out"),
@@ -293,7 +293,7 @@ def test_instruction_data_and_config_file(ckpt, tmp_path):
     parser.add_argument("--config", action="config")
     parser.add_function_arguments(finetune)
     cfg = parser.parse_args(["--config", str(final / "hyperparameters.yaml"), "--train.max_steps", "7"])
-    assert cfg.train.max_steps == 7 and cfg.kv_cache.sinks == 2 and cfg.lora.targets == ["attn.qkv", "lm_head"]
+    assert cfg.train.max_steps == 7 and cfg.kv_cache.options == {"sinks": 2} and cfg.lora.targets == ["attn.qkv", "lm_head"]
     assert Path(cfg.checkpoint_dir) == ckpt and cfg.data.prompt_style == "alpaca"
 
 

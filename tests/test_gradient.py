@@ -106,11 +106,15 @@ CASES = [
     ),
     pytest.param(dict(policy="dense", cache_length=40, chunk_size=5), False, id="dense-chunk5"),
     pytest.param(
-        dict(policy="last-recent", cache_length=16, chunk_size=5, prefill_length=7, sinks=2),
+        dict(policy="last-recent", cache_length=16, chunk_size=5, prefill_length=7, options=dict(sinks=2)),
         True,
         id="last-recent-sinks-p7-c5",
     ),
-    pytest.param(dict(policy="last-recent", cache_length=16, chunk_size=16, sinks=3), True, id="last-recent-sinks-c16"),
+    pytest.param(
+        dict(policy="last-recent", cache_length=16, chunk_size=16, options=dict(sinks=3)),
+        True,
+        id="last-recent-sinks-c16",
+    ),
     pytest.param(dict(policy="last-recent", cache_length=12, chunk_size=3), True, id="last-recent-c3"),
     pytest.param(
         dict(policy="last-recent", cache_length=16, chunk_size=4, storage="int4", quant_group_size=4),
@@ -120,7 +124,9 @@ CASES = [
     pytest.param(dict(policy="h2o", cache_length=16, chunk_size=4), True, id="h2o-c4"),
     pytest.param(dict(policy="h2o", cache_length=16, chunk_size=7, prefill_length=10), True, id="h2o-p10-c7"),
     pytest.param(
-        dict(policy="h2o", cache_length=16, chunk_size=4, recent=4, normalize_scores=True), True, id="h2o-recent4-norm"
+        dict(policy="h2o", cache_length=16, chunk_size=4, options=dict(recent=4, normalize_scores=True)),
+        True,
+        id="h2o-recent4-norm",
     ),
     pytest.param(
         dict(policy="h2o", cache_length=16, chunk_size=5, storage="int8", quant_group_size=4), True, id="h2o-int8"
@@ -161,7 +167,7 @@ def test_matches_autograd_through_forward_chunked(model, batch, options, evicts)
 
 FULL_CASES = [
     dict(policy="dense", cache_length=40, chunk_size=6, prefill_length=10),
-    dict(policy="last-recent", cache_length=64, chunk_size=16, sinks=2),
+    dict(policy="last-recent", cache_length=64, chunk_size=16, options=dict(sinks=2)),
     dict(policy="h2o", cache_length=40, chunk_size=8),
 ]
 
@@ -205,7 +211,7 @@ def test_gemma_style_model(batch):
     idx, targets = batch
     for kv_cache in (
         KVCacheConfig(policy="h2o", cache_length=16, chunk_size=5),
-        KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=4, sinks=2),
+        KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=4, options=dict(sinks=2)),
     ):
         ref_loss, ref_grads = _reference(model, idx, targets, kv_cache)
         loss, grads = _engine(model, idx, targets, kv_cache)
@@ -217,7 +223,7 @@ def test_per_layer_configs(model, batch):
     _require("h2o", "float")
     configs = [
         KVCacheConfig(policy="h2o", cache_length=16, chunk_size=4),
-        KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=4, sinks=1),
+        KVCacheConfig(policy="last-recent", cache_length=12, chunk_size=4, options=dict(sinks=1)),
     ]
     idx, targets = batch
     ref_loss, ref_grads = _reference(model, idx, targets, configs)
@@ -231,7 +237,7 @@ def test_only_trainable_parameters_receive_gradients(batch):
     trainable = {"transformer.h.0.attn.qkv.weight", "transformer.h.1.mlp.fc.bias", "lm_head.weight"}
     for name, p in model.named_parameters():
         p.requires_grad_(name in trainable)
-    kv_cache = KVCacheConfig(policy="last-recent", cache_length=16, chunk_size=5, sinks=2)
+    kv_cache = KVCacheConfig(policy="last-recent", cache_length=16, chunk_size=5, options=dict(sinks=2))
     idx, targets = batch
     _, ref_grads = _reference(model, idx, targets, kv_cache)
     _, grads = _engine(model, idx, targets, kv_cache)
@@ -253,7 +259,7 @@ def test_lora_adapters_only(batch):
                 p.normal_(std=0.5)
     adapters = {n for n, _ in model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
     assert len(adapters) == 2 * 2 * 4 + 2
-    kv_cache = KVCacheConfig(policy="last-recent", cache_length=16, chunk_size=5, sinks=1)
+    kv_cache = KVCacheConfig(policy="last-recent", cache_length=16, chunk_size=5, options=dict(sinks=1))
     idx, targets = batch
     ref_loss, ref_grads = _reference(model, idx, targets, kv_cache)
     loss, grads = _engine(model, idx, targets, kv_cache)

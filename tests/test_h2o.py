@@ -30,7 +30,7 @@ class BruteForceH2O:
         self.min_gap = math.inf  # smallest relative margin of an eviction decision (for messages)
 
     def score(self, entry: list[float]) -> float:
-        return entry[0] / max(entry[1], 1.0) if self.config.normalize_scores else entry[0]
+        return entry[0] / max(entry[1], 1.0) if self.config.policy_options.normalize_scores else entry[0]
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Attend and evict for chunk `[start, end)`; returns the outputs `(B, H, end - start, hs)`."""
@@ -58,9 +58,9 @@ class BruteForceH2O:
         if excess <= 0:
             return
         by_pos = sorted(state, key=lambda j: int(self.pos[b, j]))
-        recent = self.config.recent_length
+        recent = self.config.policy_options.recent_length(self.config.cache_length)
         protected = set(by_pos[len(by_pos) - recent :] if recent else [])
-        protected |= {j for j in state if self.pos[b, j] < self.config.sinks}
+        protected |= {j for j in state if self.pos[b, j] < self.config.policy_options.sinks}
         others = sorted((j for j in state if j not in protected), key=lambda j: self.score(state[j]))
         if len(others) > excess:  # relative gap between the last evicted and the first kept score
             last_out, first_in = self.score(state[others[excess - 1]]), self.score(state[others[excess]])
@@ -91,8 +91,8 @@ def _random_run(config: KVCacheConfig, seed: int, n: int) -> tuple[torch.Tensor,
 def test_h2o_matches_brute_force(chunk_size: int, normalize: bool, sinks: int, recent: int | None) -> None:
     n = 3 * L + 9
     config = KVCacheConfig(
-        "h2o", cache_length=L, chunk_size=chunk_size, prefill_length=5, sinks=sinks, recent=recent,
-        normalize_scores=normalize,
+        "h2o", cache_length=L, chunk_size=chunk_size, prefill_length=5,
+        options=dict(sinks=sinks, recent=recent, normalize_scores=normalize),
     )  # fmt: skip
     q, k, v, pos = _random_run(config, seed=chunk_size + 10 * sinks, n=n)
     scale = 1 / math.sqrt(HS)
@@ -104,7 +104,7 @@ def test_h2o_matches_brute_force(chunk_size: int, normalize: bool, sinks: int, r
         qs, ks, vs = (x[:, :, start:end].float() for x in (q, k, v))
         keys, values, k_pos = cache.attend_inputs(ks, vs, ps)
         y, weights = attend(qs, keys, values, build_mask(ps, k_pos), scale, need_weights=True, query_valid=ps >= 0)
-        cache.update(weights)
+        cache.evict_and_store(weights)
         y_ref = oracle.step(q, k, v, start, end).transpose(1, 2).reshape(B, end - start, -1)
         valid = ps >= 0
         # float32 attention over at most L + chunk keys (q.k over HS, softmax and probs @ v over the keys)
@@ -143,7 +143,7 @@ def test_h2o_scores_accumulate_over_prefill_chunks() -> None:
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end].float(), v[:, :, start:end].float(), ps)
         _, w = attend(q[:, :, start:end].float(), keys, values, build_mask(ps, k_pos), 0.25, need_weights=True,
                       query_valid=ps >= 0)  # fmt: skip
-        cache.update(w)
+        cache.evict_and_store(w)
     # total attention handed out = number of valid (query, head) pairs; each row keeps all of it
     per_row = (pos >= 0).sum(dim=1).double() * (N_HEAD // G)
     # float32 sums: softmax over at most L keys, accumulated over the L queries' heads
@@ -157,7 +157,7 @@ def test_h2o_generates_with_eviction() -> None:
     model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
     prompts = [torch.randint(0, 96, (30,)), torch.randint(0, 96, (21,))]
     caches = []
-    config = KVCacheConfig("h2o", cache_length=8, chunk_size=3, sinks=1)
+    config = KVCacheConfig("h2o", cache_length=8, chunk_size=3, options=dict(sinks=1))
     out = litkv.generate(model, prompts, 10, config, on_tokens=lambda _: caches.append(model.kv_caches))
     assert [len(o) for o in out] == [10, 10]
     last_fed = torch.tensor([30 + 9 - 1, 21 + 9 - 1])  # the 10th new token is never fed back

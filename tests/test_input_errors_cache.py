@@ -9,7 +9,7 @@ from helpers import max_diff, random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.generate import pad_prompts
-from litkv.kvcache.base import KVCache
+from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.quantized import dequantize, quantize
 from litkv.kvcache.storage import CacheShape
 
@@ -94,8 +94,8 @@ class _FixedDrops(KVCache):
 
     make = staticmethod(lambda b, g, t, length: torch.zeros(b, g, t, dtype=torch.long))
 
-    def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
-        b, g, total = positions.shape
+    def select_drop(self, candidates: Candidates) -> torch.Tensor:
+        b, g, total = candidates.positions.shape
         return self.make(b, g, total - self.cache_length, self.cache_length)
 
 
@@ -107,7 +107,7 @@ def _run(make, chunk: int) -> None:  # noqa: ANN001
     for start in range(0, 12, chunk):
         keys = torch.randn(2, 1, chunk, 4)
         cache.attend_inputs(keys, keys.clone(), pos[:, start : start + chunk])
-        cache.update(None)
+        cache.evict_and_store(None)
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def _bound(model: GPT, expected: torch.Tensor, keys: int = T) -> float:
 def test_token_by_token_equals_band_mask(model: GPT, cache_length: int, sinks: int) -> None:
     idx = _idx()
     kv_cache = KVCacheConfig(
-        policy="last-recent", cache_length=cache_length, chunk_size=1, prefill_length=1, sinks=sinks
+        policy="last-recent", cache_length=cache_length, chunk_size=1, prefill_length=1, options=dict(sinks=sinks)
     )
     expected = reference_forward(model, idx, band_mask(cache_length, sinks)).logits
     ours = forward_chunked(model, idx, kv_cache)
@@ -68,7 +68,11 @@ def test_chunks_equal_oracle(model: GPT, prefill: int, chunk: int, sinks: int) -
     idx = _idx()
     cache_length = 8
     kv_cache = KVCacheConfig(
-        policy="last-recent", cache_length=cache_length, chunk_size=chunk, prefill_length=prefill, sinks=sinks
+        policy="last-recent",
+        cache_length=cache_length,
+        chunk_size=chunk,
+        prefill_length=prefill,
+        options=dict(sinks=sinks),
     )
     starts = [start for start, _ in kv_cache.chunk_bounds(T)]
     expected = reference_forward(model, idx, chunked_last_recent_mask(cache_length, sinks, starts)).logits
@@ -78,7 +82,9 @@ def test_chunks_equal_oracle(model: GPT, prefill: int, chunk: int, sinks: int) -
 @torch.inference_mode()
 def test_equals_dense_while_it_fits(model: GPT) -> None:
     idx = _idx()
-    kv_cache = KVCacheConfig(policy="last-recent", cache_length=T, chunk_size=7, prefill_length=7, sinks=2)
+    kv_cache = KVCacheConfig(
+        policy="last-recent", cache_length=T, chunk_size=7, prefill_length=7, options=dict(sinks=2)
+    )
     expected = model(idx)
     assert max_diff(forward_chunked(model, idx, kv_cache), expected) <= _bound(model, expected)
 
@@ -87,7 +93,7 @@ def test_equals_dense_while_it_fits(model: GPT) -> None:
 @torch.inference_mode()
 def test_slots_hold_sinks_and_most_recent(model: GPT, sinks: int) -> None:
     cache_length, t = 6, 17
-    kv_cache = KVCacheConfig(policy="last-recent", cache_length=cache_length, chunk_size=3, sinks=sinks)
+    kv_cache = KVCacheConfig(policy="last-recent", cache_length=cache_length, chunk_size=3, options=dict(sinks=sinks))
     idx = _idx(length=t)
     model.set_kv_caches(model.build_kv_caches(kv_cache, batch_size=2))
     try:
@@ -107,7 +113,7 @@ def test_generate_equals_greedy_oracle(model: GPT) -> None:
     """Greedy decoding through a last-recent cache equals argmax of the oracle, one token at a time."""
     cache_length, sinks, new = 6, 1, 6
     kv_cache = KVCacheConfig(
-        policy="last-recent", cache_length=cache_length, chunk_size=4, prefill_length=4, sinks=sinks
+        policy="last-recent", cache_length=cache_length, chunk_size=4, prefill_length=4, options=dict(sinks=sinks)
     )
     prompt = _idx(batch=1, length=10)
     tokens = generate(model, [prompt[0]], max_new_tokens=new, kv_cache=kv_cache)[0]

@@ -151,7 +151,7 @@ def test_only_adapters_receive_gradients(batch, targets):
 
 KV_CASES = [
     dict(policy="dense", cache_length=40, chunk_size=8),
-    dict(policy="last-recent", cache_length=12, chunk_size=4, sinks=2),
+    dict(policy="last-recent", cache_length=12, chunk_size=4, options=dict(sinks=2)),
     dict(policy="h2o", cache_length=16, chunk_size=4),
     dict(policy="h2o", cache_length=16, chunk_size=7, prefill_length=10),
 ]

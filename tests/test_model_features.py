@@ -21,7 +21,7 @@ from helpers import (
 )
 
 from litkv import GPT, KVCache, KVCacheConfig, forward_chunked, register_kv_cache
-from litkv.kvcache import DenseKVCache, LastRecentKVCache, known_policies
+from litkv.kvcache import Candidates, DenseKVCache, LastRecentKVCache, known_policies
 from litkv.kvcache import registry as registry_module
 
 T = 24
@@ -155,7 +155,7 @@ def test_each_layer_its_own_cache(model: GPT) -> None:
     configs = [
         KVCacheConfig(policy="dense", cache_length=T, chunk_size=1, prefill_length=1),
         KVCacheConfig(policy="last-recent", cache_length=5, chunk_size=1, prefill_length=1),
-        KVCacheConfig(policy="last-recent", cache_length=9, chunk_size=1, prefill_length=1, sinks=2),
+        KVCacheConfig(policy="last-recent", cache_length=9, chunk_size=1, prefill_length=1, options=dict(sinks=2)),
     ]
     caches = model.build_kv_caches(configs, batch_size=2)
     assert [type(c) for c in caches] == [DenseKVCache, LastRecentKVCache, LastRecentKVCache]
@@ -170,8 +170,8 @@ def test_each_layer_its_own_cache(model: GPT) -> None:
 class KeepFirstKVCache(KVCache):
     """Test policy: keeps the first `cache_length` tokens, drops every later one (after it attended)."""
 
-    def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
-        t = positions.shape[2] - self.cache_length
+    def select_drop(self, candidates: Candidates) -> torch.Tensor:
+        positions, t = candidates.positions, candidates.num_new
         score = positions.masked_fill(positions < 0, torch.iinfo(torch.long).max)
         return torch.topk(score, t, dim=2).indices
 

@@ -41,7 +41,7 @@ def _run(cls: type, config: KVCacheConfig, q: torch.Tensor, k: torch.Tensor, v: 
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end], v[:, :, start:end], ps)
         mask = build_mask(ps, k_pos)
         _, w = attend(q[:, :, start:end], keys, values, mask, 1 / math.sqrt(hs), need_weights=True, query_valid=ps >= 0)
-        cache.update(w)
+        cache.evict_and_store(w)
     return cache
 
 
@@ -51,8 +51,9 @@ def _kept(cache: H2OKVCache) -> list[list[int]]:
 
 def _config(weight: float = 0.5) -> KVCacheConfig:
     return KVCacheConfig(
-        "qh2o", cache_length=3, chunk_size=1, recent=1, storage="int4", quant_group_size=HS, quant_error_weight=weight
-    )
+        "qh2o", cache_length=3, chunk_size=1, storage="int4", quant_group_size=HS,
+        options=dict(recent=1, quant_error_weight=weight),
+    )  # fmt: skip
 
 
 def test_token_with_large_quantisation_error_is_evicted_where_h2o_keeps_it() -> None:
@@ -98,11 +99,13 @@ def test_zero_weight_decides_like_h2o_on_random_data() -> None:
     b, g, n, heads = 2, 2, 40, 8
     q, k, v = (torch.randn(b, h, n, HS, generator=gen) for h in (heads, g, g))
     pos = torch.arange(n).expand(b, n)
-    base = dict(cache_length=8, chunk_size=3, storage="int8", quant_group_size=HS, normalize_scores=True)
-    h2o = _run(H2OKVCache, KVCacheConfig("h2o", **base), q, k, v, pos)
-    qh2o = _run(QuantizedH2OKVCache, KVCacheConfig("qh2o", quant_error_weight=0.0, **base), q, k, v, pos)
+    base = dict(cache_length=8, chunk_size=3, storage="int8", quant_group_size=HS)
+    h2o = _run(H2OKVCache, KVCacheConfig("h2o", options=dict(normalize_scores=True), **base), q, k, v, pos)
+    options = dict(normalize_scores=True, quant_error_weight=0.0)
+    qh2o = _run(QuantizedH2OKVCache, KVCacheConfig("qh2o", options=options, **base), q, k, v, pos)
     assert torch.equal(h2o.positions.sort(dim=2).values, qh2o.positions.sort(dim=2).values)
-    heavy = _run(QuantizedH2OKVCache, KVCacheConfig("qh2o", quant_error_weight=5.0, **base), q, k, v, pos)
+    options = dict(normalize_scores=True, quant_error_weight=5.0)
+    heavy = _run(QuantizedH2OKVCache, KVCacheConfig("qh2o", options=options, **base), q, k, v, pos)
     assert not torch.equal(h2o.positions.sort(dim=2).values, heavy.positions.sort(dim=2).values)
 
 
@@ -128,6 +131,6 @@ def test_qh2o_generates() -> None:
     torch.manual_seed(0)
     model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
     prompts = [torch.randint(0, 96, (25,)), torch.randint(0, 96, (9,))]
-    config = KVCacheConfig("qh2o", cache_length=8, chunk_size=4, storage="int8", sinks=1)
+    config = KVCacheConfig("qh2o", cache_length=8, chunk_size=4, storage="int8", options=dict(sinks=1))
     out = litkv.generate(model, prompts, 6, config)
     assert [len(o) for o in out] == [6, 6]

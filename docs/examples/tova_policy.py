@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from litkv import register_kv_cache
-from litkv.kvcache.score import ScoreKVCache
+from litkv.kvcache import Candidates, ScoreKVCache
 
 
 @register_kv_cache("tova")
@@ -24,8 +24,6 @@ class TOVAKVCache(ScoreKVCache):
 
     needs_attn_weights: ClassVar[bool] = True  # ask attention for the weight sums
 
-    def score(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
+    def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` weights of this call: no memory of earlier calls."""
-        if attn_weights is None:
-            raise ValueError("TOVA needs attention weights, got None")
-        return attn_weights
+        return candidates.attn_weights

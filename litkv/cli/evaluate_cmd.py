@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -117,7 +118,11 @@ def _run_info(
         "window": window,
         "num_windows": num_windows,
         "recall_examples": n_examples,
-        "kv_cache_template": {k: v for k, v in vars(kv_cache).items() if k not in ("policy", "cache_length")},
+        "kv_cache_template": {
+            f.name: getattr(kv_cache, f.name)
+            for f in dataclasses.fields(kv_cache)
+            if f.name not in ("policy", "cache_length")
+        },
     }
 
 

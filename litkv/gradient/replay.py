@@ -2,20 +2,24 @@
 
 During the backward pass each chunk is recomputed with the slots it attended to in the forward pass.
 The policy is never run again: its choices come from the tape, so H2O's scores are not recomputed.
+`ReplayKVCache` is not a policy: it implements only what attention needs of a cache (`LayerCache`).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from litkv.config import KVCacheConfig
-from litkv.kvcache.base import CacheShape, KVCache
-from litkv.kvcache.storage import FloatStorage, make_storage
+from litkv.kvcache.base import CacheShape
+from litkv.kvcache.storage import KVStorage
+from litkv.kvcache.storage_kinds import make_storage
 
 __all__ = ["ReplayKVCache", "stored_view", "stores_gradients"]
 
 
-class ReplayKVCache(KVCache):
+class ReplayKVCache:
     """Attends to fixed cached slots plus the new tokens, and keeps the new keys/values for the caller.
 
     Args:
@@ -29,7 +33,8 @@ class ReplayKVCache(KVCache):
         new_keys, new_values: `(B, G, T, *)` keys/values of the replayed chunk, set by `attend_inputs`.
     """
 
-    needs_attn_weights = False
+    needs_attn_weights: ClassVar[bool] = False
+    heads_share_positions: ClassVar[bool] = False
 
     def __init__(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, stored_as: KVCacheConfig | None = None
@@ -40,32 +45,21 @@ class ReplayKVCache(KVCache):
                 f"cached keys {tuple(keys.shape)}, values {tuple(values.shape)} and positions "
                 f"{tuple(positions.shape)} must agree in (B, G, n)"
             )
-        # `n` may be 0 (the first chunk); the base class needs at least one slot.
-        slots = max(n, 1)
-        replay_config = KVCacheConfig(policy="dense", cache_length=slots, chunk_size=1)
-        shape = CacheShape(b, g, slots, key_size, values.shape[-1])
-        super().__init__(replay_config, shape, keys.device, keys.dtype)
-        if n > 0 and isinstance(self.storage, FloatStorage):
-            self.storage.keys, self.storage.values = keys, values  # hold the slots, drop the zeros
         self.cached_keys = keys
         self.cached_values = values
         self.positions = positions
         self.num_filled = n
         self.new_keys: torch.Tensor | None = None
         self.new_values: torch.Tensor | None = None
-        # The recorded cache's storage: new tokens are attended as that storage will return them.
-        self.recorded_storage = None
+        self.recorded_storage: KVStorage | None = None
         if stored_as is not None and stored_as.storage != "float":
             one = CacheShape(b, g, 1, key_size, values.shape[-1])
             self.recorded_storage = make_storage(
                 stored_as.storage, one, keys.device, keys.dtype, stored_as.quant_group_size
             )
 
-    def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
-        raise RuntimeError("a replay cache never evicts: its slots come from the recorded forward pass")
-
     def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
+        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached slots followed by the new tokens: `(B, G, n + T, *)` keys/values and positions."""
         if self.new_keys is not None:
@@ -86,7 +80,7 @@ class ReplayKVCache(KVCache):
         all_values = torch.cat((self.cached_values.to(values.dtype), values), dim=2)
         return all_keys, all_values, torch.cat((self.positions.to(new_pos.device), new_pos), dim=2)
 
-    def update(self, attn_weights: torch.Tensor | None) -> None:
+    def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
         """Nothing to evict or write."""
 
     def nbytes(self) -> int:

@@ -2,40 +2,110 @@
 
 A call brings `T` new tokens per row. Attention runs in two steps around the cache:
 
-1. `attend_inputs(keys, values, input_pos)` returns what the new queries attend to: every cached
-   token plus the new tokens themselves, with the token position of each (`-1`: empty slot or pad).
-2. `update(attn_weights)` runs after attention: the policy decides which of the `cache_length + T`
-   candidates keep the `cache_length` slots (attend, then evict).
+1. `attend_inputs(keys, values, input_pos, queries)` returns what the new queries attend to: every
+   cached token plus the new tokens themselves, with the token position of each (`-1`: empty slot
+   or pad).
+2. `evict_and_store(attn_weights)` runs after attention: the policy decides which of the
+   `cache_length + T` candidates keep the `cache_length` slots (attend, then evict), and the
+   surviving new tokens are written into the freed slots.
 
-A policy implements `select_drop()` only (which `T` candidates lose their slot); the base class does
-the bookkeeping: checks, the fast path while the cache fills, pairing freed slots with surviving new
-tokens, and writing into the storage it is composed with.
+A policy implements `select_drop(candidates)` only (which `T` candidates lose their slot); the base
+class does the bookkeeping: checks, the fast path while the cache fills, pairing freed slots with
+surviving new tokens (`Placement`), and writing into the storage it is composed with. What a policy
+sees of a call is one record, `Candidates`; the inputs that cost something (attention-weight sums,
+the call's queries) are filled only when the class asks for them (`needs_attn_weights`,
+`needs_queries`), so that other policies keep the fast attention path.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from litkv.config import KVCacheConfig
-from litkv.kvcache.storage import CacheShape, KVStorage, make_storage
+from litkv.kvcache.options import NoOptions, PolicyOptions
+from litkv.kvcache.storage import CacheShape, KVStorage
+from litkv.kvcache.storage_kinds import make_storage
 
-__all__ = ["KVCache", "CacheShape", "pair_drops"]
+if TYPE_CHECKING:
+    from litkv.config import KVCacheConfig
+
+__all__ = ["Candidates", "CacheShape", "KVCache", "LayerCache", "Placement", "pair_drops"]
+
+
+class LayerCache(Protocol):
+    """What an attention layer needs from its cache (`KVCache` and the gradient engine's replay cache)."""
+
+    needs_attn_weights: bool
+    heads_share_positions: bool
+    positions: torch.Tensor  # (B, G, n) token position of each cached slot, -1 when empty
+
+    def attend_inputs(
+        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def evict_and_store(self, attn_weights: torch.Tensor | None) -> None: ...
+
+    def nbytes(self) -> int: ...
 
 
 @dataclass
-class _Pending:
-    """What `attend_inputs` leaves for `update`."""
+class Candidates:
+    """The `L` cached tokens, then the `T` new tokens of a call, per (row, KV head).
 
-    direct: bool
-    start: int
-    keys: torch.Tensor  # (B, G, T, key_size)
-    values: torch.Tensor  # (B, G, T, value_size)
-    positions: torch.Tensor  # (B, G, L + T) candidates, or (B, G, start + T) on the direct path
+    Attributes:
+        positions: `(B, G, L + T)` int64 token positions; `-1` for empty slots and pads.
+        keys: `(B, G, L + T, key_size)` keys as the queries saw them (after RoPE; dequantised), or
+            `None` while the cache is filling (nothing to choose then).
+        values: `(B, G, L + T, value_size)`, or `None` while filling.
+        new_keys: `(B, G, T, key_size)` keys of the new tokens as computed (what storage receives; with
+            quantised storage the queries saw them rounded, as in `keys`).
+        new_values: `(B, G, T, value_size)`.
+        query_pos: `(B, T)` int64 positions of the call's queries, `-1` for pads.
+        attn_weights: `(B, G, L + T)` float32 softmax weights summed over the call's (non-pad) queries
+            and each KV group's query heads; `None` unless the class sets `needs_attn_weights`.
+        queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
+            `needs_queries`.
+    """
+
+    positions: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    query_pos: torch.Tensor
+    attn_weights: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+
+    @property
+    def num_new(self) -> int:
+        """`T`."""
+        return self.new_keys.shape[2]
+
+
+@dataclass
+class Placement:
+    """Where a call's new tokens went: the slot pairing, computed once per call.
+
+    Attributes:
+        dest: `(B, G, T)` slot indices; `src`: `(B, G, T)` new-token indices; `valid`: `(B, G, T)`
+            bool. New token `src[j]` went into slot `dest[j]` where `valid[j]`.
+        source: `(B, G, L)` int64, for each slot the index of the candidate (`0..L+T-1`) it holds now.
+        replaced: `(B, G, L)` bool, slots that received a new token in this call.
+    """
+
+    dest: torch.Tensor
+    src: torch.Tensor
+    valid: torch.Tensor
+    source: torch.Tensor
+    replaced: torch.Tensor
+
+    def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
+        """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
+        return per_candidate.gather(2, self.source)
 
 
 def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,22 +132,44 @@ def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, tor
     return dest, src, valid
 
 
+def _placement(dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, cache_length: int) -> Placement:
+    b, g, _ = dest.shape
+    source = torch.arange(cache_length, device=dest.device).expand(b, g, cache_length)
+    source = source.scatter(2, dest, torch.where(valid, cache_length + src, dest))
+    replaced = torch.zeros(b, g, cache_length, dtype=torch.bool, device=dest.device).scatter_(2, dest, valid)
+    return Placement(dest, src, valid, source, replaced)
+
+
+@dataclass
+class _Pending:
+    """What `attend_inputs` leaves for `evict_and_store`."""
+
+    direct: bool
+    start: int
+    candidates: Candidates
+
+
 class KVCache(ABC):
     """Base class of all cache policies. Subclasses implement `select_drop`.
 
+    Class attributes (a subclass sets them):
+        Options: the dataclass of the policy's own options (`KVCacheConfig.options` is validated into one;
+            the instance is `self.options`).
+        needs_attn_weights: `Candidates.attn_weights` is filled (attention takes the eager path).
+        needs_queries: `Candidates.queries` is filled.
+        heads_share_positions: every KV head of a row always holds the same tokens in the same slots
+            (true for policies that look at neither keys nor attention); attention then builds one mask
+            per row instead of one per head.
+
     Attributes:
-        needs_attn_weights: Whether `select_drop` needs the attention weights summed over the call's
-            queries and each KV group's query heads, `(B, G, L + T)` float32.
-        heads_share_positions: Whether every KV head of a row always holds the same tokens in the same
-            slots (true for policies that do not look at keys or attention); attention then builds one
-            mask per row instead of one per head.
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
         num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
-            no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it);
-            after an eviction or with quantised storage, empty slots can be anywhere.
+            no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it).
     """
 
+    Options: ClassVar[type[PolicyOptions]] = NoOptions
     needs_attn_weights: ClassVar[bool] = False
+    needs_queries: ClassVar[bool] = False
     heads_share_positions: ClassVar[bool] = False
 
     def __init__(
@@ -86,6 +178,12 @@ class KVCache(ABC):
         if shape.cache_length != config.cache_length:
             raise ValueError(f"shape.cache_length={shape.cache_length} != config.cache_length={config.cache_length}")
         self.config = config
+        self.options = config.policy_options
+        if not isinstance(self.options, self.Options):
+            raise TypeError(
+                f"{type(self).__name__} expects options of type {self.Options.__name__}, got "
+                f"{type(self.options).__name__} (config.policy={config.policy!r})"
+            )
         self.shape = shape
         self.cache_length = config.cache_length
         self.dtype = dtype
@@ -96,38 +194,50 @@ class KVCache(ABC):
         self.num_filled = 0
         self._pending: _Pending | None = None
 
-    # -- policy ---------------------------------------------------------------------------------
+    # -- what a policy implements ---------------------------------------------------------------
 
     @abstractmethod
-    def select_drop(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
+    def select_drop(self, candidates: Candidates) -> torch.Tensor:
         """Choose which `T` of the `L + T` candidates lose their slot.
 
         Args:
-            positions: `(B, G, L + T)` token positions of the candidates: the `L` slots, then the `T`
-                new tokens; `-1` for empty slots and pad tokens (drop those first).
-            attn_weights: `(B, G, L + T)` float32 attention weights of this call, or `None` when the
-                class does not need them.
+            candidates: the call's record; drop empty slots and pads (position `-1`) first.
 
         Returns:
             `(B, G, T)` int64 distinct candidate indices to drop.
         """
 
-    def check_room(self, num_new: int) -> None:
-        """Raise before attention if `num_new` tokens cannot be taken (the dense cache overrides)."""
-
-    def after_write(self, replaced: torch.Tensor, slot_weights: torch.Tensor | None) -> None:
+    def after_write(self, placement: Placement, candidates: Candidates) -> None:
         """Hook for per-slot policy state, called once the call's tokens are in their slots.
 
-        Args:
-            replaced: `(B, G, L)` bool, slots that received a new token in this call.
-            slot_weights: `(B, G, L)` float32 attention weights this call gave to the token now in each
-                slot (zero for empty slots), or `None` when weights were not computed.
+        `placement.carry(per_candidate)` turns a `(B, G, L + T)` per-candidate quantity into the
+        `(B, G, L)` per-slot one; `self.positions` is already updated (`-1`: still empty).
         """
+
+    @classmethod
+    def max_tokens(cls, config: KVCacheConfig) -> int | None:
+        """Most tokens one sequence may bring through this cache, `None` when unbounded (it evicts)."""
+        return None
+
+    def check_room(self, num_new: int) -> None:
+        """Raise before attention if `num_new` tokens cannot be taken."""
+        limit = self.max_tokens(self.config)
+        if limit is not None and self.num_filled + num_new > limit:
+            raise ValueError(
+                f"{type(self).__name__} is full: cache_length={self.cache_length}, {self.num_filled} slots used, "
+                f"{num_new} new tokens do not fit (need {self.num_filled + num_new}). Use a larger "
+                "cache_length or a policy that evicts, e.g. 'last-recent' or 'h2o'"
+            )
+
+    def drops_valid_by_construction(self) -> bool:
+        """Whether `select_drop` returns valid indices by construction, so that `evict_and_store` need
+        not check their values (one host sync per call). Built-in policies override; a custom one is checked."""
+        return False
 
     # -- contract -------------------------------------------------------------------------------
 
     def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
+        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the new queries attend to: cached tokens plus the new ones.
 
@@ -135,71 +245,78 @@ class KVCache(ABC):
             keys: `(B, G, T, key_size)` new keys (after RoPE).
             values: `(B, G, T, value_size)` new values.
             input_pos: `(B, T)` int64 token positions, `-1` for padding.
+            queries: `(B, n_head, T, key_size)` the call's queries (after RoPE); kept only when the class
+                sets `needs_queries`.
 
         Returns:
             keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`.
         """
         self._check_inputs(keys, values, input_pos)
+        if self.needs_queries and queries is None:
+            raise ValueError(f"{type(self).__name__} needs the call's queries, got None")
         b, g, t = keys.shape[:3]
         new_pos = input_pos[:, None, :].expand(b, g, t)
         start = self.num_filled
+        kept_queries = queries if self.needs_queries else None
         if self.storage.lossless and start + t <= self.cache_length:
+            positions = torch.cat((self.positions, new_pos), dim=2)  # slots [start, L) are empty before the call
             self.storage.write_range(start, keys, values)
             self.positions[:, :, start : start + t] = new_pos
             self.num_filled = start + t
-            self._pending = _Pending(True, start, keys, values, self.positions[:, :, : start + t])
+            candidates = Candidates(positions, None, None, keys, values, input_pos, queries=kept_queries)
+            self._pending = _Pending(True, start, candidates)
             all_keys, all_values = self.storage.read_prefix(start + t)
-            return all_keys, all_values, self._pending.positions
+            return all_keys, all_values, self.positions[:, :, : start + t]
         self.check_room(t)
         old_keys, old_values = self.storage.read()
         seen_keys, seen_values = self.storage.as_stored(keys, values)
-        candidates = torch.cat((self.positions, new_pos), dim=2)
-        self._pending = _Pending(False, start, keys, values, candidates)
-        return torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2), candidates
+        all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
+        positions = torch.cat((self.positions, new_pos), dim=2)
+        candidates = Candidates(positions, all_keys, all_values, keys, values, input_pos, queries=kept_queries)
+        self._pending = _Pending(False, start, candidates)
+        return all_keys, all_values, positions
 
-    def update(self, attn_weights: torch.Tensor | None) -> None:
-        """Evict and write, after the call's queries have attended (`attn_weights`: `(B, G, S)`)."""
+    def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
+        """After the call's queries have attended: evict and write the surviving new tokens.
+
+        Args:
+            attn_weights: `(B, G, S)` float32 weight sums over the attended tokens (`S` as returned by
+                `attend_inputs`), or `None` when the class does not set `needs_attn_weights`.
+        """
         pending = self._pending
         if pending is None:
-            raise RuntimeError("KVCache.update() called without a preceding attend_inputs()")
+            raise RuntimeError("KVCache.evict_and_store() called without a preceding attend_inputs()")
         self._pending = None
         if self.needs_attn_weights and attn_weights is None:
             raise ValueError(f"{type(self).__name__} needs attention weights, got None")
-        length, t = self.cache_length, pending.keys.shape[2]
+        cand = pending.candidates
+        length, t = self.cache_length, cand.num_new
         if pending.direct:
-            replaced = torch.zeros_like(self.positions, dtype=torch.bool)
-            replaced[:, :, pending.start : pending.start + t] = True
-            slot_weights = None
-            if attn_weights is not None:
-                slot_weights = F.pad(attn_weights, (0, length - attn_weights.shape[2]))
-            self.after_write(replaced, slot_weights)
+            if attn_weights is not None:  # (B, G, start + T): cached tokens, then the new ones
+                start = pending.start
+                slot_part = F.pad(attn_weights[..., :start], (0, length - start))
+                cand.attn_weights = torch.cat((slot_part, attn_weights[..., start:]), dim=2)
+            slots = torch.arange(pending.start, pending.start + t, device=self.positions.device)
+            slots = slots.expand(*self.positions.shape[:2], t)
+            placement = _placement(slots, slots - pending.start, torch.ones_like(slots, dtype=torch.bool), length)
+            self.after_write(placement, cand)
             return
-        drop = self.select_drop(pending.positions, attn_weights)
+        cand.attn_weights = attn_weights
+        drop = self.select_drop(cand)
         self._check_drop(drop, t)
         dest, src, valid = pair_drops(drop, length)
-        keys = _gather_tokens(pending.keys, src)
-        values = _gather_tokens(pending.values, src)
-        self.storage.write(dest, keys, values, valid)
-        new_pos = pending.positions[..., length:].gather(2, src)
+        placement = _placement(dest, src, valid, length)
+        self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
+        new_pos = cand.positions[..., length:].gather(2, src)
         self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
         self.num_filled = min(length, self.num_filled + t)
-        replaced = torch.zeros_like(self.positions, dtype=torch.bool).scatter_(2, dest, valid)
-        slot_weights = None
-        if attn_weights is not None:
-            new_w = attn_weights[..., length:].gather(2, src)
-            slot_weights = attn_weights[..., :length].masked_fill(replaced, 0.0)
-            slot_weights = slot_weights.scatter_add(2, dest, new_w * valid)
-            slot_weights = slot_weights.masked_fill(self.positions < 0, 0.0)
-        self.after_write(replaced, slot_weights)
+        self.after_write(placement, cand)
 
     def nbytes(self) -> int:
         """Bytes held by the keys and values (scales and offsets included for quantised storage)."""
         return self.storage.nbytes()
 
-    def drops_valid_by_construction(self) -> bool:
-        """Whether `select_drop` returns valid indices by construction, so that `update` need not check
-        their values (one host sync per call). Built-in policies override; a custom policy is checked."""
-        return False
+    # -- checks ---------------------------------------------------------------------------------
 
     def _check_drop(self, drop: object, t: int) -> None:
         """Raise naming the policy if `drop` is not `(B, G, T)` int64 distinct indices in `[0, L + T)`."""
@@ -226,7 +343,7 @@ class KVCache(ABC):
     def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor) -> None:
         s = self.shape
         if self._pending is not None:
-            raise RuntimeError("attend_inputs() called twice without update() in between")
+            raise RuntimeError("attend_inputs() called twice without evict_and_store() in between")
         for name, tensor, size in (("keys", keys, s.key_size), ("values", values, s.value_size)):
             if tensor.dtype != self.dtype:
                 raise ValueError(f"{name} have dtype {tensor.dtype}, but the cache holds {self.dtype}")

@@ -1,40 +1,103 @@
-"""`h2o`: Heavy-Hitter Oracle (Zhang et al., 2023).
+"""`h2o`: Heavy-Hitter Oracle (Zhang et al., NeurIPS 2023).
 
-Each (row, KV head) keeps its `recent` newest tokens plus the tokens with the largest attention
-accumulated since they entered the cache (weights of every call, prefill chunks included, summed
-over the call's queries and the group's query heads). With `normalize_scores`, the accumulated
-attention is divided by the number of queries that could attend to the token (queries at or after
-its position, counted since it entered the cache; sliding windows are not taken into account), so
-that old tokens are not favoured merely for having been seen by more queries.
+Each (row, KV head) keeps its `recent` newest tokens (default: half the cache) plus the tokens with
+the largest attention accumulated since they entered the cache (weights of every call, prefill chunks
+included, summed over the call's queries and the group's query heads). With `normalize_scores`, the
+accumulated attention is divided by the number of queries that could attend to the token (queries at
+or after its position, counted since it entered the cache; sliding windows are not taken into
+account), so that old tokens are not favoured merely for having been seen by more queries.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 
+from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool
+from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
+from litkv.kvcache.storage import CacheShape
 
-__all__ = ["H2OKVCache"]
+if TYPE_CHECKING:
+    from litkv.config import KVCacheConfig
+
+__all__ = ["H2OKVCache", "H2OOptions", "query_counts"]
 
 
+@dataclass
+class H2OOptions(ScoreOptions):
+    """H2O's options: `sinks`, `recent` (default half the cache), `normalize_scores`."""
+
+    default_recent_fraction: ClassVar[float] = 0.5
+
+    normalize_scores: bool = False
+
+    def check(self, cache_length: int) -> None:
+        super().check(cache_length)
+        check_bool("normalize_scores", self.normalize_scores)
+
+
+def query_counts(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """How many of a call's queries can attend to each key (causally, by position).
+
+    Args:
+        query_pos: `(B, T)` query positions, `-1` for padding.
+        key_pos: `(B, G, N)` key positions, `-1` for empty slots and padding.
+
+    Returns:
+        `(B, G, N)` float32: the number of non-pad queries with position `>=` the key's (0 for `-1` keys).
+    """
+    b, g, n = key_pos.shape
+    sorted_q = torch.sort(query_pos, dim=1).values
+    below = torch.searchsorted(sorted_q, key_pos.reshape(b, g * n)).view(b, g, n)
+    counts = (query_pos.shape[1] - below).to(torch.float32)
+    return counts.masked_fill(key_pos < 0, 0.0)
+
+
+@register_kv_cache("h2o")
 class H2OKVCache(ScoreKVCache):
-    """Keeps the recent window and the heavy hitters (largest accumulated attention)."""
+    """Keeps the recent window and the heavy hitters (largest accumulated attention).
 
+    Attributes:
+        attn_sums: `(B, G, L)` float32 attention accumulated by each slot's token since it entered the cache.
+        query_counts: `(B, G, L)` float32 queries that could attend to it (kept with `normalize_scores`).
+    """
+
+    Options: ClassVar[type[PolicyOptions]] = H2OOptions
     needs_attn_weights: ClassVar[bool] = True
 
-    def score(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
+    def __init__(
+        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__(config, shape, device, dtype)
+        self.normalize = self.options.normalize_scores
+        self.attn_sums = torch.zeros_like(self.positions, dtype=torch.float32)
+        self.query_counts = torch.zeros_like(self.attn_sums)
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` accumulated attention (divided by the query counts with `normalize_scores`)."""
-        if attn_weights is None:
-            raise ValueError("H2OKVCache.score needs attention weights, got None")
-        scores = self.accumulated(attn_weights)
-        if self.config.normalize_scores:
-            scores = scores / self.counts(positions).clamp(min=1.0)
-        return scores
+        scores = self.accumulated(candidates)
+        return scores / self.counts(candidates).clamp(min=1.0) if self.normalize else scores
+
+    def accumulated(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, L + T)` attention each candidate has received since it entered the cache, this call included."""
+        return F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
+
+    def counts(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, L + T)` queries that could attend to each candidate since it entered the cache."""
+        previous = F.pad(self.query_counts, (0, candidates.num_new))
+        return previous + query_counts(candidates.query_pos, candidates.positions)
+
+    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+        empty = self.positions < 0
+        self.attn_sums = placement.carry(self.accumulated(candidates)).masked_fill(empty, 0.0)
+        if self.normalize:
+            self.query_counts = placement.carry(self.counts(candidates)).masked_fill(empty, 0.0)
 
     def slot_scores(self) -> torch.Tensor:
         """`(B, G, L)` current score of each slot's token (before the next call's attention)."""
-        if self.config.normalize_scores:
-            return self.attn_sums / self.query_counts.clamp(min=1.0)
-        return self.attn_sums
+        return self.attn_sums / self.query_counts.clamp(min=1.0) if self.normalize else self.attn_sums

@@ -21,23 +21,44 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from litkv.config import KVCacheConfig
-from litkv.kvcache.h2o import H2OKVCache
+from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.h2o import H2OKVCache, H2OOptions
+from litkv.kvcache.options import PolicyOptions, check_float
 from litkv.kvcache.quantized import QuantizedStorage
+from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.storage import CacheShape
 
-__all__ = ["QuantizedH2OKVCache"]
+if TYPE_CHECKING:
+    from litkv.config import KVCacheConfig
+
+__all__ = ["QuantizedH2OKVCache", "QH2OOptions"]
 
 
+@dataclass
+class QH2OOptions(H2OOptions):
+    """H2O's options plus `quant_error_weight`, the weight of the quantisation-error term (>= 0)."""
+
+    quant_error_weight: float = 0.5
+
+    def check(self, cache_length: int) -> None:
+        super().check(cache_length)
+        check_float("quant_error_weight", self.quant_error_weight, minimum=0.0)
+
+
+@register_kv_cache("qh2o")
 class QuantizedH2OKVCache(H2OKVCache):
     """H2O whose eviction score penalises tokens with a large quantisation error.
 
     Attributes:
         quant_errors: `(B, G, L)` float32 quantisation error of each slot's token (0 when empty).
     """
+
+    Options: ClassVar[type[PolicyOptions]] = QH2OOptions
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
@@ -53,35 +74,28 @@ class QuantizedH2OKVCache(H2OKVCache):
         if not isinstance(self.storage, QuantizedStorage):
             raise TypeError(f"qh2o needs QuantizedStorage, got {type(self.storage).__name__}")
         self.quant_errors = torch.zeros_like(self.attn_sums)
-        self._new_errors: torch.Tensor | None = None
+        self._errors: tuple[Candidates, torch.Tensor] | None = None
 
-    def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As `KVCache.attend_inputs`; also measures the new tokens' quantisation errors `(B, G, T)`."""
-        out = super().attend_inputs(keys, values, input_pos)
-        errors = self.storage.token_errors(keys, values)
-        self._new_errors = errors.masked_fill(input_pos[:, None, :] < 0, 0.0)
-        return out
-
-    def score(self, positions: torch.Tensor, attn_weights: torch.Tensor | None) -> torch.Tensor:
+    def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` normalised H2O score minus the weighted normalised quantisation error."""
-        attention = super().score(positions, attn_weights)  # 0 for empty slots and pads
-        errors = torch.cat((self.quant_errors, self._call_new_errors()), dim=2)  # 0 there too
-        weight = self.config.quant_error_weight
-        return _share_of_max(attention) - weight * _share_of_max(errors)
+        attention = super().score(candidates)  # 0 for empty slots and pads
+        weight = self.options.quant_error_weight
+        return _share_of_max(attention) - weight * _share_of_max(self._candidate_errors(candidates))
 
-    def after_write(self, replaced: torch.Tensor, slot_weights: torch.Tensor | None) -> None:
-        """Carry the new tokens' errors into their slots, then update the H2O state."""
-        errors = self.new_to_slots(self.quant_errors, self._call_new_errors())
+    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+        """Carry the candidates' errors into the slots, then update the H2O state."""
+        errors = placement.carry(self._candidate_errors(candidates))
         self.quant_errors = errors.masked_fill(self.positions < 0, 0.0)
-        self._new_errors = None
-        super().after_write(replaced, slot_weights)
+        self._errors = None
+        super().after_write(placement, candidates)
 
-    def _call_new_errors(self) -> torch.Tensor:
-        if self._new_errors is None:
-            raise RuntimeError("quantisation errors of the new tokens are only known during a call")
-        return self._new_errors
+    def _candidate_errors(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, L + T)` errors of the slots' tokens, then of the new tokens (0 for pads), once per call."""
+        if self._errors is None or self._errors[0] is not candidates:
+            new = self.storage.token_errors(candidates.new_keys, candidates.new_values)
+            new = new.masked_fill(candidates.query_pos[:, None, :] < 0, 0.0)
+            self._errors = (candidates, torch.cat((self.quant_errors, new), dim=2))
+        return self._errors[1]
 
 
 def _share_of_max(x: torch.Tensor) -> torch.Tensor:

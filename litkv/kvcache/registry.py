@@ -1,5 +1,5 @@
-"""Policy name -> `KVCache` class. Names are registered with `register_kv_cache`; a
-`"package.module:Class"` path is accepted anywhere a name is."""
+"""Policy name -> `KVCache` class. Built-in and user policies are registered the same way, with the
+`register_kv_cache` decorator; a `"package.module:Class"` path is accepted anywhere a name is."""
 
 from __future__ import annotations
 
@@ -11,22 +11,31 @@ from litkv.kvcache.base import KVCache
 __all__ = ["register_kv_cache", "get_kv_cache_class", "known_policies", "check_policy_name"]
 
 _REGISTRY: dict[str, type[KVCache]] = {}
-_BUILTINS = {
-    "dense": "litkv.kvcache.dense:DenseKVCache",
-    "last-recent": "litkv.kvcache.last_recent:LastRecentKVCache",
-    "h2o": "litkv.kvcache.h2o:H2OKVCache",
-    "qh2o": "litkv.kvcache.qh2o:QuantizedH2OKVCache",
-}
+# Modules whose classes register the built-in policies; imported on the first lookup.
+_BUILTIN_MODULES = (
+    "litkv.kvcache.dense",
+    "litkv.kvcache.last_recent",
+    "litkv.kvcache.h2o",
+    "litkv.kvcache.qh2o",
+)
+_builtins_loaded = False
 
 
 def register_kv_cache(name: str) -> Callable[[type[KVCache]], type[KVCache]]:
-    """Class decorator: make a `KVCache` subclass available as policy `name`."""
+    """Class decorator: make a `KVCache` subclass available as policy `name`.
+
+    Registering another class under a name that is taken is a ValueError (re-importing the same
+    module replaces its own classes).
+    """
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"policy name must be a non-empty string without ':', got {name!r}")
 
     def decorator(cls: type[KVCache]) -> type[KVCache]:
         if not (isinstance(cls, type) and issubclass(cls, KVCache)):
             raise TypeError(f"register_kv_cache({name!r}) expects a KVCache subclass, got {cls!r}")
+        taken = _REGISTRY.get(name)
+        if taken is not None and _qualified(taken) != _qualified(cls):
+            raise ValueError(f"policy name {name!r} is already registered for {_qualified(taken)}")
         _REGISTRY[name] = cls
         return cls
 
@@ -34,13 +43,15 @@ def register_kv_cache(name: str) -> Callable[[type[KVCache]], type[KVCache]]:
 
 
 def known_policies() -> list[str]:
-    """Names usable as `KVCacheConfig.policy` (built-in ones, then registered ones)."""
-    return sorted(set(_BUILTINS) | set(_REGISTRY))
+    """Names usable as `KVCacheConfig.policy`, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
 
 
 def check_policy_name(name: str) -> None:
     """Raise ValueError naming the known policies if `name` is neither known nor a `module:Class` path."""
-    if ":" not in name and name not in _BUILTINS and name not in _REGISTRY:
+    _load_builtins()
+    if ":" not in name and name not in _REGISTRY:
         raise ValueError(f"unknown KV cache policy {name!r}; known policies: {', '.join(known_policies())}")
 
 
@@ -49,8 +60,7 @@ def get_kv_cache_class(name: str) -> type[KVCache]:
     check_policy_name(name)
     if name in _REGISTRY:
         return _REGISTRY[name]
-    path = _BUILTINS.get(name, name)
-    module_name, _, attr = path.partition(":")
+    module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -59,3 +69,15 @@ def get_kv_cache_class(name: str) -> type[KVCache]:
     if not (isinstance(cls, type) and issubclass(cls, KVCache)):
         raise ValueError(f"policy {name!r}: {attr!r} in {module_name!r} is not a KVCache subclass")
     return cls
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CacheShape", "FloatStorage", "KVStorage", "make_storage", "scatter_slots"]
+__all__ = ["CacheShape", "FloatStorage", "KVStorage", "scatter_slots"]
 
 
 @dataclass(frozen=True)
@@ -119,16 +119,3 @@ class FloatStorage(KVStorage):
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
-
-
-def make_storage(
-    kind: str, shape: CacheShape, device: torch.device | None, dtype: torch.dtype, group_size: int
-) -> KVStorage:
-    """Build the storage named by `KVCacheConfig.storage`."""
-    if kind == "float":
-        return FloatStorage(shape, device, dtype)
-    if kind in ("int8", "int4"):
-        from litkv.kvcache.quantized import QuantizedStorage
-
-        return QuantizedStorage(shape, device, dtype, bits=8 if kind == "int8" else 4, group_size=group_size)
-    raise ValueError(f"storage must be one of ['float', 'int8', 'int4'], got {kind!r}")

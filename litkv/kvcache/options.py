@@ -1,0 +1,118 @@
+"""Policy options: each policy declares its own small dataclass, validated with clear errors.
+
+`KVCacheConfig.options` (a mapping; `--kv_cache.<option>` on the command line, `options:` in YAML) is
+turned into the policy's `Options` instance by `parse_options`; the cache gets it as `self.options`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = [
+    "LastRecentOptions",
+    "NoOptions",
+    "PolicyOptions",
+    "ScoreOptions",
+    "check_bool",
+    "check_float",
+    "check_int",
+    "parse_options",
+]
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """Raise TypeError unless `value` is an int (not a bool), ValueError if it is below `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_float(name: str, value: object, minimum: float | None = None, maximum: float | None = None) -> None:
+    """Raise TypeError unless `value` is a finite real number, ValueError outside `[minimum, maximum]`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise TypeError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise TypeError unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass
+class PolicyOptions:
+    """Base of every policy's options. Fields need defaults; `check` validates against the cache size."""
+
+    def check(self, cache_length: int) -> None:
+        """Raise ValueError/TypeError naming the option if a value is not usable with `cache_length` slots."""
+
+
+@dataclass
+class NoOptions(PolicyOptions):
+    """A policy without options."""
+
+
+@dataclass
+class LastRecentOptions(PolicyOptions):
+    """Args:
+    sinks: Number of initial tokens that are never evicted (StreamingLLM attention sinks).
+    """
+
+    sinks: int = 0
+
+    def check(self, cache_length: int) -> None:
+        check_int("sinks", self.sinks, minimum=0)
+        if self.sinks >= cache_length:
+            raise ValueError(f"sinks must be < cache_length, got sinks={self.sinks}, cache_length={cache_length}")
+
+
+@dataclass
+class ScoreOptions(PolicyOptions):
+    """Options every score-based policy has.
+
+    Args:
+        sinks: Number of initial tokens that are never evicted.
+        recent: Number of newest tokens that are never evicted. ``None``: the policy's default,
+            `default_recent_fraction` of the cache.
+    """
+
+    default_recent_fraction: ClassVar[float] = 0.0
+
+    sinks: int = 0
+    recent: int | None = None
+
+    def recent_length(self, cache_length: int) -> int:
+        """The recent window actually used with `cache_length` slots."""
+        return int(cache_length * self.default_recent_fraction) if self.recent is None else self.recent
+
+    def check(self, cache_length: int) -> None:
+        check_int("sinks", self.sinks, minimum=0)
+        if self.recent is not None:
+            check_int("recent", self.recent, minimum=0)
+        if self.sinks + self.recent_length(cache_length) > cache_length:
+            raise ValueError(
+                f"sinks + recent must be <= cache_length, got sinks={self.sinks}, "
+                f"recent={self.recent_length(cache_length)}, cache_length={cache_length}"
+            )
+
+
+def parse_options(
+    options_class: type[PolicyOptions], values: Mapping[str, object], policy: str, cache_length: int
+) -> PolicyOptions:
+    """Build and check `options_class` from `values`; unknown names are a ValueError listing the known ones."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"options must be a mapping of option names to values, got {type(values).__name__}")
+    known = [f.name for f in dataclasses.fields(options_class)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        listed = ", ".join(known) if known else "none"
+        raise ValueError(f"policy {policy!r} has no option {', '.join(map(repr, unknown))}; its options: {listed}")
+    options = options_class(**values)
+    options.check(cache_length)
+    return options
