@@ -4,16 +4,27 @@ A checkpoint directory holds `model_config.yaml` (a `litgpt.Config`), the weight
 `model.safetensors` (preferred) or `lit_model.pth`, and the tokenizer files (`tokenizer.json` or
 `tokenizer.model`, optionally `tokenizer_config.json`). Weights are read with safetensors or with
 `torch.load(weights_only=True)` only: a `.pth` file that pickles anything but tensors (and plain
-containers of them) is refused.
+containers of them) is refused. YAML is read with `yaml.safe_load` only.
+
+Every file that cannot be used (truncated, corrupt, wrong type, wrong dtype, NaN/inf weights, an
+inconsistent config) raises a ValueError that names the file and what is wrong.
+
+Writes are atomic: a file (or a whole directory, `save_dir_atomic`) is written under a temporary
+name starting with `TMP_PREFIX` in the target's directory and renamed into place when complete. A
+process killed mid-write leaves only such temporary names behind, which `remove_stale_temp_files`
+removes and which are never taken for a checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import tempfile
+import secrets
+import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,14 +36,22 @@ __all__ = [
     "SAFETENSORS_FILE",
     "PTH_FILE",
     "TOKENIZER_FILES",
+    "TMP_PREFIX",
+    "MLP_CLASSES",
+    "NORM_CLASSES",
     "default_checkpoint_dir",
     "check_checkpoint_dir",
     "check_state_dict",
+    "check_finite",
     "find_weights_file",
+    "is_temp_name",
     "load_config",
     "load_state_dict",
     "load_model",
     "load_tokenizer",
+    "remove_stale_temp_files",
+    "safe_torch_load",
+    "save_dir_atomic",
     "save_file_atomic",
     "save_state_dict_atomic",
 ]
@@ -41,6 +60,19 @@ CONFIG_FILE = "model_config.yaml"
 SAFETENSORS_FILE = "model.safetensors"
 PTH_FILE = "lit_model.pth"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+#: Prefix of every temporary file or directory that litkv writes (then renames into place).
+TMP_PREFIX = ".litkv-tmp-"
+#: `mlp_class_name` and `norm_class_name` values a checkpoint config may use.
+MLP_CLASSES = ("GptNeoxMLP", "LLaMAMLP", "GemmaMLP", "LLaMAMoE")
+NORM_CLASSES = ("LayerNorm", "RMSNorm")
+#: Integer config fields that must be >= 1 (None allowed for those in `_OPTIONAL_INTS`).
+_POSITIVE_INTS = ("block_size", "vocab_size", "padded_vocab_size", "padding_multiple", "n_layer", "n_head", "n_embd",
+                  "n_query_groups", "head_size", "intermediate_size")  # fmt: skip
+_OPTIONAL_INTS = ("padded_vocab_size", "n_query_groups", "head_size", "intermediate_size")
+#: Names of files that earlier litkv versions left behind when killed mid-write: `.NAME.XXXXXX.tmp`.
+_LEGACY_TMP_NAMES = (CONFIG_FILE, SAFETENSORS_FILE, PTH_FILE, "lora.safetensors", "training_state.pt",
+                     "hyperparameters.yaml", "prompt_style.yaml", "tokenizer.json", "tokenizer.model",
+                     "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")  # fmt: skip
 
 
 def default_checkpoint_dir() -> Path:
@@ -55,10 +87,15 @@ def check_checkpoint_dir(checkpoint_dir: str | Path, weights: bool = True, token
 
     Raises:
         FileNotFoundError: naming the directory and the first missing file.
+        ValueError: if the directory is the temporary name of an interrupted write.
     """
     path = Path(checkpoint_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    if is_temp_name(path.name):
+        raise ValueError(
+            f"{str(path)!r} is an incomplete checkpoint directory (the temporary name of an interrupted write)"
+        )
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} has no {CONFIG_FILE}")
     if weights:
@@ -81,39 +118,136 @@ def find_weights_file(checkpoint_dir: str | Path) -> Path:
     )
 
 
+# -- config ----------------------------------------------------------------------------------------
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines) if lines else type(err).__name__
+
+
+def _yaml_reason(err: Exception) -> str:
+    """`"<problem> at line L, column C"` of a YAML error."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if problem is None:
+        return _one_line(err)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
+
+
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML file, read with `yaml.safe_load` (no Python tags constructed)."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not a UTF-8 text file: {err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML (or uses tags that are not allowed): {_yaml_reason(err)}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of config fields, got {type(data).__name__} {data!r:.80}")
+    return data
+
+
+def _check_config_fields(raw: Mapping[str, Any], source: Path) -> None:
+    """ValueError/TypeError for field values that would crash or mislead model construction."""
+    for name in _POSITIVE_INTS:
+        if name not in raw or (raw[name] is None and name in _OPTIONAL_INTS):
+            continue
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{source}: {name} must be an int, got {type(value).__name__} {value!r:.80}")
+        if value < 1:
+            raise ValueError(f"{source}: {name} must be >= 1, got {value}")
+    n_head, groups = raw.get("n_head"), raw.get("n_query_groups")
+    if isinstance(n_head, int) and isinstance(groups, int) and n_head % groups:
+        raise ValueError(f"{source}: n_query_groups ({groups}) must divide n_head ({n_head})")
+    n_embd = raw.get("n_embd")
+    if raw.get("head_size") is None and isinstance(n_embd, int) and isinstance(n_head, int) and n_embd % n_head:
+        raise ValueError(f"{source}: n_embd ({n_embd}) must be a multiple of n_head ({n_head}) when head_size is unset")
+    for name, known in (("mlp_class_name", MLP_CLASSES), ("norm_class_name", NORM_CLASSES)):
+        if name in raw and raw[name] not in known:
+            raise ValueError(f"{source}: unknown {name} {raw[name]!r}; expected one of {list(known)}")
+
+
 def load_config(checkpoint_dir: str | Path) -> Config:
-    """The model `Config` from `checkpoint_dir/model_config.yaml`."""
+    """The model `Config` from `checkpoint_dir/model_config.yaml`, validated.
+
+    Raises:
+        FileNotFoundError: no config file.
+        ValueError: the file is not YAML, not a mapping, or holds an invalid config (named field).
+        TypeError: a field has the wrong type.
+    """
     path = Path(checkpoint_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint directory {str(checkpoint_dir)!r} has no {CONFIG_FILE}")
+    raw = _read_yaml_mapping(path)
+    _check_config_fields(raw, path)
     try:
-        return Config.from_file(path)
-    except TypeError as err:
-        raise ValueError(f"{path} is not a valid litgpt model config: {err}") from err
+        return Config(**raw)
+    except (TypeError, AssertionError, AttributeError, KeyError, ValueError) as err:
+        raise ValueError(f"{path} is not a valid litgpt model config: {_one_line(err)}") from err
+
+
+# -- weights ---------------------------------------------------------------------------------------
+
+
+def safe_torch_load(path: str | Path, map_location: torch.device | str = "cpu") -> Any:
+    """`torch.load(path, weights_only=True)`, with a one-line ValueError naming the file on any failure.
+
+    A file that pickles objects other than tensors and plain containers is refused (never executed).
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = _unpickling_reason(err)
+        if "GLOBAL" in reason or "global" in reason:
+            raise ValueError(
+                f"refusing to load {str(path)!r}: it contains pickled objects other than tensors "
+                f"(only torch.load(weights_only=True) is allowed; {reason})"
+            ) from err
+        raise ValueError(f"{str(path)!r} is not a valid PyTorch file (corrupt or not a tensor file): {reason}") from err
+    except (EOFError, RuntimeError, OSError, ValueError, IndexError, KeyError, AttributeError, TypeError) as err:
+        kind = "empty" if path.stat().st_size == 0 else "truncated or corrupt"
+        raise ValueError(f"{str(path)!r} is not a valid PyTorch file ({kind}): {_one_line(err)[:200]}") from err
+
+
+def _unpickling_reason(err: BaseException) -> str:
+    """The informative line of torch's weights_only error (not its boilerplate about `weights_only`)."""
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation", "Re-running")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(boilerplate)]
+    return (useful[0] if useful else lines[0] if lines else type(err).__name__)[:300]
+
+
+def _load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as err:
+        kind = "empty" if path.stat().st_size == 0 else "truncated or corrupt"
+        raise ValueError(f"{str(path)!r} is not a valid safetensors file ({kind}): {_one_line(err)}") from err
 
 
 def load_state_dict(path: str | Path, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Read a state dict from a `.safetensors` file or a tensors-only `.pth` file.
 
     A `.pth` file whose top level is `{"model": state_dict}` (LitGPT/Fabric training checkpoints) is
-    unwrapped. Anything that is not a mapping of names to tensors is refused with a ValueError.
+    unwrapped. A corrupt file, or anything that is not a mapping of names to tensors, is refused with a
+    ValueError naming the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
     map_location = torch.device("cpu") if device is None else torch.device(device)
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device=str(map_location))
-    try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"refusing to load {str(path)!r}: it contains pickled objects other than tensors "
-            f"(only torch.load(weights_only=True) is allowed; {first})"
-        ) from err
+        return _load_safetensors(path, map_location)
+    obj = safe_torch_load(path, map_location)
     if isinstance(obj, Mapping) and set(obj) == {"model"} and isinstance(obj["model"], Mapping):
         obj = obj["model"]
     if not isinstance(obj, Mapping):
@@ -128,7 +262,7 @@ def load_state_dict(path: str | Path, device: torch.device | str | None = None) 
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> None:
-    """Raise ValueError unless `state_dict` has exactly the keys and shapes of `model`'s."""
+    """Raise ValueError unless `state_dict` has exactly the keys, shapes and kind of dtype of `model`'s."""
     expected = model.state_dict()
     if set(expected) != set(state_dict):
         missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
@@ -142,6 +276,26 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tens
                 f"{source} do not match {CONFIG_FILE}: {key} has shape {tuple(state_dict[key].shape)}, "
                 f"expected {tuple(tensor.shape)}"
             )
+        if tensor.is_floating_point() and not state_dict[key].is_floating_point():
+            raise ValueError(
+                f"{source}: {key} has dtype {state_dict[key].dtype}, expected a floating dtype (like {tensor.dtype})"
+            )
+
+
+def check_finite(state_dict: Mapping[str, torch.Tensor], source: str, block: int = 1 << 24) -> None:
+    """Raise ValueError naming the first floating tensor of `state_dict` that holds NaN or inf.
+
+    Checked in blocks of `block` elements, so the temporary mask stays small for large tensors.
+    """
+    for key, tensor in state_dict.items():
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), block):
+            part = flat[start : start + block]
+            if not bool(torch.isfinite(part).all()):
+                bad = "NaN" if bool(torch.isnan(part).any()) else "inf"
+                raise ValueError(f"{source}: {key} contains {bad} values (the checkpoint is corrupt or diverged)")
 
 
 def load_model(
@@ -153,13 +307,21 @@ def load_model(
         checkpoint_dir: directory with `model_config.yaml` and `model.safetensors` or `lit_model.pth`.
         device: where to put the model (default: CPU).
         dtype: floating dtype of the parameters (default: the dtype stored in the file).
+
+    Raises:
+        ValueError: a corrupt file, an invalid config, weights that do not match it, NaN/inf weights.
     """
     path = check_checkpoint_dir(checkpoint_dir, tokenizer=False)
     config = load_config(path)
-    state_dict = load_state_dict(find_weights_file(path))
-    with torch.device("meta"):
-        model = GPT(config)
-    check_state_dict(model, state_dict, f"weights in {str(path)!r}")
+    weights_file = find_weights_file(path)
+    state_dict = load_state_dict(weights_file)
+    try:
+        with torch.device("meta"):
+            model = GPT(config)
+    except (TypeError, ValueError, RuntimeError, AttributeError, AssertionError) as err:
+        raise ValueError(f"{path / CONFIG_FILE}: cannot build the model from this config: {_one_line(err)}") from err
+    check_state_dict(model, state_dict, f"weights in {str(weights_file)!r}")
+    check_finite(state_dict, f"weights in {str(weights_file)!r}")
     model.load_state_dict(state_dict, strict=True, assign=True)
     model = model.to(device=torch.device("cpu") if device is None else torch.device(device))
     if dtype is not None:
@@ -167,8 +329,50 @@ def load_model(
     return model.eval()
 
 
+# -- tokenizer -------------------------------------------------------------------------------------
+
+
+def _check_tokenizer_config(path: Path) -> None:
+    """ValueError/TypeError unless `tokenizer_config.json` is a JSON object with usable special tokens."""
+    import json
+
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    for key in ("bos_token", "eos_token"):
+        token = config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token is not None and not isinstance(token, str):
+            raise TypeError(f"{path}: {key} must be a string, got {type(token).__name__} {token!r:.80}")
+    if "add_bos_token" in config and not isinstance(config["add_bos_token"], bool):
+        raise TypeError(f"{path}: add_bos_token must be true or false, got {config['add_bos_token']!r:.80}")
+    if "tokenizer_class" in config and not isinstance(config["tokenizer_class"], str):
+        raise TypeError(f"{path}: tokenizer_class must be a string, got {config['tokenizer_class']!r:.80}")
+
+
+def _check_tokenizer_json(path: Path) -> None:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        kind = "empty" if path.stat().st_size == 0 else "not valid JSON"
+        raise ValueError(f"{path} is {kind}: {err}") from err
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise ValueError(f"{path} is not a Hugging Face tokenizer file: expected a JSON object with a 'model'")
+
+
 def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
-    """LitGPT's `Tokenizer` for `checkpoint_dir` (`tokenizer.json` or `tokenizer.model`)."""
+    """LitGPT's `Tokenizer` for `checkpoint_dir` (`tokenizer.json` or `tokenizer.model`).
+
+    Raises:
+        FileNotFoundError: no tokenizer file.
+        ValueError/TypeError: a tokenizer file that cannot be read (named).
+    """
     from litgpt.tokenizer import Tokenizer
 
     path = Path(checkpoint_dir)
@@ -178,27 +382,132 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
         raise FileNotFoundError(
             f"checkpoint directory {str(path)!r} has no tokenizer: expected {' or '.join(TOKENIZER_FILES)}"
         )
+    if (path / "tokenizer.json").is_file():
+        _check_tokenizer_json(path / "tokenizer.json")
+    if (path / "tokenizer_config.json").is_file():
+        _check_tokenizer_config(path / "tokenizer_config.json")
     try:
         return Tokenizer(path)
     except KeyError as err:
         raise ValueError(f"tokenizer files in {str(path)!r} are incomplete: missing key {err}") from err
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"tokenizer files in {str(path)!r} are invalid: {_one_line(err)}") from err
+    except Exception as err:  # tokenizers and sentencepiece raise plain Exception/RuntimeError on bad files
+        raise ValueError(f"cannot read the tokenizer in {str(path)!r}: {_one_line(err)}") from err
+
+
+# -- atomic writes ---------------------------------------------------------------------------------
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is a temporary file/directory name of an (interrupted) litkv write."""
+    if name.startswith(TMP_PREFIX):
+        return True
+    return name.endswith(".tmp") and any(name.startswith(f".{known}.") for known in _LEGACY_TMP_NAMES)
+
+
+def _temp_sibling(path: Path, make: Callable[[Path], None]) -> Path:
+    """Create (with `make`, which must fail if it exists) a fresh `TMP_PREFIX` name next to `path`."""
+    for _ in range(100):
+        tmp = path.parent / f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}"
+        try:
+            make(tmp)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"cannot create a temporary name next to {str(path)!r}")
+
+
+def _create_file(tmp: Path) -> None:
+    # mode 0o666 & ~umask, as open() would (mkstemp would give 0o600)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_file_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
-    """Write `path` atomically: `write_fn(tmp_path)` writes a temporary file in the same directory,
-    which then replaces `path` (`os.replace`). On error the temporary file is removed."""
+    """Write `path` atomically: `write_fn(tmp_path)` writes a temporary file `TMP_PREFIX...` in the
+    same directory, which then replaces `path` (`os.replace`). On any error the temporary file is
+    removed. The file gets mode `0o666 & ~umask`, as a plain `open()` would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _temp_sibling(path, _create_file)
     try:
         write_fn(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def save_dir_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
+    """Write directory `path` atomically: `write_fn(tmp_dir)` fills a temporary `TMP_PREFIX...`
+    directory next to it, which is then renamed to `path` (an existing `path` is replaced).
+
+    On any error the temporary directory is removed and an existing `path` is kept, so an
+    incomplete directory is never found under the name `path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(path, lambda p: p.mkdir(mode=0o777))
+    try:
+        write_fn(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename directory `tmp` to `path`; an existing `path` is moved aside first, then deleted."""
+    if not path.exists():
+        os.rename(tmp, path)
+        return
+    old = path.parent / f"{TMP_PREFIX}{path.name}.old-{secrets.token_hex(4)}"
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_temp_files(directory: str | Path) -> list[Path]:
+    """Remove temporary files/directories of interrupted litkv writes in `directory` and its subdirectories
+    (one level deep, e.g. `out_dir/step-000010/`); warn naming them; return them.
+
+    Only names that litkv's writes produce are touched (`TMP_PREFIX...` and `.NAME.XXXXXX.tmp` of the
+    checkpoint files). Do not call it while another process writes into `directory`.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if is_temp_name(p.name)]
+    for sub in root.iterdir():
+        if sub.is_dir() and not sub.is_symlink() and not is_temp_name(sub.name):
+            found += [p for p in sub.iterdir() if is_temp_name(p.name) and not p.is_dir()]
+    for stale in found:
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    if found:
+        warnings.warn(
+            f"removed {len(found)} temporary file(s) of interrupted checkpoint writes: "
+            + ", ".join(str(p) for p in sorted(found)),
+            stacklevel=2,
+        )
+    return sorted(found)
 
 
 def save_state_dict_atomic(path: str | Path, state_dict: Mapping[str, torch.Tensor]) -> Path:

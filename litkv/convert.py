@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from litgpt.config import name_to_config
 from litgpt.scripts import convert_hf_checkpoint as lit_convert
-from litgpt.utils import save_config
 
-from litkv.checkpoint import SAFETENSORS_FILE, check_state_dict, load_state_dict, save_state_dict_atomic
+from litkv.checkpoint import (
+    CONFIG_FILE,
+    SAFETENSORS_FILE,
+    check_state_dict,
+    load_state_dict,
+    save_file_atomic,
+    save_state_dict_atomic,
+)
 from litkv.config import Config
 from litkv.model import GPT
 
@@ -40,7 +48,13 @@ def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} has no config.json")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -124,7 +138,10 @@ def _pick_config(hf_dir: Path, hf: dict[str, Any], model_name: str | None) -> tu
     if hf_dir.name in name_to_config:
         return Config.from_name(hf_dir.name), hf_dir.name
     family = {"qwen2": "qwen2.5", "qwen3": "qwen3"}.get(hf.get("model_type", ""), hf.get("model_type", ""))
-    return config_from_hf(hf, hf_dir.name), family
+    try:
+        return config_from_hf(hf, hf_dir.name), family
+    except KeyError as err:
+        raise ValueError(f"{hf_dir / 'config.json'} has no {err.args[0]!r}, which a {family} model needs") from err
 
 
 def _copy_fn(config: Config, name: str):
@@ -189,8 +206,17 @@ def convert_hf_checkpoint(
     check_state_dict(reference, state_dict, f"converted weights of {str(hf_dir)!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_state_dict_atomic(out_dir / SAFETENSORS_FILE, state_dict)
-    save_config(config, out_dir)
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, out_dir / name)
+            save_file_atomic(out_dir / name, partial(_copy, hf_dir / name))
+    save_file_atomic(out_dir / CONFIG_FILE, partial(_write_config, config))  # last: the directory is complete
     return out_dir
+
+
+def _copy(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst)
+
+
+def _write_config(config: Config, path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.dump(asdict(config), f)

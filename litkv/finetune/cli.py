@@ -9,14 +9,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from tqdm.auto import tqdm
 
-from litkv.checkpoint import check_checkpoint_dir, default_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoint import (
+    check_checkpoint_dir,
+    default_checkpoint_dir,
+    load_model,
+    load_tokenizer,
+    remove_stale_temp_files,
+)
 from litkv.config import KVCacheConfig
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
@@ -32,7 +38,10 @@ from litkv.finetune.state import (
 )
 from litkv.model import GPT
 
-__all__ = ["FinetuneArgs", "finetune", "run", "PRECISIONS"]
+__all__ = ["FinetuneArgs", "finetune", "run", "MODES", "PRECISIONS"]
+
+#: `--mode` values (checked explicitly: jsonargparse's error for a `Literal` does not list the choices).
+MODES = ("lora", "full")
 
 #: Supported `--precision` values and the parameter dtype they train in. Mixed precision is not
 #: supported: the KV caches hold the parameters' dtype, which autocast would not produce.
@@ -63,8 +72,7 @@ class FinetuneArgs:
     resume: Path | None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("lora", "full"):
-            raise ValueError(f"mode must be 'lora' or 'full', got {self.mode!r}")
+        _check_mode(self.mode)
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"precision must be one of {list(PRECISIONS)}, got {self.precision!r} (mixed precision is not "
@@ -90,6 +98,11 @@ class FinetuneArgs:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+def _check_mode(mode: object) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r}")
+
+
 def default_precision() -> str:
     """``bf16-true`` on a CUDA device that supports it, else ``32-true``."""
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
@@ -99,7 +112,7 @@ def default_precision() -> str:
 
 def finetune(
     checkpoint_dir: Path | None = None,
-    mode: Literal["lora", "full"] = "lora",
+    mode: str = "lora",
     data: DataArgs = _DEFAULT_DATA,
     kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
     train: TrainArgs = _DEFAULT_TRAIN,
@@ -135,6 +148,7 @@ def finetune(
         resume: A checkpoint directory of an earlier run (`out_dir/step-XXXXXX`) to continue from: its
             weights, optimizer state, step and data order are restored.
     """
+    _check_mode(mode)
     args = FinetuneArgs(
         checkpoint_dir=check_checkpoint_dir(default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir),
         mode=mode,
@@ -162,6 +176,8 @@ def finetune(
 def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
     """Fine-tune on every process of a launched `fabric`; returns the trained (unmerged) model."""
     fabric.seed_everything(args.seed)
+    if fabric.is_global_zero:
+        remove_stale_temp_files(args.out_dir)  # left by a run killed while writing a checkpoint
     state = None if args.resume is None else load_training_state(args.resume, args.mode)
     data_seed = args.seed if state is None else state.data_seed
     train_set, val_set = _load_data(args, data_seed)
@@ -176,7 +192,7 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
         params, lr=args.train.lr, weight_decay=args.train.weight_decay, betas=(args.train.beta1, args.train.beta2)
     )
     if state is not None:
-        optimizer.load_state_dict(state.optimizer)
+        _restore_optimizer(optimizer, state, args.resume)
         restore_rng(state.rng)
     fabric.print(
         f"{args.mode} fine-tuning: {sum(p.numel() for p in params):,} trainable parameters, "
@@ -201,6 +217,17 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
     for logger in fabric.loggers:
         logger.finalize("success")
     return model
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, state: TrainingState, resume: Path | None) -> None:
+    """`optimizer.load_state_dict`, with a ValueError naming the checkpoint if the state does not fit."""
+    try:
+        optimizer.load_state_dict(state.optimizer)
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as err:
+        raise ValueError(
+            f"cannot resume from {str(resume)!r}: its optimizer state does not fit this model's trainable "
+            f"parameters (same --mode and --lora.* settings are needed): {err}"
+        ) from err
 
 
 def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[Example]]:

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "DataArgs", "Example", "load_examples", "split_examples", "collate", "DataOrder"]
+__all__ = [
+    "IGNORE_INDEX",
+    "DataArgs",
+    "Example",
+    "load_examples",
+    "read_json_records",
+    "split_examples",
+    "collate",
+    "DataOrder",
+]
 
 IGNORE_INDEX = -100
 Example = tuple[torch.Tensor, torch.Tensor]
@@ -72,15 +81,7 @@ def load_examples(args: DataArgs, tokenizer) -> list[Example]:  # tokenizer: lit
 def _json_examples(args: DataArgs, tokenizer) -> list[Example]:
     from litgpt.data.base import SFTDataset
 
-    with open(args.path, encoding="utf-8") as f:
-        records = json.load(f)
-    if not isinstance(records, list) or not records:
-        raise ValueError(f"{args.path} must hold a non-empty JSON list of {{'instruction', 'input', 'output'}} objects")
-    for i, record in enumerate(records):
-        if not isinstance(record, dict) or not {"instruction", "output"} <= set(record):
-            raise ValueError(
-                f"{args.path}: record {i} must be an object with 'instruction' and 'output', got {record!r:.200}"
-            )
+    records = read_json_records(args.path)
     dataset = SFTDataset(
         records,
         tokenizer,
@@ -108,8 +109,44 @@ def _json_examples(args: DataArgs, tokenizer) -> list[Example]:
     return examples
 
 
+def read_json_records(path: Path) -> list[dict[str, str]]:
+    """The records of a LitGPT instruction file, checked: a non-empty JSON list of objects whose
+    `instruction`, `output` (required) and `input` (optional) are strings.
+
+    Raises:
+        ValueError: naming the file and, for a bad record, its index and what is wrong with it.
+    """
+    try:
+        records = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not a UTF-8 text file: {err}") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from err
+    if not isinstance(records, list) or not records:
+        raise ValueError(
+            f"{path} must hold a non-empty JSON list of {{'instruction', 'input', 'output'}} objects, "
+            f"got {'an empty list' if records == [] else type(records).__name__}"
+        )
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: record {i} must be an object, got {type(record).__name__} {record!r:.100}")
+        missing = [key for key in ("instruction", "output") if key not in record]
+        if missing:
+            raise ValueError(f"{path}: record {i} has no {' and no '.join(repr(k) for k in missing)}")
+        for key in ("instruction", "input", "output"):
+            if key in record and not isinstance(record[key], str):
+                value = record[key]
+                raise ValueError(
+                    f"{path}: record {i}: {key!r} must be a string, got {type(value).__name__} {value!r:.100}"
+                )
+    return records
+
+
 def _text_examples(args: DataArgs, tokenizer) -> list[Example]:
-    text = args.path.read_text(encoding="utf-8")
+    try:
+        text = args.path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{args.path} is not a UTF-8 text file: {err}") from err
     tokens = tokenizer.encode(text).long()
     window = args.seq_length + 1
     if tokens.numel() < window:

@@ -1,4 +1,4 @@
-"""Fine-tuning checkpoint directories: writing them (atomically, file by file) and resuming from them.
+"""Fine-tuning checkpoint directories: writing them (atomically, as a whole) and resuming from them.
 
 A directory `out_dir/step-XXXXXX/` or `out_dir/final/` is a plain checkpoint that `litkv generate`
 loads: `model.safetensors` (full weights, adapters merged in LoRA mode), `model_config.yaml`, the
@@ -6,6 +6,10 @@ tokenizer files, `hyperparameters.yaml` (a valid `--config` for `litkv finetune`
 `prompt_style.yaml`. For `--resume` it also holds `lora.safetensors` (LoRA mode) and
 `training_state.pt`: optimizer state, step, data-order seed and RNG states, tensors and plain
 containers only, so it loads with `torch.load(weights_only=True)`.
+
+A directory is written under a temporary name (`litkv.checkpoint.TMP_PREFIX...`) and renamed into
+place when complete (`save_dir_atomic`), so a run killed mid-write never leaves an incomplete
+`step-XXXXXX/`; the next run removes the temporary leftovers (`remove_stale_temp_files`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import yaml
 from litkv.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
+    check_finite,
+    is_temp_name,
     load_state_dict,
-    save_file_atomic,
+    safe_torch_load,
+    save_dir_atomic,
     save_state_dict_atomic,
 )
 from litkv.finetune.lora import lora_state_dict, merged_state_dict
@@ -36,6 +43,7 @@ __all__ = [
     "TrainingState",
     "checkpoint_name",
     "save_checkpoint",
+    "check_resume_dir",
     "load_training_state",
     "restore_model",
     "restore_rng",
@@ -100,21 +108,18 @@ def capture_rng() -> dict[str, torch.Tensor]:
 
 
 def restore_rng(rng: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    """Restore what `capture_rng` took; ValueError if a state does not fit this machine's generator."""
+    try:
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"cannot restore the saved RNG state: {err}") from err
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    save_file_atomic(dst, lambda tmp: shutil.copyfile(src, tmp))
-
-
-def _yaml_atomic(path: Path, data: dict[str, Any]) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            yaml.safe_dump(data, f, sort_keys=False)
-
-    save_file_atomic(path, write)
+def _write_yaml(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
 
 
 def save_checkpoint(
@@ -125,37 +130,85 @@ def save_checkpoint(
     state: TrainingState,
     prompt_style: str | None = None,
 ) -> Path:
-    """Write a checkpoint directory (see the module docstring). Call on one process only."""
-    path.mkdir(parents=True, exist_ok=True)
+    """Write a checkpoint directory (see the module docstring) atomically. Call on one process only.
+
+    The files are written into a temporary directory next to `path`, which is renamed to `path` at
+    the end (replacing an existing one); on any error it is removed and `path` is left as it was.
+    """
     lora = state.mode == "lora"
     weights = merged_state_dict(model) if lora else model.state_dict()
-    save_state_dict_atomic(path / SAFETENSORS_FILE, weights)
-    if lora:
-        save_state_dict_atomic(path / LORA_FILE, lora_state_dict(model))
-    for name in COPIED_FILES:
-        if (base_dir / name).is_file():
-            _copy_atomic(base_dir / name, path / name)
-    _yaml_atomic(path / HPARAMS_FILE, hparams)
-    if prompt_style is not None:
-        from litgpt.prompts import PromptStyle
+    adapters = lora_state_dict(model) if lora else None
 
-        cls = type(PromptStyle.from_name(prompt_style))
-        _yaml_atomic(path / PROMPT_STYLE_FILE, {"class_path": f"{cls.__module__}.{cls.__name__}"})
-    save_file_atomic(path / STATE_FILE, lambda tmp: torch.save(state.to_dict(), tmp))
-    return path
+    def write(tmp: Path) -> None:
+        save_state_dict_atomic(tmp / SAFETENSORS_FILE, weights)
+        if adapters is not None:
+            save_state_dict_atomic(tmp / LORA_FILE, adapters)
+        for name in COPIED_FILES:
+            if (base_dir / name).is_file():
+                shutil.copyfile(base_dir / name, tmp / name)
+        _write_yaml(tmp / HPARAMS_FILE, hparams)
+        if prompt_style is not None:
+            from litgpt.prompts import PromptStyle
+
+            cls = type(PromptStyle.from_name(prompt_style))
+            _write_yaml(tmp / PROMPT_STYLE_FILE, {"class_path": f"{cls.__module__}.{cls.__name__}"})
+        torch.save(state.to_dict(), tmp / STATE_FILE)
+
+    return save_dir_atomic(path, write)
+
+
+def check_resume_dir(resume_dir: Path, mode: str) -> Path:
+    """FileNotFoundError/ValueError unless `resume_dir` is a complete checkpoint of a `mode` run."""
+    resume_dir = Path(resume_dir)
+    if not resume_dir.is_dir():
+        raise FileNotFoundError(f"cannot resume from {str(resume_dir)!r}: no such directory")
+    if is_temp_name(resume_dir.name):
+        raise ValueError(
+            f"cannot resume from {str(resume_dir)!r}: it is an incomplete checkpoint (the temporary directory "
+            "of an interrupted write); resume from a step-XXXXXX directory instead"
+        )
+    required = [STATE_FILE, SAFETENSORS_FILE] + ([LORA_FILE] if mode == "lora" else [])
+    for name in required:
+        if not (resume_dir / name).is_file():
+            raise FileNotFoundError(f"cannot resume from {str(resume_dir)!r}: it has no {name}")
+    return resume_dir
+
+
+def _check_state_fields(raw: dict[str, Any], file: Path) -> None:
+    """ValueError naming the first field of a loaded training state with the wrong type or value."""
+    expected = {"mode": str, "step": int, "data_seed": int, "num_train_examples": int, "optimizer": dict, "rng": dict}
+    for name, kind in expected.items():
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{file}: {name} must be a {kind.__name__}, got {type(value).__name__} {value!r:.80}")
+    if raw["step"] < 0 or raw["num_train_examples"] < 1:
+        raise ValueError(f"{file}: invalid step {raw['step']} or num_train_examples {raw['num_train_examples']}")
+    optimizer = raw["optimizer"]
+    if not isinstance(optimizer.get("state"), dict) or not isinstance(optimizer.get("param_groups"), list):
+        raise ValueError(f"{file}: optimizer must be an optimizer state_dict with 'state' and 'param_groups'")
+    rng = raw["rng"]
+    for key, value in rng.items():
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+            raise ValueError(f"{file}: rng[{key!r}] must be a 1-D uint8 tensor (an RNG state), got {value!r:.80}")
+    if "torch" not in rng:
+        raise ValueError(f"{file}: rng has no 'torch' state")
 
 
 def load_training_state(resume_dir: Path, mode: str) -> TrainingState:
-    """Read `training_state.pt` from a checkpoint directory written by `save_checkpoint`."""
-    resume_dir = Path(resume_dir)
+    """Read `training_state.pt` from a complete checkpoint directory written by `save_checkpoint`.
+
+    Raises:
+        FileNotFoundError: the directory or one of its files is missing.
+        ValueError: an incomplete (interrupted) directory, a corrupt or hostile (pickled objects)
+            state file, fields of the wrong type, or a state of the other `mode`.
+    """
+    resume_dir = check_resume_dir(resume_dir, mode)
     file = resume_dir / STATE_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"cannot resume from {str(resume_dir)!r}: it has no {STATE_FILE}")
-    raw = torch.load(file, map_location="cpu", weights_only=True)
+    raw = safe_torch_load(file)
     if not isinstance(raw, dict) or set(raw) != set(TrainingState.__dataclass_fields__):
-        raise ValueError(
-            f"{file} is not a litkv fine-tuning state (keys: {sorted(raw) if isinstance(raw, dict) else raw})"
-        )
+        keys = sorted(map(str, raw)) if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"{file} is not a litkv fine-tuning state (keys: {keys})")
+    _check_state_fields(raw, file)
     state = TrainingState(**raw)
     if state.mode != mode:
         raise ValueError(f"cannot resume: {str(resume_dir)!r} was trained with mode={state.mode!r}, got mode={mode!r}")
@@ -166,14 +219,19 @@ def restore_model(model: GPT, resume_dir: Path, mode: str) -> None:
     """Load the trained weights of `resume_dir` into `model` (adapters only in LoRA mode)."""
     from litkv.finetune.lora import load_lora_state_dict
 
-    resume_dir = Path(resume_dir)
+    resume_dir = check_resume_dir(resume_dir, mode)
+    file = resume_dir / (LORA_FILE if mode == "lora" else SAFETENSORS_FILE)
+    state_dict = load_state_dict(file)
+    check_finite(state_dict, f"weights in {str(file)!r}")
     if mode == "lora":
-        if not (resume_dir / LORA_FILE).is_file():
-            raise FileNotFoundError(f"cannot resume LoRA training from {str(resume_dir)!r}: it has no {LORA_FILE}")
-        load_lora_state_dict(model, load_state_dict(resume_dir / LORA_FILE))
+        load_lora_state_dict(model, state_dict)
         return
-    state_dict = load_state_dict(resume_dir / SAFETENSORS_FILE)
-    expected = set(model.state_dict())
-    if set(state_dict) != expected:
+    expected = model.state_dict()
+    if set(state_dict) != set(expected):
         raise ValueError(f"weights in {str(resume_dir)!r} do not match the model of the base checkpoint")
+    for key, tensor in expected.items():
+        if state_dict[key].shape != tensor.shape:
+            raise ValueError(
+                f"{file}: {key} has shape {tuple(state_dict[key].shape)}, the base model has {tuple(tensor.shape)}"
+            )
     model.load_state_dict(state_dict, strict=True)

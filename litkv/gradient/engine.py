@@ -59,6 +59,11 @@ def chunked_loss_backward(
     Returns:
         The loss as a float.
     """
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "chunked_loss_backward needs gradients enabled: it was called under torch.no_grad() or "
+            "torch.inference_mode(); call it outside those blocks (or under torch.enable_grad())"
+        )
     configs = _layer_configs(model, kv_cache)
     _check_batch(model, input_ids, targets)
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
