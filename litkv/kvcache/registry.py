@@ -17,6 +17,9 @@ _BUILTIN_MODULES = (
     "litkv.kvcache.last_recent",
     "litkv.kvcache.h2o",
     "litkv.kvcache.qh2o",
+    "litkv.kvcache.tova",
+    "litkv.kvcache.knorm",
+    "litkv.kvcache.keydiff",
 )
 _builtins_loaded = False
 

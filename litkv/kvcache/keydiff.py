@@ -1,0 +1,31 @@
+"""`keydiff`: keep the keys least similar to the mean key (KeyDiff, Park et al., 2025; kvpress
+`KeyDiffPress`).
+
+Per (row, KV head) and call, the anchor is the mean of the unit-normalised keys of all candidates
+(empty slots and pads left out); a candidate's score is minus its cosine similarity to the anchor,
+so the most typical keys are evicted and distinctive ones kept. No attention weights are needed, so
+the layer keeps the fast attention path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from litkv.kvcache.base import Candidates
+from litkv.kvcache.registry import register_kv_cache
+from litkv.kvcache.score import ScoreKVCache
+
+__all__ = ["KeyDiffKVCache"]
+
+
+@register_kv_cache("keydiff")
+class KeyDiffKVCache(ScoreKVCache):
+    """Evicts the candidates whose keys are most similar (cosine) to the mean normalised key."""
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, L + T)` minus the cosine similarity of each key to the anchor."""
+        unit = F.normalize(candidates.keys.float(), dim=-1)  # (B, G, N, D)
+        real = (candidates.positions >= 0).to(unit.dtype)[..., None]
+        anchor = (unit * real).sum(dim=2, keepdim=True) / real.sum(dim=2, keepdim=True).clamp(min=1.0)
+        return -F.cosine_similarity(unit, anchor, dim=-1)
