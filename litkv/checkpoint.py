@@ -21,6 +21,7 @@ import os
 import pickle
 import secrets
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -201,7 +202,9 @@ def safe_torch_load(path: str | Path, map_location: torch.device | str = "cpu") 
     """
     path = Path(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a raw pickle of another protocol: refused below, no warning needed
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         reason = _unpickling_reason(err)
         if "GLOBAL" in reason or "global" in reason:
@@ -216,11 +219,16 @@ def safe_torch_load(path: str | Path, map_location: torch.device | str = "cpu") 
 
 
 def _unpickling_reason(err: BaseException) -> str:
-    """The informative line of torch's weights_only error (not its boilerplate about `weights_only`)."""
-    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation", "Re-running")
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    """The informative part of torch's weights_only error, without its advice on how to unpickle anyway."""
+    text = str(err)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")
     useful = [line for line in lines if not line.startswith(boilerplate)]
-    return (useful[0] if useful else lines[0] if lines else type(err).__name__)[:300]
+    reason = useful[0] if useful else type(err).__name__
+    return reason.split(" Please use", 1)[0][:300]
 
 
 def _load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -439,7 +447,10 @@ def save_file_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_sibling(path, _create_file)
     try:
+        mode = stat.S_IMODE(tmp.stat().st_mode)  # 0o666 & ~umask
         write_fn(tmp)
+        if stat.S_IMODE(tmp.stat().st_mode) != mode:  # safetensors writes its files with 0o600
+            os.chmod(tmp, mode)
         _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:

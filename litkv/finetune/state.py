@@ -180,7 +180,7 @@ def _check_state_fields(raw: dict[str, Any], file: Path) -> None:
     for name, kind in expected.items():
         value = raw[name]
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise ValueError(f"{file}: {name} must be a {kind.__name__}, got {type(value).__name__} {value!r:.80}")
+            raise ValueError(f"{file}: {name} must be {kind.__name__}, got {type(value).__name__} {value!r:.80}")
     if raw["step"] < 0 or raw["num_train_examples"] < 1:
         raise ValueError(f"{file}: invalid step {raw['step']} or num_train_examples {raw['num_train_examples']}")
     optimizer = raw["optimizer"]
