@@ -41,9 +41,14 @@ __all__ = ["QuantizedH2OKVCache", "QH2OOptions"]
 
 @dataclass
 class QH2OOptions(H2OOptions):
-    """H2O's options plus `quant_error_weight`, the weight of the quantisation-error term (>= 0)."""
+    """H2O's options plus `quant_error_weight`, the weight of the quantisation-error term (>= 0).
 
-    quant_error_weight: float = 0.5
+    The default is small: on the shipped model (int4, 512 of 1,024 slots, 50 pass-key cases) a weight of
+    0.5 evicted every early needle (recall 0.20), 0.1 gave 0.30 and 0.02 gave 0.44, against 0.52 for
+    h2o on the same int4 storage.
+    """
+
+    quant_error_weight: float = 0.02
 
     def check(self, cache_length: int) -> None:
         super().check(cache_length)
