@@ -1,0 +1,266 @@
+"""What every KV cache policy must do, checked on every registered policy and on the docs examples.
+
+The policies are discovered, not listed: `known_policies()` at collection time (built-ins and anything
+registered by then), plus the example modules of docs/custom_policy.md by their `"module:Class"` path.
+A new policy gets these checks by registering itself. Each policy runs on float and int4 storage:
+
+- a left-padded batch of ragged prompts gives each row the logits and greedy tokens it gets alone;
+- with room for every token, the policy is dense attention, whatever the chunking;
+- an evicting run keeps exactly `cache_length` distinct, already seen tokens per (row, KV head), and
+  the sinks when the policy has a `sinks` option;
+- the gradient engine (`chunked_loss_backward`) gives plain autograd's gradients through the policy.
+
+Policies with a token limit (`max_tokens`, i.e. ones that do not evict) get a cache long enough for the
+sequence. A policy that stores something else than the storage asked for (qh2o: int4 when asked for
+float) runs on what it stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+
+from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
+from litkv.generate import pad_prompts
+from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "docs" / "examples"
+if str(EXAMPLES_DIR) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES_DIR))
+EXAMPLE_POLICIES = ("value_norm_policy:ValueNormKVCache", "decayed_h2o_policy:DecayedH2OKVCache")
+
+
+def _discover() -> list[str]:
+    """Registered names (minus the path-given ones, should they be registered already), then the docs
+    examples' paths and those in `LITKV_CONFORMANCE_POLICIES` (comma-separated `"module:Class"`)."""
+    extra = [path.strip() for path in os.environ.get("LITKV_CONFORMANCE_POLICIES", "").split(",") if path.strip()]
+    paths = list(EXAMPLE_POLICIES) + [path for path in extra if path not in EXAMPLE_POLICIES]
+    by_path = {get_kv_cache_class(path) for path in paths}
+    return [name for name in known_policies() if get_kv_cache_class(name) not in by_path] + paths
+
+
+POLICIES = _discover()
+STORAGES = ("float", "int4")
+GROUP = 8  # quant_group_size: two groups per head of 16
+# Largest logit difference relative to the largest logit for int4 storage (tests/test_input_errors_cache.py).
+INT4_BOUND = 2e-3
+GRAD_TOLERANCE = 1e-4  # tests/test_gradient.py
+LENGTHS = (5, 17, 40)
+NEW_TOKENS = 6
+
+
+# -- policies and configs -------------------------------------------------------------------------
+
+
+def _options(policy: str) -> dict[str, object]:
+    """`sinks=2` for policies whose Options have a `sinks` field, nothing otherwise."""
+    fields = {f.name for f in dataclasses.fields(get_kv_cache_class(policy).Options)}
+    return {"sinks": 2} if "sinks" in fields else {}
+
+
+def _config(policy: str, storage: str, cache_length: int, chunk: int, needed: int) -> KVCacheConfig:
+    """Config for `policy`; a cache with a token limit below `needed` gets `needed` slots instead."""
+    kwargs = dict(chunk_size=chunk, prefill_length=chunk, storage=storage, quant_group_size=GROUP)
+    cfg = KVCacheConfig(policy, cache_length=cache_length, options=_options(policy), **kwargs)
+    limit = get_kv_cache_class(policy).max_tokens(cfg)
+    if limit is not None and limit < needed:
+        cfg = KVCacheConfig(policy, cache_length=needed, options=_options(policy), **kwargs)
+    return cfg
+
+
+def _stored(policy: str, storage: str) -> str:
+    """The storage a cache of `policy` actually uses when asked for `storage` (built once to see)."""
+    cfg = KVCacheConfig(policy, cache_length=16, storage=storage, quant_group_size=GROUP, options=_options(policy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a policy may warn that it replaces the storage: that is what we look at
+        cache = get_kv_cache_class(policy)(cfg, CacheShape(1, 1, 16, 16, 16), None, torch.float32)
+    return cache.config.storage
+
+
+def _storage_or_skip(policy: str, storage: str) -> None:
+    stored = _stored(policy, storage)
+    if stored != storage:
+        pytest.skip(f"{policy} stores {stored!r} when asked for {storage!r}: the {stored!r} case covers it")
+
+
+def _logit_bound(policy: str, storage: str, reference: torch.Tensor, depth: int) -> float:
+    """float: rounding of a float64 model (float32 where attention weights are computed, in float32);
+    int4: `INT4_BOUND` of the largest logit."""
+    if storage != "float":
+        return INT4_BOUND * reference.abs().max().item()
+    dtype = torch.float32 if get_kv_cache_class(policy).needs_attn_weights else torch.float64
+    return rounding_bound(reference, depth, dtype)
+
+
+@pytest.fixture(scope="module")
+def model32() -> GPT:
+    return random_gpt(tiny_config("SmolLM2-135M"), seed=21)
+
+
+@pytest.fixture(scope="module")
+def model64() -> GPT:
+    return float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=21))
+
+
+def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_discovery_finds_the_registry_and_the_examples() -> None:
+    registered = {get_kv_cache_class(name) for name in known_policies()}
+    tested = {get_kv_cache_class(policy) for policy in POLICIES}
+    assert registered <= tested  # every registered class is under test (the examples by their path)
+    assert len(POLICIES) == len(tested) >= 3 + len(EXAMPLE_POLICIES)
+
+
+# -- batch == alone -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("policy", POLICIES)
+@torch.inference_mode()
+def test_ragged_batch_equals_each_prompt_alone(model64: GPT, policy: str, storage: str) -> None:
+    """Lengths 5, 17, 40, left-padded, 16 slots, token by token (so that chunk boundaries, which left
+    padding shifts, play no role): each row's logits and greedy tokens are those of its prompt alone."""
+    _storage_or_skip(policy, storage)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in LENGTHS]
+    cfg = _config(policy, storage, cache_length=16, chunk=1, needed=max(LENGTHS) + NEW_TOKENS)
+    idx, input_pos = pad_prompts(prompts, torch.device("cpu"))
+    batched = forward_chunked(model64, idx, cfg, input_pos=input_pos)
+    depth = forward_depth(model64.config, max(LENGTHS) + cfg.cache_length)
+    for row, prompt in enumerate(prompts):
+        alone = forward_chunked(model64, prompt[None], cfg)[0]
+        diff, bound = max_diff(batched[row, -len(prompt) :], alone), _logit_bound(policy, storage, alone, depth)
+        assert diff <= bound, f"row {row} (length {len(prompt)}): max diff {diff:.3g} > bound {bound:.3g}"
+    tokens = generate(model64, prompts, max_new_tokens=NEW_TOKENS, kv_cache=cfg)
+    for row, prompt in enumerate(prompts):
+        alone = generate(model64, [prompt], max_new_tokens=NEW_TOKENS, kv_cache=cfg)[0]
+        assert tokens[row].tolist() == alone.tolist(), f"row {row} (length {len(prompt)})"
+
+
+# -- room for every token: dense ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+@pytest.mark.parametrize("policy", POLICIES)
+@torch.inference_mode()
+def test_with_room_for_every_token_equals_dense(model64: GPT, policy: str, chunk: int) -> None:
+    """cache_length 48 >= 40 tokens: the logits of dense attention (on the storage the policy uses)."""
+    storage = _stored(policy, "float")
+    idx = _tokens(2, 40, seed=5)
+    logits = forward_chunked(model64, idx, _config(policy, storage, cache_length=48, chunk=chunk, needed=40))
+    dense = forward_chunked(model64, idx, KVCacheConfig("dense", 48, chunk, chunk, storage, GROUP))
+    depth = forward_depth(model64.config, 48 + chunk)
+    diff = max_diff(logits, dense)
+    bound = rounding_bound(
+        dense, depth, torch.float32 if get_kv_cache_class(policy).needs_attn_weights else torch.float64
+    )
+    assert diff <= bound, f"max diff {diff:.3g} > bound {bound:.3g}"
+    if storage == "float":  # and dense is the model without a cache
+        assert max_diff(dense, model64(idx)) <= rounding_bound(dense, depth, torch.float64)
+
+
+# -- an evicting run ------------------------------------------------------------------------------
+
+
+def _check_slots(cache: KVCache, seen: int, sinks: int, layer: int) -> None:
+    """After `seen` tokens (positions `0..seen-1` in every row): `min(seen, L)` distinct seen positions
+    per (row, KV head), the sinks among them, and one layout for all heads if the class says so."""
+    positions = cache.positions
+    where = f"layer {layer} after {seen} tokens"
+    held = positions >= 0
+    counts = held.sum(dim=2)
+    expected = min(seen, cache.cache_length)
+    assert bool((counts == expected).all()), f"{where}: tokens held per (row, head) {counts.tolist()} != {expected}"
+    assert int(positions.max()) <= seen - 1, f"{where}: holds position {int(positions.max())} not seen yet"
+    ordered = torch.sort(positions, dim=2).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    assert not bool(repeated.any()), f"{where}: a position is held twice: {positions.tolist()}"
+    for sink in range(min(sinks, seen)):
+        kept = (positions == sink).any(dim=2)
+        assert bool(kept.all()), f"{where}: sink {sink} evicted in (row, head) {(~kept).nonzero().tolist()}"
+    if type(cache).heads_share_positions:
+        assert torch.equal(positions, positions[:, :1].expand_as(positions)), f"{where}: heads differ"
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("policy", POLICIES)
+@torch.inference_mode()
+def test_evicting_run_keeps_cache_length_distinct_tokens(model32: GPT, policy: str, storage: str) -> None:
+    """16 slots, 48 tokens in chunks of 4 (policies that cannot evict: as many slots as tokens)."""
+    _storage_or_skip(policy, storage)
+    cfg = _config(policy, storage, cache_length=16, chunk=4, needed=48)
+    idx = _tokens(2, 48, seed=7)
+    input_pos = torch.arange(48).expand(2, 48)
+    sinks = cfg.options.get("sinks", 0)
+    model32.set_kv_caches(model32.build_kv_caches(cfg, 2))
+    try:
+        for start, end in cfg.chunk_bounds(48):
+            logits = model32(idx[:, start:end], input_pos[:, start:end])
+            assert bool(torch.isfinite(logits).all()), f"non-finite logits in tokens {start}..{end}"
+            for layer, cache in enumerate(model32.kv_caches):
+                _check_slots(cache, end, sinks, layer)
+    finally:
+        model32.set_kv_caches(None)
+
+
+# -- gradients through the policy -----------------------------------------------------------------
+
+
+def _grads(model: GPT) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_rel_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """Largest `max|actual - expected| / max|expected|` over the parameters (tests/test_gradient.py)."""
+    assert actual.keys() == expected.keys()
+    return max(float((actual[n] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) for n, ref in expected.items())
+
+
+# Finding (not a policy's): the engine's replay recomputes the keys/values of layers >= 1 through
+# other attention kernels than the recorded forward (`ReplayKVCache`: no attention weights, one mask
+# per head), so they differ in the last float32 bits (~1e-6 here); int8 codes then flip at rounding
+# boundaries (layer 1, chunk 1: one stored value off by one step, 0.0093) and the engine differentiates
+# a slightly different computation than `forward_chunked`. Policy-independent (last-recent too); seen
+# with quant_group_size 8 on this model (group 4: 1e-5). Fix belongs in litkv/gradient/replay.py:
+# attend the replayed chunk to the values recorded as stored, straight through to the recomputed ones.
+INT8_REPLAY_FLIP = pytest.mark.xfail(
+    strict=True,
+    reason="gradient engine: an int8 code flips in the replay (keys recomputed by other kernels differ "
+    "in the last bit), relative gradient error ~3e-4 > 1e-4 for every policy",
+)
+GRAD_CASES = [pytest.param(policy, "float", id=f"{policy}-float") for policy in POLICIES] + [
+    pytest.param(policy, "int8", id=f"{policy}-int8", marks=INT8_REPLAY_FLIP) for policy in EXAMPLE_POLICIES
+]
+
+
+@pytest.mark.parametrize(("policy", "storage"), GRAD_CASES)
+def test_gradient_engine_equals_autograd(model32: GPT, policy: str, storage: str) -> None:
+    """`chunked_loss_backward` vs autograd through `forward_chunked`: 40 tokens, 16 slots, chunks of 4."""
+    storage = _stored(policy, storage)
+    cfg = _config(policy, storage, cache_length=16, chunk=4, needed=40)
+    idx, targets = _tokens(2, 40, seed=11), _tokens(2, 40, seed=12)
+    targets[0, :6] = -100
+    targets[1, 25:31] = -100
+    model32.zero_grad(set_to_none=True)
+    logits = forward_chunked(model32, idx, cfg)
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    ref_grads = _grads(model32)
+    model32.zero_grad(set_to_none=True)
+    loss = chunked_loss_backward(model32, idx, targets, cfg)
+    grads = _grads(model32)
+    model32.zero_grad(set_to_none=True)
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert len(grads) == len(list(model32.parameters()))
+    error = _max_rel_error(grads, ref_grads)
+    assert error <= GRAD_TOLERANCE, f"largest relative gradient error {error:.3g} > {GRAD_TOLERANCE}"
