@@ -115,8 +115,11 @@ def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:
 
 
 def test_discovery_finds_the_registry_and_the_examples() -> None:
-    registered = {get_kv_cache_class(name) for name in known_policies()}
-    tested = {get_kv_cache_class(policy) for policy in POLICIES}
+    def qualified(cls: type) -> str:  # not the class object: a test may have re-imported an example module
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    registered = {qualified(get_kv_cache_class(name)) for name in known_policies()}
+    tested = {qualified(get_kv_cache_class(policy)) for policy in POLICIES}
     assert registered <= tested  # every registered class is under test (the examples by their path)
     assert len(POLICIES) == len(tested) >= 3 + len(EXAMPLE_POLICIES)
 
