@@ -140,13 +140,15 @@ def _backward_chunk(
         The chunk's summed cross-entropy.
     """
     device = idx.device
+    start = int(input_pos[0, 0])  # every row holds positions 0..T-1: tape index == position
     caches = []
     for tape in tapes:
         positions = tape.rewind(chunk)
         keys, values = tape.gather(positions)
         keys = keys.to(device).requires_grad_(tape.track_grads)
         values = values.to(device).requires_grad_(tape.track_grads)
-        caches.append(ReplayKVCache(keys, values, positions.to(device), tape.config))
+        recorded = tape.recorded(start, start + idx.shape[1]) if tape.config.storage != "float" else None
+        caches.append(ReplayKVCache(keys, values, positions.to(device), tape.config, recorded))
     model.set_kv_caches(caches)
     logits = model(idx, input_pos)
     loss_sum = F.cross_entropy(
@@ -154,7 +156,6 @@ def _backward_chunk(
     )
     roots: list[torch.Tensor] = [loss_sum * weight]
     grads: list[torch.Tensor | None] = [None]
-    start = int(input_pos[0, 0])
     for tape, cache in zip(tapes, caches, strict=True):
         grad_keys, grad_values = tape.grads_of(start, start + idx.shape[1])
         if not tape.track_grads or cache.new_keys is None or not (bool(grad_keys.any()) or bool(grad_values.any())):

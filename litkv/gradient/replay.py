@@ -28,6 +28,10 @@ class ReplayKVCache:
         positions: `(B, G, n)` int64 token positions of the cached slots, `-1` for empty ones.
         stored_as: the recorded cache's config; with lossy storage, the new tokens are attended as it
             stores them (`KVStorage.as_stored`), as in the recorded forward pass.
+        recorded_new: with lossy storage, the new tokens' keys `(B, G, T, key_size)` and values as the
+            forward pass stored them, and `(B, G, T)` bool where they were stored. Attention uses those
+            (gradients straight through to the recomputed ones): recomputed keys may differ in their last
+            bit, and rounding them again could flip a code.
 
     Attributes:
         new_keys, new_values: `(B, G, T, *)` keys/values of the replayed chunk, set by `attend_inputs`.
@@ -37,7 +41,12 @@ class ReplayKVCache:
     heads_share_positions: ClassVar[bool] = False
 
     def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, stored_as: KVCacheConfig | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        stored_as: KVCacheConfig | None = None,
+        recorded_new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         b, g, n, key_size = keys.shape
         if values.shape[:3] != keys.shape[:3] or tuple(positions.shape) != (b, g, n):
@@ -52,6 +61,7 @@ class ReplayKVCache:
         self.new_keys: torch.Tensor | None = None
         self.new_values: torch.Tensor | None = None
         self.recorded_storage: KVStorage | None = None
+        self.recorded_new = recorded_new
         if stored_as is not None and stored_as.storage != "float":
             one = CacheShape(b, g, 1, key_size, values.shape[-1])
             self.recorded_storage = make_storage(
@@ -72,13 +82,24 @@ class ReplayKVCache:
             )
         self.new_keys, self.new_values = keys, values
         if self.recorded_storage is not None:
-            keys, values = self.recorded_storage.as_stored(keys, values)
+            keys, values = self._as_recorded(keys, values)
         new_pos = input_pos[:, None, :].expand(b, g, t)
         if self.num_filled == 0:
             return keys, values, new_pos
         all_keys = torch.cat((self.cached_keys.to(keys.dtype), keys), dim=2)
         all_values = torch.cat((self.cached_values.to(values.dtype), values), dim=2)
         return all_keys, all_values, torch.cat((self.positions.to(new_pos.device), new_pos), dim=2)
+
+    def _as_recorded(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New keys/values as the recorded forward pass attended them (see `recorded_new`)."""
+        seen_keys, seen_values = self.recorded_storage.as_stored(keys, values)
+        if self.recorded_new is None:
+            return seen_keys, seen_values
+        rec_keys, rec_values, stored = (x.to(keys.device) for x in self.recorded_new)
+        stored = stored[..., None]
+        seen_keys = torch.where(stored, keys + (rec_keys.to(keys.dtype) - keys).detach(), seen_keys)
+        seen_values = torch.where(stored, values + (rec_values.to(values.dtype) - values).detach(), seen_values)
+        return seen_keys, seen_values
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
         """Nothing to evict or write."""

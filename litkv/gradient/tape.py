@@ -48,6 +48,7 @@ class LayerTape:
         self.track_grads = track_grads
         self.keys = torch.zeros(b, g, rows, s.key_size, dtype=cache.dtype, device=_HOST)
         self.values = torch.zeros(b, g, rows, s.value_size, dtype=cache.dtype, device=_HOST)
+        self.stored = torch.zeros(b, g, rows, dtype=torch.bool, device=_HOST)  # keys/values recorded
         grad_rows = rows if track_grads else 0
         self.grad_keys = torch.zeros(b, g, grad_rows, s.key_size, dtype=torch.float32, device=_HOST)
         self.grad_values = torch.zeros(b, g, grad_rows, s.value_size, dtype=torch.float32, device=_HOST)
@@ -80,6 +81,12 @@ class LayerTape:
         for stored, host in ((keys, self.keys), (values, self.values)):
             index = slots[..., None].expand(*slots.shape, stored.shape[-1])
             host.index_put_((self._rows, self._groups, target), stored.gather(2, index).to(_HOST, host.dtype))
+        self.stored.index_put_((self._rows, self._groups, target), torch.ones_like(target, dtype=torch.bool))
+
+    def recorded(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys `(B, G, n, key_size)`, values and a `(B, G, n)` bool "was stored" of tokens `[start, end)`,
+        as the forward pass stored them (undefined where not stored)."""
+        return self.keys[:, :, start:end], self.values[:, :, start:end], self.stored[:, :, start:end]
 
     def finish(self, cache: KVCache) -> None:
         """Record the positions after the last chunk; the backward walk starts from them."""
