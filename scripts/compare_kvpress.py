@@ -53,6 +53,7 @@ DEFAULT_CHECKPOINT = REPO / "litkv" / "assets" / "default"
 EXAMPLES_FILE = "recall_examples.json"
 REFERENCE_FILE = "reference_logits.safetensors"
 RESULT_FILE = "kvpress_recall.json"
+EXPORT = "scripts/export_recall_examples.py (under the litkv environment)"
 DENSE = "dense (no press)"
 
 # press name -> factory of a press from its compression ratio
@@ -296,7 +297,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def load_examples(path: Path, limit: int | None) -> dict[str, Any]:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run scripts/export_recall_examples.py first")
+        raise FileNotFoundError(f"{path} does not exist: run {EXPORT} first")
     data = json.loads(path.read_text(encoding="utf-8"))
     if limit is not None:
         if limit < 1:
@@ -313,9 +314,25 @@ def load_examples(path: Path, limit: int | None) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    data = load_examples(args.examples_dir / EXAMPLES_FILE, args.limit)
-    model = build_twin(args.checkpoint_dir)
+    try:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        data = load_examples(args.examples_dir / EXAMPLES_FILE, args.limit)
+        for ex in data["examples"]:
+            for budget in args.budgets:
+                ratio_for_budget(context_length(ex, data["question_ids"]), budget)
+        if not (args.examples_dir / REFERENCE_FILE).is_file():
+            raise FileNotFoundError(f"{args.examples_dir / REFERENCE_FILE} does not exist: run {EXPORT} first")
+        model = build_twin(args.checkpoint_dir)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return evaluate(model, data, args)
+
+
+def evaluate(model: LlamaForCausalLM, data: dict[str, Any], args: argparse.Namespace) -> int:
+    """Check the twin, run every press, print the table and write the JSON; the exit status."""
     diff, window = twin_difference(model, args.examples_dir / REFERENCE_FILE)
     print(f"twin check: max |logits(HF twin) - logits(litkv)| = {diff:.3g} on {window} tokens of heldout.txt")
     if not diff <= args.tolerance:
@@ -332,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_ctx = sorted({context_length(ex, data["question_ids"]) for ex in data["examples"]})
     print(f"\n{len(data['examples'])} examples of {data['length']} tokens, context {n_ctx} tokens; {elapsed:.0f} s")
     info = {
-        "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else _version("kvpress"),
+        "kvpress": _version("kvpress"),
         "transformers": _version("transformers"),
         "torch": torch.__version__,
         "twin_max_abs_logit_diff": diff,
