@@ -184,6 +184,8 @@ def run_peer(
     else:
         raise ValueError(f"peer must be one of {list(PEERS)}, got {peer!r}")
     peak = _status_mb("VmHWM")
+    if len(stamps) < 3 or stamps[-1] <= stamps[1]:
+        raise RuntimeError(f"{peer} produced {len(stamps) - 1} tokens: no decode step was timed")
     prefill = stamps[1] - stamps[0]
     decode = (len(stamps) - 2) / (stamps[-1] - stamps[1])
     return BenchResult(peer, prompt_len, len(stamps) - 1, prefill, decode, peak, peak - _BASELINE_MB[-1], tokens)
@@ -249,6 +251,29 @@ def format_table(results: list[BenchResult]) -> str:
     return "\n".join(rows)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_options(lengths: list[int], max_new_tokens: int, chunk_size: int, threads: int | None, repeats: int) -> None:
+    """ValueError naming the option and the value, before any weights are written."""
+    if not lengths:
+        raise ValueError("prompt_lengths must be a non-empty list of ints >= 1, got []")
+    for n in lengths:
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"prompt_lengths must be ints >= 1, got {n!r} in {lengths}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 2:
+        raise ValueError(
+            f"max_new_tokens must be an int >= 2 (a decode speed needs a step after the first token), "
+            f"got {max_new_tokens!r}"
+        )
+    for name, value in (("chunk_size", chunk_size), ("repeats", repeats)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+
+
 def bench(
     model: str = "SmolLM2-135M",
     prompt_lengths: list[int] | None = None,
@@ -277,9 +302,8 @@ def bench(
         repeats: rounds over all (length, peer) runs; each keeps its fastest decode of the rounds
             (rounds interleave the peers, so a busy moment of the machine hits them alike).
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    lengths = prompt_lengths or [512, 2048, 4096]
+    lengths = [512, 2048, 4096] if prompt_lengths is None else list(prompt_lengths)
+    _check_options(lengths, max_new_tokens, chunk_size, threads, repeats)
     chosen = ["litkv"] + [p for p in (peers or list(PEERS)) if p != "litkv"]
     for p in chosen:
         if p not in PEERS:

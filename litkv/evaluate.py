@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from litkv.config import KVCacheConfig
 from litkv.generate import forward_chunked, generate
-from litkv.model import GPT
+from litkv.model import GPT, check_integer_tensor
 from litkv.recall import RecallExample
 
 __all__ = [
@@ -58,6 +58,7 @@ class PolicyResult:
 
 def cache_config(template: KVCacheConfig, policy: str, cache_length: int) -> KVCacheConfig:
     """`template` with `policy` and `cache_length` (chunk sizes clipped to it; qh2o on int4 by default)."""
+    _check_template(template)
     storage = "int4" if policy == "qh2o" and template.storage == "float" else template.storage
     prefill = template.prefill_length
     return dataclasses.replace(
@@ -70,12 +71,26 @@ def cache_config(template: KVCacheConfig, policy: str, cache_length: int) -> KVC
     )
 
 
+def _check_template(template: object) -> None:
+    if not isinstance(template, KVCacheConfig):
+        raise TypeError(
+            "the kv_cache template must be a KVCacheConfig (policy and cache_length are set per run), "
+            f"got {type(template).__name__} {template!r:.80}"
+        )
+
+
+def _check_batch_size(batch_size: object) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
 def text_windows(ids: torch.Tensor, length: int, num_windows: int) -> torch.Tensor:
     """`num_windows` non-overlapping windows of `length + 1` tokens spread evenly over `ids` `(N,)`.
 
     Returns:
         `(num_windows, length + 1)` int64: inputs are `[:, :-1]`, targets `[:, 1:]`.
     """
+    check_integer_tensor("ids", ids)
     if ids.dim() != 1:
         raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
     if num_windows < 1 or length < 1:
@@ -129,6 +144,7 @@ def recall_accuracy(
     model: GPT, examples: Sequence[RecallExample], kv_cache: KVCacheConfig, batch_size: int = 8
 ) -> dict[float, float]:
     """Share of examples whose answer greedy decoding reproduces exactly, per needle depth."""
+    _check_batch_size(batch_size)
     device = model.lm_head.weight.device
     hits: dict[float, list[bool]] = {}
     for start in range(0, len(examples), batch_size):
@@ -168,6 +184,11 @@ def evaluate_policies(
         The dense reference first (always), then one result per (policy, budget) in order.
     """
     template = KVCacheConfig() if template is None else template
+    _check_template(template)
+    _check_batch_size(batch_size)
+    check_integer_tensor("windows", windows)
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"windows must have shape (N >= 1, W + 1 >= 2), got {tuple(windows.shape)}")
     if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
         raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
     if not policies:

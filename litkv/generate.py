@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -10,20 +11,17 @@ from tqdm.auto import tqdm
 from litkv.config import KVCacheConfig
 from litkv.kvcache.dense import DenseKVCache
 from litkv.kvcache.registry import get_kv_cache_class
-from litkv.model import GPT
+from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 
-__all__ = ["forward_chunked", "generate", "sample", "pad_prompts"]
+__all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
 
 KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
 
 
 def _first_config(kv_cache: KVCacheSpec) -> KVCacheConfig:
-    if isinstance(kv_cache, KVCacheConfig):
-        return kv_cache
-    configs = list(kv_cache)
-    if not configs or not all(isinstance(c, KVCacheConfig) for c in configs):
-        raise TypeError("kv_cache must be a KVCacheConfig or a non-empty list of them (one per layer)")
-    return configs[0]
+    """The config whose `chunk_bounds` drive the chunking; TypeError for anything but configs."""
+    per_layer = kv_cache_configs(kv_cache)
+    return kv_cache if per_layer is None else per_layer[0]
 
 
 def forward_chunked(
@@ -41,9 +39,15 @@ def forward_chunked(
         `(B, T, padded_vocab_size)` logits of every position.
     """
     config = _first_config(kv_cache)
+    check_integer_tensor("idx", idx)
+    if idx.dim() != 2:
+        raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
     b, t = idx.shape
     if input_pos is None:
         input_pos = torch.arange(t, device=idx.device).expand(b, t)
+    check_integer_tensor("input_pos", input_pos, what="token positions")
+    if input_pos.shape != idx.shape:
+        raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
     model.set_kv_caches(model.build_kv_caches(kv_cache, b))
     try:
         chunks = [model(idx[:, s:e], input_pos[:, s:e]) for s, e in config.chunk_bounds(t)]
@@ -61,7 +65,8 @@ def pad_prompts(prompts: Sequence[torch.Tensor], device: torch.device) -> tuple[
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise TypeError(f"prompts must be a non-empty list of 1-D token tensors, got {type(prompts).__name__}")
     for i, p in enumerate(prompts):
-        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
+        check_integer_tensor(f"prompt {i}", p)
+        if p.dim() != 1 or p.numel() == 0:
             raise ValueError(f"prompt {i} must be a non-empty 1-D tensor of token ids, got {p!r:.80}")
     t_max = max(p.numel() for p in prompts)
     idx = torch.zeros(len(prompts), t_max, dtype=torch.long, device=device)
@@ -81,6 +86,7 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Next tokens `(B,)` from `(B, V)` logits: greedy at temperature 0, else top-k/top-p sampling."""
+    _check_sampling_options(temperature, top_k, top_p)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -97,19 +103,37 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_sampling_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError/TypeError naming the value for a NaN/inf/negative temperature, bad top_k or top_p."""
+    if not _is_real(temperature):
+        raise TypeError(f"temperature must be a float >= 0, got {type(temperature).__name__} {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite float >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"top_k must be an int >= 1 or None, got {type(top_k).__name__} {top_k!r}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None:
+        if not _is_real(top_p):
+            raise TypeError(f"top_p must be a float in (0, 1] or None, got {type(top_p).__name__} {top_p!r}")
+        if not 0.0 < top_p <= 1.0:  # also refuses NaN
+            raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """The checks `generate` makes of its options, for callers that want them before loading a model."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    _check_sampling_options(temperature, top_k, top_p)
 
 
 def _check_dense_room(kv_cache: KVCacheSpec, prompt_len: int, max_new_tokens: int) -> None:
-    configs = [kv_cache] if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
+    configs = kv_cache_configs(kv_cache) or [kv_cache]
     needed = prompt_len + max(max_new_tokens - 1, 0)
     for cfg in configs:
         if issubclass(get_kv_cache_class(cfg.policy), DenseKVCache) and needed > cfg.cache_length:
@@ -152,14 +176,14 @@ def generate(
     Returns:
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
     """
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    config = _first_config(kv_cache)
     device = model.lm_head.weight.device
     idx, input_pos = pad_prompts(prompts, device)
     b, t = idx.shape
     if max_new_tokens == 0:
         return [idx.new_empty(0) for _ in range(b)]
     _check_dense_room(kv_cache, t, max_new_tokens)
-    config = _first_config(kv_cache)
     model.set_kv_caches(model.build_kv_caches(kv_cache, b))
     try:
         bounds = config.chunk_bounds(t)
@@ -190,7 +214,13 @@ def _decode(
 ) -> list[torch.Tensor]:
     """Decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`."""
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=hidden.device)
-    tokens = pick(model.logits(hidden[:, -1]))
+    logits = model.logits(hidden[:, -1])
+    if not bool(torch.isfinite(logits).all()):  # the one host sync of this check, after the prefill
+        raise ValueError(
+            "the model produced NaN/inf logits after the prefill; check the checkpoint's weights "
+            "(or use a wider precision)"
+        )
+    tokens = pick(logits)
     steps = [tokens]
     done = torch.isin(tokens, stops)
     if on_tokens is not None:

@@ -23,16 +23,32 @@ def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
     return default_checkpoint_dir() if checkpoint_dir is None else Path(checkpoint_dir)
 
 
+RUNNABLE_DEVICES = ("cpu", "cuda", "mps")
+
+
 def resolve_device(device: str | None) -> torch.device:
-    """`device`, or CUDA when available, else CPU. Raises ValueError for an unusable device."""
+    """`device`, or CUDA when available, else CPU. Raises ValueError for an unusable device.
+
+    Only devices that compute are accepted (`cpu`, `cuda`, `cuda:N`, `mps`): `meta` has no data.
+    """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"invalid device {device!r}: {err}") from err
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested, but CUDA is not available")
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"invalid device {device!r}: expected 'cpu', 'cuda', 'cuda:N' or 'mps' ({err})") from err
+    if resolved.type not in RUNNABLE_DEVICES:
+        raise ValueError(
+            f"device {device!r} cannot run generation or evaluation; expected 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested, but CUDA is not available")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"device {device!r} requested, but only {count} CUDA device(s) are visible")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} requested, but MPS is not available")
     return resolved
 
 

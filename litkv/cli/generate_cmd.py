@@ -11,6 +11,7 @@ import torch
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
+from litkv.generate import check_sampling
 from litkv.generate import generate as generate_tokens
 
 __all__ = ["generate", "DEFAULT_PROMPT"]
@@ -57,6 +58,7 @@ def generate(
     Returns:
         The new tokens of each prompt.
     """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
     apply_num_threads(num_threads)
@@ -166,13 +168,17 @@ class _Stream:
         self._print(final=True)
 
     def summary(self, batch_size: int, prompt_tokens: int, new_tokens: int, kv_cache: KVCacheConfig) -> str:
-        """One line: prompt and new tokens, prefill and decode speed (all rows), cache bytes."""
-        prefill_s = max(self.t_first - self.t_start, 1e-9)
+        """One line: prompt and new tokens, prefill and decode speed (all rows), cache bytes.
+
+        A speed is computed only from a measured, non-zero duration, else it reads ``n/a``: with no new
+        token no prefill ran (and no cache was built), with one new token there was no decode step.
+        """
+        prefill_s = self.t_first - self.t_start
+        prefill = f"{prompt_tokens / prefill_s:.1f} tok/s" if self.steps > 0 and prefill_s > 0 else "n/a"
         decode_s = self.t_last - self.t_first
-        rate = batch_size * (self.steps - 1) / decode_s if self.steps > 1 and decode_s > 0 else None
-        decode = "n/a" if rate is None else f"{rate:.1f} tok/s"
+        decode = f"{batch_size * (self.steps - 1) / decode_s:.1f} tok/s" if self.steps > 1 and decode_s > 0 else "n/a"
+        cache = f"{self.cache_bytes / 2**20:.2f} MiB" if self.steps > 0 else "not built"
         return (
-            f"prompt tokens: {prompt_tokens} | new tokens: {new_tokens} | "
-            f"prefill: {prompt_tokens / prefill_s:.1f} tok/s | decode: {decode} | "
-            f"cache: {kv_cache.policy}, {kv_cache.cache_length} slots, {self.cache_bytes / 2**20:.2f} MiB"
+            f"prompt tokens: {prompt_tokens} | new tokens: {new_tokens} | prefill: {prefill} | decode: {decode} | "
+            f"cache: {kv_cache.policy}, {kv_cache.cache_length} slots, {cache}"
         )
