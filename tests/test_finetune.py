@@ -293,7 +293,11 @@ def test_instruction_data_and_config_file(ckpt, tmp_path):
     parser.add_argument("--config", action="config")
     parser.add_function_arguments(finetune)
     cfg = parser.parse_args(["--config", str(final / "hyperparameters.yaml"), "--train.max_steps", "7"])
-    assert cfg.train.max_steps == 7 and cfg.kv_cache.options == {"sinks": 2} and cfg.lora.targets == ["attn.qkv", "lm_head"]
+    assert (
+        cfg.train.max_steps == 7
+        and cfg.kv_cache.options == {"sinks": 2}
+        and cfg.lora.targets == ["attn.qkv", "lm_head"]
+    )
     assert Path(cfg.checkpoint_dir) == ckpt and cfg.data.prompt_style == "alpaca"
 
 
