@@ -20,6 +20,8 @@ _BUILTIN_MODULES = (
     "litkv.kvcache.tova",
     "litkv.kvcache.knorm",
     "litkv.kvcache.keydiff",
+    "litkv.kvcache.snapkv",
+    "litkv.kvcache.expected_attention",
 )
 _builtins_loaded = False
 

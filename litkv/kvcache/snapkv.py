@@ -1,0 +1,125 @@
+"""`snapkv`: SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation";
+kvpress `SnapKVPress`).
+
+At each call, the observation window (the last `window` non-pad queries of the call, per row) attends
+to every candidate, causally by position (a query at position `p` sees tokens at positions `0..p`),
+with scale `1/sqrt(head_size)` (the model's own scale may differ, e.g. Gemma's); the softmax weights
+are averaged over the window queries and summed over the KV group's query heads, then smoothed with
+an average pool of width `kernel` over neighbouring tokens (neighbours in token position among the
+candidates: slots are sorted by position, pooled with zero padding at the ends, and unsorted). The
+paper compresses once, after the prompt; here every call evicts, so during decoding the window is the
+newest query. With `keep_max` (default), a token's score is the largest pooled score it got in any
+call since it entered the cache (during prefill too), so tokens that a past window needed are not
+forgotten when the window moves on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
+from litkv.kvcache.registry import register_kv_cache
+from litkv.kvcache.score import ScoreKVCache
+from litkv.kvcache.storage import CacheShape
+
+if TYPE_CHECKING:
+    from litkv.config import KVCacheConfig
+
+__all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "window_attention"]
+
+
+@dataclass
+class SnapKVOptions(ScoreOptions):
+    """`sinks`, `recent` (default a quarter of the cache), `window` (observation window, queries per call),
+    `kernel` (odd width of the average pool over neighbouring tokens, 1: none), `keep_max` (running maximum)."""
+
+    default_recent_fraction: ClassVar[float] = 0.25
+
+    window: int = 16
+    kernel: int = 7
+    keep_max: bool = True
+
+    def check(self, cache_length: int) -> None:
+        super().check(cache_length)
+        check_int("window", self.window, minimum=1)
+        check_int("kernel", self.kernel, minimum=1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (the pool is centred on each token), got {self.kernel}")
+        check_bool("keep_max", self.keep_max)
+
+
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor,
+                     key_pos: torch.Tensor, window: int) -> torch.Tensor:  # fmt: skip
+    """Causal softmax weights of the last `window` non-pad queries over the keys, averaged over those
+    queries and summed over each group's heads: queries `(B, H, T, D)`, keys `(B, G, N, D)`, query_pos
+    `(B, T)`, key_pos `(B, G, N)` -> `(B, G, N)` float32 (0 for rows without a non-pad query)."""
+    b, h, t, d = queries.shape
+    g = keys.shape[1]
+    valid = query_pos >= 0
+    in_window = valid & (valid.flip(1).cumsum(1).flip(1) <= window)  # (B, T)
+    order = torch.arange(t, device=query_pos.device).expand(b, t)
+    index = torch.topk(torch.where(in_window, order, -1), min(window, t), dim=1).indices  # (B, W)
+    q_pos = torch.where(in_window.gather(1, index), query_pos.gather(1, index), -1)
+    q = queries.detach().float().gather(2, index[:, None, :, None].expand(b, h, -1, d))
+    logits = torch.einsum("bgqwd,bgnd->bgqwn", q.view(b, g, h // g, -1, d), keys.detach().float()) * d**-0.5
+    allowed = (key_pos[:, :, None, :] >= 0) & (key_pos[:, :, None, :] <= q_pos[:, None, :, None])  # (B, G, W, N)
+    weights = torch.softmax(logits.masked_fill(~allowed[:, :, None], float("-inf")), dim=-1)
+    weights = weights.nan_to_num(0.0).sum(dim=(2, 3))
+    return weights / in_window.sum(dim=1).clamp(min=1)[:, None, None]
+
+
+def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Average pool of `scores` `(B, G, N)` over neighbours in token order (`positions` `(B, G, N)`;
+    empty slots sort first and must score 0, so they act as the zero padding of the pool)."""
+    if kernel == 1:
+        return scores
+    order = torch.sort(positions, dim=2, stable=True).indices
+    ordered = scores.gather(2, order).flatten(0, 1)[:, None]
+    pooled = F.avg_pool1d(ordered, kernel, stride=1, padding=kernel // 2).view_as(scores)
+    return torch.empty_like(scores).scatter_(2, order, pooled)
+
+
+@register_kv_cache("snapkv")
+class SnapKVKVCache(ScoreKVCache):
+    """Keeps the tokens the observation window attends to most (pooled), plus sinks and the recent window.
+
+    Attributes:
+        best: `(B, G, L)` float32 largest pooled score of each slot's token so far (with `keep_max`).
+    """
+
+    Options: ClassVar[type[PolicyOptions]] = SnapKVOptions
+    needs_queries: ClassVar[bool] = True
+
+    def __init__(
+        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__(config, shape, device, dtype)
+        self.best = torch.zeros_like(self.positions, dtype=torch.float32)
+        self._scores: torch.Tensor | None = None  # this call's per-candidate scores, from score()
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""
+        self._scores = self.call_scores(candidates, candidates.keys)
+        return self._scores
+
+    def call_scores(self, candidates: Candidates, keys: torch.Tensor) -> torch.Tensor:
+        """`(B, G, L + T)` this call's pooled window attention over `keys`, maxed with the past if asked."""
+        o, pos = self.options, candidates.positions
+        weights = window_attention(candidates.queries, keys, candidates.query_pos, pos, o.window)
+        pooled = pool_by_position(weights, pos, o.kernel).masked_fill(pos < 0, 0.0)
+        return torch.maximum(F.pad(self.best, (0, candidates.num_new)), pooled) if o.keep_max else pooled
+
+    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+        """Carry the running maximum into the slots (while filling, the call is scored here)."""
+        if self.options.keep_max:
+            scores = self._scores
+            if scores is None:  # cache filling: the stored slots are lossless, the call's slots are empty
+                keys = torch.cat((self.storage.read()[0], candidates.new_keys), dim=2)
+                scores = self.call_scores(candidates, keys)
+            self.best = placement.carry(scores).masked_fill(self.positions < 0, 0.0)
+        self._scores = None
