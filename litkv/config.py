@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,7 @@ from litkv.kvcache.options import PolicyOptions, check_int, parse_options
 from litkv.kvcache.registry import get_kv_cache_class
 from litkv.kvcache.storage_kinds import STORAGE_KINDS
 
-__all__ = ["Config", "KVCacheConfig", "STORAGE_KINDS"]
+__all__ = ["Config", "KVCacheConfig", "STORAGE_KINDS", "chunk_bounds"]
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -101,3 +102,21 @@ class KVCacheConfig:
             bounds.append((start, end))
             start, end = end, min(end + self.chunk_length, seq_len)
         return bounds
+
+
+def chunk_bounds(kv_cache: KVCacheConfig | Sequence[KVCacheConfig], seq_len: int) -> list[tuple[int, int]]:
+    """The chunks `[(start, end), ...]` of a sequence of `seq_len` tokens: the one place chunking is decided.
+
+    With one config per layer, every layer must chunk the same way (one forward call runs all layers
+    on the same tokens); configs that disagree are a ValueError naming the first layer that differs.
+    """
+    configs = [kv_cache] if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
+    first = configs[0]
+    for layer, cfg in enumerate(configs[1:], start=1):
+        if (cfg.first_chunk_length, cfg.chunk_length) != (first.first_chunk_length, first.chunk_length):
+            raise ValueError(
+                "per-layer KV cache configs must chunk the same way: layer 0 has prefill_length="
+                f"{first.first_chunk_length}, chunk_size={first.chunk_length}; layer {layer} has "
+                f"prefill_length={cfg.first_chunk_length}, chunk_size={cfg.chunk_length}"
+            )
+    return first.chunk_bounds(seq_len)

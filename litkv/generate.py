@@ -8,20 +8,12 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from litkv.config import KVCacheConfig
-from litkv.kvcache.dense import DenseKVCache
-from litkv.kvcache.registry import get_kv_cache_class
+from litkv.config import KVCacheConfig, chunk_bounds
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 
 __all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
 
 KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
-
-
-def _first_config(kv_cache: KVCacheSpec) -> KVCacheConfig:
-    """The config whose `chunk_bounds` drive the chunking; TypeError for anything but configs."""
-    per_layer = kv_cache_configs(kv_cache)
-    return kv_cache if per_layer is None else per_layer[0]
 
 
 def forward_chunked(
@@ -38,7 +30,7 @@ def forward_chunked(
     Returns:
         `(B, T, padded_vocab_size)` logits of every position.
     """
-    config = _first_config(kv_cache)
+    kv_cache_configs(kv_cache)  # TypeError for anything but configs
     check_integer_tensor("idx", idx)
     if idx.dim() != 2:
         raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
@@ -48,11 +40,8 @@ def forward_chunked(
     check_integer_tensor("input_pos", input_pos, what="token positions")
     if input_pos.shape != idx.shape:
         raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
-    model.set_kv_caches(model.build_kv_caches(kv_cache, b))
-    try:
-        chunks = [model(idx[:, s:e], input_pos[:, s:e]) for s, e in config.chunk_bounds(t)]
-    finally:
-        model.set_kv_caches(None)
+    with model.kv_caches_attached(kv_cache, b):
+        chunks = [model(idx[:, s:e], input_pos[:, s:e]) for s, e in chunk_bounds(kv_cache, t)]
     return torch.cat(chunks, dim=1)
 
 
@@ -136,11 +125,12 @@ def _check_dense_room(kv_cache: KVCacheSpec, prompt_len: int, max_new_tokens: in
     configs = kv_cache_configs(kv_cache) or [kv_cache]
     needed = prompt_len + max(max_new_tokens - 1, 0)
     for cfg in configs:
-        if issubclass(get_kv_cache_class(cfg.policy), DenseKVCache) and needed > cfg.cache_length:
+        limit = cfg.policy_class.max_tokens(cfg)
+        if limit is not None and needed > limit:
             raise ValueError(
-                f"a dense cache of cache_length={cfg.cache_length} is smaller than prompt + new tokens "
-                f"({prompt_len} + {max_new_tokens}); raise cache_length or use a policy that evicts, "
-                "e.g. policy='h2o' or 'last-recent'"
+                f"a {cfg.policy} cache of cache_length={cfg.cache_length} is smaller than prompt + new tokens "
+                f"({prompt_len} + {max_new_tokens}), at most {limit} tokens; raise cache_length or use a "
+                "policy that evicts, e.g. policy='h2o' or 'last-recent'"
             )
 
 
@@ -177,16 +167,15 @@ def generate(
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    config = _first_config(kv_cache)
+    kv_cache_configs(kv_cache)  # TypeError for anything but configs
     device = model.lm_head.weight.device
     idx, input_pos = pad_prompts(prompts, device)
     b, t = idx.shape
     if max_new_tokens == 0:
         return [idx.new_empty(0) for _ in range(b)]
     _check_dense_room(kv_cache, t, max_new_tokens)
-    model.set_kv_caches(model.build_kv_caches(kv_cache, b))
-    try:
-        bounds = config.chunk_bounds(t)
+    bounds = chunk_bounds(kv_cache, t)
+    with model.kv_caches_attached(kv_cache, b):
         hidden = None
         for s, e in tqdm(bounds, desc="prefill", unit="chunk", disable=not progress or len(bounds) < 2):
             hidden = model(idx[:, s:e], input_pos[:, s:e], lm_head=False)
@@ -199,8 +188,6 @@ def generate(
             lambda logits: sample(logits, temperature, top_k, top_p, generator),
             on_tokens,
         )
-    finally:
-        model.set_kv_caches(None)
 
 
 def _decode(

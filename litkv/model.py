@@ -7,7 +7,8 @@ from token positions for the call at hand, never a `block_size^2` buffer) and th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -17,8 +18,7 @@ from litgpt.model import GPT as LitGPT
 
 from litkv.attention import attend, build_mask
 from litkv.config import Config, KVCacheConfig
-from litkv.kvcache.base import KVCache
-from litkv.kvcache.registry import get_kv_cache_class
+from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.storage import CacheShape
 from litkv.rope import apply_rope, yarn_mscale
 
@@ -119,16 +119,42 @@ class GPT(nn.Module):
         for cfg in configs:
             c = self.config
             shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
-            caches.append(get_kv_cache_class(cfg.policy)(cfg, shape, device, dtype))
+            caches.append(cfg.policy_class(cfg, shape, device, dtype))
         return caches
 
-    def set_kv_caches(self, caches: Sequence[KVCache] | None) -> None:
+    def set_kv_caches(self, caches: Sequence[LayerCache] | None) -> None:
         """Attach one cache per layer (`None`: detach all). Position checks restart."""
         if caches is not None and len(caches) != self.config.n_layer:
             raise ValueError(f"expected {self.config.n_layer} caches (one per layer), got {len(caches)}")
         for i, block in enumerate(self.transformer.h):
             block.attn.kv_cache = None if caches is None else caches[i]
         self._last_pos = None
+
+    @contextmanager
+    def kv_caches_attached(
+        self, kv_cache: KVCacheConfig | Sequence[KVCacheConfig] | Sequence[LayerCache], batch_size: int | None = None
+    ) -> Iterator[list[LayerCache]]:
+        """Attach caches for the duration of a `with` block, and detach them however it ends.
+
+        Args:
+            kv_cache: a config for all layers, one config per layer (fresh caches for `batch_size` rows
+                are built), or one ready cache per layer.
+            batch_size: rows of the fresh caches (needed with configs).
+
+        Yields:
+            The attached caches, one per layer.
+        """
+        if isinstance(kv_cache, (list, tuple)) and kv_cache and not isinstance(kv_cache[0], KVCacheConfig):
+            caches = list(kv_cache)
+        else:
+            if batch_size is None:
+                raise ValueError("batch_size is needed to build caches from KVCacheConfig")
+            caches = self.build_kv_caches(kv_cache, batch_size)
+        self.set_kv_caches(caches)
+        try:
+            yield caches
+        finally:
+            self.set_kv_caches(None)
 
     @property
     def kv_caches(self) -> list[KVCache | None]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from tqdm.auto import tqdm
 
-from litkv.config import KVCacheConfig
+from litkv.config import KVCacheConfig, chunk_bounds
 from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
 from litkv.gradient import chunked_loss_backward
 from litkv.model import GPT
@@ -187,14 +187,11 @@ def chunked_loss_sum(
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
-    model.set_kv_caches(model.build_kv_caches(kv_cache, b))
-    try:
-        for s, e in kv_cache.chunk_bounds(t):
+    with model.kv_caches_attached(kv_cache, b):
+        for s, e in chunk_bounds(kv_cache, t):
             logits = model(input_ids[:, s:e], positions[:, s:e]).float()
             chunk_targets = targets[:, s:e].reshape(-1)
             total += F.cross_entropy(logits.flatten(0, 1), chunk_targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    finally:
-        model.set_kv_caches(None)
     return total, (targets != IGNORE_INDEX).sum().float()
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from litkv.config import KVCacheConfig
+from litkv.config import KVCacheConfig, chunk_bounds
 from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
 from litkv.model import GPT
@@ -77,18 +77,15 @@ def chunked_loss_backward(
         raise ValueError("every target is -100 (ignored): the mean cross-entropy is undefined")
     b, t = idx.shape
     input_pos = torch.arange(t, device=device).expand(b, t)
-    bounds = configs[0].chunk_bounds(t)
+    bounds = chunk_bounds(configs, t)
     tapes = record_forward(model, idx, input_pos, configs, bounds)
     total = 0.0
     weight = float(loss_scale) / n_valid
-    try:
-        for chunk in reversed(range(len(bounds))):
-            start, end = bounds[chunk]
-            total += _backward_chunk(
-                model, idx[:, start:end], input_pos[:, start:end], targets[:, start:end], tapes, chunk, weight
-            )
-    finally:
-        model.set_kv_caches(None)
+    for chunk in reversed(range(len(bounds))):
+        start, end = bounds[chunk]
+        total += _backward_chunk(
+            model, idx[:, start:end], input_pos[:, start:end], targets[:, start:end], tapes, chunk, weight
+        )
     return total / n_valid
 
 
@@ -110,18 +107,14 @@ def record_forward(
     b, t = idx.shape
     caches = model.build_kv_caches(list(configs), b)
     tapes = [LayerTape(c, t, stores_gradients(c.config, c.shape, idx.device, c.dtype)) for c in caches]
-    model.set_kv_caches(caches)
-    try:
-        with torch.no_grad():
-            for start, end in bounds:
-                before = [cache.positions.clone() for cache in caches]
-                model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
-                for tape, cache, positions in zip(tapes, caches, before, strict=True):
-                    tape.record_chunk(cache, positions, start, end)
-        for tape, cache in zip(tapes, caches, strict=True):
-            tape.finish(cache)
-    finally:
-        model.set_kv_caches(None)
+    with model.kv_caches_attached(caches), torch.no_grad():
+        for start, end in bounds:
+            before = [cache.positions.clone() for cache in caches]
+            model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
+            for tape, cache, positions in zip(tapes, caches, before, strict=True):
+                tape.record_chunk(cache, positions, start, end)
+    for tape, cache in zip(tapes, caches, strict=True):
+        tape.finish(cache)
     return tapes
 
 
@@ -149,8 +142,8 @@ def _backward_chunk(
         values = values.to(device).requires_grad_(tape.track_grads)
         recorded = tape.recorded(start, start + idx.shape[1]) if tape.config.storage != "float" else None
         caches.append(ReplayKVCache(keys, values, positions.to(device), tape.config, recorded))
-    model.set_kv_caches(caches)
-    logits = model(idx, input_pos)
+    with model.kv_caches_attached(caches):
+        logits = model(idx, input_pos)
     loss_sum = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
