@@ -1,0 +1,247 @@
+"""`snapkv` and `expected-attention` against brute-force float64 versions of their rules, against dense
+attention with room for every token, and batch == alone on left-padded batches (float and int4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+
+from litkv import GPT, KVCacheConfig, forward_chunked, generate
+from litkv.attention import attend, build_mask
+from litkv.generate import pad_prompts
+from litkv.kvcache import CacheShape, get_kv_cache_class
+from litkv.kvcache.expected_attention import ExpectedAttentionKVCache
+from litkv.kvcache.snapkv import SnapKVKVCache
+
+B, N_HEAD, G, HS, L = 2, 8, 2, 16, 12
+PER_KV = N_HEAD // G
+PADS = 5  # row 1 is left-padded: its whole first chunk (prefill_length 5) is pads
+SCALE = 1 / math.sqrt(HS)
+
+
+class BruteForce:
+    """A score policy's eviction, one (row, KV head) at a time, in float64 with Python containers.
+
+    State per (row, head): `{sequence index: score}` of the tokens held. Subclasses give `scores`.
+    """
+
+    def __init__(self, config: KVCacheConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        self.config, self.opts, self.q, self.k, self.v, self.pos = config, config.policy_options, q, k, v, pos
+        self.state: list[list[dict[int, float]]] = [[{} for _ in range(G)] for _ in range(B)]
+        self.min_gap = math.inf  # smallest relative margin of an eviction decision (for messages)
+
+    def scores(self, b: int, g: int, held: list[int], new: list[int], call_scores: bool) -> dict[int, float]:
+        raise NotImplementedError
+
+    def step(self, start: int, end: int) -> None:
+        for b in range(B):
+            new = [i for i in range(start, end) if self.pos[b, i] >= 0]
+            for g in range(G):
+                state = self.state[b][g]
+                state.update({i: 0.0 for i in new})
+                state.update(self.scores(b, g, sorted(state), new, len(state) > L))
+                self.evict(b, state)
+
+    def evict(self, b: int, state: dict[int, float]) -> None:
+        excess = len(state) - L
+        if excess <= 0:
+            return
+        by_pos = sorted(state, key=lambda j: int(self.pos[b, j]))
+        recent = self.opts.recent_length(L)
+        protected = set(by_pos[len(by_pos) - recent :] if recent else [])
+        protected |= {j for j in state if self.pos[b, j] < self.opts.sinks}
+        others = sorted((j for j in state if j not in protected), key=lambda j: state[j])
+        if len(others) > excess:
+            last_out, first_in = state[others[excess - 1]], state[others[excess]]
+            self.min_gap = min(self.min_gap, (first_in - last_out) / abs(first_in))
+        for j in others[:excess]:
+            del state[j]
+
+    def kept(self, b: int, g: int) -> list[int]:
+        return sorted(int(self.pos[b, j]) for j in self.state[b][g])
+
+
+class BruteSnapKV(BruteForce):
+    """Window queries (the call's last `window` non-pad ones), causal softmax per query and head,
+    averaged over the window, summed over heads; average pool over neighbours by position; running max."""
+
+    def scores(self, b: int, g: int, held: list[int], new: list[int], call_scores: bool) -> dict[int, float]:
+        window = new[len(new) - self.opts.window :] if new else []
+        attention = dict.fromkeys(held, 0.0)
+        for i in window:
+            seen = [j for j in held if self.pos[b, j] <= self.pos[b, i]]
+            for h in range(g * PER_KV, (g + 1) * PER_KV):
+                logits = torch.stack([self.q[b, h, i] @ self.k[b, g, j] for j in seen]) * SCALE
+                for j, w in zip(seen, torch.softmax(logits, dim=0).tolist(), strict=True):
+                    attention[j] += w / len(window)
+        by_pos = sorted(held, key=lambda j: int(self.pos[b, j]))
+        half, state = self.opts.kernel // 2, self.state[b][g]
+        out = {}
+        for r, j in enumerate(by_pos):
+            pooled = sum(attention[by_pos[s]] for s in range(max(r - half, 0), min(r + half + 1, len(by_pos))))
+            pooled /= self.opts.kernel
+            out[j] = max(state[j], pooled) if self.opts.keep_max else pooled
+        return out
+
+
+class BruteExpectedAttention(BruteForce):
+    """Weighted mean and (centred) covariance of all non-pad queries so far, weight `decay^(later ones)`;
+    softmax of `s mu.k + s^2 k^T Sigma k / 2` over the held tokens, summed over heads, times `||v||`."""
+
+    def __init__(self, config: KVCacheConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        super().__init__(config, q, k, v, pos)
+        self.history: list[list[int]] = [[] for _ in range(B)]
+
+    def step(self, start: int, end: int) -> None:
+        for b in range(B):
+            self.history[b] += [i for i in range(start, end) if self.pos[b, i] >= 0]
+        super().step(start, end)
+
+    def moments(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hist = self.history[b]
+        if not hist:
+            return torch.zeros(HS, dtype=torch.float64), torch.zeros(HS, HS, dtype=torch.float64)
+        decay = 1 - 1 / self.opts.n_stats
+        weights = [decay ** (len(hist) - 1 - r) for r in range(len(hist))]
+        total = sum(weights)
+        mu = sum(w * self.q[b, h, i] for w, i in zip(weights, hist, strict=True)) / total
+        cov = sum(
+            w * torch.outer(self.q[b, h, i] - mu, self.q[b, h, i] - mu) for w, i in zip(weights, hist, strict=True)
+        )
+        cov = cov / total
+        if self.opts.covariance == "diagonal":
+            cov = torch.diag(torch.diagonal(cov))
+        return mu, cov * (self.opts.covariance != "none")
+
+    def scores(self, b: int, g: int, held: list[int], new: list[int], call_scores: bool) -> dict[int, float]:
+        if not call_scores:  # the cache scores only the calls that evict
+            return {}
+        out = dict.fromkeys(held, 0.0)
+        for h in range(g * PER_KV, (g + 1) * PER_KV):
+            mu, cov = self.moments(b, h)
+            logits = torch.stack([SCALE * mu @ self.k[b, g, j] + SCALE**2 / 2 * self.k[b, g, j] @ cov @ self.k[b, g, j]
+                                  for j in held])  # fmt: skip
+            for j, w in zip(held, torch.softmax(logits, dim=0).tolist(), strict=True):
+                out[j] += w
+        return {j: s * float(self.v[b, g, j].norm()) for j, s in out.items()}
+
+
+def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk: int, storage: str,
+                             options: dict[str, object], seed: int) -> None:  # fmt: skip
+    """Same chunked run through the cache (float32) and the brute force (float64); kept positions equal."""
+    n = 3 * L + 9
+    config = KVCacheConfig(policy, cache_length=L, chunk_size=chunk, prefill_length=5, storage=storage,
+                           quant_group_size=8, options=options)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, HS, generator=gen).float() for h in (N_HEAD, G, G))
+    pos = torch.arange(n).expand(B, n).clone()
+    pos[1] = torch.arange(n) - PADS
+    pos[1, :PADS] = -1
+    cache = get_kv_cache_class(policy)(config, CacheShape(B, G, L, HS, HS), None, torch.float32)
+    seen_k, seen_v = cache.storage.as_stored(k, v)  # what queries and policy see (int4: rounded per token)
+    oracle = oracle_class(config, q.double(), seen_k.double(), seen_v.double(), pos)
+    evicting = 0
+    for start, end in config.chunk_bounds(n):
+        ps = pos[:, start:end]
+        qs, ks, vs = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        keys, values, k_pos = cache.attend_inputs(ks, vs, ps, qs)
+        attend(qs, keys, values, build_mask(ps, k_pos), SCALE, query_valid=ps >= 0)
+        cache.evict_and_store(None)
+        oracle.step(start, end)
+        for b in range(B):
+            for g in range(G):
+                held = sorted(p for p in cache.positions[b, g].tolist() if p >= 0)
+                where = f"chunk [{start}, {end}) row {b} head {g}, smallest decision margin {oracle.min_gap:.1e}"
+                assert held == oracle.kept(b, g), where
+        evicting += int(all(len(oracle.state[b][g]) == L for b in range(B) for g in range(G)))
+    assert evicting >= n // (2 * chunk)  # the cache was full (and evicting) most of the time
+
+
+@pytest.mark.parametrize(
+    "chunk, storage, options",
+    [
+        (1, "float", {}),
+        (7, "float", dict(window=3, kernel=5, sinks=2, recent=3)),
+        (7, "float", dict(keep_max=False)),
+        (1, "float", dict(kernel=1, keep_max=False, recent=2)),
+        (7, "int4", dict(window=4, kernel=3, sinks=1, recent=0)),
+    ],
+)
+def test_snapkv_matches_brute_force(chunk: int, storage: str, options: dict[str, object]) -> None:
+    _run_against_brute_force("snapkv", BruteSnapKV, chunk, storage, options, seed=chunk + len(options))
+
+
+@pytest.mark.parametrize(
+    "chunk, storage, options",
+    [
+        (1, "float", {}),
+        (7, "float", dict(n_stats=8, sinks=2, recent=3)),
+        (7, "float", dict(n_stats=4, covariance="diagonal")),
+        (1, "float", dict(n_stats=16, covariance="none", sinks=1, recent=0)),
+        (7, "int4", dict(n_stats=32)),
+    ],
+)
+def test_expected_attention_matches_brute_force(chunk: int, storage: str, options: dict[str, object]) -> None:
+    _run_against_brute_force("expected-attention", BruteExpectedAttention, chunk, storage, options, seed=chunk)
+
+
+def test_policies_ask_for_queries_not_attention_weights() -> None:
+    for cls in (SnapKVKVCache, ExpectedAttentionKVCache):
+        assert cls.needs_queries and not cls.needs_attn_weights  # the layer keeps its fast attention path
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "expected-attention"])
+@torch.inference_mode()
+def test_with_room_for_every_token_equals_dense(policy: str) -> None:
+    model = random_gpt(tiny_config("SmolLM2-135M"), seed=4)
+    idx = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    expected = model(idx)
+    for chunk in (1, 7):
+        out = forward_chunked(model, idx, KVCacheConfig(policy, cache_length=40, chunk_size=chunk, prefill_length=6))
+        assert max_diff(out, expected) <= rounding_bound(expected, forward_depth(model.config, 40 + chunk))
+
+
+@pytest.fixture(scope="module")
+def model64() -> GPT:
+    return float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=8))
+
+
+@pytest.mark.parametrize("storage", ["float", "int4"])
+@pytest.mark.parametrize("policy", ["snapkv", "expected-attention"])
+@torch.inference_mode()
+def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: str) -> None:
+    """Prompts of 6, 19 and 33 tokens, 12 slots, token by token: each row's logits and new tokens
+    (from `generate`) are those of its prompt alone, while the cache evicts."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (6, 19, 33)]
+    config = KVCacheConfig(policy, cache_length=12, chunk_size=1, storage=storage, quant_group_size=8,
+                           options=dict(sinks=1))  # fmt: skip
+    idx, input_pos = pad_prompts(prompts, torch.device("cpu"))
+    batched = forward_chunked(model64, idx, config, input_pos=input_pos)
+    tokens = generate(model64, prompts, max_new_tokens=5, kv_cache=config)
+    for row, prompt in enumerate(prompts):
+        alone = forward_chunked(model64, prompt[None], config)[0]
+        bound = rounding_bound(alone, forward_depth(model64.config, 13), torch.float64)
+        assert max_diff(batched[row, -len(prompt) :], alone) <= bound, f"row {row}"
+        assert tokens[row].tolist() == generate(model64, [prompt], 5, config)[0].tolist(), f"row {row}"
+
+
+@pytest.mark.parametrize(
+    "policy, options, error, match",
+    [
+        ("snapkv", dict(window=0), ValueError, "window must be >= 1, got 0"),
+        ("snapkv", dict(kernel=4), ValueError, "kernel must be odd"),
+        ("snapkv", dict(kernel=2.0), TypeError, "kernel must be an int"),
+        ("snapkv", dict(keep_max="yes"), TypeError, "keep_max must be a bool"),
+        ("snapkv", dict(recent=20), ValueError, "sinks \\+ recent must be <= cache_length"),
+        ("expected-attention", dict(n_stats=0), ValueError, "n_stats must be >= 1, got 0"),
+        ("expected-attention", dict(covariance="low-rank"), ValueError, "covariance must be one of"),
+        ("expected-attention", dict(window=3), ValueError, "has no option 'window'"),
+    ],
+)
+def test_bad_options_are_clear_errors(policy: str, options: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        KVCacheConfig(policy, cache_length=16, options=options)
