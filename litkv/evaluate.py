@@ -2,15 +2,19 @@
 
 For each (policy, cache budget): perplexity of the text, mean KL(dense || policy) per predicted
 token, top-1 agreement with dense (all from `forward_chunked` logits), and accuracy on the pass-key
-recall task (`litkv.recall`) at several needle depths, decided by greedy `generate`.
+recall task (`litkv.recall`) at several needle depths, decided by greedy `generate`; optionally the
+multi-key recall task (one of several needles asked) and the decode speed (tokens/s of the decode
+steps of a short greedy generation after the first window, prefill excluded).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ __all__ = [
     "DENSE",
     "PolicyResult",
     "cache_config",
+    "decode_speed",
     "evaluate_policies",
     "recall_accuracy",
     "text_windows",
@@ -44,6 +49,8 @@ class PolicyResult:
     top1: float = math.nan
     recall: dict[float, float] = field(default_factory=dict)
     cache_bytes: int = 0
+    multikey: float = math.nan
+    decode_tps: float = math.nan
 
     @property
     def recall_mean(self) -> float:
@@ -56,10 +63,16 @@ class PolicyResult:
         return out
 
 
-def cache_config(template: KVCacheConfig, policy: str, cache_length: int) -> KVCacheConfig:
-    """`template` with `policy` and `cache_length` (chunk sizes clipped to it; qh2o on int4 by default)."""
+def cache_config(
+    template: KVCacheConfig, policy: str, cache_length: int, options: dict[str, Any] | None = None
+) -> KVCacheConfig:
+    """`template` with `policy`, `cache_length` and the policy's `options` (chunk sizes clipped to it).
+
+    The template's storage is passed through as is (qh2o switches float storage to int4 itself).
+    """
     _check_template(template)
-    storage = "int4" if policy == "qh2o" and template.storage == "float" else template.storage
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options of policy {policy!r} must be a dict, got {type(options).__name__} {options!r:.80}")
     prefill = template.prefill_length
     return dataclasses.replace(
         template,
@@ -67,7 +80,7 @@ def cache_config(template: KVCacheConfig, policy: str, cache_length: int) -> KVC
         cache_length=cache_length,
         chunk_size=min(template.chunk_length, cache_length),
         prefill_length=None if prefill is None else min(prefill, cache_length),
-        storage=storage,
+        options=dict(options or {}),
     )
 
 
@@ -77,6 +90,27 @@ def _check_template(template: object) -> None:
             "the kv_cache template must be a KVCacheConfig (policy and cache_length are set per run), "
             f"got {type(template).__name__} {template!r:.80}"
         )
+    if template.options:
+        raise ValueError(
+            "the kv_cache template must not hold policy options (it is shared by all policies), got "
+            f"options={template.options!r}; pass them per policy instead, e.g. "
+            '--policy_options \'{"keydiff": {"recent": 64}}\' or --policy_options.keydiff.recent 64'
+        )
+
+
+def _check_policy_options(policy_options: object, policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`policy_options` as a dict of dicts whose keys are among `policies`."""
+    if policy_options is None:
+        return {}
+    if not isinstance(policy_options, dict) or not all(isinstance(v, dict) for v in policy_options.values()):
+        raise TypeError(
+            'policy_options must map policy names to dicts of options, e.g. {"keydiff": {"recent": 64}}, '
+            f"got {policy_options!r:.120}"
+        )
+    unknown = [name for name in policy_options if name not in policies]
+    if unknown:
+        raise ValueError(f"policy_options names policies {unknown} that are not evaluated; policies: {list(policies)}")
+    return policy_options
 
 
 def _check_batch_size(batch_size: object) -> None:
@@ -128,7 +162,7 @@ def _quality(
     device = model.lm_head.weight.device
     sums = {key: _Sums() for key in configs}
     length = windows.shape[1] - 1
-    dense = cache_config(next(iter(configs.values())), DENSE, length)
+    dense = configs[(DENSE, length)]  # the reference: a dense cache as long as the window
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size].to(device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -157,6 +191,53 @@ def recall_accuracy(
     return {depth: sum(h) / len(h) for depth, h in hits.items()}
 
 
+def decode_speed(model: GPT, prompt: torch.Tensor, kv_cache: KVCacheConfig, new_tokens: int = 32) -> float:
+    """Tokens per second of the decode steps of a greedy generation after `prompt` `(T,)` (one row).
+
+    Wall-clock (`time.perf_counter`) from the first new token, picked from the prefill's logits, to the
+    last: `new_tokens - 1` decode steps; the prefill is excluded. No stop tokens, so every step runs.
+    """
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise ValueError(f"new_tokens must be an int >= 2 (one step after the prefill's token), got {new_tokens!r}")
+    times: list[float] = []
+
+    def stamp(tokens: torch.Tensor) -> None:
+        if tokens.device.type == "cuda":
+            torch.cuda.synchronize(tokens.device)
+        times.append(time.perf_counter())
+
+    generate(model, [prompt], new_tokens, kv_cache, temperature=0.0, on_tokens=stamp)
+    return (len(times) - 1) / max(times[-1] - times[0], 1e-9)
+
+
+def _check_inputs(windows: torch.Tensor, policies: Sequence[str], budgets: Sequence[int], decode_tokens: int) -> None:
+    check_integer_tensor("windows", windows)
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"windows must have shape (N >= 1, W + 1 >= 2), got {tuple(windows.shape)}")
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
+    if not policies:
+        raise ValueError("policies must be a non-empty list of policy names")
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens == 1 or decode_tokens < 0:
+        raise ValueError(f"decode_tokens must be 0 (no timing) or an int >= 2, got {decode_tokens!r}")
+
+
+def _configs(
+    template: KVCacheConfig,
+    policies: Sequence[str],
+    budgets: Sequence[int],
+    length: int,
+    policy_options: dict[str, dict[str, Any]],
+) -> dict[tuple[str, int], KVCacheConfig]:
+    """The dense reference (cache as long as the window), then each (policy, budget) with its options."""
+    configs = {(DENSE, length): cache_config(template, DENSE, length, policy_options.get(DENSE))}
+    for policy in policies:
+        if policy != DENSE:
+            opts = policy_options.get(policy)
+            configs.update({(policy, b): cache_config(template, policy, b, opts) for b in budgets})
+    return configs
+
+
 @torch.inference_mode()
 def evaluate_policies(
     model: GPT,
@@ -167,6 +248,9 @@ def evaluate_policies(
     template: KVCacheConfig | None = None,
     batch_size: int = 4,
     progress: bool = False,
+    policy_options: dict[str, dict[str, Any]] | None = None,
+    multikey_examples: Sequence[RecallExample] = (),
+    decode_tokens: int = 0,
 ) -> list[PolicyResult]:
     """Evaluate every (policy, budget) against the dense reference.
 
@@ -175,10 +259,15 @@ def evaluate_policies(
         windows: `(N, W + 1)` token windows (`text_windows`): quality on predicting tokens 1..W.
         policies: policy names; ``"dense"`` adds the reference row (cache as long as the window).
         budgets: cache lengths (slots per row, KV head and layer).
-        examples: recall examples (all of one length); none: recall is not measured.
-        template: other cache settings (chunk size, sinks, storage, ...); default `KVCacheConfig()`.
+        examples: pass-key recall examples (all of one length); none: recall is not measured.
+        template: other cache settings (chunk size, storage, ...) shared by all policies, without
+            policy options; default `KVCacheConfig()`.
         batch_size: rows per forward.
         progress: show a progress bar.
+        policy_options: per policy name, its options (e.g. ``{"keydiff": {"recent": 64}}``), applied to
+            that policy's configs only.
+        multikey_examples: multi-key recall examples (`RecallTask.multikey_examples`); none: skipped.
+        decode_tokens: tokens of the timed greedy generation after the first window (0: no timing).
 
     Returns:
         The dense reference first (always), then one result per (policy, budget) in order.
@@ -186,18 +275,10 @@ def evaluate_policies(
     template = KVCacheConfig() if template is None else template
     _check_template(template)
     _check_batch_size(batch_size)
-    check_integer_tensor("windows", windows)
-    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
-        raise ValueError(f"windows must have shape (N >= 1, W + 1 >= 2), got {tuple(windows.shape)}")
-    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
-        raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
-    if not policies:
-        raise ValueError("policies must be a non-empty list of policy names")
+    _check_inputs(windows, policies, budgets, decode_tokens)
+    options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
     length = windows.shape[1] - 1
-    configs = {(DENSE, length): cache_config(template, DENSE, length)}
-    for policy in policies:
-        if policy != DENSE:
-            configs.update({(policy, b): cache_config(template, policy, b) for b in budgets})
+    configs = _configs(template, policies, budgets, length, options)
     n_batches = math.ceil(windows.shape[0] / batch_size)
     with tqdm(total=n_batches * len(configs) + len(configs), desc="evaluate", disable=not progress) as bar:
         sums = _quality(model, windows, configs, batch_size, bar)
@@ -207,15 +288,28 @@ def evaluate_policies(
             kl = max(s.kl / s.count, 0.0)  # >= 0 up to rounding
             res = PolicyResult(key[0], key[1], math.exp(s.nll / s.count), kl, s.agree / s.count)
             res.cache_bytes = _cache_bytes(model, cfg)
+            long_cfg = cfg
+            if key[0] == DENSE:  # room for the longest example
+                needed = max((len(ex.ids) for ex in [*examples, *multikey_examples]), default=0)
+                long_cfg = cache_config(template, DENSE, max(needed, length), options.get(DENSE))
             if examples:
-                recall_cfg = cfg
-                if key[0] == DENSE:
-                    needed = max(len(ex.ids) for ex in examples)
-                    recall_cfg = cache_config(template, DENSE, max(needed, length))
-                res.recall = recall_accuracy(model, examples, recall_cfg, batch_size)
+                res.recall = recall_accuracy(model, examples, long_cfg, batch_size)
+            if multikey_examples:
+                res.multikey = _mean(recall_accuracy(model, multikey_examples, long_cfg, batch_size), multikey_examples)
+            if decode_tokens:
+                prompt = windows[0, : max(length - decode_tokens, 1)].to(model.lm_head.weight.device)
+                res.decode_tps = decode_speed(model, prompt, long_cfg, decode_tokens)
             results.append(res)
             bar.update(1)
     return results
+
+
+def _mean(per_depth: dict[float, float], examples: Sequence[RecallExample]) -> float:
+    """Share correct over all `examples` from per-depth shares (weighted by the examples per depth)."""
+    counts: dict[float, int] = {}
+    for ex in examples:
+        counts[ex.depth] = counts.get(ex.depth, 0) + 1
+    return sum(per_depth[d] * n for d, n in counts.items()) / len(examples)
 
 
 def _cache_bytes(model: GPT, kv_cache: KVCacheConfig) -> int:

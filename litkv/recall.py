@@ -5,6 +5,10 @@ part is tokenized on its own (no special tokens) and the token lists are concate
 window of natural text (from the format's `filler_file`) with as many tokens as needed to reach
 `length`, and `cut = round(depth * len(filler))`. A model recalls the key if greedy decoding after
 the question reproduces every answer token.
+
+The multi-key variant (RULER's `niah_multikey`) hides several needles "The pass key of <word> is
+<digits>." (the format's `multikey_needle`, keys drawn as for the single pass-key) at random depths
+and asks for one of them (`multikey_question`); the answer is the format's `answer` with that key.
 """
 
 from __future__ import annotations
@@ -16,9 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECALL_FILE", "RecallExample", "RecallFormat", "RecallTask", "encode_plain"]
+__all__ = ["MULTIKEY_WORDS", "RECALL_FILE", "RecallExample", "RecallFormat", "RecallTask", "encode_plain"]
 
 RECALL_FILE = "recall_format.json"
+# Names of the needles of the multi-key task (each example draws distinct ones).
+MULTIKEY_WORDS = (
+    "apple", "river", "stone", "cloud", "tiger", "maple", "violet", "harbor",
+    "silver", "falcon", "meadow", "copper", "lantern", "orchid", "canyon", "ember",
+)  # fmt: skip
 
 
 def encode_plain(tokenizer: Any, text: str) -> list[int]:
@@ -43,11 +52,20 @@ class RecallFormat:
     distinct_digits: bool = False
     filler_file: str = "heldout.txt"
     context_length: int = 1024
+    multikey_needle: str = "\nThe pass key of {word} is {key}. Remember it.\n"
+    multikey_question: str = "\nWhat is the pass key of {word}? The pass key of {word} is"
 
     def __post_init__(self) -> None:
-        for name in ("needle", "answer"):
-            if "{key}" not in getattr(self, name):
-                raise ValueError(f"recall format field {name!r} must contain '{{key}}', got {getattr(self, name)!r}")
+        for name, fields in (("needle", "{key}"), ("answer", "{key}"), ("multikey_needle", "{word} {key}")):
+            for placeholder in fields.split():
+                if placeholder not in getattr(self, name):
+                    raise ValueError(
+                        f"recall format field {name!r} must contain {placeholder!r}, got {getattr(self, name)!r}"
+                    )
+        if "{word}" not in self.multikey_question:
+            raise ValueError(
+                f"recall format field 'multikey_question' must contain '{{word}}', got {self.multikey_question!r}"
+            )
         if not isinstance(self.num_digits, int) or self.num_digits < 1:
             raise ValueError(f"num_digits must be an int >= 1, got {self.num_digits!r}")
         if len(self.digits) < 2:
@@ -82,6 +100,7 @@ class RecallExample:
     answer_start: int
     depth: float
     key: str
+    word: str | None = None  # multi-key examples: the word whose key is asked
 
     @property
     def prompt(self) -> list[int]:
@@ -151,4 +170,73 @@ class RecallTask:
                 start = rng.randrange(len(self.filler_ids) - length)
                 window = self.filler_ids[start : start + length]
                 out.append(self.make_example(window, length, depth, self.random_key(rng)))
+        return out
+
+    def make_multikey_example(
+        self,
+        filler_ids: Sequence[int],
+        length: int,
+        needles: Sequence[tuple[float, str, str]],
+        asked: int,
+    ) -> RecallExample:
+        """One example of exactly `length` tokens with several needles, the `asked`-th one questioned.
+
+        Args:
+            filler_ids: at least as many filler tokens as the example needs.
+            length: tokens of the example (answer included).
+            needles: `(depth, word, key)` per needle; depth in [0, 1] is its relative place in the filler.
+            asked: index into `needles` of the needle whose key is the answer.
+        """
+        if not needles or not 0 <= asked < len(needles):
+            raise ValueError(f"asked must index one of the {len(needles)} needles, got {asked!r}")
+        if any(not 0.0 <= depth <= 1.0 for depth, _, _ in needles):
+            raise ValueError(f"needle depths must be in [0, 1], got {[d for d, _, _ in needles]}")
+        depth, word, key = needles[asked]
+        parts = [encode_plain(self.tokenizer, self.fmt.multikey_needle.format(word=w, key=k)) for _, w, k in needles]
+        question = encode_plain(self.tokenizer, self.fmt.multikey_question.format(word=word))
+        answer = encode_plain(self.tokenizer, self.fmt.answer.format(key=key))
+        n_fill = length - sum(map(len, parts)) - len(question) - len(answer)
+        if n_fill < 0 or len(filler_ids) < n_fill:
+            raise ValueError(
+                f"cannot build a multi-key example of {length} tokens: needles, question and answer take "
+                f"{length - n_fill} tokens, leaving {n_fill} for filler; got {len(filler_ids)} filler tokens "
+                "(use a longer example or fewer keys)"
+            )
+        filler = list(filler_ids[:n_fill])
+        ids: list[int] = []
+        prev = 0
+        for (d, _, _), needle in sorted(zip(needles, parts, strict=True), key=lambda item: item[0][0]):
+            cut = round(d * n_fill)
+            ids += filler[prev:cut] + needle
+            prev = cut
+        ids += filler[prev:] + question + answer
+        return RecallExample(ids, length - len(answer), depth, key, word)
+
+    def multikey_examples(
+        self, length: int, num_examples: int, num_keys: int = 4, seed: int = 0
+    ) -> list[RecallExample]:
+        """`num_examples` examples with `num_keys` needles (distinct words and keys) at random depths,
+        each on a random filler window; one needle, drawn at random, is asked."""
+        if not 1 <= num_keys <= len(MULTIKEY_WORDS):
+            raise ValueError(f"num_keys must be in [1, {len(MULTIKEY_WORDS)}], got {num_keys!r}")
+        if len(self.filler_ids) <= length:
+            raise ValueError(
+                f"the filler text has {len(self.filler_ids)} tokens, fewer than the example length {length}"
+            )
+        rng = random.Random(seed)
+        out = []
+        for _ in range(num_examples):
+            start = rng.randrange(len(self.filler_ids) - length)
+            words = rng.sample(MULTIKEY_WORDS, num_keys)
+            keys: list[str] = []
+            for _ in range(1000 * num_keys):
+                key = self.random_key(rng)
+                keys += [] if key in keys else [key]
+                if len(keys) == num_keys:
+                    break
+            else:
+                raise ValueError(f"cannot draw {num_keys} distinct keys from the format's key alphabet")
+            needles = [(round(rng.random(), 3), w, k) for w, k in zip(words, keys, strict=True)]
+            window = self.filler_ids[start : start + length]
+            out.append(self.make_multikey_example(window, length, needles, rng.randrange(num_keys)))
         return out

@@ -15,11 +15,20 @@ import torch
 from helpers import chunked_last_recent_mask, random_gpt, reference_forward, tiny_config
 from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
+from litkv.__main__ import main
 from litkv.checkpoint import load_tokenizer
 from litkv.cli.evaluate_cmd import evaluate, format_table, plot_results
 from litkv.config import KVCacheConfig
-from litkv.evaluate import PolicyResult, cache_config, evaluate_policies, recall_accuracy, text_windows
-from litkv.recall import RecallExample, RecallFormat, RecallTask, encode_plain
+from litkv.evaluate import (
+    PolicyResult,
+    cache_config,
+    decode_speed,
+    evaluate_policies,
+    recall_accuracy,
+    text_windows,
+)
+from litkv.kvcache import known_policies
+from litkv.recall import MULTIKEY_WORDS, RecallExample, RecallFormat, RecallTask, encode_plain
 
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = {
@@ -55,14 +64,56 @@ def test_text_windows() -> None:
         text_windows(ids, 9, 20)
 
 
-def test_cache_config_clips_chunks_and_quantises_qh2o() -> None:
+def test_cache_config_clips_chunks_and_passes_storage_through() -> None:
     template = KVCacheConfig(chunk_size=64, prefill_length=128, cache_length=1024)
-    cfg = cache_config(template, "h2o", 32)
+    cfg = cache_config(template, "h2o", 32, {"sinks": 4})
     assert (cfg.policy, cfg.cache_length, cfg.chunk_size, cfg.prefill_length) == ("h2o", 32, 32, 32)
-    assert cache_config(template, "qh2o", 64).storage == "int4"
+    assert cfg.policy_options.sinks == 4 and template.options == {}
+    assert cache_config(template, "qh2o", 64).storage == "float"  # qh2o switches to int4 itself
     assert cache_config(KVCacheConfig(storage="int8"), "qh2o", 64).storage == "int8"
     with pytest.raises(ValueError, match="unknown KV cache policy 'nope'"):
         cache_config(template, "nope", 64)
+    with pytest.raises(ValueError, match="has no option 'bogus'"):
+        cache_config(template, "h2o", 64, {"bogus": 1})
+
+
+def test_template_with_policy_options_is_refused() -> None:
+    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    template = KVCacheConfig(policy="h2o", options={"sinks": 4})
+    with pytest.raises(ValueError, match="must not hold policy options.*--policy_options"):
+        evaluate_policies(model, torch.zeros(1, 17, dtype=torch.long), ["h2o"], [8], template=template)
+    with pytest.raises(ValueError, match="must not hold policy options"):
+        cache_config(template, "h2o", 8)
+
+
+def test_policy_options_apply_to_their_policy_only() -> None:
+    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    torch.manual_seed(0)
+    windows = torch.randint(0, 128, (2, 41))
+    run = dict(template=KVCacheConfig(chunk_size=8), batch_size=2)
+    plain = evaluate_policies(model, windows, ["last-recent", "h2o"], [16], **run)
+    sinks = evaluate_policies(
+        model, windows, ["last-recent", "h2o"], [16], policy_options={"last-recent": {"sinks": 4}}, **run
+    )
+    assert sinks[1].perplexity != pytest.approx(plain[1].perplexity, rel=1e-6)  # last-recent changed
+    assert sinks[2].perplexity == pytest.approx(plain[2].perplexity, rel=1e-6)  # h2o did not
+    assert sinks[0].perplexity == pytest.approx(plain[0].perplexity, rel=1e-6)  # nor dense
+    with pytest.raises(ValueError, match=r"names policies \['tova'\] that are not evaluated"):
+        evaluate_policies(model, windows, ["h2o"], [16], policy_options={"tova": {}}, **run)
+    with pytest.raises(ValueError, match="'h2o' has no option 'window'"):
+        evaluate_policies(model, windows, ["h2o"], [16], policy_options={"h2o": {"window": 3}}, **run)
+
+
+def test_decode_speed_is_positive_and_checked() -> None:
+    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    windows = torch.randint(0, 128, (1, 33))
+    res = evaluate_policies(model, windows, ["h2o"], [8], template=KVCacheConfig(chunk_size=8), decode_tokens=4)
+    assert all(r.decode_tps > 0 and math.isfinite(r.decode_tps) for r in res)
+    assert all(math.isnan(r.decode_tps) for r in evaluate_policies(model, windows, ["h2o"], [8]))
+    with pytest.raises(ValueError, match="decode_tokens must be 0 .* or an int >= 2, got 1"):
+        evaluate_policies(model, windows, ["h2o"], [8], decode_tokens=1)
+    with pytest.raises(ValueError, match="new_tokens must be an int >= 2"):
+        decode_speed(model, windows[0], KVCacheConfig(cache_length=64), 1)
 
 
 def _metrics(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
@@ -164,10 +215,48 @@ def test_recall_format_errors(tmp_path: Path) -> None:
         RecallFormat.load(tmp_path / "recall_format.json")
 
 
+def test_multikey_examples_hide_several_needles_and_ask_one(ckpt: Path) -> None:
+    tok = load_tokenizer(ckpt)
+    task = RecallTask.from_checkpoint(ckpt, tok)
+    examples = task.multikey_examples(300, 6, num_keys=4, seed=3)
+    assert len(examples) == 6 and examples == task.multikey_examples(300, 6, num_keys=4, seed=3)
+    asked_words = set()
+    for ex in examples:
+        text = tok.decode(torch.tensor(ex.prompt))
+        found = [
+            (w, text.split(f"The pass key of {w} is ", 1)[1][:5]) for w in MULTIKEY_WORDS if f"key of {w} is " in text
+        ]
+        found = [(w, k) for w, k in found if f"The pass key of {w} is {k}." in text]
+        assert len(found) == 4 and len({k for _, k in found}) == 4  # 4 needles, distinct keys
+        assert text.count("What is the pass key") == 1 and text.endswith(
+            f"What is the pass key of {ex.word}? The pass key of {ex.word} is"
+        )
+        assert (ex.word, ex.key) in found and len(ex.ids) == 300
+        assert ex.answer == encode_plain(tok, f" {ex.key}")
+        asked_words.add(ex.word)
+    assert len(asked_words) > 1
+    with pytest.raises(ValueError, match="asked must index one of the 1 needles"):
+        task.make_multikey_example(task.filler_ids, 160, [(0.5, "apple", "12345")], 1)
+    with pytest.raises(ValueError, match="num_keys must be in"):
+        task.multikey_examples(160, 1, num_keys=0)
+    with pytest.raises(ValueError, match="needles, question and answer take"):
+        task.multikey_examples(60, 1, num_keys=4)
+
+
+@pytest.mark.filterwarnings("ignore:policy 'qh2o' needs quantised storage")
 def test_evaluate_command_writes_table_json_and_plot(ckpt: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     results = evaluate(
-        ckpt, budgets=[16, 32], num_windows=2, recall_depths=[0.0, 1.0], recall_cases=2, out_dir=out, device="cpu"
+        ckpt,
+        budgets=[16, 32],
+        num_windows=2,
+        recall_depths=[0.0, 1.0],
+        recall_cases=2,
+        multikey_cases=2,
+        multikey_keys=1,
+        decode_tokens=4,
+        out_dir=out,
+        device="cpu",
     )
     assert [(r.policy, r.cache_length) for r in results][:3] == [
         ("dense", 96),
@@ -176,13 +265,39 @@ def test_evaluate_command_writes_table_json_and_plot(ckpt: Path, tmp_path: Path,
     ]
     assert {r.policy for r in results} == {"dense", "last-recent", "h2o", "qh2o"}
     printed = capsys.readouterr().out
-    assert printed.splitlines()[0].split()[:6] == ["policy", "budget", "cache", "MiB", "ppl", "KL"]
-    assert "dense" in printed and "96 (full)" in printed and "rec@0" in printed
+    head = printed.splitlines()[0].split()
+    assert head[:6] == ["policy", "budget", "cache", "MiB", "ppl", "KL"] and head[-2:] == ["multikey", "tok/s"]
+    assert all(float(line.split()[-1]) > 0 for line in printed.splitlines()[1 : 1 + len(results)])
+    assert "dense" in printed and "96 (full)" in printed and "rec@0" in printed and "shared CPU" in printed
+    qh2o = next(r for r in results if r.policy == "qh2o" and r.cache_length == 16)
+    h2o = next(r for r in results if r.policy == "h2o" and r.cache_length == 16)
+    assert qh2o.cache_bytes <= h2o.cache_bytes / 4  # int4 storage, measured from the built caches
     data = json.loads((out / "evaluate.json").read_text())
-    assert data["window"] == 96 and data["recall_examples"] == 4
+    assert data["window"] == 96 and data["recall_examples"] == 4 and data["multikey_cases"] == 2
+    assert data["torch_version"] == torch.__version__ and data["litkv_version"]
+    assert isinstance(data["command"], str) and data["policies"] == ["last-recent", "h2o", "qh2o"]
     assert [r["policy"] for r in data["results"]] == [r.policy for r in results]
     assert set(data["results"][0]["recall"]) == {"0", "1"}
+    assert all(r["decode_tps"] > 0 and 0 <= r["multikey"] <= 1 for r in data["results"])
     assert (out / "evaluate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.filterwarnings("ignore:policy 'qh2o' needs quantised storage")
+def test_evaluate_cli_all_policies_and_policy_options(ckpt: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    argv = ["evaluate", str(ckpt), "--policies", "all", "--budgets", "[16]", "--num_windows", "1"]
+    argv += ["--recall_cases", "0", "--multikey_cases", "0", "--decode_tokens", "0", "--device", "cpu"]
+    argv += ["--policy_options", '{"h2o": {"recent": 8}}', "--policy_options.last-recent.sinks", "4"]
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "litkv", *argv])
+    main([*argv, "--out_dir", str(tmp_path)])
+    data = json.loads((tmp_path / "evaluate.json").read_text())
+    assert data["policies"] == known_policies() and len(known_policies()) >= 9
+    assert [r["policy"] for r in data["results"]] == known_policies()  # dense first, then one budget each
+    assert data["policy_options"] == {"h2o": {"recent": 8}, "last-recent": {"sinks": 4}}
+    assert data["command"].startswith("python -m litkv evaluate") and "'[16]'" in data["command"]
+    assert "tok/s" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv[:-4], "--policy_options", '{"h2o": 3}', "--out_dir", str(tmp_path)])
+    assert "policy_options['h2o'] must be a dict" in capsys.readouterr().err
 
 
 def test_format_table_and_plot_without_recall(tmp_path: Path) -> None:

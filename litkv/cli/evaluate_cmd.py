@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +19,7 @@ from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer, s
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
 from litkv.evaluate import DENSE, PolicyResult, evaluate_policies, text_windows
+from litkv.kvcache.registry import known_policies
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
 
 __all__ = ["evaluate", "format_table", "plot_results"]
@@ -23,19 +27,24 @@ __all__ = ["evaluate", "format_table", "plot_results"]
 DEFAULT_POLICIES = ("last-recent", "h2o", "qh2o")
 DEFAULT_BUDGETS = (64, 128, 256, 512)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+ALL = "all"
 _DEFAULT_KV_CACHE = KVCacheConfig(chunk_size=64)  # never mutated; policy and cache_length are set per run
 
 
 def evaluate(
     checkpoint_dir: Path | None = None,
     text_file: Path | None = None,
-    policies: list[str] | None = None,
+    policies: list[str] | str | None = None,
     budgets: list[int] | None = None,
     window: int | None = None,
     num_windows: int = 4,
     recall_depths: list[float] | None = None,
-    recall_cases: int = 4,
+    recall_cases: int = 10,
+    multikey_cases: int = 10,
+    multikey_keys: int = 4,
+    decode_tokens: int = 32,
     kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
+    policy_options: dict[str, Any] | None = None,
     batch_size: int = 4,
     seed: int = 0,
     out_dir: Path = Path("out/evaluate"),
@@ -46,19 +55,28 @@ def evaluate(
     """Quality of KV cache policies against a dense cache on the same model and text.
 
     Per (policy, budget): perplexity, mean KL(dense || policy) per token, top-1 agreement with dense,
-    and pass-key recall accuracy at several needle depths (when the checkpoint has recall_format.json).
+    pass-key recall accuracy at several needle depths (when the checkpoint has recall_format.json),
+    optionally multi-key recall, and decode tokens/s (wall-clock).
 
     Args:
         checkpoint_dir: Checkpoint directory. Default: the model shipped with litkv.
         text_file: Text to score. Default: the checkpoint's heldout.txt.
-        policies: Policies to compare (default: last-recent, h2o, qh2o); dense is always the reference.
+        policies: Policies to compare (default: last-recent, h2o, qh2o; "all": every registered
+            policy); dense is always the reference.
         budgets: Cache lengths to try (default: 64, 128, 256, 512).
         window: Tokens per scored window. Default: the recall task's context length, else the model's.
         num_windows: Number of windows, spread evenly over the text.
         recall_depths: Needle depths in [0, 1] (default: 0, 0.25, 0.5, 0.75, 1).
         recall_cases: Recall examples per depth (0: skip the recall task).
-        kv_cache: Other cache settings (chunk_size, sinks, recent, storage, ...); policy and
-            cache_length are set per run.
+        multikey_cases: Multi-key recall examples (several needles, one asked; 0: skip). The shipped
+            model was trained on single pass-keys only: dense's figure is the ceiling.
+        multikey_keys: Needles per multi-key example.
+        decode_tokens: Tokens of the timed greedy generation per (policy, budget) (0: no timing);
+            tokens/s counts the decode steps only, not the prefill.
+        kv_cache: Cache settings shared by all policies (chunk_size, prefill_length, storage, ...);
+            policy and cache_length are set per run; no policy options here (see policy_options).
+        policy_options: Options per policy, applied to that policy's runs only, e.g.
+            '{"keydiff": {"recent": 64}}' or --policy_options.keydiff.recent 64.
         batch_size: Sequences per forward.
         seed: Seed of the recall examples.
         out_dir: Where to write evaluate.json and evaluate.png.
@@ -67,11 +85,15 @@ def evaluate(
         num_threads: CPU threads for torch. Default: torch's choice (one per core).
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
-    policies = list(DEFAULT_POLICIES if policies is None else policies)
-    budgets = list(DEFAULT_BUDGETS if budgets is None else budgets)
+    policy_options = _nest_policy_options(policy_options)
+    settings = {
+        "policies": _resolve_policies(policies),
+        "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),
+    }
     apply_num_threads(num_threads)
     dev = resolve_device(device)
-    model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
+    dtype = resolve_dtype(precision, dev)
+    model = load_model(ckpt, device=dev, dtype=dtype)
     tokenizer = load_tokenizer(ckpt)
     task = RecallTask.from_checkpoint(ckpt, tokenizer) if (ckpt / RECALL_FILE).is_file() else None
     if window is None:
@@ -79,22 +101,83 @@ def evaluate(
     text_path = _text_path(ckpt, text_file, task)
     ids = torch.tensor(encode_plain(tokenizer, text_path.read_text(encoding="utf-8")), dtype=torch.long)
     windows = text_windows(ids, window, num_windows)
-    examples = []
-    if task is not None and recall_cases > 0:
-        depths = list(DEFAULT_DEPTHS if recall_depths is None else recall_depths)
-        examples = task.examples(window, depths, recall_cases, seed)
-    elif task is None:
-        print(f"note: {ckpt / RECALL_FILE} not found: the recall task is skipped", file=sys.stderr)
+    depths = list(DEFAULT_DEPTHS if recall_depths is None else recall_depths)
+    examples, multikey = [], []
+    if task is not None:
+        examples = task.examples(window, depths, recall_cases, seed) if recall_cases > 0 else []
+        multikey = task.multikey_examples(window, multikey_cases, multikey_keys, seed) if multikey_cases > 0 else []
+    else:
+        print(f"note: {ckpt / RECALL_FILE} not found: the recall task (and multi-key) is skipped", file=sys.stderr)
     start = time.perf_counter()
-    results = evaluate_policies(model, windows, policies, budgets, examples, kv_cache, batch_size, progress=True)
+    results = evaluate_policies(
+        model, windows, settings["policies"], settings["budgets"], examples, kv_cache, batch_size, True,
+        policy_options, multikey, decode_tokens,
+    )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(format_table(results))
     print(
-        f"{num_windows} windows of {window} tokens from {text_path.name}; {len(examples)} recall examples; "
-        f"chunk_size {kv_cache.chunk_length}; {elapsed:.0f} s"
+        f"{num_windows} windows of {window} tokens from {text_path.name}; {len(examples)} recall examples, "
+        f"{len(multikey)} multi-key; chunk_size {kv_cache.chunk_length}; {elapsed:.0f} s"
     )
-    _write_outputs(Path(out_dir), results, _run_info(ckpt, text_path, window, num_windows, len(examples), kv_cache))
+    if decode_tokens:
+        print(
+            f"tok/s: greedy decode steps of {decode_tokens} tokens after the first window, one row, prefill "
+            f"excluded; wall-clock on {'a shared CPU' if dev.type == 'cpu' else dev.type}: compare within a run only"
+        )
+    settings.update(
+        checkpoint_dir=str(ckpt), text_file=str(text_path), window=window, num_windows=num_windows,
+        recall_depths=depths, recall_cases=recall_cases, recall_examples=len(examples),
+        multikey_cases=multikey_cases, multikey_keys=multikey_keys, decode_tokens=decode_tokens,
+        batch_size=batch_size, seed=seed, device=str(dev), dtype=str(dtype).removeprefix("torch."),
+        num_threads=torch.get_num_threads(), policy_options=policy_options or {},
+        kv_cache_template=_template_dict(kv_cache), elapsed_s=round(elapsed, 1),
+    )  # fmt: skip
+    _write_outputs(Path(out_dir), results, _run_info(settings))
     return results
+
+
+def _nest_policy_options(options: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """`{"keydiff.recent": 64}` (from `--policy_options.keydiff.recent 64`) -> `{"keydiff": {"recent": 64}}`;
+    nested dicts are kept (merged with dotted keys of the same policy)."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f'policy_options must be a dict like {{"keydiff": {{"recent": 64}}}}, got {options!r:.120}')
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in options.items():
+        policy, dot, option = str(key).partition(".")
+        policy = _dashed(policy)
+        if dot:
+            out.setdefault(policy, {})[option] = value
+        elif isinstance(value, dict):
+            out.setdefault(policy, {}).update(value)
+        else:
+            raise ValueError(
+                f"policy_options[{key!r}] must be a dict of that policy's options, got {value!r:.80}; "
+                f'e.g. --policy_options \'{{"{key}": {{"recent": 64}}}}\' or --policy_options.{key}.recent 64'
+            )
+    return out
+
+
+def _dashed(policy: str) -> str:
+    """`last_recent` -> `last-recent` when only the dashed name is registered (the command line turns
+    dashes in option names into underscores, `--policy_options.last-recent.sinks` included)."""
+    known = known_policies()
+    dashed = policy.replace("_", "-")
+    return dashed if policy not in known and dashed in known else policy
+
+
+def _resolve_policies(policies: list[str] | str | None) -> list[str]:
+    """The default list, every registered policy for "all", a single name, or the list as given."""
+    if policies is None:
+        return list(DEFAULT_POLICIES)
+    if policies == ALL:
+        return known_policies()
+    if isinstance(policies, str):
+        return [policies]
+    if ALL in policies:
+        raise ValueError(f'"all" must be given alone (--policies all), got {policies}')
+    return list(policies)
 
 
 def _text_path(ckpt: Path, text_file: Path | None, task: RecallTask | None) -> Path:
@@ -109,20 +192,25 @@ def _text_path(ckpt: Path, text_file: Path | None, task: RecallTask | None) -> P
     return path
 
 
-def _run_info(
-    ckpt: Path, text: Path, window: int, num_windows: int, n_examples: int, kv_cache: KVCacheConfig
-) -> dict[str, object]:
+def _template_dict(kv_cache: KVCacheConfig) -> dict[str, object]:
     return {
-        "checkpoint_dir": str(ckpt),
-        "text_file": str(text),
-        "window": window,
-        "num_windows": num_windows,
-        "recall_examples": n_examples,
-        "kv_cache_template": {
-            f.name: getattr(kv_cache, f.name)
-            for f in dataclasses.fields(kv_cache)
-            if f.name not in ("policy", "cache_length")
-        },
+        f.name: getattr(kv_cache, f.name)
+        for f in dataclasses.fields(kv_cache)
+        if f.name not in ("policy", "cache_length")
+    }
+
+
+def _run_info(settings: dict[str, object]) -> dict[str, object]:
+    """The exact command line, versions, and the resolved settings (also at the top level, as before)."""
+    try:
+        version = importlib.metadata.version("litkv")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {
+        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),  # the interpreter and `-m litkv` too
+        "litkv_version": version,
+        "torch_version": torch.__version__,
+        **settings,
     }
 
 
@@ -142,15 +230,20 @@ def _write_outputs(out_dir: Path, results: Sequence[PolicyResult], info: dict[st
 
 
 def format_table(results: Sequence[PolicyResult]) -> str:
-    """A fixed-width table: one row per (policy, budget), recall per depth and its mean."""
+    """A fixed-width table: one row per (policy, budget), recall per depth and its mean, multi-key
+    recall and decode tokens/s (columns present only when measured)."""
     depths = sorted({d for r in results for d in r.recall})
+    multikey = any(not math.isnan(r.multikey) for r in results)
+    speed = any(not math.isnan(r.decode_tps) for r in results)
     head = ["policy", "budget", "cache MiB", "ppl", "KL", "top-1"]
     head += [f"rec@{d:g}" for d in depths] + (["recall"] if depths else [])
+    head += (["multikey"] if multikey else []) + (["tok/s"] if speed else [])
     rows = []
     for r in results:
         budget = f"{r.cache_length} (full)" if r.policy == DENSE else str(r.cache_length)
         row = [r.policy, budget, f"{r.cache_bytes / 2**20:.2f}", f"{r.perplexity:.3f}", f"{r.kl:.3g}", f"{r.top1:.3f}"]
         row += [_fmt(r.recall.get(d, math.nan)) for d in depths] + ([_fmt(r.recall_mean)] if depths else [])
+        row += ([_fmt(r.multikey)] if multikey else []) + ([_fmt(r.decode_tps, "{:.0f}")] if speed else [])
         rows.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
     return "\n".join(_align(row, widths) for row in [head, *rows])
@@ -161,8 +254,8 @@ def _align(cells: Sequence[str], widths: Sequence[int]) -> str:
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
 
-def _fmt(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.2f}"
+def _fmt(x: float, spec: str = "{:.2f}") -> str:
+    return "-" if math.isnan(x) else spec.format(x)
 
 
 def plot_results(results: Sequence[PolicyResult], path: Path) -> None:
