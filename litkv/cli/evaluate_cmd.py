@@ -107,7 +107,10 @@ def evaluate(
         examples = task.examples(window, depths, recall_cases, seed) if recall_cases > 0 else []
         multikey = task.multikey_examples(window, multikey_cases, multikey_keys, seed) if multikey_cases > 0 else []
     else:
-        print(f"note: {ckpt / RECALL_FILE} not found: the recall task (and multi-key) is skipped", file=sys.stderr)
+        print(
+            f"note: {ckpt / RECALL_FILE} not found: the recall task is skipped (and the multi-key task)",
+            file=sys.stderr,
+        )
     start = time.perf_counter()
     results = evaluate_policies(
         model, windows, settings["policies"], settings["budgets"], examples, kv_cache, batch_size, True,
