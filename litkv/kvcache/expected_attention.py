@@ -39,10 +39,14 @@ COVARIANCES = ("full", "diagonal", "none")
 
 @dataclass
 class ExpectedAttentionOptions(ScoreOptions):
-    """`sinks`, `recent` (default a quarter of the cache), `n_stats` (about how many recent queries the
-    statistics cover: decay `1 - 1/n_stats` per query) and `covariance` (`full`, `diagonal`, `none`)."""
+    """`sinks`, `recent` (default half the cache), `n_stats` (about how many recent queries the statistics
+    cover: decay `1 - 1/n_stats` per query) and `covariance` (`full`, `diagonal`, `none`).
 
-    default_recent_fraction: ClassVar[float] = 0.25
+    Defaults from `litkv evaluate` on the shipped model (chunks of 64): a recent window of half the cache
+    beat a quarter (KL to dense 0.057 vs 0.082 at 128 slots); `n_stats` 32/1024 and the diagonal or no
+    covariance changed little (full was best by a few percent)."""
+
+    default_recent_fraction: ClassVar[float] = 0.5
 
     n_stats: int = 256
     covariance: str = "full"

@@ -35,10 +35,15 @@ __all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "window_attenti
 
 @dataclass
 class SnapKVOptions(ScoreOptions):
-    """`sinks`, `recent` (default a quarter of the cache), `window` (observation window, queries per call),
-    `kernel` (odd width of the average pool over neighbouring tokens, 1: none), `keep_max` (running maximum)."""
+    """`sinks`, `recent` (default half the cache), `window` (observation window, queries per call),
+    `kernel` (odd width of the average pool over neighbouring tokens, 1: none), `keep_max` (running maximum).
 
-    default_recent_fraction: ClassVar[float] = 0.25
+    Defaults from `litkv evaluate` on the shipped model (budgets 128-512, chunks of 64): a recent window
+    of half the cache beat a quarter (KL to dense 0.019 vs 0.024 at 128 slots, 0.0070 vs 0.0084 at 256);
+    without `keep_max` the pass key at mid depth was lost at 128 slots (recall 0.20 vs 0.38); windows of
+    32/64 and kernels of 1/15 were no better overall."""
+
+    default_recent_fraction: ClassVar[float] = 0.5
 
     window: int = 16
     kernel: int = 7
