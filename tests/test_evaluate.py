@@ -298,6 +298,9 @@ def test_evaluate_cli_all_policies_and_policy_options(ckpt: Path, tmp_path: Path
     with pytest.raises(SystemExit):
         main([*argv[:-4], "--policy_options", '{"h2o": 3}', "--out_dir", str(tmp_path)])
     assert "policy_options['h2o'] must be a dict" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv[:-4], "--multikey_cases", "-1", "--out_dir", str(tmp_path)])
+    assert "multikey_cases must be an int >= 0 (0: skip that task), got -1" in capsys.readouterr().err
 
 
 def test_format_table_and_plot_without_recall(tmp_path: Path) -> None:

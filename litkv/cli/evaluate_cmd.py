@@ -86,6 +86,9 @@ def evaluate(
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     policy_options = _nest_policy_options(policy_options)
+    for name, value in (("recall_cases", recall_cases), ("multikey_cases", multikey_cases)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0: skip that task), got {value!r}")
     settings = {
         "policies": _resolve_policies(policies),
         "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),
