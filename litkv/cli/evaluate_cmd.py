@@ -127,7 +127,7 @@ def evaluate(
     )
     if decode_tokens:
         print(
-            f"tok/s: greedy decode steps of {decode_tokens} tokens after the first window, one row, prefill "
+            f"tok/s: greedy decode steps of {decode_tokens} tokens after the first window, one row, best of 3, prefill "
             f"excluded; wall-clock on {'a shared CPU' if dev.type == 'cpu' else dev.type}: compare within a run only"
         )
     settings.update(
