@@ -259,7 +259,8 @@ class KVCache(ABC):
         start = self.num_filled
         kept_queries = queries if self.needs_queries else None
         if self.storage.lossless and start + t <= self.cache_length:
-            positions = torch.cat((self.positions, new_pos), dim=2)  # slots [start, L) are empty before the call
+            # slots [start, L) are empty before the call; the record is built only for a policy with state
+            positions = torch.cat((self.positions, new_pos), dim=2) if self._keeps_state() else new_pos
             self.storage.write_range(start, keys, values)
             self.positions[:, :, start : start + t] = new_pos
             self.num_filled = start + t
@@ -292,6 +293,8 @@ class KVCache(ABC):
         cand = pending.candidates
         length, t = self.cache_length, cand.num_new
         if pending.direct:
+            if not self._keeps_state():
+                return
             if attn_weights is not None:  # (B, G, start + T): cached tokens, then the new ones
                 start = pending.start
                 slot_part = F.pad(attn_weights[..., :start], (0, length - start))
@@ -305,16 +308,20 @@ class KVCache(ABC):
         drop = self.select_drop(cand)
         self._check_drop(drop, t)
         dest, src, valid = pair_drops(drop, length)
-        placement = _placement(dest, src, valid, length)
         self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
         new_pos = cand.positions[..., length:].gather(2, src)
         self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
         self.num_filled = min(length, self.num_filled + t)
-        self.after_write(placement, cand)
+        if self._keeps_state():
+            self.after_write(_placement(dest, src, valid, length), cand)
 
     def nbytes(self) -> int:
         """Bytes held by the keys and values (scales and offsets included for quantised storage)."""
         return self.storage.nbytes()
+
+    def _keeps_state(self) -> bool:
+        """Whether the class overrides `after_write` (else no `Placement` is built: nothing would read it)."""
+        return type(self).after_write is not KVCache.after_write
 
     # -- checks ---------------------------------------------------------------------------------
 
