@@ -148,8 +148,9 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
         ps = pos[:, start:end]
         qs, ks, vs = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
         keys, values, k_pos = cache.attend_inputs(ks, vs, ps, qs)
-        attend(qs, keys, values, build_mask(ps, k_pos), SCALE, query_valid=ps >= 0)
-        cache.evict_and_store(None)
+        _, w = attend(qs, keys, values, build_mask(ps, k_pos), SCALE, need_weights=cache.needs_attn_weights,
+                      query_valid=ps >= 0)  # fmt: skip
+        cache.evict_and_store(w)
         oracle.step(start, end)
         for b in range(B):
             for g in range(G):
