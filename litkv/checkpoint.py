@@ -340,16 +340,22 @@ def load_model(
 # -- tokenizer -------------------------------------------------------------------------------------
 
 
-def _check_tokenizer_config(path: Path) -> None:
-    """ValueError/TypeError unless `tokenizer_config.json` is a JSON object with usable special tokens."""
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; ValueError naming the file if it is not valid JSON or not an object."""
     import json
 
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _check_tokenizer_config(path: Path) -> None:
+    """ValueError/TypeError unless `tokenizer_config.json` is a JSON object with usable special tokens."""
+    config = read_json_object(path)
     for key in ("bos_token", "eos_token"):
         token = config.get(key)
         if isinstance(token, dict):

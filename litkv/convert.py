@@ -8,7 +8,6 @@ Weights are read from safetensors files, or from `.bin` files with `torch.load(w
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict
 from functools import partial
@@ -25,6 +24,7 @@ from litkv.checkpoint import (
     SAFETENSORS_FILE,
     check_state_dict,
     load_state_dict,
+    read_json_object,
     save_file_atomic,
     save_state_dict_atomic,
 )
@@ -48,13 +48,7 @@ def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} has no config.json")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
-    return hf
+    return read_json_object(path)
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
