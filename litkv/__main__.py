@@ -79,6 +79,12 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             continue
         name, value = _option_name(token)
         name = _policy_option_name(name)
+        if argv and argv[0] == "evaluate" and name.startswith("--kv_cache.options"):
+            option = name.rsplit(".", 1)[-1]
+            raise ValueError(
+                f"evaluate compares several policies, so a policy option goes to one of them: use "
+                f"--policy_options.POLICY.{option} VALUE (e.g. --policy_options.keydiff.{option}), got {token}"
+            )
         if name in ("--kv_cache", "--prompt") and value is None and i < len(argv):
             value, i = argv[i], i + 1
         if name == "--prompt" and value is not None:
