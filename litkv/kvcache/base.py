@@ -93,15 +93,14 @@ class Placement:
     Attributes:
         dest: `(B, G, T)` slot indices; `src`: `(B, G, T)` new-token indices; `valid`: `(B, G, T)`
             bool. New token `src[j]` went into slot `dest[j]` where `valid[j]`.
-        source: `(B, G, L)` int64, for each slot the index of the candidate (`0..L+T-1`) it holds now.
-        replaced: `(B, G, L)` bool, slots that received a new token in this call.
+        source: `(B, G, L)` int64, for each slot the index of the candidate (`0..L+T-1`) it holds now
+            (`source >= L`: the slot received a new token in this call).
     """
 
     dest: torch.Tensor
     src: torch.Tensor
     valid: torch.Tensor
     source: torch.Tensor
-    replaced: torch.Tensor
 
     def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
         """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
@@ -136,8 +135,7 @@ def _placement(dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, cache
     b, g, _ = dest.shape
     source = torch.arange(cache_length, device=dest.device).expand(b, g, cache_length)
     source = source.scatter(2, dest, torch.where(valid, cache_length + src, dest))
-    replaced = torch.zeros(b, g, cache_length, dtype=torch.bool, device=dest.device).scatter_(2, dest, valid)
-    return Placement(dest, src, valid, source, replaced)
+    return Placement(dest, src, valid, source)
 
 
 @dataclass
