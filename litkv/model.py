@@ -84,7 +84,9 @@ class GPT(nn.Module):
             )
         )
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._last_pos: torch.Tensor | None = None
+        # (B,) int64 largest position each row has seen through the attached caches (positions must
+        # increase); `None` until the first call. Part of a cache snapshot (`litkv.snapshot`).
+        self.last_pos: torch.Tensor | None = None
 
     @classmethod
     def from_name(cls, name: str) -> GPT:
@@ -128,7 +130,7 @@ class GPT(nn.Module):
             raise ValueError(f"expected {self.config.n_layer} caches (one per layer), got {len(caches)}")
         for i, block in enumerate(self.transformer.h):
             block.attn.kv_cache = None if caches is None else caches[i]
-        self._last_pos = None
+        self.last_pos = None
 
     @contextmanager
     def kv_caches_attached(
@@ -256,7 +258,7 @@ class GPT(nn.Module):
                 f"{cache_batch}, got idx with batch size {idx.shape[0]}"
             )
         running = torch.cummax(input_pos, dim=1).values
-        before = torch.full_like(input_pos[:, :1], -1) if self._last_pos is None else self._last_pos[:, None]
+        before = torch.full_like(input_pos[:, :1], -1) if self.last_pos is None else self.last_pos[:, None]
         previous = torch.cat((before, running[:, :-1]), dim=1).clamp(min=before)
         bad = (input_pos >= 0) & (input_pos <= previous)
         if bool(bad.any()):
@@ -266,7 +268,7 @@ class GPT(nn.Module):
                 f"after position {int(previous[row, col])}"
             )
         last = running[:, -1]
-        self._last_pos = last if self._last_pos is None else torch.maximum(self._last_pos, last)
+        self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
         return input_pos
 
 

@@ -20,6 +20,7 @@ the call's queries) are filled only when the class asks for them (`needs_attn_we
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.storage import CacheShape, KVStorage
+from litkv.kvcache.storage import CacheShape, KVStorage, load_into
 from litkv.kvcache.storage_kinds import make_storage
 
 if TYPE_CHECKING:
@@ -158,6 +159,11 @@ class KVCache(ABC):
         heads_share_positions: every KV head of a row always holds the same tokens in the same slots
             (true for policies that look at neither keys nor attention); attention then builds one mask
             per row instead of one per head.
+        slot_state: names of the attributes holding the policy's per-slot state, each a `(B, G, L, ...)`
+            tensor (H2O: `("attn_sums", "query_counts")`). Snapshots, restores, row selection and the
+            undo log (`journal`) handle them with the keys and values; declare them and they come free.
+        row_state: names of the attributes holding per-row state: a tensor `(B, ...)`, a tuple of them,
+            or `None` (not set yet).
 
     Attributes:
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
@@ -169,6 +175,8 @@ class KVCache(ABC):
     needs_attn_weights: ClassVar[bool] = False
     needs_queries: ClassVar[bool] = False
     heads_share_positions: ClassVar[bool] = False
+    slot_state: ClassVar[tuple[str, ...]] = ()
+    row_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
@@ -191,6 +199,9 @@ class KVCache(ABC):
         )
         self.num_filled = 0
         self._pending: _Pending | None = None
+        # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
+        # overwrite (an undo log records what they held); `None`: nothing is recorded.
+        self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
 
     # -- what a policy implements ---------------------------------------------------------------
 
@@ -259,6 +270,8 @@ class KVCache(ABC):
         if self.storage.lossless and start + t <= self.cache_length:
             # slots [start, L) are empty before the call; the record is built only for a policy with state
             positions = torch.cat((self.positions, new_pos), dim=2) if self._keeps_state() else new_pos
+            if self.journal is not None:
+                self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
             self.storage.write_range(start, keys, values)
             self.positions[:, :, start : start + t] = new_pos
             self.num_filled = start + t
@@ -306,6 +319,8 @@ class KVCache(ABC):
         drop = self.select_drop(cand)
         self._check_drop(drop, t)
         dest, src, valid = pair_drops(drop, length)
+        if self.journal is not None:
+            self.journal(self, dest)
         self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
         new_pos = cand.positions[..., length:].gather(2, src)
         self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
@@ -316,6 +331,52 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Bytes held by the keys and values (scales and offsets included for quantised storage)."""
         return self.storage.nbytes()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a call may change, by name; views of the live tensors (a snapshot clones them).
+
+        `"positions"` and `"storage.<name>"` and `"slot.<name>"` (the policy's `slot_state`) are
+        `(B, G, L, ...)` with the slot index on dim 2; `"row.<name>"` (or `"row.<name>.<i>"` for a
+        tuple) are the policy's `row_state`, batch first. Row state not set yet is left out. The host
+        counter `num_filled` is not a tensor: read it from the attribute.
+        """
+        out = {"positions": self.positions}
+        out.update({f"storage.{k}": v for k, v in self.storage.state_tensors().items()})
+        out.update({f"slot.{name}": getattr(self, name) for name in self.slot_state})
+        for name in self.row_state:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                out[f"row.{name}"] = value
+            elif isinstance(value, tuple):
+                out.update({f"row.{name}.{i}": part for i, part in enumerate(value)})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
+        """Set the cache to a state shaped as `state_tensors()` returns it (copied in; row state assigned).
+
+        Raises ValueError naming the tensor and the expected and actual shapes when they do not match.
+        """
+        if self._pending is not None:
+            raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
+        if isinstance(num_filled, bool) or not isinstance(num_filled, int) or not 0 <= num_filled <= self.cache_length:
+            raise ValueError(f"num_filled must be an int in [0, {self.cache_length}], got {num_filled!r}")
+        name = type(self).__name__
+        storage = {k[len("storage.") :]: v for k, v in tensors.items() if k.startswith("storage.")}
+        self.storage.load_state_tensors(storage)
+        slots = {k: v for k, v in tensors.items() if k == "positions" or k.startswith("slot.")}
+        live = {k: v for k, v in self.state_tensors().items() if k == "positions" or k.startswith("slot.")}
+        load_into(name, live, slots)
+        for attr in self.row_state:
+            parts = sorted((k for k in tensors if k == f"row.{attr}" or k.startswith(f"row.{attr}.")), key=len)
+            if not parts:
+                setattr(self, attr, None)
+            elif parts == [f"row.{attr}"]:
+                setattr(self, attr, tensors[parts[0]].clone())
+            else:
+                setattr(self, attr, tuple(tensors[f"row.{attr}.{i}"].clone() for i in range(len(parts))))
+        self.num_filled = num_filled
 
     def _keeps_state(self) -> bool:
         """Whether the class overrides `after_write` (else no `Placement` is built: nothing would read it)."""

@@ -69,6 +69,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = ExpectedAttentionOptions
     needs_queries: ClassVar[bool] = True
+    row_state: ClassVar[tuple[str, ...]] = ("stats",)
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype

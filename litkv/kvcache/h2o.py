@@ -69,6 +69,7 @@ class H2OKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = H2OOptions
     needs_attn_weights: ClassVar[bool] = True
+    slot_state: ClassVar[tuple[str, ...]] = ("attn_sums", "query_counts")
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype

@@ -64,6 +64,7 @@ class QuantizedH2OKVCache(H2OKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = QH2OOptions
+    slot_state: ClassVar[tuple[str, ...]] = ("attn_sums", "query_counts", "quant_errors")
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype

@@ -146,6 +146,9 @@ class QuantizedStorage(KVStorage):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._buffers())
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "offsets": self.offsets}
+
     def as_stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantise and dequantise `(B, G, T, D)` keys and values; gradients pass straight through."""
         both = self._dequantize(self._quantize(keys, values))

@@ -99,6 +99,7 @@ class SnapKVKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = SnapKVOptions
     needs_queries: ClassVar[bool] = True
+    slot_state: ClassVar[tuple[str, ...]] = ("best",)
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype

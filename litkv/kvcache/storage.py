@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CacheShape", "FloatStorage", "KVStorage", "scatter_slots"]
+__all__ = ["CacheShape", "FloatStorage", "KVStorage", "load_into", "scatter_slots"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,25 @@ class CacheShape:
 
 def _needs_functional(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def load_into(owner: str, live: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the `live` tensors of the same names (in place, no autograd).
+
+    Raises ValueError naming `owner`, the tensor, and the expected and actual names, shapes or dtypes.
+    """
+    if set(tensors) != set(live):
+        raise ValueError(f"{owner}: expected state tensors {sorted(live)}, got {sorted(tensors)}")
+    for name, target in live.items():
+        source = tensors[name]
+        if tuple(source.shape) != tuple(target.shape) or source.dtype != target.dtype:
+            raise ValueError(
+                f"{owner}: state tensor {name!r} must be {tuple(target.shape)} {target.dtype}, "
+                f"got {tuple(source.shape)} {source.dtype}"
+            )
+    with torch.no_grad():
+        for name, target in live.items():
+            target.copy_(tensors[name])
 
 
 def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -77,6 +96,17 @@ class KVStorage:
         """Bytes held by this storage's tensors."""
         raise NotImplementedError
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold the slots, by name, each `(B, G, L, ...)` (slot index on dim 2).
+
+        Views of the live buffers (no copy): a snapshot clones them, `load_state_tensors` copies back.
+        """
+        raise NotImplementedError
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy tensors shaped as `state_tensors()` returns them into this storage's slots."""
+        load_into(type(self).__name__, self.state_tensors(), tensors)
+
     def as_stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """New `(B, G, T, *)` keys and values exactly as a later read will return them once written.
 
@@ -119,3 +149,6 @@ class FloatStorage(KVStorage):
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"keys": self.keys, "values": self.values}
