@@ -1,0 +1,659 @@
+"""Cache state: the KV caches of a model (all layers) as a value that can be taken and given back.
+
+A `CacheState` holds, per layer, what `KVCache.state_tensors()` returns (slot positions, storage
+tensors, the policy's per-slot and per-row state) and the host counter `num_filled`, plus the last
+position of each row (`GPT.last_pos`). On it are built:
+
+- `snapshot(model)` / `restore(model, state)`: copy out and back in, bitwise;
+- `CacheState.select(rows)` / `CacheState.cat(states)`: fork rows, merge rows of different lengths;
+- `CacheState.save(path)` / `CacheState.load(path)`: safetensors + JSON metadata (format version,
+  model fingerprint, cache configs, token ids, checksum); nothing is unpickled;
+- `keep_undo_log(model, depth)` and `truncate(model, n)`: roll back the last `n` tokens of each row
+  (exact for dense caches; for other caches exact within the undo log of the last `depth` calls).
+
+A custom policy that declares its state (`slot_state`, `row_state`) gets all of this. See docs/state.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from litkv.config import KVCacheConfig
+from litkv.kvcache.base import KVCache
+from litkv.kvcache.storage import CacheShape
+from litkv.model import GPT
+
+__all__ = [
+    "CacheState",
+    "LayerState",
+    "UndoLog",
+    "keep_undo_log",
+    "model_fingerprint",
+    "restore",
+    "snapshot",
+    "truncate",
+]
+
+FORMAT = "litkv-cache-state"
+FORMAT_VERSION = 1
+_TRIMMABLE = ("positions", "storage.")  # slot tensors whose unwritten tail is known (-1 / zeros)
+
+
+def _is_slot_tensor(name: str) -> bool:
+    return name == "positions" or name.startswith(("storage.", "slot."))
+
+
+@dataclass
+class LayerState:
+    """One layer's cache state.
+
+    Attributes:
+        config: the layer's `KVCacheConfig`.
+        shape: the cache's `CacheShape` (its `batch_size` is the state's).
+        tensors: `KVCache.state_tensors()` copies. "positions" and "storage.*" may hold only the first
+            `length` slots (dim 2): the others were never written (positions -1, storage zeros).
+        num_filled: the cache's host counter.
+        length: slots held by the trimmed tensors (`cache_length` when not trimmed).
+    """
+
+    config: KVCacheConfig
+    shape: CacheShape
+    tensors: dict[str, torch.Tensor]
+    num_filled: int
+    length: int
+
+    def full_tensors(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The tensors with every slot, as `load_state_tensors` expects them (on `device`)."""
+        out = {}
+        pad = self.shape.cache_length - self.length
+        for name, t in self.tensors.items():
+            t = t.to(device) if device is not None else t
+            if pad and name.startswith(_TRIMMABLE):
+                fill = -1 if name == "positions" else 0
+                t = torch.cat((t, t.new_full((*t.shape[:2], pad, *t.shape[3:]), fill)), dim=2)
+            out[name] = t
+        return out
+
+    def map(self, fn: object) -> LayerState:
+        """A copy with `fn(name, tensor)` applied to every tensor."""
+        tensors = {k: fn(k, v) for k, v in self.tensors.items()}  # type: ignore[operator]
+        batch = tensors["positions"].shape[0]
+        return dataclasses.replace(self, tensors=tensors, shape=dataclasses.replace(self.shape, batch_size=batch))
+
+
+class CacheState:
+    """The KV caches of a model, all layers, as a value (see the module docstring).
+
+    Attributes:
+        layers: one `LayerState` per layer.
+        last_pos: `(B,)` int64 last position seen per row, or `None` (nothing seen).
+        fingerprint: `{"model_config": sha256, "weights": sha256}` of the model it was taken from.
+        dtype: the caches' float dtype.
+        token_ids: per row, the token ids the state covers, when known (else `None`).
+        last_hidden: `(B, n_embd)` final hidden state of each row's last token, when kept (else `None`).
+    """
+
+    def __init__(
+        self,
+        layers: list[LayerState],
+        last_pos: torch.Tensor | None,
+        fingerprint: dict[str, str],
+        dtype: torch.dtype,
+        token_ids: list[list[int]] | None = None,
+        last_hidden: torch.Tensor | None = None,
+    ) -> None:
+        if not layers:
+            raise ValueError("a CacheState needs at least one layer")
+        self.layers = layers
+        self.last_pos = last_pos
+        self.fingerprint = dict(fingerprint)
+        self.dtype = dtype
+        self.token_ids = token_ids
+        self.last_hidden = last_hidden
+        b = self.batch_size
+        if token_ids is not None and len(token_ids) != b:
+            raise ValueError(f"token_ids must have one list per row ({b}), got {len(token_ids)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].tensors["positions"].shape[0]
+
+    @property
+    def configs(self) -> list[KVCacheConfig]:
+        return [layer.config for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors."""
+        total = sum(t.nbytes for layer in self.layers for t in layer.tensors.values())
+        extra = [t for t in (self.last_pos, self.last_hidden) if t is not None]
+        return total + sum(t.nbytes for t in extra)
+
+    def _replace(self, fn: object, token_ids: list[list[int]] | None) -> CacheState:
+        """A new state with `fn(name, tensor)` applied to every tensor (layers, last_pos, last_hidden)."""
+        layers = [layer.map(fn) for layer in self.layers]
+        last_pos = None if self.last_pos is None else fn("last_pos", self.last_pos)  # type: ignore[operator]
+        hidden = None if self.last_hidden is None else fn("last_hidden", self.last_hidden)  # type: ignore[operator]
+        return CacheState(layers, last_pos, self.fingerprint, self.dtype, token_ids, hidden)
+
+    def to(self, device: torch.device | str) -> CacheState:
+        """A copy on `device`."""
+        return self._replace(lambda _, t: t.to(device, copy=True), self.token_ids)
+
+    def select(self, rows: Sequence[int]) -> CacheState:
+        """A state whose rows are `rows` of this one (repeats allowed: fork a prefix into N continuations).
+
+        Args:
+            rows: row indices in `[0, batch_size)`, at least one.
+        """
+        b = self.batch_size
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        if not isinstance(rows, (list, tuple)) or not rows:
+            raise ValueError(f"rows must be a non-empty list of row indices in [0, {b}), got {rows!r:.80}")
+        for r in rows:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < b:
+                raise ValueError(f"rows must be ints in [0, {b}) (the state has {b} rows), got {r!r}")
+        rows = list(rows)
+        ids = None if self.token_ids is None else [list(self.token_ids[r]) for r in rows]
+
+        def pick(_: str, t: torch.Tensor) -> torch.Tensor:
+            return t[torch.tensor(rows, device=t.device)]
+
+        return self._replace(pick, ids)
+
+    @classmethod
+    def cat(cls, states: Sequence[CacheState]) -> CacheState:
+        """One batch from the rows of several states (same model and cache configs; lengths may differ).
+
+        Each row keeps its own slots and positions, so each continues as it would alone (up to the
+        rounding of attending over more, masked, slots). `num_filled` is the largest of the states'.
+        """
+        if not states or not all(isinstance(s, CacheState) for s in states):
+            raise TypeError(f"cat expects a non-empty list of CacheState, got {states!r:.80}")
+        first = states[0]
+        for i, s in enumerate(states[1:], start=1):
+            _check_same(first, s, f"states[{i}]")
+        if len(states) == 1:
+            return first.to(first.layers[0].tensors["positions"].device)
+        layers = []
+        for i, layer in enumerate(first.layers):
+            parts = [s.layers[i] for s in states]
+            tensors = {}
+            for name in layer.tensors:
+                if any(name not in p.tensors for p in parts):
+                    raise ValueError(f"cannot cat: layer {i} state {name!r} is set in some states, not in others")
+                tensors[name] = torch.cat([p.full_tensors()[name] for p in parts], dim=0)
+            shape = dataclasses.replace(layer.shape, batch_size=tensors["positions"].shape[0])
+            num_filled = max(p.num_filled for p in parts)
+            layers.append(LayerState(layer.config, shape, tensors, num_filled, layer.shape.cache_length))
+        last_pos = _cat_optional([s.last_pos for s in states], "last_pos", [s.batch_size for s in states], -1)
+        hidden = _cat_optional([s.last_hidden for s in states], "last_hidden", [s.batch_size for s in states], None)
+        ids = None if any(s.token_ids is None for s in states) else [r for s in states for r in s.token_ids]
+        return cls(layers, last_pos, first.fingerprint, first.dtype, ids, hidden)
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the state to one safetensors file (tensors + JSON metadata with a checksum), atomically."""
+        from safetensors.torch import save_file
+
+        tensors, meta = _to_file(self)
+        meta["digest"] = _digest(meta, tensors)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            save_file(tensors, str(tmp), metadata={"litkv": json.dumps(meta, sort_keys=True)})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str | None = None) -> CacheState:
+        """Read a state written by `save` (safetensors only: nothing is unpickled).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: one line, for a file that is not a litkv cache state, has another format version,
+                is truncated, or was modified (checksum mismatch).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cache state file {str(path)!r} does not exist")
+        tensors, meta = _read_file(path)
+        expected = meta.pop("digest", None)
+        if expected != _digest(meta, tensors):
+            raise ValueError(f"cache state file {str(path)!r} is corrupt or was modified (checksum mismatch)")
+        try:
+            state = _from_file(tensors, meta)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"cache state file {str(path)!r} has invalid metadata: {_one_line(err)}") from None
+        return state if device is None else state.to(device)
+
+
+def _cat_optional(
+    parts: list[torch.Tensor | None], name: str, sizes: list[int], fill: int | None
+) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts) and fill is None:
+        return None  # last_hidden is kept only when every state has it
+    ref = next(p for p in parts if p is not None)
+    full = [p if p is not None else ref.new_full((n, *ref.shape[1:]), fill) for p, n in zip(parts, sizes, strict=True)]
+    return torch.cat(full, dim=0)
+
+
+def _check_same(a: CacheState, b: CacheState, what: str) -> None:
+    if a.fingerprint != b.fingerprint:
+        raise ValueError(f"{what} was taken from another model (fingerprint {b.fingerprint} != {a.fingerprint})")
+    if a.configs != b.configs or a.dtype != b.dtype:
+        raise ValueError(f"{what} has other cache configs or dtype ({b.configs[0]}, {b.dtype}) than the first state")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+# -- model fingerprint ----------------------------------------------------------------------------
+
+_WEIGHT_HASHES: weakref.WeakKeyDictionary[GPT, tuple[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
+
+
+def model_fingerprint(model: GPT) -> dict[str, str]:
+    """`{"model_config": sha256 of the config, "weights": sha256 of names, shapes, dtypes and a sample of
+    up to 4,096 values of each parameter}` (memoised until a parameter changes)."""
+    cfg = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in ("name", "hf_config")}
+    config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
+    params = list(model.named_parameters())
+    versions = tuple(p._version for _, p in params) + tuple(p.data_ptr() for _, p in params)
+    cached = _WEIGHT_HASHES.get(model)
+    if cached is None or cached[0] != versions:
+        h = hashlib.sha256()
+        with torch.no_grad():
+            for name, p in params:
+                flat = p.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
+                h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+                h.update(sample.numpy().tobytes())
+        cached = (versions, h.hexdigest())
+        _WEIGHT_HASHES[model] = cached
+    return {"model_config": config_hash, "weights": cached[1]}
+
+
+# -- snapshot / restore ---------------------------------------------------------------------------
+
+_WARNED: set[type] = set()
+
+
+def _attached(model: GPT) -> list[KVCache]:
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a litkv GPT, got {type(model).__name__}")
+    caches = model.kv_caches
+    if any(not isinstance(c, KVCache) for c in caches):
+        raise ValueError("the model has no KV caches attached: call model.set_kv_caches(model.build_kv_caches(...))")
+    return caches  # type: ignore[return-value]
+
+
+def _layer_snapshot(cache: KVCache, device: torch.device | str | None) -> LayerState:
+    cls = type(cache)
+    if cls.after_write is not KVCache.after_write and not (cls.slot_state or cls.row_state) and cls not in _WARNED:
+        _WARNED.add(cls)
+        warnings.warn(
+            f"{cls.__name__} overrides after_write but declares no slot_state/row_state: its own state is not "
+            "part of snapshots, files or the undo log",
+            stacklevel=3,
+        )
+    trimmed = cache.storage.lossless and cache.num_filled < cache.cache_length
+    length = cache.num_filled if trimmed else cache.cache_length
+    tensors = {}
+    for name, t in cache.state_tensors().items():
+        if trimmed and name.startswith(_TRIMMABLE):
+            t = t[:, :, :length]
+        tensors[name] = t.detach().to(device, copy=True)
+    return LayerState(cache.config, cache.shape, tensors, cache.num_filled, length)
+
+
+@torch.no_grad()
+def snapshot(
+    model: GPT, device: torch.device | str | None = None, token_ids: list[list[int]] | None = None
+) -> CacheState:
+    """A copy of the attached caches' state (all layers) and of `model.last_pos`.
+
+    Args:
+        model: a GPT with caches attached.
+        device: where the copy lives (default: where the caches are; `"cpu"` for a host copy).
+        token_ids: per row, the token ids the state covers (kept in the state and its file).
+    """
+    caches = _attached(model)
+    layers = [_layer_snapshot(cache, device) for cache in caches]
+    last_pos = None if model.last_pos is None else model.last_pos.to(device, copy=True)
+    return CacheState(layers, last_pos, model_fingerprint(model), caches[0].dtype, token_ids)
+
+
+def _check_model(model: GPT, state: CacheState) -> None:
+    fp = model_fingerprint(model)
+    if fp["model_config"] != state.fingerprint.get("model_config"):
+        raise ValueError(
+            f"the cache state was taken from a model with another config ({model.config.name!r} does not match "
+            f"its fingerprint {state.fingerprint.get('model_config', '?')[:12]})"
+        )
+    if fp["weights"] != state.fingerprint.get("weights"):
+        raise ValueError("the cache state was taken from a model with other weights (or another dtype)")
+    if len(state.layers) != model.config.n_layer:
+        raise ValueError(f"the cache state has {len(state.layers)} layers, the model {model.config.n_layer}")
+
+
+@torch.no_grad()
+def restore(model: GPT, state: CacheState) -> list[KVCache]:
+    """Set the model's caches to `state` (bitwise) and `model.last_pos` to the state's.
+
+    The attached caches are reused when they have the state's configs, batch size and dtype; otherwise
+    fresh ones are built and attached. An undo log kept on the model is emptied (its history is gone).
+
+    Raises:
+        ValueError: the state was taken from a model with another config or other weights.
+
+    Returns:
+        The attached caches.
+    """
+    if not isinstance(state, CacheState):
+        raise TypeError(f"state must be a CacheState, got {type(state).__name__}")
+    _check_model(model, state)
+    log = _undo_log(model)
+    caches = list(model.kv_caches)
+    device = model.lm_head.weight.device
+    reuse = all(
+        isinstance(c, KVCache) and c.config == layer.config and c.shape == layer.shape and c.dtype == state.dtype
+        for c, layer in zip(caches, state.layers, strict=True)
+    )
+    if not reuse:
+        caches = [layer.config.policy_class(layer.config, layer.shape, device, state.dtype) for layer in state.layers]
+        model.set_kv_caches(caches)
+    for cache, layer in zip(caches, state.layers, strict=True):
+        cache._pending = None  # a call interrupted between attend_inputs and evict_and_store
+        cache.load_state_tensors(layer.full_tensors(cache.positions.device), layer.num_filled)
+    model.last_pos = None if state.last_pos is None else state.last_pos.to(device, copy=True)
+    if log is not None:
+        log.attach(model, caches)
+    return caches  # type: ignore[return-value]
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+def _to_file(state: CacheState) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    tensors: dict[str, torch.Tensor] = {}
+    layers = []
+    for i, layer in enumerate(state.layers):
+        for name, t in layer.tensors.items():
+            tensors[f"layer.{i}.{name}"] = t.detach().cpu().contiguous()
+        layers.append(
+            {
+                "config": dataclasses.asdict(layer.config),
+                "shape": dataclasses.asdict(layer.shape),
+                "num_filled": layer.num_filled,
+                "length": layer.length,
+            }
+        )
+    for name in ("last_pos", "last_hidden"):
+        value = getattr(state, name)
+        if value is not None:
+            tensors[name] = value.detach().cpu().contiguous()
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "fingerprint": state.fingerprint,
+        "dtype": str(state.dtype).removeprefix("torch."),
+        "layers": layers,
+        "token_ids": state.token_ids,
+    }
+    return tensors, meta
+
+
+def _digest(meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except Exception as err:  # safetensors raises its own error types for truncated or garbled files
+        raise ValueError(
+            f"cache state file {str(path)!r} is not a readable safetensors file (truncated or corrupt): "
+            f"{_one_line(err)}"
+        ) from None
+    try:
+        meta = json.loads(header["litkv"])
+    except (KeyError, json.JSONDecodeError):
+        raise ValueError(f"{str(path)!r} is a safetensors file but not a litkv cache state (no metadata)") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not a litkv cache state (format {meta.get('format')!r})")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"cache state file {str(path)!r} has format version {meta.get('version')!r}; this litkv reads "
+            f"version {FORMAT_VERSION}"
+        )
+    return tensors, meta
+
+
+def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> CacheState:
+    dtype = getattr(torch, str(meta["dtype"]))
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {meta['dtype']!r}")
+    layers = []
+    for i, entry in enumerate(meta["layers"]):  # type: ignore[union-attr]
+        prefix = f"layer.{i}."
+        layer_tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        config = KVCacheConfig(**entry["config"])
+        shape = CacheShape(**entry["shape"])
+        layers.append(LayerState(config, shape, layer_tensors, int(entry["num_filled"]), int(entry["length"])))
+    token_ids = meta.get("token_ids")
+    fingerprint = meta["fingerprint"]
+    return CacheState(layers, tensors.get("last_pos"), fingerprint, dtype, token_ids, tensors.get("last_hidden"))
+
+
+# -- undo log and truncate ------------------------------------------------------------------------
+
+
+def _gather_slots(t: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """`t` `(B, G, L, *rest)` at slots `dest` `(B, G, T)` -> `(B, G, T, *rest)`."""
+    rest = t.shape[3:]
+    return t.gather(2, dest.view(*dest.shape, *([1] * len(rest))).expand(*dest.shape, *rest))
+
+
+@dataclass
+class _Record:
+    """What one call changes in one layer's cache, recorded before the change."""
+
+    dest: torch.Tensor  # (B, G, T) slots the call overwrites
+    at_dest: dict[str, torch.Tensor]  # positions and storage tensors at `dest`, (B, G, T, ...)
+    whole: dict[str, torch.Tensor]  # slot state (changes everywhere) and row state, cloned
+    num_filled: int
+
+
+class _LayerJournal:
+    """`KVCache.journal` of one layer: records into the undo log."""
+
+    def __init__(self, log: UndoLog, layer: int) -> None:
+        self.log = log
+        self.layer = layer
+
+    def __call__(self, cache: KVCache, dest: torch.Tensor) -> None:
+        self.log._record(self.layer, cache, dest)
+
+
+class UndoLog:
+    """The last `depth` calls through a model's caches, enough to undo them exactly (see `truncate`).
+
+    A call's record holds the slots it overwrites (storage and positions at those slots), a copy of the
+    policy's slot and row state, `num_filled`, and the model's `last_pos` after the call.
+    """
+
+    def __init__(self, depth: int) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"undo log depth must be an int >= 1 (calls kept), got {depth!r}")
+        self.depth = depth
+        self.entries: deque[tuple[list[_Record], torch.Tensor | None]] = deque()
+        self.base_last_pos: torch.Tensor | None = None  # last_pos before the oldest entry
+        self._model: weakref.ref[GPT] | None = None
+
+    def attach(self, model: GPT, caches: Sequence[KVCache]) -> None:
+        """Record the calls through `caches` (the model's); forget earlier records."""
+        self._model = weakref.ref(model)
+        for i, cache in enumerate(caches):
+            cache.journal = _LayerJournal(self, i)
+        self.clear(model.last_pos)
+
+    def clear(self, last_pos: torch.Tensor | None) -> None:
+        self.entries.clear()
+        self.base_last_pos = None if last_pos is None else last_pos.clone()
+
+    def nbytes(self) -> int:
+        tensors = [t for records, _ in self.entries for r in records for t in (*r.at_dest.values(), *r.whole.values())]
+        return sum(t.nbytes for t in tensors)
+
+    @torch.no_grad()
+    def _record(self, layer: int, cache: KVCache, dest: torch.Tensor) -> None:
+        model = self._model() if self._model is not None else None
+        if layer == 0:
+            after = None if model is None or model.last_pos is None else model.last_pos.clone()
+            self.entries.append(([], after))
+            if len(self.entries) > self.depth:
+                _, dropped_after = self.entries.popleft()
+                self.base_last_pos = dropped_after
+        if not self.entries:
+            return
+        at_dest, whole = {}, {}
+        for name, t in cache.state_tensors().items():
+            if name == "positions" or name.startswith("storage."):
+                at_dest[name] = _gather_slots(t, dest)
+            else:
+                whole[name] = t.clone()
+        self.entries[-1][0].append(_Record(dest.clone(), at_dest, whole, cache.num_filled))
+
+    @torch.no_grad()
+    def undo_last(self, caches: Sequence[KVCache]) -> None:
+        """Undo the newest recorded call in every layer."""
+        records, _ = self.entries.pop()
+        for cache, record in zip(caches, records, strict=True):
+            tensors = {}
+            for name, t in cache.state_tensors().items():
+                if name in record.at_dest:
+                    index = record.dest.view(*record.dest.shape, *([1] * (t.dim() - 3))).expand_as(record.at_dest[name])
+                    tensors[name] = t.clone().scatter_(2, index, record.at_dest[name])
+            tensors.update(record.whole)
+            cache.load_state_tensors(tensors, record.num_filled)
+
+
+def keep_undo_log(model: GPT, depth: int = 64) -> UndoLog:
+    """Record the last `depth` calls through the model's attached caches so that `truncate` can undo them.
+
+    A call is one forward (a prefill chunk or a decode step). `restore` keeps the log attached (emptied);
+    caches attached later with `set_kv_caches` are not recorded.
+    """
+    log = UndoLog(depth)
+    log.attach(model, _attached(model))
+    return log
+
+
+def _undo_log(model: GPT) -> UndoLog | None:
+    journal = getattr(model.kv_caches[0], "journal", None) if model.kv_caches else None
+    return journal.log if isinstance(journal, _LayerJournal) else None
+
+
+def _is_dense_like(cache: KVCache) -> bool:
+    """No policy state and a token limit (never evicts): rolling back only empties slots."""
+    cls = type(cache)
+    return not cls.slot_state and not cls.row_state and cls.max_tokens(cache.config) is not None
+
+
+@torch.no_grad()
+def truncate(model: GPT, n: int) -> None:
+    """Roll back the last `n` tokens of each row (positions > `last_pos - n` are forgotten).
+
+    Exact for caches that never evict and keep no policy state (dense): their slots are emptied. Other
+    caches are rolled back call by call with the undo log (`keep_undo_log`): exact within its depth;
+    `n` must end on a call boundary (whole prefill chunks, decode steps).
+
+    Raises:
+        ValueError: `n` is not an int >= 0, goes back past the first token, past what the undo log
+            holds, or into the middle of a call; no undo log is kept for an evicting cache.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0 (tokens to roll back), got {n!r}")
+    caches = _attached(model)
+    if n == 0:
+        return
+    if model.last_pos is None:
+        raise ValueError(f"cannot roll back {n} tokens: the caches have seen no token yet")
+    target = model.last_pos - n
+    if bool((target < -1).any()):
+        row = int((target < -1).nonzero()[0])
+        raise ValueError(f"cannot roll back {n} tokens: row {row} has seen {int(model.last_pos[row]) + 1}")
+    log = _undo_log(model)
+    if all(_is_dense_like(c) for c in caches):
+        _truncate_dense(caches, target)
+        model.last_pos = target
+        if log is not None:
+            log.clear(target)
+        return
+    if log is None:
+        raise ValueError(
+            f"cannot roll back {type(caches[0]).__name__} caches without an undo log: call "
+            "litkv.keep_undo_log(model, depth) before the calls to roll back"
+        )
+    count = _calls_to_undo(log, model.last_pos, target, n)
+    for _ in range(count):
+        log.undo_last(caches)
+    model.last_pos = target
+
+
+def _calls_to_undo(log: UndoLog, last_pos: torch.Tensor, target: torch.Tensor, n: int) -> int:
+    """How many of the newest calls cover exactly the last `n` tokens of every row (no state changed)."""
+    afters = [after for _, after in log.entries]
+    current, count = last_pos, 0
+    while bool((current > target).any()):
+        if count == len(afters):
+            raise ValueError(
+                f"cannot roll back {n} tokens: the undo log holds the last {len(afters)} calls only "
+                f"(depth={log.depth}); keep a deeper log (keep_undo_log(model, depth=...))"
+            )
+        count += 1
+        before = afters[-count - 1] if count < len(afters) else log.base_last_pos
+        current = torch.full_like(last_pos, -1) if before is None else before
+    if not torch.equal(current, target):
+        raise ValueError(
+            f"cannot roll back {n} tokens: that ends inside a call of several tokens (a prefill chunk); "
+            f"the calls recorded end at positions {current.tolist()} per row"
+        )
+    return count
+
+
+def _truncate_dense(caches: Sequence[KVCache], target: torch.Tensor) -> None:
+    for cache in caches:
+        tensors = dict(cache.state_tensors())
+        positions = tensors["positions"]
+        keep = positions <= target.to(positions.device)[:, None, None]
+        tensors["positions"] = torch.where(keep, positions, -1)
+        held = (tensors["positions"] >= 0).flatten(0, 1).any(dim=0).nonzero()
+        num_filled = int(held[-1]) + 1 if len(held) else 0
+        cache.load_state_tensors({k: v.clone() for k, v in tensors.items()}, num_filled)
