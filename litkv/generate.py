@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from litkv.config import KVCacheConfig, chunk_bounds
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
+from litkv.prefix import PrefixCache
 
 __all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
 
@@ -147,6 +148,7 @@ def generate(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[torch.Tensor], None] | None = None,
     progress: bool = False,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[torch.Tensor]:
     """Generate from a batch of prompts of different lengths.
 
@@ -162,6 +164,8 @@ def generate(
         stop_tokens: a row stops after producing one of these (it is included in the output).
         on_tokens: called after each step with the step's new tokens `(B,)`, for streaming.
         progress: show a progress bar over the prefill chunks.
+        prefix_cache: a `litkv.PrefixCache`: each row restores its longest stored prompt prefix and
+            prefills the rest alone (its tokens are those of the prompt alone); new blocks are stored.
 
     Returns:
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
@@ -175,14 +179,19 @@ def generate(
         return [idx.new_empty(0) for _ in range(b)]
     _check_dense_room(kv_cache, t, max_new_tokens)
     bounds = chunk_bounds(kv_cache, t)
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise TypeError(f"prefix_cache must be a litkv.PrefixCache or None, got {type(prefix_cache).__name__}")
     with model.kv_caches_attached(kv_cache, b):
-        hidden = None
+        hidden, next_pos = None, input_pos[:, -1] + 1
+        if prefix_cache is not None:  # litkv.prefix: restore stored prefixes, prefill the rest row by row
+            hidden, next_pos = prefix_cache.prefill(model, prompts, kv_cache, progress)
+            bounds = []  # nothing left to prefill as one batch
         for s, e in tqdm(bounds, desc="prefill", unit="chunk", disable=not progress or len(bounds) < 2):
             hidden = model(idx[:, s:e], input_pos[:, s:e], lm_head=False)
         return _decode(
             model,
             hidden,
-            input_pos[:, -1] + 1,
+            next_pos,
             max_new_tokens,
             stop_tokens,
             lambda logits: sample(logits, temperature, top_k, top_p, generator),
