@@ -5,14 +5,22 @@ from litkv.generate import forward_chunked, generate
 from litkv.gradient import chunked_loss_backward
 from litkv.kvcache import KVCache, register_kv_cache
 from litkv.model import GPT
+from litkv.prefix import PrefixCache
+from litkv.state import CacheState, keep_undo_log, restore, snapshot, truncate
 
 __all__ = [
+    "CacheState",
     "GPT",
     "Config",
     "KVCache",
     "KVCacheConfig",
+    "PrefixCache",
     "chunked_loss_backward",
     "forward_chunked",
     "generate",
+    "keep_undo_log",
     "register_kv_cache",
+    "restore",
+    "snapshot",
+    "truncate",
 ]
