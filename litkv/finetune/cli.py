@@ -7,6 +7,7 @@ every process executes once Fabric is launched (tests call it with their own `Fa
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from litkv.finetune.state import (
     save_checkpoint,
 )
 from litkv.model import GPT
+from litkv.recall import RECALL_FILE, RecallFormat
 
 __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "PRECISIONS"]
 
@@ -129,7 +131,8 @@ def finetune(
     Every step runs each sequence chunk by chunk through the cache (`--kv_cache.*`) and takes the exact
     gradient of that computation (`litkv.gradient.chunked_loss_backward`), so the model learns to live
     with the policy's evictions. Checkpoints go to `out_dir/step-XXXXXX/` and `out_dir/final/`; each
-    is a checkpoint directory that `litkv generate` loads (LoRA adapters merged in).
+    is a checkpoint directory that `litkv generate` and `litkv evaluate` load (LoRA adapters merged
+    in; the base's `recall_format.json` and its filler file are copied along).
 
     Args:
         checkpoint_dir: Base checkpoint (`model_config.yaml`, `model.safetensors` or `lit_model.pth`,
@@ -232,7 +235,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, state: TrainingState, r
 
 def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[Example]]:
     tokenizer = load_tokenizer(args.checkpoint_dir)
-    examples = load_examples(args.data, tokenizer)
+    examples = load_examples(args.data, tokenizer, seed=data_seed, checkpoint_dir=args.checkpoint_dir)
     return split_examples(examples, args.data.val_fraction, data_seed)
 
 
@@ -274,5 +277,18 @@ def _save(
             state,
             prompt_style=args.data.prompt_style if args.data.is_json else None,
         )
+        _copy_recall_task(args.checkpoint_dir, path)
         tqdm.write(f"saved {path}")
     fabric.barrier()
+
+
+def _copy_recall_task(base_dir: Path, out_dir: Path) -> None:
+    """Copy the base checkpoint's pass-key task (`recall_format.json` and the filler file it names,
+    e.g. `heldout.txt`) into a saved checkpoint, so that `litkv evaluate` measures recall on it as on
+    the base."""
+    if not (base_dir / RECALL_FILE).is_file():
+        return
+    names = [RECALL_FILE, RecallFormat.load(base_dir / RECALL_FILE).filler_file]
+    for name in names:
+        if Path(name).name == name and (base_dir / name).is_file() and not (out_dir / name).exists():
+            shutil.copyfile(base_dir / name, out_dir / name)

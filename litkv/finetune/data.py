@@ -1,5 +1,8 @@
 """Fine-tuning data: LitGPT's JSON instruction format or a plain text file, split, ordered, batched.
 
+A text file can be mixed with synthetic pass-key recall and digit-copy rows (`--data.recall_share`,
+`--data.copy_share`; `litkv.finetune.recall_data`), the mix the shipped default model was trained on.
+
 An example is a pair `(input_ids, targets)` of 1-D int64 tensors of the same length, already shifted:
 `targets[t]` is the token that should follow `input_ids[:t + 1]`, or -100 where no loss is taken
 (the prompt of an instruction example). The order of the training examples is a pure function of
@@ -14,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from litkv.finetune.recall_data import check_shares, load_recall_task, mix_recall_rows
+from litkv.recall import RECALL_FILE
 
 __all__ = [
     "IGNORE_INDEX",
@@ -42,6 +48,12 @@ class DataArgs:
         seq_length: Text files: tokens per training sequence. JSON: longer examples are truncated.
         val_fraction: Fraction of the examples held out for validation (at least one when > 0).
         mask_prompt: JSON data: take no loss on the prompt tokens.
+        recall_share: Text files: share of the sequences turned into pass-key recall rows (needle at a
+            random depth, question and answer at the end; loss on the answer only).
+        copy_share: Text files: share of the sequences turned into digit-copy rows (a digit string
+            written twice; loss on the predictable copied digits).
+        recall_format: The pass-key task of the recall rows (a ``recall_format.json``). Default: the
+            checkpoint's own ``recall_format.json``.
     """
 
     path: Path | None = None
@@ -49,10 +61,21 @@ class DataArgs:
     seq_length: int = 1024
     val_fraction: float = 0.05
     mask_prompt: bool = True
+    recall_share: float = 0.0
+    copy_share: float = 0.0
+    recall_format: Path | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None:
             self.path = Path(self.path)
+        if self.recall_format is not None:
+            self.recall_format = Path(self.recall_format)
+        check_shares(self.recall_share, self.copy_share)
+        if self.mixes_recall and self.is_json:
+            raise ValueError(
+                f"data.recall_share ({self.recall_share}) and data.copy_share ({self.copy_share}) apply to a text "
+                f"file, got the instruction file {str(self.path)!r}; set both to 0 for JSON data"
+            )
         if isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int) or self.seq_length < 1:
             raise ValueError(f"data.seq_length must be an int >= 1, got {self.seq_length!r}")
         if not isinstance(self.val_fraction, (int, float)) or not 0 <= self.val_fraction < 1:
@@ -68,14 +91,40 @@ class DataArgs:
     def is_json(self) -> bool:
         return self.path is not None and self.path.suffix.lower() == ".json"
 
+    @property
+    def mixes_recall(self) -> bool:
+        return self.recall_share > 0 or self.copy_share > 0
 
-def load_examples(args: DataArgs, tokenizer) -> list[Example]:  # tokenizer: litgpt.tokenizer.Tokenizer
-    """Tokenize `args.path` into examples (see the module docstring)."""
+
+def load_examples(
+    args: DataArgs, tokenizer, seed: int = 0, checkpoint_dir: Path | None = None
+) -> list[Example]:  # tokenizer: litgpt.tokenizer.Tokenizer
+    """Tokenize `args.path` into examples (see the module docstring).
+
+    `seed` draws the recall and copy rows; `checkpoint_dir` holds the default `recall_format.json`.
+    """
     if args.path is None:
         raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
     if not args.path.is_file():
         raise FileNotFoundError(f"data file {str(args.path)!r} does not exist")
-    return _json_examples(args, tokenizer) if args.is_json else _text_examples(args, tokenizer)
+    if args.is_json:
+        return _json_examples(args, tokenizer)
+    examples = _text_examples(args, tokenizer)
+    if not args.mixes_recall:
+        return examples
+    task = load_recall_task(_recall_format_path(args, checkpoint_dir), tokenizer)
+    return mix_recall_rows(examples, task, args.recall_share, args.copy_share, seed)
+
+
+def _recall_format_path(args: DataArgs, checkpoint_dir: Path | None) -> Path:
+    if args.recall_format is not None:
+        return args.recall_format
+    if checkpoint_dir is None or not (Path(checkpoint_dir) / RECALL_FILE).is_file():
+        raise FileNotFoundError(
+            f"data.recall_share/copy_share need the pass-key task: pass --data.recall_format (a {RECALL_FILE}); "
+            f"the checkpoint directory {str(checkpoint_dir)!r} has no {RECALL_FILE}"
+        )
+    return Path(checkpoint_dir) / RECALL_FILE
 
 
 def _json_examples(args: DataArgs, tokenizer) -> list[Example]:
