@@ -1,179 +1,301 @@
-"""Decode speed and cache memory of the KV cache policies on the SmolLM2-135M architecture.
+"""Decode speed of the KV cache policies against the memory-bandwidth bound, SmolLM2-135M architecture.
 
-Random weights, float32 on CPU by default. Each policy prefills the same long prompt in chunks
-(`KVCacheConfig.chunk_bounds`), then decodes greedily. The policies' prefill chunks and decode steps
-are interleaved (one chunk or step of each policy in turn; decode in a rotating order), so that all of
-them see the same load on a shared machine. Prefill time is the sum of a policy's chunk times; decode
-tokens/s is `batch_size / median step time`. Cache bytes are what
-the layers' keys and values hold (`KVCache.nbytes()`: scales and offsets included for quantised
-storage). Ratios are against dense and h2o measured in the same run.
+Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU. For each
+configuration (batch x prompt length) every policy runs `litkv.generate` on the same prompts (greedy),
+timed the way `scripts/bench_decode.py` times it: prefill is the time to the first token, decode
+tokens/s is `batch x steps` between the first and the last streamed step over the time between them.
 
-    nice python scripts/bench_policies.py            # 4,096-token prompt, 128 new tokens, 512 slots
-    python scripts/bench_policies.py --quick         # a short run to check that everything works
+Bytes a decode step reads: the weights once, plus every row's cached keys and values (`cache_length`
+slots for an evicting policy, counted from the cache's own `nbytes()` so that int4 scales and offsets
+count; the tokens cached halfway through the decode for dense). The machine's memory bandwidth is
+measured in the same run with the same thread count (`litkv.bandwidth.measure_bandwidth`: best of
+five sums of a 1 GiB tensor), so that each row shows:
+
+- `vs dense`: decode tokens/s over dense's; `byte bound`: dense's bytes per step over the policy's
+  (the speed-up that reading fewer bytes allows); `of bound`: the first over the second;
+- `bound tok/s` = bandwidth / bytes per step (x batch) and `of bw`: decode tokens/s over it.
+
+    nice python scripts/bench_policies.py                      # 1x4096, 4x4096, 1x16384, every policy
+    nice python scripts/bench_policies.py --configs 1x4096     # one configuration
+    python scripts/bench_policies.py --quick                   # a smoke test (well under a minute)
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import inspect
+import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from litkv import GPT, Config, KVCacheConfig
-from litkv.kvcache.base import KVCache
+from litkv import GPT, Config, KVCacheConfig, generate
+from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
+
+POLICIES = ("dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention")
+EXTRA_POLICIES = ("h2o-int4",)  # h2o with int4 storage (qh2o also weighs the quantisation error)
+# name: (batch, prompt length, new tokens)
+CONFIGS = {"1x4096": (1, 4096, 128), "4x4096": (4, 4096, 64), "1x16384": (1, 16384, 32)}
+QUICK_CONFIGS = {"1x256": (1, 256, 8), "2x256": (2, 256, 8)}
 
 
 @dataclass
-class Run:
-    """One policy's caches and decode state."""
+class PolicyRun:
+    """One policy's measurement in one configuration."""
 
-    config: KVCacheConfig
-    caches: list[KVCache]
-    tokens: torch.Tensor  # (B,) next input tokens
-    pos: int
+    policy: str
+    batch: int
+    prompt: int
+    new_tokens: int
     prefill_s: float
-    cache_bytes: int
-    step_s: list[float] = field(default_factory=list)
+    decode_tok_s: float
+    cache_bytes: int  # keys and values held by the caches (all layers, all rows; scales included)
+    step_bytes: float  # bytes one decode step reads
+    bound_tok_s: float  # bandwidth / step_bytes x batch
 
 
-def policy_configs(args: argparse.Namespace, head_size: int) -> dict[str, KVCacheConfig]:
-    """The compared caches: dense holds the whole sequence; the others hold `cache_length` slots."""
+def policy_config(name: str, args: argparse.Namespace, prompt: int, new: int, head_size: int) -> KVCacheConfig:
+    """The cache of policy `name`: dense holds the whole sequence (one prefill chunk), the others
+    `cache_length` slots (prefill in chunks of `chunk_size`)."""
     chunk = min(args.chunk_size, args.cache_length)
-    full = args.prompt_length + args.new_tokens
     group = min(args.quant_group_size, head_size)
-    return {
-        "dense": KVCacheConfig("dense", cache_length=full, chunk_size=chunk, prefill_length=args.prompt_length),
-        "last-recent": KVCacheConfig(
-            "last-recent", cache_length=args.cache_length, chunk_size=chunk, options=dict(sinks=4)
-        ),
-        "h2o": KVCacheConfig("h2o", cache_length=args.cache_length, chunk_size=chunk),
-        "qh2o": KVCacheConfig(
-            "qh2o", cache_length=args.cache_length, chunk_size=chunk, storage="int4", quant_group_size=group
-        ),
-    }
+    if name == "dense":
+        return KVCacheConfig("dense", cache_length=prompt + new, chunk_size=chunk, prefill_length=prompt)
+    if name == "last-recent":
+        return KVCacheConfig(name, cache_length=args.cache_length, chunk_size=chunk, options=dict(sinks=4))
+    if name in ("qh2o", "h2o-int4"):
+        policy = "h2o" if name == "h2o-int4" else name
+        return KVCacheConfig(
+            policy, cache_length=args.cache_length, chunk_size=chunk, storage="int4", quant_group_size=group
+        )
+    return KVCacheConfig(name, cache_length=args.cache_length, chunk_size=chunk)
 
 
-@torch.inference_mode()
-def prefill_all(model: GPT, idx: torch.Tensor, configs: dict[str, KVCacheConfig]) -> dict[str, Run]:
-    """Run the prompt through fresh caches of every policy, chunk by chunk, one chunk of each policy in
-    turn (so that all see the same load); returns the runs with their summed chunk times."""
-    b, t = idx.shape
-    pos = torch.arange(t).expand(b, t)
-    caches = {name: model.build_kv_caches(config, b) for name, config in configs.items()}
-    chunks = {name: config.chunk_bounds(t) for name, config in configs.items()}
-    elapsed = dict.fromkeys(configs, 0.0)
-    tokens: dict[str, torch.Tensor] = {}
-    for i in range(max(len(c) for c in chunks.values())):
-        for name in configs:
-            if i >= len(chunks[name]):
-                continue
-            s, e = chunks[name][i]
-            model.set_kv_caches(caches[name])
-            start = time.perf_counter()
-            hidden = model(idx[:, s:e], pos[:, s:e], lm_head=False)
-            if e == t:
-                tokens[name] = model.logits(hidden[:, -1]).argmax(dim=-1)
-            elapsed[name] += time.perf_counter() - start
-            model.set_kv_caches(None)
-    return {
-        name: Run(config, caches[name], tokens[name], t, elapsed[name], sum(c.nbytes() for c in caches[name]))
-        for name, config in configs.items()
-    }
+def cached_tokens(config: KVCacheConfig, prompt: int, new: int) -> float:
+    """Tokens a row's step attends to, halfway through the decode."""
+    return float(min(config.cache_length, prompt + new / 2))
 
 
-@torch.inference_mode()
-def decode_step(model: GPT, run: Run) -> None:
-    """One greedy decode step of `run` (timed)."""
-    model.set_kv_caches(run.caches)
-    b = run.tokens.shape[0]
-    start = time.perf_counter()
-    logits = model(run.tokens[:, None], torch.full((b, 1), run.pos))[:, -1]
-    run.tokens = logits.argmax(dim=-1)
-    run.step_s.append(time.perf_counter() - start)
-    run.pos += 1
-    model.set_kv_caches(None)
+def time_generate(
+    model: GPT, prompts: torch.Tensor, new: int, config: KVCacheConfig, compile: bool
+) -> tuple[float, float]:
+    """(prefill seconds, decode tokens/s) of one greedy `generate` of `prompts` `(B, T)`, streamed steps timed."""
+    stamps = [time.perf_counter()]
+    options = {"compile": True} if compile else {}
+    generate(
+        model,
+        list(prompts),
+        new,
+        config,
+        on_tokens=lambda t: stamps.append(time.perf_counter()),
+        **options,
+    )
+    if len(stamps) < 3:
+        raise RuntimeError(f"{config.policy} generated {len(stamps) - 1} tokens; a decode speed needs 2 or more")
+    steps = len(stamps) - 2
+    return stamps[1] - stamps[0], prompts.shape[0] * steps / (stamps[-1] - stamps[1])
 
 
-def tokens_per_s(run: Run) -> float:
-    return run.tokens.shape[0] / statistics.median(run.step_s)
+def measure_policy(
+    model: GPT, name: str, prompts: torch.Tensor, new: int, args: argparse.Namespace, bandwidth: float
+) -> PolicyRun:
+    """Prefill and decode `prompts` `(B, T)` through policy `name`, with its bytes per step and bound."""
+    b, t = prompts.shape
+    config = policy_config(name, args, t, new, model.config.head_size)
+    with torch.inference_mode():
+        cache_bytes = sum(c.nbytes() for c in model.build_kv_caches(config, b))
+    if args.compile:  # one untimed warm-up call with the same shapes (compiles)
+        time_generate(model, prompts, min(new, 4), config, compile=True)
+    prefill_s, tok_s = time_generate(model, prompts, new, config, args.compile)
+    per_slot = cache_bytes / (b * config.cache_length)
+    step = bytes_per_step(weight_bytes(model), per_slot, cached_tokens(config, t, new), b)
+    return PolicyRun(name, b, t, new, prefill_s, tok_s, cache_bytes, step, bound_tokens_per_s(bandwidth, step, b))
 
 
-def print_table(runs: dict[str, Run]) -> None:
-    """Markdown table; ratios against dense and h2o from the same run."""
-    dense, h2o = runs.get("dense"), runs.get("h2o")
-    header = ["policy", "prefill s", "decode tok/s", "vs dense", "cache MiB", "bytes vs dense", "bytes vs h2o"]
+def _ratio(num: float, den: float) -> str:
+    return f"{num / den:.2f}x" if den > 0 else "-"
+
+
+def table_rows(runs: list[PolicyRun]) -> list[list[str]]:
+    """Rows of one configuration's table; ratios against dense and last-recent of the same configuration."""
+    by_name = {r.policy: r for r in runs}
+    dense, recent = by_name.get("dense"), by_name.get("last-recent")
     rows = []
-    for name, r in runs.items():
-        speed = tokens_per_s(r)
+    for r in runs:
+        speed = r.decode_tok_s / dense.decode_tok_s if dense else 0.0
+        byte_bound = dense.step_bytes / r.step_bytes if dense else 0.0
         rows.append(
             [
-                name,
+                r.policy,
                 f"{r.prefill_s:.1f}",
-                f"{speed:.2f}",
-                f"{speed / tokens_per_s(dense):.2f}x" if dense else "-",
+                f"{r.decode_tok_s:.2f}",
+                f"{speed:.2f}x" if dense else "-",
+                f"{byte_bound:.2f}x" if dense else "-",
+                f"{speed / byte_bound:.0%}" if dense else "-",
+                _ratio(r.decode_tok_s, recent.decode_tok_s) if recent else "-",
+                f"{r.step_bytes / 1e6:.0f}",
+                f"{r.bound_tok_s:.1f}",
+                f"{r.decode_tok_s / r.bound_tok_s:.0%}",
                 f"{r.cache_bytes / 2**20:.2f}",
-                f"{r.cache_bytes / dense.cache_bytes:.3f}x" if dense else "-",
-                f"{r.cache_bytes / h2o.cache_bytes:.3f}x" if h2o else "-",
             ]
         )
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return rows
+
+
+HEADER = [
+    "policy",
+    "prefill s",
+    "decode tok/s",
+    "vs dense",
+    "byte bound",
+    "of bound",
+    "vs last-recent",
+    "MB/step",
+    "bound tok/s",
+    "of bw",
+    "cache MiB",
+]
+
+
+def format_table(runs: list[PolicyRun]) -> str:
+    """Markdown table of one configuration (see the module docstring for the columns)."""
+    rows = table_rows(runs)
+    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(len(HEADER))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        print("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
+def summary(runs: list[PolicyRun]) -> list[str]:
+    """The issue's target ratios of one configuration (h2o vs last-recent, int4 vs float h2o)."""
+    by_name = {r.policy: r for r in runs}
+    out = []
+    pairs = [("h2o", "last-recent", 0.95), ("qh2o", "h2o", 0.9), ("h2o-int4", "h2o", 0.9)]
+    for a, b, target in pairs:
+        if a in by_name and b in by_name:
+            ratio = by_name[a].decode_tok_s / by_name[b].decode_tok_s
+            verdict = "met" if ratio >= target else "NOT met"
+            out.append(f"{a} / {b} decode: {ratio:.2f}x (target >= {target}x: {verdict})")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M", help="LitGPT config name (random weights)")
-    parser.add_argument("--prompt-length", type=int, default=4096)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated BATCHxPROMPT among {list(CONFIGS)} or any other BxT (default: all three)",
+    )
+    parser.add_argument("--new-tokens", type=int, default=None, help="override every configuration's new tokens")
     parser.add_argument("--cache-length", type=int, default=512)
-    parser.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size after the first chunk")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--quant-group-size", type=int, default=64, help="qh2o int4 group size (<= head size)")
-    parser.add_argument("--policies", default="dense,last-recent,h2o,qh2o")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size of the evicting policies")
+    parser.add_argument("--quant-group-size", type=int, default=64, help="int4 group size (<= head size)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help=f"among {list(POLICIES + EXTRA_POLICIES)}")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (and for the bandwidth measurement)")
+    parser.add_argument("--compile", action="store_true", help="generate(..., compile=True), one warm-up call each")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="512-token prompt, 16 new tokens, 128 slots")
-    args = parser.parse_args()
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the runs as JSON here")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 1x256 and 2x256, 8 new tokens, 64 slots, chunks 32, pythia-14m unless --model is given",
+    )
+    args = parser.parse_args(argv)
     if args.quick:
-        args.prompt_length, args.new_tokens, args.cache_length, args.chunk_size = 512, 16, 128, 64
+        args.cache_length, args.chunk_size = 64, 32
+        if args.model == parser.get_default("model"):
+            args.model = "pythia-14m"
+        if args.configs == parser.get_default("configs"):
+            args.configs = ",".join(QUICK_CONFIGS)
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    config = Config.from_name(args.model)
-    model = GPT(config).eval()
-    idx = torch.randint(0, config.vocab_size, (args.batch_size, args.prompt_length))
-    print(
-        f"{args.model} (random weights, float32, CPU, {torch.get_num_threads()} threads): batch "
-        f"{args.batch_size}, prompt {args.prompt_length}, {args.new_tokens} new tokens, cache_length "
-        f"{args.cache_length} (dense: {args.prompt_length + args.new_tokens}), prefill chunks "
-        f"{args.cache_length} then {args.chunk_size}"
-    )
-    available = policy_configs(args, config.head_size)
-    names = args.policies.split(",")
-    unknown = [name for name in names if name not in available]
+def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], list[str]]:
+    """The configurations `{name: (batch, prompt, new tokens)}` and policies asked for; ValueError naming
+    a bad one."""
+    configs = {}
+    for name in args.configs.split(","):
+        known = {**CONFIGS, **QUICK_CONFIGS}
+        if name in known:
+            b, t, new = known[name]
+        else:
+            b_str, _, t_str = name.partition("x")
+            if not (b_str.isdigit() and t_str.isdigit() and int(b_str) > 0 and int(t_str) > 0):
+                raise ValueError(f"--configs entries must be BATCHxPROMPT like 1x4096, got {name!r}")
+            b, t, new = int(b_str), int(t_str), 64
+        configs[name] = (b, t, args.new_tokens if args.new_tokens is not None else new)
+        if configs[name][2] < 2:
+            raise ValueError(f"--new-tokens must be >= 2 (a decode speed needs two steps), got {configs[name][2]}")
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES + EXTRA_POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown} for this benchmark; choose from {sorted(available)}")
-    print("prefill, chunks interleaved ...", file=sys.stderr, flush=True)
-    runs = prefill_all(model, idx, {name: available[name] for name in names})
-    print(f"decode {args.new_tokens - 1} steps per policy, interleaved ...", file=sys.stderr, flush=True)
-    order = list(runs.values())
-    for step in range(args.new_tokens - 1):
-        shift = step % len(order)
-        for run in order[shift:] + order[:shift]:
-            decode_step(model, run)
-    print_table(runs)
+        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES + EXTRA_POLICIES)}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.compile and "compile" not in inspect.signature(generate).parameters:
+        raise ValueError("--compile: litkv.generate has no compile option in this version")
+    return configs, policies
+
+
+def build_model(name: str, seed: int) -> GPT:
+    """Random weights, LM head tied to the embedding (SmolLM2 ties them; where the shapes differ, untied)."""
+    torch.manual_seed(seed)
+    model = GPT(Config.from_name(name)).eval()
+    if model.lm_head.weight.shape == model.transformer.wte.weight.shape:
+        model.lm_head.weight = model.transformer.wte.weight
+    return model
+
+
+def run_config(
+    model: GPT, name: str, spec: tuple[int, int, int], policies: list[str], args: argparse.Namespace, bandwidth: float
+) -> list[PolicyRun]:
+    """Every policy on the same prompts of configuration `spec` = (batch, prompt, new tokens)."""
+    b, t, new = spec
+    prompts = torch.randint(0, model.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(args.seed))
+    runs = []
+    for policy in policies:
+        start = time.perf_counter()
+        runs.append(measure_policy(model, policy, prompts, new, args, bandwidth))
+        r = runs[-1]
+        took = time.perf_counter() - start
+        print(f"  {name} {policy}: {r.decode_tok_s:.2f} tok/s ({took:.0f} s)", file=sys.stderr, flush=True)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[PolicyRun]]:
+    args = parse_args(argv)
+    configs, policies = resolve(args)
+    torch.set_num_threads(args.threads)
+    model = build_model(args.model, args.seed)
+    gib = 2**28 if args.quick else 2**30
+    bandwidth = measure_bandwidth(gib, threads=args.threads)
+    print(
+        f"{args.model} (random weights, tied LM head, float32, {model.lm_head.weight.device.type}, {args.threads} "
+        f"threads{', compiled' if args.compile else ''}): cache_length {args.cache_length} (dense: the whole "
+        f"sequence, one prefill chunk), prefill chunks of {min(args.chunk_size, args.cache_length)}; "
+        f"weights {weight_bytes(model) / 1e6:.0f} MB; memory bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"(sum of {gib // 2**20} MiB, best of 5, measured before the runs)"
+    )
+    results = {}
+    for name, spec in configs.items():
+        results[name] = run_config(model, name, spec, policies, args, bandwidth)
+        b, t, new = spec
+        print(f"\nbatch {b} x {t} tokens, {new} new tokens:\n")
+        print(format_table(results[name]))
+        for line in summary(results[name]):
+            print(line)
+        sys.stdout.flush()
+    if args.json_out is not None:
+        out = {"bandwidth": bandwidth, "configs": {k: [asdict(r) for r in v] for k, v in results.items()}}
+        args.json_out.write_text(json.dumps(out, indent=2))
+    return results
 
 
 if __name__ == "__main__":
