@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 
 from litkv.config import KVCacheConfig, chunk_bounds
+from litkv.kvcache.base import KVCache
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.prefix import PrefixCache
 
@@ -149,6 +151,7 @@ def generate(
     on_tokens: Callable[[torch.Tensor], None] | None = None,
     progress: bool = False,
     prefix_cache: PrefixCache | None = None,
+    compile: bool = False,
 ) -> list[torch.Tensor]:
     """Generate from a batch of prompts of different lengths.
 
@@ -166,11 +169,15 @@ def generate(
         progress: show a progress bar over the prefill chunks.
         prefix_cache: a `litkv.PrefixCache`: each row restores its longest stored prompt prefix and
             prefills the rest alone (its tokens are those of the prompt alone); new blocks are stored.
+        compile: run the decode steps through `torch.compile` (static shapes: every step attends all
+            `cache_length` slots; compiled once per model and cache shape, then reused).
 
     Returns:
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
     kv_cache_configs(kv_cache)  # TypeError for anything but configs
     device = model.lm_head.weight.device
     idx, input_pos = pad_prompts(prompts, device)
@@ -196,7 +203,13 @@ def generate(
             stop_tokens,
             lambda logits: sample(logits, temperature, top_k, top_p, generator),
             on_tokens,
+            compile,
         )
+
+
+# Without a streaming callback (which reads every step's tokens anyway), whether all rows have
+# stopped is read from the device only every this many steps.
+STOP_CHECK_INTERVAL = 8
 
 
 def _decode(
@@ -207,8 +220,14 @@ def _decode(
     stop_tokens: Sequence[int],
     pick: Callable[[torch.Tensor], torch.Tensor],
     on_tokens: Callable[[torch.Tensor], None] | None,
+    compile: bool = False,
 ) -> list[torch.Tensor]:
-    """Decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`."""
+    """Decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`.
+
+    The inputs of every step are valid by construction (sampled tokens, the next positions), so the
+    steps run under `model.trusted_inputs`: no step reads a tensor on the host, except every
+    `STOP_CHECK_INTERVAL` steps to see whether all rows have stopped (every step with `on_tokens`).
+    """
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=hidden.device)
     logits = model.logits(hidden[:, -1])
     if not bool(torch.isfinite(logits).all()):  # the one host sync of this check, after the prefill
@@ -221,19 +240,46 @@ def _decode(
     done = torch.isin(tokens, stops)
     if on_tokens is not None:
         on_tokens(tokens)
-    for _ in range(max_new_tokens - 1):
-        if bool(done.all()):
-            break
-        logits = model(tokens[:, None], next_pos[:, None])[:, -1]
-        next_pos = next_pos + 1
-        tokens = pick(logits)
-        steps.append(tokens)
-        done = done | torch.isin(tokens, stops)
-        if on_tokens is not None:
-            on_tokens(tokens)
+    interval = 1 if on_tokens is not None else STOP_CHECK_INTERVAL
+    last_position = int(next_pos.max()) + max_new_tokens
+    with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:
+        for i in range(max_new_tokens - 1):
+            if len(stop_tokens) and i % interval == 0 and bool(done.all()):
+                break
+            tokens = pick(step(tokens[:, None], next_pos[:, None]))
+            next_pos = next_pos + 1
+            steps.append(tokens)
+            done = done | torch.isin(tokens, stops)
+            if on_tokens is not None:
+                on_tokens(tokens)
     out = torch.stack(steps, dim=1)
     results = []
     for row in out:
         hits = torch.isin(row, stops).nonzero()
         results.append(row[: int(hits[0]) + 1] if len(hits) else row)
     return results
+
+
+@contextmanager
+def _decode_steps(model: GPT, compile: bool) -> Iterator[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The decode step `(tokens (B, 1), positions (B, 1)) -> logits (B, V)`: eager, or compiled with the
+    caches in `static_shapes` mode (their host counters advanced here, outside the compiled code)."""
+    if not compile:
+        yield lambda tokens, positions: model(tokens, positions)[:, -1]
+        return
+    caches = [cache for cache in model.kv_caches if isinstance(cache, KVCache)]
+    compiled = model.compiled_decode_step()
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = compiled(tokens, positions)
+        for cache in caches:
+            cache.advance(tokens.shape[1])
+        return logits
+
+    for cache in caches:
+        cache.static_shapes = True
+    try:
+        yield step
+    finally:
+        for cache in caches:
+            cache.static_shapes = False

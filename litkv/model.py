@@ -87,6 +87,9 @@ class GPT(nn.Module):
         # (B,) int64 largest position each row has seen through the attached caches (positions must
         # increase); `None` until the first call. Part of a cache snapshot (`litkv.snapshot`).
         self.last_pos: torch.Tensor | None = None
+        # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
+        self._checks = True
+        self._compiled_decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_name(cls, name: str) -> GPT:
@@ -158,6 +161,23 @@ class GPT(nn.Module):
         finally:
             self.set_kv_caches(None)
 
+    @contextmanager
+    def trusted_inputs(self, max_position: int) -> Iterator[None]:
+        """Skip the checks that read tensors on the host (token ids in the vocabulary, positions
+        increasing, RoPE table long enough) for calls made inside the block.
+
+        For callers whose inputs are valid by construction (`generate`'s decode loop: sampled tokens,
+        positions one past the last); a decode step then never waits for the device, and `torch.compile`
+        sees no graph break. The RoPE table is built for `max_position` first.
+        """
+        self._rope_table(max_position + 1)
+        previous = self._checks
+        self._checks = False
+        try:
+            yield
+        finally:
+            self._checks = previous
+
     @property
     def kv_caches(self) -> list[KVCache | None]:
         return [block.attn.kv_cache for block in self.transformer.h]
@@ -206,6 +226,20 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         return self.logits(x) if lm_head else x
 
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One call through the attached caches: `(B, T)` tokens and positions -> `(B, V)` last logits."""
+        return self(tokens, positions)[:, -1]
+
+    def compiled_decode_step(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`decode_step` through `torch.compile` (static shapes), built once per model and reused.
+
+        Dynamo compiles again only when what the step depends on changes (another cache policy or
+        shape, the first calls of a fresh cache); over the steps of one `generate` it does not.
+        """
+        if self._compiled_decode is None:
+            self._compiled_decode = torch.compile(self.decode_step, dynamic=False)
+        return self._compiled_decode
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (and final soft-capping): `(B, T, n_embd)` -> `(B, T, padded_vocab_size)`."""
         out = self.lm_head(hidden)
@@ -214,7 +248,17 @@ class GPT(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `(B, T)` positions (`-1` treated as 0): `(B, T, rope_n_elem[, 2])` each."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self._checks:
+            cos, sin = self._rope_table(int(positions.max()) + 1 if positions.numel() else 1)
+        elif self._rope is None:
+            raise RuntimeError("trusted_inputs() builds the RoPE table; it was not built")
+        else:
+            cos, sin = self._rope
+        index = positions.clamp(min=0)
+        return cos[index], sin[index]
+
+    def _rope_table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables for at least `needed` positions (rebuilt when shorter or on another device)."""
         ref = self.lm_head.weight
         if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].device != ref.device:
             length = max(needed, min(self.config.block_size, 4096))
@@ -222,9 +266,7 @@ class GPT(nn.Module):
             # LitGPT's RoPE table (all its scaling variants), built for `length` positions only.
             spec = SimpleNamespace(config=self.config, max_seq_length=length)
             self._rope = LitGPT.rope_cache(spec, device=ref.device)  # type: ignore[arg-type]
-        cos, sin = self._rope
-        index = positions.clamp(min=0)
-        return cos[index], sin[index]
+        return self._rope
 
     def _check_idx(self, idx: torch.Tensor) -> torch.Tensor:
         """`idx` itself, or widened to int64 when it has a narrower integer dtype (lossless)."""
@@ -233,7 +275,7 @@ class GPT(nn.Module):
             idx = idx.long()
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        if idx.numel():
+        if idx.numel() and self._checks:
             low, high = int(idx.min()), int(idx.max())
             vocab = self.config.padded_vocab_size
             if low < 0 or high >= vocab:
@@ -257,6 +299,14 @@ class GPT(nn.Module):
                 f"batch size changed mid-sequence: the KV caches were built for batch size "
                 f"{cache_batch}, got idx with batch size {idx.shape[0]}"
             )
+        if self._checks:
+            self._check_increasing(input_pos)
+        last = input_pos.amax(dim=1)
+        self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
+        return input_pos
+
+    def _check_increasing(self, input_pos: torch.Tensor) -> None:
+        """ValueError naming row, index and values unless non-pad positions increase across calls."""
         running = torch.cummax(input_pos, dim=1).values
         before = torch.full_like(input_pos[:, :1], -1) if self.last_pos is None else self.last_pos[:, None]
         previous = torch.cat((before, running[:, :-1]), dim=1).clamp(min=before)
@@ -267,9 +317,6 @@ class GPT(nn.Module):
                 f"positions must increase: row {row} has position {int(input_pos[row, col])} at index {col} "
                 f"after position {int(previous[row, col])}"
             )
-        last = running[:, -1]
-        self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
-        return input_pos
 
 
 class Block(nn.Module):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.storage import CacheShape, KVStorage, load_into
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into
 from litkv.kvcache.storage_kinds import make_storage
 
 if TYPE_CHECKING:
@@ -146,6 +146,7 @@ class _Pending:
     direct: bool
     start: int
     candidates: Candidates
+    staged: bool
 
 
 class KVCache(ABC):
@@ -194,9 +195,12 @@ class KVCache(ABC):
         self.cache_length = config.cache_length
         self.dtype = dtype
         self.storage: KVStorage = make_storage(config.storage, shape, device, dtype, config.quant_group_size)
-        self.positions = torch.full(
-            (shape.batch_size, shape.n_query_groups, shape.cache_length), -1, dtype=torch.long, device=device
+        self._pos_buffer = torch.full(
+            (shape.batch_size, shape.n_query_groups, shape.cache_length + ROOM), -1, dtype=torch.long, device=device
         )
+        self.positions = self._pos_buffer[:, :, : shape.cache_length]
+        # Every call attends all `L` slots and leaves `num_filled` to `advance()` (for compiled steps).
+        self.static_shapes = False
         self.num_filled = 0
         self._pending: _Pending | None = None
         # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
@@ -250,6 +254,13 @@ class KVCache(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the new queries attend to: cached tokens plus the new ones.
 
+        Three paths, by what the call allows: while a lossless cache has empty slots for the whole call,
+        the new tokens go straight into them (nothing to choose); a call of at most `ROOM` tokens (a
+        decode step) is staged in the room after the slots and attended from there, so the step copies
+        nothing of the cache; a longer call (a prefill chunk, or any call while autograd records)
+        attends a concatenation. With `static_shapes` every call takes one of the last two paths and
+        attends all `L` slots (empty ones masked), so shapes do not change from step to step.
+
         Args:
             keys: `(B, G, T, key_size)` new keys (after RoPE).
             values: `(B, G, T, value_size)` new values.
@@ -265,28 +276,51 @@ class KVCache(ABC):
             raise ValueError(f"{type(self).__name__} needs the call's queries, got None")
         b, g, t = keys.shape[:3]
         new_pos = input_pos[:, None, :].expand(b, g, t)
-        start = self.num_filled
         kept_queries = queries if self.needs_queries else None
-        if self.storage.lossless and start + t <= self.cache_length:
-            # slots [start, L) are empty before the call; the record is built only for a policy with state
-            positions = torch.cat((self.positions, new_pos), dim=2) if self._keeps_state() else new_pos
-            if self.journal is not None:
-                self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
-            self.storage.write_range(start, keys, values)
-            self.positions[:, :, start : start + t] = new_pos
-            self.num_filled = start + t
-            candidates = Candidates(positions, None, None, keys, values, input_pos, queries=kept_queries)
-            self._pending = _Pending(True, start, candidates)
-            all_keys, all_values = self.storage.read_prefix(start + t)
-            return all_keys, all_values, self.positions[:, :, : start + t]
-        self.check_room(t)
-        old_keys, old_values = self.storage.read()
-        seen_keys, seen_values = self.storage.as_stored(keys, values)
-        all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
-        positions = torch.cat((self.positions, new_pos), dim=2)
-        candidates = Candidates(positions, all_keys, all_values, keys, values, input_pos, queries=kept_queries)
-        self._pending = _Pending(False, start, candidates)
+        if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
+            return self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
+        if not self.static_shapes:
+            self.check_room(t)
+        length = self.cache_length
+        staged = t <= ROOM and not (torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad))
+        if staged:
+            self.storage.stage(keys, values)
+            all_keys, all_values = self.storage.read_staged(t)
+            self._pos_buffer[:, :, length : length + t] = new_pos
+            positions = self._pos_buffer[:, :, : length + t]
+        else:
+            old_keys, old_values = self.storage.read()
+            seen_keys, seen_values = self.storage.as_stored(keys, values)
+            all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
+            positions = torch.cat((self.positions, new_pos), dim=2)
+        # the record's positions are a copy: the slots' positions change before `after_write` reads it
+        record_pos = positions.clone() if staged else positions
+        candidates = Candidates(record_pos, all_keys, all_values, keys, values, input_pos, queries=kept_queries)
+        self._pending = _Pending(False, 0, candidates, staged)
         return all_keys, all_values, positions
+
+    def _attend_direct(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_pos: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new tokens go into the empty slots `[num_filled, num_filled + T)`; attend the filled prefix."""
+        b, g, t = new_pos.shape
+        start = self.num_filled
+        # the record is built only for a policy with state
+        positions = torch.cat((self.positions, new_pos), dim=2) if self._keeps_state() else new_pos
+        if self.journal is not None:
+            self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
+        self.storage.write_range(start, keys, values)
+        self.positions[:, :, start : start + t] = new_pos
+        self.num_filled = start + t
+        candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
+        self._pending = _Pending(True, start, candidates, False)
+        all_keys, all_values = self.storage.read_prefix(start + t)
+        return all_keys, all_values, self.positions[:, :, : start + t]
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
         """After the call's queries have attended: evict and write the surviving new tokens.
@@ -302,31 +336,44 @@ class KVCache(ABC):
         if self.needs_attn_weights and attn_weights is None:
             raise ValueError(f"{type(self).__name__} needs attention weights, got None")
         cand = pending.candidates
-        length, t = self.cache_length, cand.num_new
         if pending.direct:
-            if not self._keeps_state():
-                return
-            if attn_weights is not None:  # (B, G, start + T): cached tokens, then the new ones
-                start = pending.start
-                slot_part = F.pad(attn_weights[..., :start], (0, length - start))
-                cand.attn_weights = torch.cat((slot_part, attn_weights[..., start:]), dim=2)
-            slots = torch.arange(pending.start, pending.start + t, device=self.positions.device)
-            slots = slots.expand(*self.positions.shape[:2], t)
-            placement = _placement(slots, slots - pending.start, torch.ones_like(slots, dtype=torch.bool), length)
-            self.after_write(placement, cand)
+            self._after_direct(pending.start, cand, attn_weights)
             return
+        length, t = self.cache_length, cand.num_new
         cand.attn_weights = attn_weights
         drop = self.select_drop(cand)
         self._check_drop(drop, t)
         dest, src, valid = pair_drops(drop, length)
         if self.journal is not None:
             self.journal(self, dest)
-        self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
         new_pos = cand.positions[..., length:].gather(2, src)
         self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
-        self.num_filled = min(length, self.num_filled + t)
-        if self._keeps_state():
+        if not self.static_shapes:
+            self.num_filled = min(length, self.num_filled + t)
+        if self._keeps_state():  # before the storage write: `cand.keys` may be views of the slots
             self.after_write(_placement(dest, src, valid, length), cand)
+        if pending.staged:
+            self.storage.commit_staged(dest, src, valid)
+        else:
+            self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
+
+    def _after_direct(self, start: int, cand: Candidates, attn_weights: torch.Tensor | None) -> None:
+        """`after_write` for a call whose tokens went into the empty slots `[start, start + T)`."""
+        if not self._keeps_state():
+            return
+        length, t = self.cache_length, cand.num_new
+        if attn_weights is not None:  # (B, G, start + T): cached tokens, then the new ones
+            slot_part = F.pad(attn_weights[..., :start], (0, length - start))
+            cand.attn_weights = torch.cat((slot_part, attn_weights[..., start:]), dim=2)
+        slots = torch.arange(start, start + t, device=self.positions.device)
+        slots = slots.expand(*self.positions.shape[:2], t)
+        placement = _placement(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
+        self.after_write(placement, cand)
+
+    def advance(self, num_new: int) -> None:
+        """Count `num_new` tokens taken by calls made with `static_shapes` (which leave `num_filled`
+        alone, so that a compiled step does not depend on a changing host counter)."""
+        self.num_filled = min(self.cache_length, self.num_filled + num_new)
 
     def nbytes(self) -> int:
         """Bytes held by the keys and values (scales and offsets included for quantised storage)."""

@@ -30,8 +30,14 @@ class DenseKVCache(KVCache):
         return type(self).select_drop is DenseKVCache.select_drop
 
     def select_drop(self, candidates: Candidates) -> torch.Tensor:
-        """Drop the empty slots `[num_filled, num_filled + T)`, so every new token is kept."""
-        b, g, total = candidates.positions.shape
-        t = total - self.cache_length
-        drop = torch.arange(self.num_filled, self.num_filled + t, device=candidates.positions.device)
-        return drop.expand(b, g, t)
+        """Drop the `T` lowest-numbered empty slots (position `-1`), so every new token is kept.
+
+        Slots fill in order, so these are `[num_filled, num_filled + T)`; chosen from the positions
+        (not the host counter) so that a compiled step does not depend on it. `check_room` (or
+        `generate`'s check before the first call) makes sure there are `T` empty slots.
+        """
+        length = self.cache_length
+        slots = candidates.positions[..., :length]
+        index = torch.arange(length, device=slots.device)
+        rank = torch.where(slots < 0, index, index + length)
+        return torch.topk(rank, candidates.num_new, dim=2, largest=False, sorted=True).indices

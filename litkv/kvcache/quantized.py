@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from litkv.kvcache.storage import CacheShape, KVStorage, scatter_slots
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, scatter_slots
 
 __all__ = ["QuantizedStorage", "QuantizedTensor", "dequantize", "quantize", "round_trip_error"]
 
@@ -117,16 +117,13 @@ class QuantizedStorage(KVStorage):
         self.bits = bits
         self.dtype = dtype
         self.scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-        lead = (shape.batch_size, shape.n_query_groups, shape.cache_length, 2)
+        self.cache_length = shape.cache_length
+        lead = (shape.batch_size, shape.n_query_groups, shape.cache_length + ROOM, 2)
         self.codes = torch.zeros(*lead, size * bits // 8, dtype=torch.uint8, device=device)
         self.scales = torch.zeros(*lead, size // self.group, dtype=self.scale_dtype, device=device)
         self.offsets = torch.zeros_like(self.scales)
 
     # -- KVStorage ------------------------------------------------------------------------------
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        both = self._dequantize((self.codes, self.scales, self.offsets))
-        return both[:, :, :, 0], both[:, :, :, 1]
 
     def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         both = self._dequantize((self.codes[:, :, :end], self.scales[:, :, :end], self.offsets[:, :, :end]))
@@ -143,10 +140,7 @@ class QuantizedStorage(KVStorage):
             scatter_slots(buffer, dest, part, valid) for buffer, part in zip(self._buffers(), new, strict=True)
         )
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._buffers())
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def buffers(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scales": self.scales, "offsets": self.offsets}
 
     def as_stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CacheShape", "FloatStorage", "KVStorage", "load_into", "scatter_slots"]
+__all__ = ["ROOM", "CacheShape", "FloatStorage", "KVStorage", "load_into", "scatter_slots"]
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,20 @@ def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor
     return buffer.scatter_(2, index, new)
 
 
+# Slots after the `cache_length` ones where a decode step's new tokens wait while they are attended
+# (`KVStorage.stage`), so that a step never copies the cache: they move into freed slots afterwards.
+ROOM = 1
+
+
 class KVStorage:
-    """Interface of a slot storage. `FloatStorage` is the plain one; quantised ones follow it."""
+    """Interface of a slot storage. `FloatStorage` is the plain one; quantised ones follow it.
+
+    Buffers hold `cache_length + ROOM` slots: the last `ROOM` are staging room for a call's new tokens
+    (`stage`, `read_staged`, `commit_staged`), never part of the cache's state.
+    """
 
     lossless: bool = True
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All slots as `(B, G, L, key_size)`, `(B, G, L, value_size)` in the model dtype."""
-        raise NotImplementedError
+    cache_length: int = 0
 
     def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots `[0, end)` as `(B, G, end, key_size)`, `(B, G, end, value_size)`."""
@@ -93,7 +99,11 @@ class KVStorage:
         raise NotImplementedError
 
     def nbytes(self) -> int:
-        """Bytes held by this storage's tensors."""
+        """Bytes of the `cache_length` slots (the `ROOM` staging slots, `ROOM / L` more, not counted)."""
+        return sum(t.nbytes for t in self.state_tensors().values())
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold the slots and the room, by name, each `(B, G, L + ROOM, ...)`."""
         raise NotImplementedError
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -101,7 +111,30 @@ class KVStorage:
 
         Views of the live buffers (no copy): a snapshot clones them, `load_state_tensors` copies back.
         """
-        raise NotImplementedError
+        return {name: buffer[:, :, : self.cache_length] for name, buffer in self.buffers().items()}
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots as `(B, G, L, key_size)`, `(B, G, L, value_size)` in the model dtype."""
+        return self.read_prefix(self.cache_length)
+
+    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `(B, G, T, *)` new keys and values (`T <= ROOM`) into the room after the slots, in place."""
+        self.write_range(self.cache_length, keys, values)
+
+    def read_staged(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots then the `num_new` staged tokens, as stored: `(B, G, L + num_new, *)`."""
+        return self.read_prefix(self.cache_length + num_new)
+
+    def commit_staged(self, dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> None:
+        """Move staged token `src[j]` into slot `dest[j]` where `valid[j]` (`(B, G, T)` each), in place.
+
+        Only the `T` moved tokens are copied, in the stored form (no requantisation).
+        """
+        length = self.cache_length
+        for buffer in self.buffers().values():
+            staged = buffer[:, :, length : length + ROOM]
+            index = src.view(*src.shape, *([1] * (buffer.dim() - 3))).expand(*src.shape, *buffer.shape[3:])
+            scatter_slots(buffer[:, :, :length], dest, staged.gather(2, index), valid)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy tensors shaped as `state_tensors()` returns them into this storage's slots."""
@@ -124,12 +157,10 @@ class FloatStorage(KVStorage):
     lossless = True
 
     def __init__(self, shape: CacheShape, device: torch.device | None, dtype: torch.dtype) -> None:
-        b, g, n = shape.batch_size, shape.n_query_groups, shape.cache_length
+        b, g, n = shape.batch_size, shape.n_query_groups, shape.cache_length + ROOM
+        self.cache_length = shape.cache_length
         self.keys = torch.zeros(b, g, n, shape.key_size, device=device, dtype=dtype)
         self.values = torch.zeros(b, g, n, shape.value_size, device=device, dtype=dtype)
-
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys, self.values
 
     def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -147,8 +178,5 @@ class FloatStorage(KVStorage):
         self.keys = scatter_slots(self.keys, dest, keys, valid)
         self.values = scatter_slots(self.values, dest, values, valid)
 
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def buffers(self) -> dict[str, torch.Tensor]:
         return {"keys": self.keys, "values": self.values}
