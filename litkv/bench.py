@@ -358,7 +358,7 @@ def _ratio(num: float, den: float, digits: int = 2) -> str:
 def _row(r: BenchResult, ours: BenchResult | None) -> str:
     """One table row; ratios against `ours` (litkv eager at the same prompt length), `-` where unknown."""
     if not r.available:
-        return f"| {r.prompt_len} | {r.peer} | {r.note} |" + " - |" * 13
+        return f"| {r.prompt_len} | {r.peer} | {r.note} |" + " - |" * 11
     ref = ours if ours is not None and ours.available else None
     bound = r.bound_tok_s
     cells = [
