@@ -8,8 +8,8 @@ position of each row (`GPT.last_pos`). On it are built:
 - `CacheState.select(rows)` / `CacheState.cat(states)`: fork rows, merge rows of different lengths;
 - `CacheState.save(path)` / `CacheState.load(path)`: safetensors + JSON metadata (format version,
   model fingerprint, cache configs, token ids, checksum); nothing is unpickled;
-- `keep_undo_log(model, depth)` and `truncate(model, n)`: roll back the last `n` tokens of each row
-  (exact for dense caches; for other caches exact within the undo log of the last `depth` calls).
+- `keep_undo_log(model, depth)` and `truncate(model, n)` (in `litkv.undo`): roll back the last `n`
+  tokens of each row (exact for dense caches; for others exact within the undo log of `depth` calls).
 
 A custom policy that declares its state (`slot_state`, `row_state`) gets all of this. See docs/state.md.
 """
@@ -22,7 +22,6 @@ import json
 import os
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from litkv.config import KVCacheConfig
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.model import GPT
+from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_log_of
 
 __all__ = [
     "CacheState",
@@ -275,9 +275,10 @@ def model_fingerprint(model: GPT) -> dict[str, str]:
     cfg = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in ("name", "hf_config")}
     config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
     params = list(model.named_parameters())
-    versions = tuple(p._version for _, p in params) + tuple(p.data_ptr() for _, p in params)
+    # inference tensors (a model built under inference_mode) have no version counter: never memoised
+    versions = tuple(-1 if p.is_inference() else p._version for _, p in params) + tuple(p.data_ptr() for _, p in params)
     cached = _WEIGHT_HASHES.get(model)
-    if cached is None or cached[0] != versions:
+    if cached is None or cached[0] != versions or -1 in versions:
         h = hashlib.sha256()
         with torch.no_grad():
             for name, p in params:
@@ -293,15 +294,6 @@ def model_fingerprint(model: GPT) -> dict[str, str]:
 # -- snapshot / restore ---------------------------------------------------------------------------
 
 _WARNED: set[type] = set()
-
-
-def _attached(model: GPT) -> list[KVCache]:
-    if not isinstance(model, GPT):
-        raise TypeError(f"model must be a litkv GPT, got {type(model).__name__}")
-    caches = model.kv_caches
-    if any(not isinstance(c, KVCache) for c in caches):
-        raise ValueError("the model has no KV caches attached: call model.set_kv_caches(model.build_kv_caches(...))")
-    return caches  # type: ignore[return-value]
 
 
 def _layer_snapshot(cache: KVCache, device: torch.device | str | None) -> LayerState:
@@ -334,7 +326,7 @@ def snapshot(
         device: where the copy lives (default: where the caches are; `"cpu"` for a host copy).
         token_ids: per row, the token ids the state covers (kept in the state and its file).
     """
-    caches = _attached(model)
+    caches = attached_caches(model)
     layers = [_layer_snapshot(cache, device) for cache in caches]
     last_pos = None if model.last_pos is None else model.last_pos.to(device, copy=True)
     return CacheState(layers, last_pos, model_fingerprint(model), caches[0].dtype, token_ids)
@@ -369,7 +361,7 @@ def restore(model: GPT, state: CacheState) -> list[KVCache]:
     if not isinstance(state, CacheState):
         raise TypeError(f"state must be a CacheState, got {type(state).__name__}")
     _check_model(model, state)
-    log = _undo_log(model)
+    log = undo_log_of(model)
     caches = list(model.kv_caches)
     device = model.lm_head.weight.device
     reuse = all(
@@ -469,191 +461,3 @@ def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> Cac
     token_ids = meta.get("token_ids")
     fingerprint = meta["fingerprint"]
     return CacheState(layers, tensors.get("last_pos"), fingerprint, dtype, token_ids, tensors.get("last_hidden"))
-
-
-# -- undo log and truncate ------------------------------------------------------------------------
-
-
-def _gather_slots(t: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """`t` `(B, G, L, *rest)` at slots `dest` `(B, G, T)` -> `(B, G, T, *rest)`."""
-    rest = t.shape[3:]
-    return t.gather(2, dest.view(*dest.shape, *([1] * len(rest))).expand(*dest.shape, *rest))
-
-
-@dataclass
-class _Record:
-    """What one call changes in one layer's cache, recorded before the change."""
-
-    dest: torch.Tensor  # (B, G, T) slots the call overwrites
-    at_dest: dict[str, torch.Tensor]  # positions and storage tensors at `dest`, (B, G, T, ...)
-    whole: dict[str, torch.Tensor]  # slot state (changes everywhere) and row state, cloned
-    num_filled: int
-
-
-class _LayerJournal:
-    """`KVCache.journal` of one layer: records into the undo log."""
-
-    def __init__(self, log: UndoLog, layer: int) -> None:
-        self.log = log
-        self.layer = layer
-
-    def __call__(self, cache: KVCache, dest: torch.Tensor) -> None:
-        self.log._record(self.layer, cache, dest)
-
-
-class UndoLog:
-    """The last `depth` calls through a model's caches, enough to undo them exactly (see `truncate`).
-
-    A call's record holds the slots it overwrites (storage and positions at those slots), a copy of the
-    policy's slot and row state, `num_filled`, and the model's `last_pos` after the call.
-    """
-
-    def __init__(self, depth: int) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"undo log depth must be an int >= 1 (calls kept), got {depth!r}")
-        self.depth = depth
-        self.entries: deque[tuple[list[_Record], torch.Tensor | None]] = deque()
-        self.base_last_pos: torch.Tensor | None = None  # last_pos before the oldest entry
-        self._model: weakref.ref[GPT] | None = None
-
-    def attach(self, model: GPT, caches: Sequence[KVCache]) -> None:
-        """Record the calls through `caches` (the model's); forget earlier records."""
-        self._model = weakref.ref(model)
-        for i, cache in enumerate(caches):
-            cache.journal = _LayerJournal(self, i)
-        self.clear(model.last_pos)
-
-    def clear(self, last_pos: torch.Tensor | None) -> None:
-        self.entries.clear()
-        self.base_last_pos = None if last_pos is None else last_pos.clone()
-
-    def nbytes(self) -> int:
-        tensors = [t for records, _ in self.entries for r in records for t in (*r.at_dest.values(), *r.whole.values())]
-        return sum(t.nbytes for t in tensors)
-
-    @torch.no_grad()
-    def _record(self, layer: int, cache: KVCache, dest: torch.Tensor) -> None:
-        model = self._model() if self._model is not None else None
-        if layer == 0:
-            after = None if model is None or model.last_pos is None else model.last_pos.clone()
-            self.entries.append(([], after))
-            if len(self.entries) > self.depth:
-                _, dropped_after = self.entries.popleft()
-                self.base_last_pos = dropped_after
-        if not self.entries:
-            return
-        at_dest, whole = {}, {}
-        for name, t in cache.state_tensors().items():
-            if name == "positions" or name.startswith("storage."):
-                at_dest[name] = _gather_slots(t, dest)
-            else:
-                whole[name] = t.clone()
-        self.entries[-1][0].append(_Record(dest.clone(), at_dest, whole, cache.num_filled))
-
-    @torch.no_grad()
-    def undo_last(self, caches: Sequence[KVCache]) -> None:
-        """Undo the newest recorded call in every layer."""
-        records, _ = self.entries.pop()
-        for cache, record in zip(caches, records, strict=True):
-            tensors = {}
-            for name, t in cache.state_tensors().items():
-                if name in record.at_dest:
-                    index = record.dest.view(*record.dest.shape, *([1] * (t.dim() - 3))).expand_as(record.at_dest[name])
-                    tensors[name] = t.clone().scatter_(2, index, record.at_dest[name])
-            tensors.update(record.whole)
-            cache.load_state_tensors(tensors, record.num_filled)
-
-
-def keep_undo_log(model: GPT, depth: int = 64) -> UndoLog:
-    """Record the last `depth` calls through the model's attached caches so that `truncate` can undo them.
-
-    A call is one forward (a prefill chunk or a decode step). `restore` keeps the log attached (emptied);
-    caches attached later with `set_kv_caches` are not recorded.
-    """
-    log = UndoLog(depth)
-    log.attach(model, _attached(model))
-    return log
-
-
-def _undo_log(model: GPT) -> UndoLog | None:
-    journal = getattr(model.kv_caches[0], "journal", None) if model.kv_caches else None
-    return journal.log if isinstance(journal, _LayerJournal) else None
-
-
-def _is_dense_like(cache: KVCache) -> bool:
-    """No policy state and a token limit (never evicts): rolling back only empties slots."""
-    cls = type(cache)
-    return not cls.slot_state and not cls.row_state and cls.max_tokens(cache.config) is not None
-
-
-@torch.no_grad()
-def truncate(model: GPT, n: int) -> None:
-    """Roll back the last `n` tokens of each row (positions > `last_pos - n` are forgotten).
-
-    Exact for caches that never evict and keep no policy state (dense): their slots are emptied. Other
-    caches are rolled back call by call with the undo log (`keep_undo_log`): exact within its depth;
-    `n` must end on a call boundary (whole prefill chunks, decode steps).
-
-    Raises:
-        ValueError: `n` is not an int >= 0, goes back past the first token, past what the undo log
-            holds, or into the middle of a call; no undo log is kept for an evicting cache.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0 (tokens to roll back), got {n!r}")
-    caches = _attached(model)
-    if n == 0:
-        return
-    if model.last_pos is None:
-        raise ValueError(f"cannot roll back {n} tokens: the caches have seen no token yet")
-    target = model.last_pos - n
-    if bool((target < -1).any()):
-        row = int((target < -1).nonzero()[0])
-        raise ValueError(f"cannot roll back {n} tokens: row {row} has seen {int(model.last_pos[row]) + 1}")
-    log = _undo_log(model)
-    if all(_is_dense_like(c) for c in caches):
-        _truncate_dense(caches, target)
-        model.last_pos = target
-        if log is not None:
-            log.clear(target)
-        return
-    if log is None:
-        raise ValueError(
-            f"cannot roll back {type(caches[0]).__name__} caches without an undo log: call "
-            "litkv.keep_undo_log(model, depth) before the calls to roll back"
-        )
-    count = _calls_to_undo(log, model.last_pos, target, n)
-    for _ in range(count):
-        log.undo_last(caches)
-    model.last_pos = target
-
-
-def _calls_to_undo(log: UndoLog, last_pos: torch.Tensor, target: torch.Tensor, n: int) -> int:
-    """How many of the newest calls cover exactly the last `n` tokens of every row (no state changed)."""
-    afters = [after for _, after in log.entries]
-    current, count = last_pos, 0
-    while bool((current > target).any()):
-        if count == len(afters):
-            raise ValueError(
-                f"cannot roll back {n} tokens: the undo log holds the last {len(afters)} calls only "
-                f"(depth={log.depth}); keep a deeper log (keep_undo_log(model, depth=...))"
-            )
-        count += 1
-        before = afters[-count - 1] if count < len(afters) else log.base_last_pos
-        current = torch.full_like(last_pos, -1) if before is None else before
-    if not torch.equal(current, target):
-        raise ValueError(
-            f"cannot roll back {n} tokens: that ends inside a call of several tokens (a prefill chunk); "
-            f"the calls recorded end at positions {current.tolist()} per row"
-        )
-    return count
-
-
-def _truncate_dense(caches: Sequence[KVCache], target: torch.Tensor) -> None:
-    for cache in caches:
-        tensors = dict(cache.state_tensors())
-        positions = tensors["positions"]
-        keep = positions <= target.to(positions.device)[:, None, None]
-        tensors["positions"] = torch.where(keep, positions, -1)
-        held = (tensors["positions"] >= 0).flatten(0, 1).any(dim=0).nonzero()
-        num_filled = int(held[-1]) + 1 if len(held) else 0
-        cache.load_state_tensors({k: v.clone() for k, v in tensors.items()}, num_filled)
