@@ -13,11 +13,13 @@ from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_
 from litkv.config import KVCacheConfig
 from litkv.generate import check_sampling
 from litkv.generate import generate as generate_tokens
+from litkv.prefix import PrefixCache
 
 __all__ = ["generate", "DEFAULT_PROMPT"]
 
 DEFAULT_PROMPT = "And it came to pass, when"
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated; a dataclass default lets --help list its fields
+PROMPT_CACHE_BYTES = 1 << 30  # bound of the --prompt_cache store, in memory and on disk
 
 
 def generate(
@@ -33,6 +35,7 @@ def generate(
     precision: str | None = None,
     device: str | None = None,
     num_threads: int | None = None,
+    prompt_cache: Path | None = None,
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -54,6 +57,9 @@ def generate(
         precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", "cuda:1", ... Default: CUDA if available.
         num_threads: CPU threads for torch. Default: torch's choice (one per core).
+        prompt_cache: A directory where the cache states of prompt prefixes are kept across runs (1 GiB
+            at most, least recently used dropped): a prompt that starts like an earlier one restores the
+            state after their common blocks of chunk_size tokens instead of computing it again.
 
     Returns:
         The new tokens of each prompt.
@@ -81,6 +87,7 @@ def generate(
         print(texts[0], end="", flush=True)
     generator = torch.Generator(device=dev).manual_seed(seed)
     stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+    store = None if prompt_cache is None else PrefixCache(PROMPT_CACHE_BYTES, prompt_cache)
     stream.start()
     outputs = generate_tokens(
         model,
@@ -94,6 +101,7 @@ def generate(
         generator=generator,
         on_tokens=stream,
         progress=True,
+        prefix_cache=store,
     )
     if stream.echo:
         stream.finish()
@@ -103,6 +111,8 @@ def generate(
     prompt_tokens = sum(ids.numel() for ids in encoded)
     new_tokens = sum(out.numel() for out in outputs)
     print(stream.summary(len(encoded), prompt_tokens, new_tokens, kv_cache), file=sys.stderr)
+    if store is not None:
+        print(f"prompt cache: {store.reused_tokens} of {prompt_tokens} prompt tokens reused", file=sys.stderr)
     return outputs
 
 
