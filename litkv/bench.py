@@ -167,6 +167,7 @@ def _time_litkv(
     model = _load_lit(model_name, lit_dir, GPT)
     cfg = KVCacheConfig(cache_length=prompt.numel() + new, chunk_size=min(chunk, prompt.numel() + new))
     options = {"compile": True} if compile else {}
+    _reset_peak_rss()  # compiled: before the warm-up, so that the peak includes compilation
     if compile:  # same prompt and cache shapes as the timed call, fewer new tokens
         warm = [time.perf_counter()]
         generate(
@@ -178,9 +179,7 @@ def _time_litkv(
             **options,
         )
         warmups.append(_Warmup(warm))
-    stamps: list[float] = []
-    _reset_peak_rss()
-    stamps.append(time.perf_counter())
+    stamps = [time.perf_counter()]
     out = generate(model, [prompt], new, cfg, on_tokens=lambda t: stamps.append(time.perf_counter()), **options)
     return stamps, out[0].tolist()
 
@@ -252,12 +251,12 @@ def _time_hf(hf_dir: Path, prompt: torch.Tensor, new: int, static_compile: bool,
                 **extra,
             )
 
+    _reset_peak_rss()  # compiled: before the warm-up, so that the peak includes compilation
     if static_compile:
         warm = _Stamps()
         call(min(new, WARMUP_TOKENS), warm)
         warmups.append(_Warmup(warm.stamps))
     timed = _Stamps()
-    _reset_peak_rss()
     call(new, timed)
     return timed.stamps, timed.tokens
 
@@ -385,7 +384,8 @@ def format_table(results: list[BenchResult]) -> str:
     `MB/step`: bytes a decode step reads (weights + cached keys and values, in 10^6 bytes);
     `bound tok/s`: the measured bandwidth over that; `of bound`: decode tok/s as a fraction of it.
     `peak MB` is the process's peak resident set during generation (weights and libraries included);
-    `gen MB` is that peak minus the resident set just before generation (what generating needs).
+    `gen MB` is that peak minus the resident set just before generation (what generating needs); for
+    compiled peers both include the warm-up call and its compilation.
     `same tokens`: the greedy tokens equal litkv's (eager) at the same prompt length.
     """
     rows = [
