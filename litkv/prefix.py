@@ -90,8 +90,9 @@ class PrefixCache:
             return None
         try:
             state = CacheState.load(path)
-        except (ValueError, OSError) as err:  # a corrupt or foreign file is skipped, not fatal
-            log.warning("prefix cache: ignoring %s: %s", path, err)
+        except (ValueError, OSError) as err:  # a corrupt file is dropped (and rewritten), not fatal
+            log.warning("prefix cache: ignoring and removing %s: %s", path, err)
+            path.unlink(missing_ok=True)
             return None
         os.utime(path)
         self._keep(key, state, write=False)

@@ -1,0 +1,170 @@
+"""Prefix reuse (litkv.prefix.PrefixCache, generate(..., prefix_cache=...), litkv generate --prompt_cache).
+
+A row prefilled from a stored prefix continues exactly where a cold run of its prompt alone would be,
+so its tokens are those of the prompt alone, whatever prefix length each row of a batch finds.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_gpt, tiny_config
+
+from litkv import GPT, KVCacheConfig, PrefixCache, generate
+from litkv.kvcache import known_policies
+
+POLICIES = known_policies()
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return random_gpt(tiny_config("SmolLM2-135M"), seed=11)
+
+
+def _config(policy: str, chunk: int = 8) -> KVCacheConfig:
+    return KVCacheConfig(policy, cache_length=96 if policy == "dense" else 24, chunk_size=chunk)
+
+
+def _prompts(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A shared 27-token prefix and four prompts: two continuing it, one sharing 13 tokens, one unrelated."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 128, (27,), generator=gen)
+    other = torch.randint(0, 128, (20,), generator=gen)
+    return shared, [
+        torch.cat((shared, torch.randint(0, 128, (5,), generator=gen))),
+        torch.cat((shared, torch.randint(0, 128, (14,), generator=gen))),
+        torch.cat((shared[:13], torch.randint(0, 128, (9,), generator=gen))),
+        other,
+    ]
+
+
+def _alone(model: GPT, prompts: list[torch.Tensor], cfg: KVCacheConfig) -> list[list[int]]:
+    return [generate(model, [p], NEW, cfg)[0].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_ragged_batch_with_different_prefix_hits_gives_the_tokens_of_each_prompt_alone(model: GPT, policy: str) -> None:
+    """Store primed with the shared prefix; a ragged batch whose rows find 24, 24, 8 and 0 stored tokens
+    (blocks of 8) decodes the tokens each prompt gets alone without a store, and so does a second call
+    that finds everything stored (the last block of each row included)."""
+    cfg = _config(policy)
+    shared, prompts = _prompts()
+    store = PrefixCache(10**9)
+    assert generate(model, [shared], NEW, cfg, prefix_cache=store)[0].tolist() == _alone(model, [shared], cfg)[0]
+    assert (store.hits, store.misses, store.reused_tokens) == (0, 1, 0) and len(store) == 3
+    expected = _alone(model, prompts, cfg)
+    got = generate(model, prompts, NEW, cfg, prefix_cache=store)
+    assert [t.tolist() for t in got] == expected
+    assert (store.hits, store.reused_tokens) == (3, 24 + 24 + 8)
+    again = generate(model, prompts, NEW, cfg, prefix_cache=store)
+    assert [t.tolist() for t in again] == expected
+    assert store.reused_tokens == 56 + 32 + 40 + 16 + 16
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_token_by_token_store_equals_the_plain_batch(model: GPT, policy: str) -> None:
+    """With chunks of one token (chunk boundaries play no role in a left-padded batch), generate with a
+    store gives the tokens of generate without one, on the same ragged batch."""
+    cfg = _config(policy, chunk=1)
+    _, prompts = _prompts(seed=1)
+    plain = [t.tolist() for t in generate(model, prompts, NEW, cfg)]
+    store = PrefixCache(10**9)
+    assert [t.tolist() for t in generate(model, prompts[:1], NEW, cfg, prefix_cache=store)] == plain[:1]
+    assert [t.tolist() for t in generate(model, prompts, NEW, cfg, prefix_cache=store)] == plain
+    assert store.reused_tokens == 32 + 27 + 13
+
+
+def test_exact_logits_for_a_batch_of_one(model: GPT) -> None:
+    """A hit gives bitwise the first-step logits of the cold run (h2o, evicting)."""
+    cfg = _config("h2o")
+    _, prompts = _prompts(seed=2)
+    logits = []
+
+    def keep(tokens: torch.Tensor) -> None:
+        logits.append(tokens.clone())
+
+    store = PrefixCache(10**9)
+    for _ in range(3):
+        generate(model, prompts[1:2], NEW, cfg, on_tokens=keep, prefix_cache=store if logits else None)
+    assert torch.equal(torch.stack(logits[:NEW]), torch.stack(logits[NEW : 2 * NEW]))
+    assert torch.equal(torch.stack(logits[:NEW]), torch.stack(logits[2 * NEW :]))
+    assert store.hits == 1 and store.reused_tokens == 40
+
+
+def test_store_is_bounded_by_bytes_lru(model: GPT) -> None:
+    cfg = _config("h2o")
+    _, prompts = _prompts(seed=3)
+    probe = PrefixCache(10**9)
+    generate(model, prompts[1:2], 1, cfg, prefix_cache=probe)
+    one = max(s.nbytes() for s in probe._memory.values())
+    store = PrefixCache(2 * one)
+    generate(model, prompts[1:2], 1, cfg, prefix_cache=store)
+    assert len(store) == 2 and store.nbytes() <= 2 * one
+    # the two newest blocks are kept: the prompt's first block was evicted, the longest prefix still hits
+    generate(model, prompts[1:2], 1, cfg, prefix_cache=store)
+    assert store.hits == 1 and store.reused_tokens == 40
+
+
+def test_store_on_disk_across_instances(model: GPT, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _config("snapkv")
+    _, prompts = _prompts(seed=4)
+    expected = _alone(model, prompts[:2], cfg)
+    first = PrefixCache(10**9, tmp_path / "store")
+    assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=first)] == expected
+    files = sorted((tmp_path / "store").iterdir())  # blocks of 8: 4 and 5, the first 3 shared
+    assert len(files) == 4 + 2 and first.disk_bytes() == sum(f.stat().st_size for f in files)
+    second = PrefixCache(10**9, tmp_path / "store")  # a new process, say
+    assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=second)] == expected
+    assert second.hits == 2 and second.reused_tokens == 32 + 40
+    for f in files:  # corrupt files are skipped with a warning, and recomputed
+        f.write_bytes(f.read_bytes()[:100])
+    third = PrefixCache(10**9, tmp_path / "store")
+    with caplog.at_level(logging.WARNING, logger="litkv.prefix"):
+        assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=third)] == expected
+    assert "ignoring and removing" in caplog.text
+    assert third.hits == 1 and third.reused_tokens == 24  # row 1 finds what row 0 recomputed
+    fourth = PrefixCache(10**9, tmp_path / "store")  # the files were written again
+    generate(model, prompts[:2], NEW, cfg, prefix_cache=fourth)
+    assert fourth.hits == 2 and fourth.reused_tokens == 32 + 40
+    small = PrefixCache(1, tmp_path / "small")
+    generate(model, prompts[:1], 1, cfg, prefix_cache=small)
+    assert small.disk_bytes() <= 1 and len(small) == 0
+
+
+def test_other_model_or_config_never_hits(model: GPT) -> None:
+    _, prompts = _prompts(seed=5)
+    store = PrefixCache(10**9)
+    generate(model, prompts[:1], 1, _config("h2o"), prefix_cache=store)
+    generate(model, prompts[:1], 1, _config("tova"), prefix_cache=store)
+    other = random_gpt(tiny_config("SmolLM2-135M"), seed=12)
+    generate(other, prompts[:1], 1, _config("h2o"), prefix_cache=store)
+    assert store.hits == 0 and store.misses == 3
+
+
+def test_bad_arguments(model: GPT, tmp_path: Path) -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_bytes must be an int >= 1"):
+            PrefixCache(bad)  # type: ignore[arg-type]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        PrefixCache(10, tmp_path / "file")
+    with pytest.raises(TypeError, match="prefix_cache must be a litkv.PrefixCache"):
+        generate(model, [torch.tensor([1, 2])], 1, _config("h2o"), prefix_cache={})  # type: ignore[arg-type]
+
+
+def test_generate_cli_prompt_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from litkv.__main__ import main
+
+    args = ["generate", "--prompt_cache", str(tmp_path / "pc"), "--temperature", "0", "--max_new_tokens", "4"]
+    args += ["--kv_cache.chunk_size", "8", "--num_threads", "1", "--prompt", "And it came to pass, when the king"]
+    main(args)
+    first = capsys.readouterr()
+    main(args)
+    second = capsys.readouterr()
+    assert first.out == second.out
+    assert "prompt cache: 0 of" in first.err and "prompt cache: 8 of" in second.err
+    assert any((tmp_path / "pc").iterdir())
