@@ -343,6 +343,9 @@ class KVCache(ABC):
         cand.attn_weights = attn_weights
         drop = self.select_drop(cand)
         self._check_drop(drop, t)
+        if pending.staged:
+            self._store_staged(drop, cand)
+            return
         dest, src, valid = pair_drops(drop, length)
         if self.journal is not None:
             self.journal(self, dest)
@@ -350,12 +353,25 @@ class KVCache(ABC):
         self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
         if not self.static_shapes:
             self.num_filled = min(length, self.num_filled + t)
-        if self._keeps_state():  # before the storage write: `cand.keys` may be views of the slots
+        if self._keeps_state():
             self.after_write(_placement(dest, src, valid, length), cand)
-        if pending.staged:
-            self.storage.commit_staged(dest, src, valid)
-        else:
-            self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
+        self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
+
+    def _store_staged(self, drop: torch.Tensor, cand: Candidates) -> None:
+        """Evict for a one-token call whose token waits in the room (slot `L`): it moves into the dropped
+        slot, or stays in the room (overwritten by the next call) when it is the one dropped."""
+        length = self.cache_length
+        dest = drop.clamp(max=length - 1)  # (B, G, 1) the freed slot, where the token is kept
+        kept = drop < length
+        if self.journal is not None:
+            self.journal(self, dest)
+        target = torch.where(kept, drop, length)  # a dropped token is "written" into the room itself
+        self._pos_buffer.scatter_(2, target, cand.positions[..., length:])
+        if not self.static_shapes:
+            self.num_filled = min(length, self.num_filled + 1)
+        if self._keeps_state():  # before the storage write: `cand.keys` are views of the slots
+            self.after_write(_placement(dest, torch.zeros_like(dest), kept, length), cand)
+        self.storage.commit_staged(target)
 
     def _after_direct(self, start: int, cand: Candidates, attn_weights: torch.Tensor | None) -> None:
         """`after_write` for a call whose tokens went into the empty slots `[start, start + T)`."""

@@ -71,8 +71,8 @@ def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor
     return buffer.scatter_(2, index, new)
 
 
-# Slots after the `cache_length` ones where a decode step's new tokens wait while they are attended
-# (`KVStorage.stage`), so that a step never copies the cache: they move into freed slots afterwards.
+# Slots after the `cache_length` ones where a decode step's new token waits while it is attended
+# (`KVStorage.stage`), so that a step never copies the cache: it moves into the freed slot afterwards.
 ROOM = 1
 
 
@@ -125,16 +125,14 @@ class KVStorage:
         """The slots then the `num_new` staged tokens, as stored: `(B, G, L + num_new, *)`."""
         return self.read_prefix(self.cache_length + num_new)
 
-    def commit_staged(self, dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor) -> None:
-        """Move staged token `src[j]` into slot `dest[j]` where `valid[j]` (`(B, G, T)` each), in place.
-
-        Only the `T` moved tokens are copied, in the stored form (no requantisation).
-        """
+    def commit_staged(self, target: torch.Tensor) -> None:
+        """Move the staged token (room slot `L`) into slot `target` `(B, G, 1)` of each (row, head), in
+        place; `target == L` leaves it in the room (dropped). Only that token is copied, as stored."""
         length = self.cache_length
         for buffer in self.buffers().values():
-            staged = buffer[:, :, length : length + ROOM]
-            index = src.view(*src.shape, *([1] * (buffer.dim() - 3))).expand(*src.shape, *buffer.shape[3:])
-            scatter_slots(buffer[:, :, :length], dest, staged.gather(2, index), valid)
+            staged = buffer[:, :, length : length + 1].clone()
+            index = target.view(*target.shape, *([1] * (buffer.dim() - 3))).expand(staged.shape)
+            buffer.scatter_(2, index, staged)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy tensors shaped as `state_tensors()` returns them into this storage's slots."""
