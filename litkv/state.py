@@ -32,7 +32,7 @@ from litkv.config import KVCacheConfig
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.model import GPT
-from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_log_of
+from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_log_of, writing_mode
 
 __all__ = [
     "CacheState",
@@ -371,9 +371,10 @@ def restore(model: GPT, state: CacheState) -> list[KVCache]:
     if not reuse:
         caches = [layer.config.policy_class(layer.config, layer.shape, device, state.dtype) for layer in state.layers]
         model.set_kv_caches(caches)
-    for cache, layer in zip(caches, state.layers, strict=True):
-        cache._pending = None  # a call interrupted between attend_inputs and evict_and_store
-        cache.load_state_tensors(layer.full_tensors(cache.positions.device), layer.num_filled)
+    with writing_mode(caches):
+        for cache, layer in zip(caches, state.layers, strict=True):
+            cache._pending = None  # a call interrupted between attend_inputs and evict_and_store
+            cache.load_state_tensors(layer.full_tensors(cache.positions.device), layer.num_filled)
     model.last_pos = None if state.last_pos is None else state.last_pos.to(device, copy=True)
     if log is not None:
         log.attach(model, caches)

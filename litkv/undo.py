@@ -9,6 +9,7 @@ emptied. See docs/state.md.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import torch
 from litkv.kvcache.base import KVCache
 from litkv.model import GPT
 
-__all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of"]
+__all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of", "writing_mode"]
 
 
 def attached_caches(model: GPT) -> list[KVCache]:
@@ -30,6 +31,13 @@ def attached_caches(model: GPT) -> list[KVCache]:
     if any(not isinstance(c, KVCache) for c in caches):
         raise ValueError("the model has no KV caches attached: call model.set_kv_caches(model.build_kv_caches(...))")
     return caches  # type: ignore[return-value]
+
+
+def writing_mode(caches: Sequence[object]) -> contextlib.AbstractContextManager:
+    """`torch.inference_mode()` when a cache holds inference tensors (it ran under inference mode: they
+    can be written in place only there), else `torch.no_grad()`."""
+    live = (t for c in caches if isinstance(c, KVCache) for t in c.state_tensors().values())
+    return torch.inference_mode() if any(t.is_inference() for t in live) else torch.no_grad()
 
 
 def _gather_slots(t: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -108,10 +116,14 @@ class UndoLog:
                 whole[name] = t.clone()
         self.entries[-1][0].append(_Record(dest.clone(), at_dest, whole, cache.num_filled))
 
-    @torch.no_grad()
     def undo_last(self, caches: Sequence[KVCache]) -> None:
         """Undo the newest recorded call in every layer."""
         records, _ = self.entries.pop()
+        with writing_mode(caches):
+            self._undo(caches, records)
+
+    @staticmethod
+    def _undo(caches: Sequence[KVCache], records: list[_Record]) -> None:
         for cache, record in zip(caches, records, strict=True):
             tensors = {}
             for name, t in cache.state_tensors().items():
@@ -208,6 +220,11 @@ def _calls_to_undo(log: UndoLog, last_pos: torch.Tensor, target: torch.Tensor, n
 
 
 def _truncate_dense(caches: Sequence[KVCache], target: torch.Tensor) -> None:
+    with writing_mode(caches):
+        _empty_slots_after(caches, target)
+
+
+def _empty_slots_after(caches: Sequence[KVCache], target: torch.Tensor) -> None:
     for cache in caches:
         tensors = dict(cache.state_tensors())
         positions = tensors["positions"]
