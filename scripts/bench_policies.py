@@ -1,9 +1,12 @@
 """Decode speed of the KV cache policies against the memory-bandwidth bound, SmolLM2-135M architecture.
 
 Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU. For each
-configuration (batch x prompt length) every policy runs `litkv.generate` on the same prompts (greedy),
-timed the way `scripts/bench_decode.py` times it: prefill is the time to the first token, decode
-tokens/s is `batch x steps` between the first and the last streamed step over the time between them.
+configuration (batch x prompt length) every policy runs `litkv.generate` on the same prompts (greedy)
+with streamed steps timed: prefill is the time to the first token; decode tokens/s is `batch x steps`
+over the steps' time. The policies' generations run interleaved, one decode step of each in turn (each
+in its own thread on its own copy of the model sharing the weights, handing over at every streamed
+token), so that all of them see the same load on a shared machine; a step's time runs from its
+policy's turn to its token.
 
 Bytes a decode step reads: the weights once, plus every row's cached keys and values (`cache_length`
 slots for an evicting policy, counted from the cache's own `nbytes()` so that int4 scales and offsets
@@ -23,11 +26,14 @@ five sums of a 1 GiB tensor), so that each row shows:
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,40 +85,92 @@ def cached_tokens(config: KVCacheConfig, prompt: int, new: int) -> float:
     return float(min(config.cache_length, prompt + new / 2))
 
 
-def time_generate(
-    model: GPT, prompts: torch.Tensor, new: int, config: KVCacheConfig, compile: bool
-) -> tuple[float, float]:
-    """(prefill seconds, decode tokens/s) of one greedy `generate` of `prompts` `(B, T)`, streamed steps timed."""
-    stamps = [time.perf_counter()]
-    options = {"compile": True} if compile else {}
-    generate(
-        model,
-        list(prompts),
-        new,
-        config,
-        on_tokens=lambda t: stamps.append(time.perf_counter()),
-        **options,
-    )
-    if len(stamps) < 3:
-        raise RuntimeError(f"{config.policy} generated {len(stamps) - 1} tokens; a decode speed needs 2 or more")
-    steps = len(stamps) - 2
-    return stamps[1] - stamps[0], prompts.shape[0] * steps / (stamps[-1] - stamps[1])
+class Turns:
+    """Round-robin turns between the threads of `n` generations: one runs while the others wait."""
+
+    def __init__(self, n: int) -> None:
+        self.cond = threading.Condition()
+        self.turn = 0
+        self.active = set(range(n))
+        self.n = n
+
+    def wait(self, i: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == i)
+
+    def hand_over(self, i: int, finished: bool = False) -> None:
+        """Give the turn to the next active generation after `i` (`finished`: `i` leaves the round)."""
+        with self.cond:
+            if finished:
+                self.active.discard(i)
+            following = [(i + k) % self.n for k in range(1, self.n + 1)]
+            self.turn = next((j for j in following if j in self.active), -1)
+            self.cond.notify_all()
 
 
-def measure_policy(
-    model: GPT, name: str, prompts: torch.Tensor, new: int, args: argparse.Namespace, bandwidth: float
-) -> PolicyRun:
-    """Prefill and decode `prompts` `(B, T)` through policy `name`, with its bytes per step and bound."""
-    b, t = prompts.shape
-    config = policy_config(name, args, t, new, model.config.head_size)
+@dataclass
+class Timing:
+    """One generation's prefill seconds and decode step seconds (each from its turn to its token)."""
+
+    prefill_s: float = 0.0
+    steps: list[float] = field(default_factory=list)
+
+
+Runner = Callable[[Callable[[torch.Tensor], None]], object]
+
+
+def _worker(i: int, turns: Turns, run: Runner, out: list[Timing | BaseException | None]) -> None:
+    """Thread body: run generation `i` in its turns, timing the prefill and each step's own time."""
+    timing = Timing()
+    clock = {"start": 0.0, "resumed": 0.0}
+
+    def on_tokens(tokens: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if clock["resumed"] == 0.0:
+            timing.prefill_s = now - clock["start"]
+        else:
+            timing.steps.append(now - clock["resumed"])
+        turns.hand_over(i)
+        turns.wait(i)
+        clock["resumed"] = time.perf_counter()
+
+    try:
+        turns.wait(i)
+        clock["start"] = time.perf_counter()
+        run(on_tokens)
+        out[i] = timing
+    except BaseException as exc:  # re-raised by `interleaved`
+        out[i] = exc
+    finally:
+        turns.hand_over(i, finished=True)
+
+
+def interleaved(runs: list[Runner]) -> list[Timing]:
+    """Run generations one streamed step each in turn; `runs[i](on_tokens)` runs generation `i`."""
+    turns = Turns(len(runs))
+    out: list[Timing | BaseException | None] = [None] * len(runs)
+    threads = [threading.Thread(target=_worker, args=(i, turns, run, out)) for i, run in enumerate(runs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for result in out:
+        if isinstance(result, BaseException):
+            raise result
+    return out  # type: ignore[return-value]
+
+
+def policy_model(model: GPT) -> GPT:
+    """A copy of `model` with its own modules and state, sharing the weights (one per policy thread)."""
+    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+
+
+def step_bytes_of(model: GPT, config: KVCacheConfig, batch: int, prompt: int, new: int) -> tuple[int, float]:
+    """(bytes the caches hold, bytes a decode step reads) for policy `config` on `batch` rows."""
     with torch.inference_mode():
-        cache_bytes = sum(c.nbytes() for c in model.build_kv_caches(config, b))
-    if args.compile:  # one untimed warm-up call with the same shapes (compiles)
-        time_generate(model, prompts, min(new, 4), config, compile=True)
-    prefill_s, tok_s = time_generate(model, prompts, new, config, args.compile)
-    per_slot = cache_bytes / (b * config.cache_length)
-    step = bytes_per_step(weight_bytes(model), per_slot, cached_tokens(config, t, new), b)
-    return PolicyRun(name, b, t, new, prefill_s, tok_s, cache_bytes, step, bound_tokens_per_s(bandwidth, step, b))
+        cache_bytes = sum(c.nbytes() for c in model.build_kv_caches(config, batch))
+    per_slot = cache_bytes / (batch * config.cache_length)
+    return cache_bytes, bytes_per_step(weight_bytes(model), per_slot, cached_tokens(config, prompt, new), batch)
 
 
 def _ratio(num: float, den: float) -> str:
@@ -254,18 +312,30 @@ def build_model(name: str, seed: int) -> GPT:
 
 
 def run_config(
-    model: GPT, name: str, spec: tuple[int, int, int], policies: list[str], args: argparse.Namespace, bandwidth: float
+    model: GPT, spec: tuple[int, int, int], policies: list[str], args: argparse.Namespace, bandwidth: float
 ) -> list[PolicyRun]:
-    """Every policy on the same prompts of configuration `spec` = (batch, prompt, new tokens)."""
+    """Every policy on the same prompts of configuration `spec` = (batch, prompt, new tokens), interleaved."""
     b, t, new = spec
     prompts = torch.randint(0, model.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(args.seed))
+    configs = [policy_config(p, args, t, new, model.config.head_size) for p in policies]
+    models = [policy_model(model) for _ in policies]
+    options = {"compile": True} if args.compile else {}
+    if args.compile:  # one untimed warm-up call per policy with the timed call's shapes (compiles)
+        for m, config in zip(models, configs, strict=True):
+            generate(m, list(prompts), min(new, 4), config, **options)
+
+    def runner(m: GPT, config: KVCacheConfig) -> Runner:
+        return lambda on_tokens: generate(m, list(prompts), new, config, on_tokens=on_tokens, **options)
+
+    timings = interleaved([runner(m, c) for m, c in zip(models, configs, strict=True)])
     runs = []
-    for policy in policies:
-        start = time.perf_counter()
-        runs.append(measure_policy(model, policy, prompts, new, args, bandwidth))
-        r = runs[-1]
-        took = time.perf_counter() - start
-        print(f"  {name} {policy}: {r.decode_tok_s:.2f} tok/s ({took:.0f} s)", file=sys.stderr, flush=True)
+    for policy, config, timing in zip(policies, configs, timings, strict=True):
+        if not timing.steps:
+            raise RuntimeError(f"{policy} generated {len(timing.steps) + 1} tokens; a decode speed needs 2 or more")
+        cache_bytes, step = step_bytes_of(model, config, b, t, new)
+        tok_s = b * len(timing.steps) / sum(timing.steps)
+        bound = bound_tokens_per_s(bandwidth, step, b)
+        runs.append(PolicyRun(policy, b, t, new, timing.prefill_s, tok_s, cache_bytes, step, bound))
     return runs
 
 
@@ -285,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PolicyRun]]:
     )
     results = {}
     for name, spec in configs.items():
-        results[name] = run_config(model, name, spec, policies, args, bandwidth)
+        print(f"{name}: {len(policies)} policies, interleaved ...", file=sys.stderr, flush=True)
+        results[name] = run_config(model, spec, policies, args, bandwidth)
         b, t, new = spec
         print(f"\nbatch {b} x {t} tokens, {new} new tokens:\n")
         print(format_table(results[name]))
