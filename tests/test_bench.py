@@ -135,3 +135,28 @@ def test_bench_policies_refuses_bad_options(argv: list[str], named: str) -> None
     module = _load_bench_policies()
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
         module.resolve(module.parse_args(argv))
+
+
+def test_bench_policies_interleaves_steps_and_propagates_errors() -> None:
+    module = _load_bench_policies()
+    log: list[tuple[int, int]] = []
+
+    def runner(i: int, steps: int):
+        def run(on_tokens) -> None:
+            for k in range(steps):
+                log.append((i, k))
+                on_tokens(torch.tensor([k]))
+
+        return run
+
+    timings = module.interleaved([runner(0, 3), runner(1, 2), runner(2, 3)])
+    # one streamed step of each in turn; a finished generation leaves the round
+    assert log == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2), (2, 2)]
+    assert [len(t.steps) for t in timings] == [2, 1, 2]  # the first token closes the prefill
+
+    def broken(on_tokens) -> None:
+        on_tokens(torch.tensor([0]))
+        raise ValueError("policy failed")
+
+    with pytest.raises(ValueError, match="policy failed"):
+        module.interleaved([runner(0, 3), broken])
