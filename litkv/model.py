@@ -89,7 +89,7 @@ class GPT(nn.Module):
         self.last_pos: torch.Tensor | None = None
         # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
         self._checks = True
-        self._compiled_decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._compiled_decode: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
 
     @classmethod
     def from_name(cls, name: str) -> GPT:
@@ -230,15 +230,17 @@ class GPT(nn.Module):
         """One call through the attached caches: `(B, T)` tokens and positions -> `(B, V)` last logits."""
         return self(tokens, positions)[:, -1]
 
-    def compiled_decode_step(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def compiled_decode_step(self, backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """`decode_step` through `torch.compile` (static shapes), built once per model and reused.
 
         Dynamo compiles again only when what the step depends on changes (another cache policy or
-        shape, the first calls of a fresh cache); over the steps of one `generate` it does not.
+        shape); over the steps of one `generate` it does not. `backend`: a `torch.compile` backend
+        (default: the one built before, else `"inductor"`); naming another one rebuilds the step.
         """
-        if self._compiled_decode is None:
-            self._compiled_decode = torch.compile(self.decode_step, dynamic=False)
-        return self._compiled_decode
+        if self._compiled_decode is None or (backend is not None and backend != self._compiled_decode[0]):
+            name = backend or "inductor"
+            self._compiled_decode = (name, torch.compile(self.decode_step, backend=name, dynamic=False))
+        return self._compiled_decode[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (and final soft-capping): `(B, T, n_embd)` -> `(B, T, padded_vocab_size)`."""

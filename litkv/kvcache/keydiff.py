@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from litkv.kvcache.base import Candidates
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
@@ -38,8 +37,15 @@ class KeyDiffKVCache(ScoreKVCache):
     Options: ClassVar[type[PolicyOptions]] = KeyDiffOptions
 
     def score(self, candidates: Candidates) -> torch.Tensor:
-        """`(B, G, L + T)` minus the cosine similarity of each key to the anchor."""
-        unit = F.normalize(candidates.keys.float(), dim=-1)  # (B, G, N, D)
-        real = (candidates.positions >= 0).to(unit.dtype)[..., None]
-        anchor = (unit * real).sum(dim=2, keepdim=True) / real.sum(dim=2, keepdim=True).clamp(min=1.0)
-        return -F.cosine_similarity(unit, anchor, dim=-1)
+        """`(B, G, L + T)` minus the cosine similarity of each key to the anchor.
+
+        Two products with the keys (no normalised copy of them): the anchor is the weighted sum of the
+        keys with weights `1 / |k|` over the real candidates, the similarity `k . anchor / (|k| |anchor|)`.
+        """
+        keys = candidates.keys.detach()
+        norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp(min=1e-12)  # (B, G, N)
+        real = candidates.positions >= 0
+        weights = torch.where(real, norms.reciprocal(), 0.0) / real.sum(dim=2, keepdim=True).clamp(min=1)
+        anchor = torch.matmul(weights[:, :, None].to(keys.dtype), keys).float()  # (B, G, 1, D)
+        dots = torch.matmul(keys, anchor.to(keys.dtype).transpose(2, 3))[..., 0].float()  # (B, G, N)
+        return -dots / (norms * torch.linalg.vector_norm(anchor, dim=-1).clamp(min=1e-12))
