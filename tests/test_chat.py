@@ -81,6 +81,17 @@ def test_dense_cache_full_is_an_error_and_the_session_goes_on(
     )  # the first turn: the refused one left nothing
 
 
+def test_help_and_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", "--help"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("usage: litkv [options] chat")
+    for args in (["--temperature", "-1"], ["--undo_depth", "0"], [str(REPO / "no_such_checkpoint")]):
+        with pytest.raises(SystemExit) as exc:
+            main(["chat", *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 1 and len(err) == 1 and err[0].startswith("error: "), err
+
+
 def test_pipe_subprocess() -> None:
     """A real process reading its standard input from a pipe."""
     cmd = [sys.executable, "-m", "litkv", "chat", *H2O, *GREEDY]

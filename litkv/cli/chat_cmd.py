@@ -78,7 +78,7 @@ class ChatSession:
         Returns:
             The reply's token ids (all of them are in the caches when this returns).
         """
-        ids = self.tokenizer.encode(text + "\n", bos=not self.history).tolist()
+        ids = self.tokenizer.encode(text + "\n", bos=None if not self.history else False).tolist()
         if not ids:
             return []
         self._check_room(len(ids) + max_new_tokens)
