@@ -71,11 +71,16 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dty
 def dequantize(q: QuantizedTensor, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize`: `(..., D)` in `dtype`."""
     codes, scale, offset = q
-    if bits == 4:
-        codes = torch.cat((codes & 0x0F, codes >> 4), dim=-1)
-    groups = codes.float().unflatten(-1, (-1, group_size))
-    x = groups.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
-    return x.flatten(-2).to(dtype)
+    if bits == 4:  # unpacked straight into the float buffer: no unpacked uint8 copy
+        half = codes.shape[-1]
+        x = torch.empty(*codes.shape[:-1], 2 * half, dtype=torch.float32, device=codes.device)
+        x[..., :half] = codes & 0x0F
+        x[..., half:] = codes >> 4
+    else:
+        x = codes.float()
+    groups = x.unflatten(-1, (-1, group_size))
+    groups.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
+    return x.to(dtype)
 
 
 def round_trip_error(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> torch.Tensor:
