@@ -203,8 +203,8 @@ class PrefixCache:
         device = model.lm_head.weight.device
         ids = ids.to(device=device, dtype=torch.long)
         bounds = chunk_bounds(kv_cache, ids.numel())
-        cfg = (kv_cache_configs(kv_cache) or [kv_cache])[0]
-        sizes = [cfg.first_chunk_length] + [cfg.chunk_length] * (len(bounds) - 1)  # type: ignore[union-attr]
+        cfg = kv_cache if isinstance(kv_cache, KVCacheConfig) else kv_cache[0]  # all layers chunk alike
+        sizes = [cfg.first_chunk_length] + [cfg.chunk_length] * (len(bounds) - 1)
         full = [(s, e) for (s, e), size in zip(bounds, sizes, strict=True) if e - s == size]
         keys = self.block_keys(seed, ids, full)
         start, hidden = 0, None

@@ -22,7 +22,7 @@ import json
 import os
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,7 @@ __all__ = [
 
 FORMAT = "litkv-cache-state"
 FORMAT_VERSION = 1
+TensorFn = Callable[[str, torch.Tensor], torch.Tensor]  # (name, tensor) -> tensor
 _TRIMMABLE = ("positions", "storage.")  # slot tensors whose unwritten tail is known (-1 / zeros)
 
 
@@ -85,9 +86,9 @@ class LayerState:
             out[name] = t
         return out
 
-    def map(self, fn: object) -> LayerState:
+    def map(self, fn: TensorFn) -> LayerState:
         """A copy with `fn(name, tensor)` applied to every tensor."""
-        tensors = {k: fn(k, v) for k, v in self.tensors.items()}  # type: ignore[operator]
+        tensors = {k: fn(k, v) for k, v in self.tensors.items()}
         batch = tensors["positions"].shape[0]
         return dataclasses.replace(self, tensors=tensors, shape=dataclasses.replace(self.shape, batch_size=batch))
 
@@ -139,11 +140,11 @@ class CacheState:
         extra = [t for t in (self.last_pos, self.last_hidden) if t is not None]
         return total + sum(t.nbytes for t in extra)
 
-    def _replace(self, fn: object, token_ids: list[list[int]] | None) -> CacheState:
+    def _replace(self, fn: TensorFn, token_ids: list[list[int]] | None) -> CacheState:
         """A new state with `fn(name, tensor)` applied to every tensor (layers, last_pos, last_hidden)."""
         layers = [layer.map(fn) for layer in self.layers]
-        last_pos = None if self.last_pos is None else fn("last_pos", self.last_pos)  # type: ignore[operator]
-        hidden = None if self.last_hidden is None else fn("last_hidden", self.last_hidden)  # type: ignore[operator]
+        last_pos = None if self.last_pos is None else fn("last_pos", self.last_pos)
+        hidden = None if self.last_hidden is None else fn("last_hidden", self.last_hidden)
         return CacheState(layers, last_pos, self.fingerprint, self.dtype, token_ids, hidden)
 
     def to(self, device: torch.device | str) -> CacheState:

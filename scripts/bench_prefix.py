@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from litkv import KVCacheConfig, PrefixCache, generate
+from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 
 QUESTIONS = (
@@ -25,7 +25,9 @@ QUESTIONS = (
 )
 
 
-def _ttft(model, prompt: torch.Tensor, cfg: KVCacheConfig, store: PrefixCache | None, new: int):  # noqa: ANN001, ANN202
+def _ttft(
+    model: GPT, prompt: torch.Tensor, cfg: KVCacheConfig, store: PrefixCache | None, new: int
+) -> tuple[float, list[int]]:
     """Seconds to the first new token, and the new tokens."""
     marks: list[float] = []
 

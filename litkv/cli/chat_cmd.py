@@ -13,8 +13,9 @@ from __future__ import annotations
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
@@ -25,7 +26,12 @@ from litkv.generate import check_sampling, sample
 from litkv.model import GPT
 from litkv.state import CacheState, keep_undo_log, restore, snapshot, truncate
 
+if TYPE_CHECKING:
+    from litgpt.tokenizer import Tokenizer
+
 __all__ = ["ChatSession", "chat"]
+
+Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (B, V) -> next tokens (B,)
 
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
 HELP = (
@@ -46,7 +52,7 @@ class ChatSession:
             with an evicting policy needs the turn's calls in it.
     """
 
-    def __init__(self, model: GPT, tokenizer, kv_cache: KVCacheConfig, undo_depth: int = 1024) -> None:  # noqa: ANN001
+    def __init__(self, model: GPT, tokenizer: Tokenizer, kv_cache: KVCacheConfig, undo_depth: int = 1024) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
@@ -72,7 +78,7 @@ class ChatSession:
     # -- a turn ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def turn(self, text: str, max_new_tokens: int, pick, out: TextIO, stop_at_newline: bool = True) -> list[int]:  # noqa: ANN001
+    def turn(self, text: str, max_new_tokens: int, pick: Pick, out: TextIO, stop_at_newline: bool = True) -> list[int]:
         """Append `text` (and a newline) to the session and stream the reply to `out`.
 
         Returns:
@@ -247,7 +253,7 @@ def chat(
             print(state.save(Path(session)), file=sys.stderr)
 
 
-def _loop(state: ChatSession, interactive: bool, pick, max_new_tokens: int, stop_at_newline: bool) -> None:  # noqa: ANN001
+def _loop(state: ChatSession, interactive: bool, pick: Pick, max_new_tokens: int, stop_at_newline: bool) -> None:
     while True:
         try:
             line = _read_line(interactive)
