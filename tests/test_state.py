@@ -17,10 +17,12 @@ import torch
 from helpers import random_gpt, tiny_config
 
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
-from litkv.kvcache import KVCache, known_policies, register_kv_cache
+from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
 from litkv.kvcache.h2o import H2OKVCache
 
-POLICIES = known_policies()
+# the built-in policies (other test modules may register examples; a custom policy is tested below)
+POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+CUSTOM = "test_state:DeclaredStateKVCache"  # by path: registering it would add it to every test's policy list
 STORAGES = ("float", "int8", "int4")
 B = 2
 
@@ -308,8 +310,7 @@ def test_file_holds_no_pickle(state_file: Path) -> None:
 # -- custom policies ------------------------------------------------------------------------------
 
 
-@register_kv_cache("test-state-decayed")
-class _DecayedState(H2OKVCache):
+class DeclaredStateKVCache(H2OKVCache):
     """H2O with an extra per-slot tensor and a per-row counter, declared: snapshots carry them."""
 
     slot_state = ("attn_sums", "query_counts", "age")
@@ -337,7 +338,7 @@ class _DecayedState(H2OKVCache):
 @torch.inference_mode()
 def test_custom_policy_declaring_its_state_gets_exact_snapshots(model: GPT) -> None:
     prefix, cont = _tokens(35, 16), _tokens(11, 17)
-    _attach(model, _config("test-state-decayed", "float"))
+    _attach(model, _config(CUSTOM, "float"))
     _run(model, prefix, 0, PREFIX)
     state = snapshot(model)
     assert "slot.age" in state.layers[0].tensors and "row.calls" in state.layers[0].tensors
