@@ -69,6 +69,16 @@ def test_undo_reset_save_load_commands(
     assert "/save needs a file name" in errors[0] and "does not exist" in errors[1] and "unknown command" in errors[2]
 
 
+def test_conversation_runs_past_the_context_length(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped model's context is 1,024 tokens; through a 64-slot H2O cache a session goes past it."""
+    lines = [TURNS[0], TURNS[1], "/stats"]
+    out, err = _chat(monkeypatch, capsys, lines, "--max_new_tokens", "600", "--stop_at_newline", "false")
+    seen = int(out[-1].split("tokens seen: ")[1].split()[0])
+    assert seen > 1024 and "slots held: 64 of 64" in out[-1] and "error" not in err
+
+
 def test_dense_cache_full_is_an_error_and_the_session_goes_on(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -90,22 +90,16 @@ class ChatSession:
         self._check_room(len(ids) + max_new_tokens)
         hidden = self._feed(ids)
         reply: list[int] = []
-        printed = ""
+        stream = _TextStream(self.tokenizer, out)
         eos = self.tokenizer.eos_id
         while not self.interrupted and len(reply) < max_new_tokens:
             token = int(pick(self.model.logits(hidden[:, -1]))[0])
             reply.append(token)
             hidden = self._feed([token])
-            text_so_far = self.tokenizer.decode(torch.tensor(reply))
-            if not text_so_far.endswith("\ufffd"):
-                out.write(text_so_far[len(printed) :])
-                out.flush()
-                printed = text_so_far
+            stream.add(token)
             if token == eos or (stop_at_newline and "\n" in self.tokenizer.decode(torch.tensor([token]))):
                 break
-        if not printed.endswith("\n"):
-            out.write("\n")
-            out.flush()
+        stream.finish()
         self.turns.append(len(ids) + len(reply))
         return reply
 
@@ -165,6 +159,41 @@ class ChatSession:
             f"{caches[0].cache_length} per layer and head | cache: {self.kv_cache.policy}, "
             f"{cache_bytes / 2**20:.2f} MiB"
         )
+
+
+class _TextStream:
+    """Writes a reply's text as its tokens come. Only the new tokens are decoded, after the last written
+    token as context (so that a word's leading space survives), and an incomplete character waits."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.context: list[int] = []
+        self.pending: list[int] = []
+        self.at_line_start = True
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
+
+    def add(self, token: int, final: bool = False) -> None:
+        self.pending.append(token)
+        head, text = self._decode(self.context), self._decode(self.context + self.pending)
+        if text.endswith("\ufffd") and not final:
+            return
+        new = text[len(head) :]
+        if new:
+            self.out.write(new)
+            self.out.flush()
+            self.at_line_start = new.endswith("\n")
+        self.context, self.pending = self.pending[-1:], []
+
+    def finish(self) -> None:
+        """Write what is left (an incomplete character included) and end the line."""
+        if self.pending:
+            self.add(self.pending.pop(), final=True)
+        if not self.at_line_start:
+            self.out.write("\n")
+            self.out.flush()
 
 
 def _command(session: ChatSession, line: str) -> str | None:
