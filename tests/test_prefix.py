@@ -168,3 +168,16 @@ def test_generate_cli_prompt_cache(tmp_path: Path, capsys: pytest.CaptureFixture
     assert first.out == second.out
     assert "prompt cache: 0 of" in first.err and "prompt cache: 8 of" in second.err
     assert any((tmp_path / "pc").iterdir())
+
+
+def test_per_layer_configs(model: GPT) -> None:
+    """One config per layer (h2o, then tova): the store keys on all of them and hits exactly."""
+    configs = [_config("h2o"), _config("tova")]
+    _, prompts = _prompts(seed=6)
+    expected = [generate(model, [p], NEW, configs)[0].tolist() for p in prompts[:2]]
+    store = PrefixCache(10**9)
+    for _ in range(2):
+        assert [t.tolist() for t in generate(model, prompts[:2], NEW, configs, prefix_cache=store)] == expected
+    assert store.reused_tokens == 24 + 32 + 40 and store.misses == 1  # row 1 found row 0's blocks at once
+    generate(model, prompts[:1], 1, configs[::-1], prefix_cache=store)  # other layer order: another chain
+    assert store.misses == 2
