@@ -190,16 +190,16 @@ class CacheState:
         layers = []
         for i, layer in enumerate(first.layers):
             parts = [s.layers[i] for s in states]
-            tensors = {}
-            for name in layer.tensors:
-                if any(name not in p.tensors for p in parts):
-                    raise ValueError(f"cannot cat: layer {i} state {name!r} is set in some states, not in others")
-                tensors[name] = torch.cat([p.full_tensors()[name] for p in parts], dim=0)
+            if any(set(p.tensors) != set(layer.tensors) for p in parts):
+                raise ValueError(f"cannot cat: layer {i} has policy state set in some states, not in others")
+            fulls = [p.full_tensors() for p in parts]
+            tensors = {name: torch.cat([f[name] for f in fulls], dim=0) for name in layer.tensors}
             shape = dataclasses.replace(layer.shape, batch_size=tensors["positions"].shape[0])
             num_filled = max(p.num_filled for p in parts)
             layers.append(LayerState(layer.config, shape, tensors, num_filled, layer.shape.cache_length))
-        last_pos = _cat_optional([s.last_pos for s in states], "last_pos", [s.batch_size for s in states], -1)
-        hidden = _cat_optional([s.last_hidden for s in states], "last_hidden", [s.batch_size for s in states], None)
+        sizes = [s.batch_size for s in states]
+        last_pos = _cat_optional([s.last_pos for s in states], sizes, -1)  # -1: a row that has seen nothing
+        hidden = _cat_optional([s.last_hidden for s in states], sizes, None)
         ids = None if any(s.token_ids is None for s in states) else [r for s in states for r in s.token_ids]
         return cls(layers, last_pos, first.fingerprint, first.dtype, ids, hidden)
 
@@ -242,9 +242,8 @@ class CacheState:
         return state if device is None else state.to(device)
 
 
-def _cat_optional(
-    parts: list[torch.Tensor | None], name: str, sizes: list[int], fill: int | None
-) -> torch.Tensor | None:
+def _cat_optional(parts: list[torch.Tensor | None], sizes: list[int], fill: int | None) -> torch.Tensor | None:
+    """`parts` (batch first) concatenated; a missing part is `fill`ed, or the result is `None` without a fill."""
     if all(p is None for p in parts):
         return None
     if any(p is None for p in parts) and fill is None:
