@@ -61,6 +61,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recall_cases", type=int, default=20, help="recall examples per needle depth")
     p.add_argument("--num_windows", type=int, default=8, help="held-out windows for ppl/KL/top-1")
     p.add_argument("--skip_control", action="store_true", help="no dense-cache control run")
+    p.add_argument("--diagnose", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="only print where the pass key survives in these checkpoints' caches, then exit")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -161,8 +163,54 @@ def run_evaluate(checkpoint_dir: Path, kv: dict[str, Any], args: argparse.Namesp
         "top1": policy.top1,
         "recall": policy.recall_mean,
         "recall_per_depth": {f"{d:g}": a for d, a in policy.recall.items()},
+        "digits_kept": needle_digits_kept(checkpoint_dir, kv),
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+@torch.inference_mode()
+def needle_digits_kept(checkpoint_dir: Path, kv: dict[str, Any], per_depth: int = 4) -> dict[str, list[float]]:
+    """Where the pass key survives: for needle depths 0, 0.25, 0.5, 0.75, the mean number of the
+    needle's digit tokens (both copies of the key) that each layer's cache holds, in its fullest KV
+    head, when the question arrives (the prompt up to the question run chunk by chunk through `kv`).
+
+    Returns:
+        ``{depth: [mean digit tokens held, per layer]}``.
+    """
+    from litkv.checkpoint import load_model, load_tokenizer
+    from litkv.config import chunk_bounds
+    from litkv.recall import RecallTask, encode_plain
+
+    model, tokenizer = load_model(checkpoint_dir).eval(), load_tokenizer(checkpoint_dir)
+    task = RecallTask.from_checkpoint(checkpoint_dir, tokenizer)
+    cache = KVCacheConfig(**kv)
+    length = task.fmt.context_length
+    out: dict[str, list[float]] = {}
+    for ex in task.examples(length, [0.0, 0.25, 0.5, 0.75], per_depth, seed=0):
+        needle = encode_plain(tokenizer, task.fmt.needle.format(key=ex.key))
+        answer = len(ex.ids) - ex.answer_start
+        start = round(ex.depth * (length - len(needle) - len(task.question_ids) - answer))
+        digits = {
+            start + i for i, t in enumerate(needle) if any(c.isdigit() for c in tokenizer.decode(torch.tensor([t])))
+        }
+        question = ex.answer_start - len(task.question_ids)
+        ids = torch.tensor([ex.ids[:question]])
+        with model.kv_caches_attached(cache, 1) as caches:
+            for s, e in chunk_bounds(cache, question):
+                model(ids[:, s:e], torch.arange(s, e)[None])
+            held = [max(len(digits & set(row.tolist())) for row in c.positions[0]) for c in caches]
+        sums = out.setdefault(f"{ex.depth:g}", [0.0] * len(held))
+        out[f"{ex.depth:g}"] = [a + b / per_depth for a, b in zip(sums, held, strict=True)]
+    return out
+
+
+def format_digits_kept(name: str, kept: dict[str, list[float]]) -> str:
+    """One line per depth: digit tokens of the key held per layer."""
+    return "\n".join(
+        f"{name}: needle depth {d}: key digit tokens held at the question, per layer: "
+        + " ".join(f"{v:.1f}" for v in layers)
+        for d, layers in kept.items()
+    )
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -285,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
     kv, steps = config["kv_cache"], args.max_steps or config["train"]["max_steps"]
+    if args.diagnose:
+        for directory in args.diagnose:
+            print(format_digits_kept(str(directory), needle_digits_kept(directory, kv)))
+        return
     base_dir = Path(args.checkpoint_dir or config["checkpoint_dir"])
     run_dir = args.out_dir / (args.tag or f"{kv['policy']}_{kv['cache_length']}")
     start, seconds = time.perf_counter(), {}
@@ -302,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     seconds["total"] = round(time.perf_counter() - start, 1)
     verdict = assess(rows["shipped"], rows["adapted"], rows.get("dense control"))
     print(format_table(rows, kv))
+    print("\n".join(format_digits_kept(label, m["digits_kept"]) for label, m in rows.items()))
     print(format_targets(verdict))
     print(f"wall clock: {seconds['total'] / 60:.1f} min ({json.dumps(seconds)})")
     report = {

@@ -243,6 +243,9 @@ def test_script_end_to_end(ckpt, text, tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "t" / "adapt.json").read_text())
     assert list(report["models"]) == ["shipped", "adapted"] and report["models"]["adapted"]["steps"] == 2
     assert all(0 <= m["recall"] <= 1 and m["dense_recall"] >= 0 for m in report["models"].values())
+    kept = report["models"]["shipped"]["digits_kept"]  # key digit tokens held per layer, per needle depth
+    assert list(kept) == ["0", "0.25", "0.5", "0.75"] and all(len(v) == 2 for v in kept.values())
+    assert all(0 <= x <= 10 for v in kept.values() for x in v)  # of the 2 x 5 digit tokens
     assert (tmp_path / "out" / "t" / "adapt.png").stat().st_size > 0
     hparams = yaml.safe_load((tmp_path / "out" / "t" / "policy" / "final" / "hyperparameters.yaml").read_text())
     assert hparams["kv_cache"]["policy"] == "h2o" and hparams["train"]["max_steps"] == 2
