@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recall_cases", type=int, default=20, help="recall examples per needle depth")
     p.add_argument("--num_windows", type=int, default=8, help="held-out windows for ppl/KL/top-1")
     p.add_argument("--skip_control", action="store_true", help="no dense-cache control run")
+    p.add_argument("--plot_from", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only draw one plot (--plot_out) of these runs' adapt.json, then exit")  # fmt: skip
+    p.add_argument("--plot_out", type=Path, default=Path("out/adapt/adapt.png"))
     p.add_argument("--diagnose", type=Path, nargs="+", default=None, metavar="DIR",
                    help="only print where the pass key survives in these checkpoints' caches, then exit")  # fmt: skip
     return p.parse_args(argv)
@@ -122,7 +125,7 @@ def finetune_argv(
         argv += ["--eval.interval", str(min(config.get("eval", {}).get("interval", 50), args.max_steps))]
     if args.lr is not None:
         ratio = config["train"].get("min_lr", 0.0) / config["train"]["lr"]
-        argv += ["--train.lr", str(args.lr), "--train.min_lr", str(args.lr * ratio)]
+        argv += ["--train.lr", str(args.lr), "--train.min_lr", f"{args.lr * ratio:.6g}"]
     if dense:
         length = config["data"]["seq_length"]
         argv += ["--kv_cache.policy", "dense", "--kv_cache.cache_length", str(length), "--kv_cache.options", "{}"]
@@ -299,8 +302,9 @@ def plot(rows: dict[str, dict[str, Any]], losses: dict[str, dict[str, list]], kv
     import matplotlib.pyplot as plt
 
     name = f"{kv['policy']} @ {kv['cache_length']} slots"
-    labels, colors = list(rows), ["#888888", "#d62728", "#1f77b4"][: len(rows)]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    labels = list(rows)
+    colors = (["#888888"] + ["#d62728", "#1f77b4", "#ff9896", "#aec7e8", "#2ca02c", "#98df8a"] * 2)[: len(rows)]
+    fig, axes = plt.subplots(1, 4, figsize=(17 + 1.2 * max(len(rows) - 3, 0), 3.8))
     panels = [("recall", f"pass-key recall, {name}"), ("kl", f"KL(dense || {kv['policy']}) per token"),
               ("dense_ppl", "perplexity, dense cache")]  # fmt: skip
     for ax, (key, title) in zip(axes[:3], panels, strict=True):
@@ -308,7 +312,9 @@ def plot(rows: dict[str, dict[str, Any]], losses: dict[str, dict[str, list]], kv
         bars = ax.bar(labels, values, color=colors)
         ax.bar_label(bars, labels=[f"{v:.3g}" for v in values])
         ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=15 if len(rows) > 3 else 0)
+        if key == "recall":
+            ax.set_ylim(0, 1.1)
         if key == "dense_ppl":
             ax.set_ylim(min(values) * 0.9, max(values) * 1.05)
     ax = axes[3]
@@ -327,10 +333,31 @@ def plot(rows: dict[str, dict[str, Any]], losses: dict[str, dict[str, list]], kv
     plt.close(fig)
 
 
+def plot_reports(reports: Sequence[Path], path: Path) -> None:
+    """One plot of several runs' `adapt.json` (same policy, budget and evaluation settings): the shipped
+    model once, then each run's adapted model and control, labelled with the run's mode and learning rate."""
+    rows: dict[str, dict[str, Any]] = {}
+    losses: dict[str, dict[str, list]] = {}
+    for report_path in reports:
+        report = json.loads(Path(report_path).read_text(encoding="utf-8"))
+        cfg = report["config"]
+        suffix = f" ({report.get('mode', cfg['mode'])}, lr {report.get('lr', cfg['train']['lr']):g})"
+        rows.setdefault("shipped", report["models"]["shipped"])
+        for label, model in report["models"].items():
+            if label != "shipped":
+                rows[label + suffix] = model
+                losses[label + suffix] = report["losses"].get(label, {"train_loss": [], "val_loss": []})
+    plot(rows, losses, cfg["kv_cache"], path)
+    print(f"wrote {path}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Fine-tune with the policy, fine-tune with dense (control), evaluate all, report."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.plot_from:
+        plot_reports(args.plot_from, args.plot_out)
+        return
     config = load_config(args.config)
     kv, steps = config["kv_cache"], args.max_steps or config["train"]["max_steps"]
     if args.diagnose:
@@ -360,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = {
         "command": "python scripts/adapt_to_budget.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": config,
+        "mode": args.mode or config["mode"],
+        "lr": args.lr or config["train"]["lr"],
         "threads": args.threads,
         "recall_cases_per_depth": args.recall_cases,
         "num_windows": args.num_windows,

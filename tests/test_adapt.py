@@ -251,6 +251,8 @@ def test_script_end_to_end(ckpt, text, tmp_path, capsys):
     assert hparams["kv_cache"]["policy"] == "h2o" and hparams["train"]["max_steps"] == 2
     printed = capsys.readouterr().out
     assert "adapted" in printed and "KL(dense || policy) fall" in printed
+    script.main(["--plot_from", str(tmp_path / "out" / "t" / "adapt.json"), "--plot_out", str(tmp_path / "all.png")])
+    assert (tmp_path / "all.png").stat().st_size > 0
 
 
 def test_script_control_and_targets(tmp_path):
