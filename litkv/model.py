@@ -217,12 +217,15 @@ class GPT(nn.Module):
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         rope_indices = self.config.rope_indices
+        # a multi-token call without pads may use SDPA's causal kernel where a layer's cache held nothing
+        # before (one host read, outside trusted decode steps)
+        no_pads = input_pos is not None and t > 1 and self._checks and bool((input_pos >= 0).all())
         for i, block in enumerate(self.transformer.h):
             if block_hook is not None:
                 replaced = block_hook(i, x)
                 x = x if replaced is None else replaced
             c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
-            x = block(x, c, s, input_pos)
+            x = block(x, c, s, input_pos, no_pads)
         x = self.transformer.ln_f(x)
         return self.logits(x) if lm_head else x
 
@@ -348,11 +351,16 @@ class Block(nn.Module):
         self.config = config
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        no_pads: bool = False,
     ) -> torch.Tensor:
-        """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`."""
+        """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`; `no_pads`: `input_pos` has no `-1`."""
         x_normed = self.norm_1(x)
-        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos))
+        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, no_pads))
         if self.config.parallel_residual:
             if self.norm_2 is not None:
                 x_normed = self.norm_2(x)
@@ -393,9 +401,15 @@ class CausalSelfAttention(nn.Module):
         self.block_idx = block_idx
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        no_pads: bool = False,
     ) -> torch.Tensor:
-        """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`."""
+        """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `no_pads`: `input_pos` holds no `-1` (then a call
+        that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel)."""
         q, k, v = self._qkv(x, cos, sin)
         softcap = self.config.attention_logit_softcapping
         if input_pos is None:
@@ -405,8 +419,14 @@ class CausalSelfAttention(nn.Module):
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
             keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
-            mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
-            y, weights = attend(q, keys, values, mask, self.scale, softcap, cache.needs_attn_weights, input_pos >= 0)
+            if no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights:
+                # positions increase along the call, so causal by index is causal by position
+                y = self._attend_full(q, keys, values, softcap)
+                weights = None
+            else:
+                mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
+                need = cache.needs_attn_weights
+                y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
             cache.evict_and_store(weights)
         return self.proj(y)
 

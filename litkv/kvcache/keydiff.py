@@ -43,9 +43,11 @@ class KeyDiffKVCache(ScoreKVCache):
         keys with weights `1 / |k|` over the real candidates, the similarity `k . anchor / (|k| |anchor|)`.
         """
         keys = candidates.keys.detach()
-        norms = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32).clamp(min=1e-12)  # (B, G, N)
+        if keys.dtype not in (torch.float32, torch.float64):  # products of 16-bit keys in float32
+            keys = keys.float()
+        norms = torch.linalg.vector_norm(keys, dim=-1).clamp(min=1e-12)  # (B, G, N)
         real = candidates.positions >= 0
         weights = torch.where(real, norms.reciprocal(), 0.0) / real.sum(dim=2, keepdim=True).clamp(min=1)
-        anchor = torch.matmul(weights[:, :, None].to(keys.dtype), keys).float()  # (B, G, 1, D)
-        dots = torch.matmul(keys, anchor.to(keys.dtype).transpose(2, 3))[..., 0].float()  # (B, G, N)
+        anchor = torch.matmul(weights[:, :, None], keys)  # (B, G, 1, D)
+        dots = torch.matmul(keys, anchor.transpose(2, 3))[..., 0]  # (B, G, N)
         return -dots / (norms * torch.linalg.vector_norm(anchor, dim=-1).clamp(min=1e-12))
