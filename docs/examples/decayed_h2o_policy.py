@@ -42,6 +42,7 @@ class DecayedH2OKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = DecayedH2OOptions
     needs_attn_weights: ClassVar[bool] = True
+    slot_state: ClassVar[tuple[str, ...]] = ("past",)  # per-slot state: snapshots and undo carry it
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
