@@ -12,7 +12,8 @@ Bytes a decode step reads: the weights once, plus every row's cached keys and va
 slots for an evicting policy, counted from the cache's own `nbytes()` so that int4 scales and offsets
 count; the tokens cached halfway through the decode for dense). The machine's memory bandwidth is
 measured in the same run with the same thread count (`litkv.bandwidth.measure_bandwidth`: best of
-five sums of a 1 GiB tensor), so that each row shows:
+five sums of a 1 GiB tensor, before and after each configuration; the better of the two counts), so
+that each row shows:
 
 - `vs dense`: decode tokens/s over dense's; `byte bound`: dense's bytes per step over the policy's
   (the speed-up that reading fewer bytes allows); `of bound`: the first over the second;
@@ -312,9 +313,10 @@ def build_model(name: str, seed: int) -> GPT:
 
 
 def run_config(
-    model: GPT, spec: tuple[int, int, int], policies: list[str], args: argparse.Namespace, bandwidth: float
+    model: GPT, spec: tuple[int, int, int], policies: list[str], args: argparse.Namespace
 ) -> list[PolicyRun]:
-    """Every policy on the same prompts of configuration `spec` = (batch, prompt, new tokens), interleaved."""
+    """Every policy on the same prompts of configuration `spec` = (batch, prompt, new tokens), interleaved
+    (`bound_tok_s` left 0: `with_bound` sets it)."""
     b, t, new = spec
     prompts = torch.randint(0, model.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(args.seed))
     configs = [policy_config(p, args, t, new, model.config.head_size) for p in policies]
@@ -334,8 +336,14 @@ def run_config(
             raise RuntimeError(f"{policy} generated {len(timing.steps) + 1} tokens; a decode speed needs 2 or more")
         cache_bytes, step = step_bytes_of(model, config, b, t, new)
         tok_s = b * len(timing.steps) / sum(timing.steps)
-        bound = bound_tokens_per_s(bandwidth, step, b)
-        runs.append(PolicyRun(policy, b, t, new, timing.prefill_s, tok_s, cache_bytes, step, bound))
+        runs.append(PolicyRun(policy, b, t, new, timing.prefill_s, tok_s, cache_bytes, step, 0.0))
+    return runs
+
+
+def with_bound(runs: list[PolicyRun], bandwidth: float) -> list[PolicyRun]:
+    """Set each run's bound tokens/s from the measured `bandwidth` (bytes/s)."""
+    for r in runs:
+        r.bound_tok_s = bound_tokens_per_s(bandwidth, r.step_bytes, r.batch)
     return runs
 
 
@@ -346,25 +354,33 @@ def main(argv: list[str] | None = None) -> dict[str, list[PolicyRun]]:
     model = build_model(args.model, args.seed)
     gib = 2**28 if args.quick else 2**30
     bandwidth = measure_bandwidth(gib, threads=args.threads)
+    bandwidths = {}
     print(
         f"{args.model} (random weights, tied LM head, float32, {model.lm_head.weight.device.type}, {args.threads} "
         f"threads{', compiled' if args.compile else ''}): cache_length {args.cache_length} (dense: the whole "
         f"sequence, one prefill chunk), prefill chunks of {min(args.chunk_size, args.cache_length)}; "
-        f"weights {weight_bytes(model) / 1e6:.0f} MB; memory bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"(sum of {gib // 2**20} MiB, best of 5, measured before the runs)"
+        f"weights {weight_bytes(model) / 1e6:.0f} MB; memory bandwidth before the runs {bandwidth / 1e9:.1f} GB/s "
+        f"(sum of {gib // 2**20} MiB, best of 5)"
     )
     results = {}
     for name, spec in configs.items():
         print(f"{name}: {len(policies)} policies, interleaved ...", file=sys.stderr, flush=True)
-        results[name] = run_config(model, spec, policies, args, bandwidth)
+        runs = run_config(model, spec, policies, args)
+        after = measure_bandwidth(gib, threads=args.threads)
+        bandwidths[name] = max(bandwidth, after)  # best of the measurements before and after the config
+        results[name] = with_bound(runs, bandwidths[name])
+        bandwidth = after
         b, t, new = spec
-        print(f"\nbatch {b} x {t} tokens, {new} new tokens:\n")
+        print(
+            f"\nbatch {b} x {t} tokens, {new} new tokens; memory bandwidth {bandwidths[name] / 1e9:.1f} GB/s "
+            "(best of the measurements before and after):\n"
+        )
         print(format_table(results[name]))
         for line in summary(results[name]):
             print(line)
         sys.stdout.flush()
     if args.json_out is not None:
-        out = {"bandwidth": bandwidth, "configs": {k: [asdict(r) for r in v] for k, v in results.items()}}
+        out = {"bandwidth": bandwidths, "configs": {k: [asdict(r) for r in v] for k, v in results.items()}}
         args.json_out.write_text(json.dumps(out, indent=2))
     return results
 
