@@ -52,6 +52,10 @@ def _option_name(token: str) -> tuple[str, str | None]:
     return name, (value if eq else None)
 
 
+# Boolean options that may be given bare, as a switch (`--compile` is `--compile true`).
+FLAGS = ("--compile",)
+
+
 def normalize_argv(argv: Sequence[str]) -> list[str]:
     """Rewrite command-line shortcuts into what jsonargparse understands.
 
@@ -59,7 +63,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     - `--kv-cache NAME` / `--kv_cache NAME` is `--kv_cache.policy NAME` (a YAML/JSON value stays);
     - `--kv_cache.OPTION` (not a `KVCacheConfig` field) is the policy option `--kv_cache.options.OPTION`;
     - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'`;
-    - `litkv generate DIR ...` (and `evaluate`, `finetune`) is `litkv generate --checkpoint_dir DIR ...`.
+    - `litkv generate DIR ...` (and `evaluate`, `finetune`) is `litkv generate --checkpoint_dir DIR ...`;
+    - a bare flag in `FLAGS` (`--compile` not followed by a value) is `--compile true`.
     """
     argv = list(argv)
     positional: list[str] = []
@@ -86,6 +91,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
                 f"evaluate compares several policies, so a policy option goes to one of them: use "
                 f"--policy_options.POLICY.{option} VALUE (e.g. --policy_options.keydiff.{option}), got {token}"
             )
+        if name in FLAGS and value is None and (i == len(argv) or argv[i].startswith("-")):
+            value = "true"
         if name in ("--kv_cache", "--prompt") and value is None and i < len(argv):
             value, i = argv[i], i + 1
         if name == "--prompt" and value is not None:

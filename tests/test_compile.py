@@ -180,3 +180,27 @@ def test_static_step_on_dense_matches_eager_logits() -> None:
     caches[0].advance(1)
     assert caches[0].num_filled == filled
     assert (eager - static).abs().max() < 1e-4 * eager.abs().max()
+
+
+def test_cli_compile_switch_reaches_generate(tmp_path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """`litkv generate --compile` (a bare switch) compiles the decode steps: the summary line reports the
+    compiling first step apart, and the tokens are eager's (dynamo's eager backend, to stay quick)."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    from litkv.__main__ import main, normalize_argv
+
+    assert normalize_argv(["generate", "--compile"]) == ["generate", "--compile=true"]
+    assert normalize_argv(["generate", "--compile", "false"]) == ["generate", "--compile", "false"]
+    make_tiny_checkpoint(tmp_path)
+    args = ["generate", str(tmp_path), "--kv-cache", "h2o", "--kv_cache.cache_length", "16", "--temperature", "0"]
+    args += ["--max_new_tokens", "30", "--prompt", "hello there, a prompt longer than the cache of sixteen slots"]
+    main(args)
+    eager = capsys.readouterr()
+    original = GPT.compiled_decode_step
+    monkeypatch.setattr(GPT, "compiled_decode_step", lambda self, backend=None: original(self, "eager"))
+    with _fresh_dynamo():
+        main([*args, "--compile"])
+        assert counters["stats"]["unique_graphs"] == 1
+    compiled = capsys.readouterr()
+    assert "first step, compiling" in compiled.err and "compiling" not in eager.err
+    assert compiled.out == eager.out

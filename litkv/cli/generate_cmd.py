@@ -36,6 +36,7 @@ def generate(
     device: str | None = None,
     num_threads: int | None = None,
     prompt_cache: Path | None = None,
+    compile: bool = False,
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -60,6 +61,8 @@ def generate(
         prompt_cache: A directory where the cache states of prompt prefixes are kept across runs (1 GiB
             at most, least recently used dropped): a prompt that starts like an earlier one restores the
             state after their common blocks of chunk_size tokens instead of computing it again.
+        compile: Run the decode steps through torch.compile (static shapes; the first call compiles,
+            a minute or more for a 30-layer model on a CPU; worth it for long generations).
 
     Returns:
         The new tokens of each prompt.
@@ -102,6 +105,7 @@ def generate(
         on_tokens=stream,
         progress=True,
         prefix_cache=store,
+        compile=compile,
     )
     if stream.echo:
         stream.finish()
@@ -110,7 +114,7 @@ def generate(
             print(f"--- prompt {i} ---\n{text}{tokenizer.decode(out)}", flush=True)
     prompt_tokens = sum(ids.numel() for ids in encoded)
     new_tokens = sum(out.numel() for out in outputs)
-    print(stream.summary(len(encoded), prompt_tokens, new_tokens, kv_cache), file=sys.stderr)
+    print(stream.summary(len(encoded), prompt_tokens, new_tokens, kv_cache, compile), file=sys.stderr)
     if store is not None:
         print(f"prompt cache: {store.reused_tokens} of {prompt_tokens} prompt tokens reused", file=sys.stderr)
     return outputs
@@ -145,7 +149,7 @@ class _Stream:
         self.printed = ""
         self.steps = 0
         self.cache_bytes = 0
-        self.t_start = self.t_first = self.t_last = 0.0
+        self.t_start = self.t_first = self.t_second = self.t_last = 0.0
 
     def start(self) -> None:
         self.t_start = time.perf_counter()
@@ -157,6 +161,8 @@ class _Stream:
         if self.steps == 0:
             self.t_first = now
             self.cache_bytes = sum(cache.nbytes() for cache in self.model.kv_caches if cache is not None)
+        elif self.steps == 1:
+            self.t_second = now
         self.t_last = now
         self.steps += 1
         if not self.echo:
@@ -177,16 +183,22 @@ class _Stream:
         """Print what is left (an incomplete character included) and end the line."""
         self._print(final=True)
 
-    def summary(self, batch_size: int, prompt_tokens: int, new_tokens: int, kv_cache: KVCacheConfig) -> str:
+    def summary(
+        self, batch_size: int, prompt_tokens: int, new_tokens: int, kv_cache: KVCacheConfig, compiled: bool = False
+    ) -> str:
         """One line: prompt and new tokens, prefill and decode speed (all rows), cache bytes.
 
         A speed is computed only from a measured, non-zero duration, else it reads ``n/a``: with no new
         token no prefill ran (and no cache was built), with one new token there was no decode step.
+        When compiled, the first decode step (which compiles) is reported apart from the speed.
         """
         prefill_s = self.t_first - self.t_start
         prefill = f"{prompt_tokens / prefill_s:.1f} tok/s" if self.steps > 0 and prefill_s > 0 else "n/a"
-        decode_s = self.t_last - self.t_first
-        decode = f"{batch_size * (self.steps - 1) / decode_s:.1f} tok/s" if self.steps > 1 and decode_s > 0 else "n/a"
+        first, steps = (self.t_second, self.steps - 2) if compiled else (self.t_first, self.steps - 1)
+        decode_s = self.t_last - first
+        decode = f"{batch_size * steps / decode_s:.1f} tok/s" if steps > 0 and decode_s > 0 else "n/a"
+        if compiled and self.steps > 1:
+            decode += f" (first step, compiling: {self.t_second - self.t_first:.1f} s)"
         cache = f"{self.cache_bytes / 2**20:.2f} MiB" if self.steps > 0 else "not built"
         return (
             f"prompt tokens: {prompt_tokens} | new tokens: {new_tokens} | prefill: {prefill} | decode: {decode} | "
