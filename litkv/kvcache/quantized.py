@@ -31,7 +31,7 @@ def _round_toward(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor
     """`x` (float32) cast to the 16-bit `dtype`, rounded up or down instead of to nearest."""
     rounded = x.to(dtype)
     wrong = rounded.float() < x if up else rounded.float() > x
-    target = torch.full_like(rounded, float("inf") if up else float("-inf"))
+    target = torch.tensor(float("inf") if up else float("-inf"), dtype=dtype, device=x.device)  # broadcast
     return torch.where(wrong, torch.nextafter(rounded, target), rounded)
 
 
