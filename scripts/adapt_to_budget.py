@@ -333,6 +333,15 @@ def plot(rows: dict[str, dict[str, Any]], losses: dict[str, dict[str, list]], kv
     plt.close(fig)
 
 
+def _run_suffix(report: dict[str, Any]) -> str:
+    """`" (MODE, lr LR)"` of a run, from the adapted checkpoint's `hyperparameters.yaml` (what it trained with)."""
+    hparams_file = Path(report["models"]["adapted"]["checkpoint_dir"]) / "hyperparameters.yaml"
+    if hparams_file.is_file():
+        hparams = yaml.safe_load(hparams_file.read_text(encoding="utf-8"))
+        return f" ({hparams['mode']}, lr {hparams['train']['lr']:g})"
+    return f" ({report['mode']}, lr {report['lr']:g})"
+
+
 def plot_reports(reports: Sequence[Path], path: Path) -> None:
     """One plot of several runs' `adapt.json` (same policy, budget and evaluation settings): the shipped
     model once, then each run's adapted model and control, labelled with the run's mode and learning rate."""
@@ -341,7 +350,7 @@ def plot_reports(reports: Sequence[Path], path: Path) -> None:
     for report_path in reports:
         report = json.loads(Path(report_path).read_text(encoding="utf-8"))
         cfg = report["config"]
-        suffix = f" ({report.get('mode', cfg['mode'])}, lr {report.get('lr', cfg['train']['lr']):g})"
+        suffix = _run_suffix(report)
         rows.setdefault("shipped", report["models"]["shipped"])
         for label, model in report["models"].items():
             if label != "shipped":
