@@ -96,21 +96,23 @@ def _attend_eager(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Blockwise eager attention. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)`.
 
-    Scores are float32 (also for bfloat16 inputs). Each block of queries holds at most about
+    Products run in the model dtype (as in Hugging Face's eager attention; no float32 copy of the keys),
+    the softmax in float32 (float64 for float64 models). Each block of queries holds at most about
     `WEIGHTS_BLOCK_ELEMENTS` scores; the group's query heads are folded into the query axis so that
     both products are plain batched matrix products over `(B, G)`.
     """
     b, g, q_per_kv, t, hs = qg.shape
     s = k.shape[2]
     block = max(1, WEIGHTS_BLOCK_ELEMENTS // max(1, b * g * q_per_kv * s))
-    keys_t = k.float().transpose(2, 3)
+    keys_t = k.transpose(2, 3)  # products in the model dtype: no float32 copy of the keys
     outputs = []
     weight_sum = torch.zeros(b, g, s, dtype=torch.float32, device=qg.device) if need_weights else None
     for start in range(0, t, block):
         end = min(start + block, t)
         n = end - start
-        q_block = qg[:, :, :, start:end].float().reshape(b, g, q_per_kv * n, hs)
-        scores = torch.matmul(q_block, keys_t).mul_(scale).view(b, g, q_per_kv, n, s)
+        q_block = qg[:, :, :, start:end].reshape(b, g, q_per_kv * n, hs)
+        scores = torch.matmul(q_block, keys_t)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale).view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = torch.where(mask[:, :, None, start:end], scores, float("-inf"))
