@@ -7,7 +7,6 @@ every process executes once Fabric is launched (tests call it with their own `Fa
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,6 @@ from litkv.finetune.state import (
     save_checkpoint,
 )
 from litkv.model import GPT
-from litkv.recall import RECALL_FILE, RecallFormat
 
 __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "PRECISIONS"]
 
@@ -277,18 +275,5 @@ def _save(
             state,
             prompt_style=args.data.prompt_style if args.data.is_json else None,
         )
-        _copy_recall_task(args.checkpoint_dir, path)
         tqdm.write(f"saved {path}")
     fabric.barrier()
-
-
-def _copy_recall_task(base_dir: Path, out_dir: Path) -> None:
-    """Copy the base checkpoint's pass-key task (`recall_format.json` and the filler file it names,
-    e.g. `heldout.txt`) into a saved checkpoint, so that `litkv evaluate` measures recall on it as on
-    the base."""
-    if not (base_dir / RECALL_FILE).is_file():
-        return
-    names = [RECALL_FILE, RecallFormat.load(base_dir / RECALL_FILE).filler_file]
-    for name in names:
-        if Path(name).name == name and (base_dir / name).is_file() and not (out_dir / name).exists():
-            shutil.copyfile(base_dir / name, out_dir / name)

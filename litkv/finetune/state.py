@@ -34,6 +34,7 @@ from litkv.checkpoint import (
 )
 from litkv.finetune.lora import lora_state_dict, merged_state_dict
 from litkv.model import GPT
+from litkv.recall import RECALL_FILE, RecallFormat
 
 __all__ = [
     "LORA_FILE",
@@ -143,7 +144,7 @@ def save_checkpoint(
         save_state_dict_atomic(tmp / SAFETENSORS_FILE, weights)
         if adapters is not None:
             save_state_dict_atomic(tmp / LORA_FILE, adapters)
-        for name in COPIED_FILES:
+        for name in (*COPIED_FILES, *recall_task_files(base_dir)):
             if (base_dir / name).is_file():
                 shutil.copyfile(base_dir / name, tmp / name)
         _write_yaml(tmp / HPARAMS_FILE, hparams)
@@ -155,6 +156,16 @@ def save_checkpoint(
         torch.save(state.to_dict(), tmp / STATE_FILE)
 
     return save_dir_atomic(path, write)
+
+
+def recall_task_files(base_dir: Path) -> list[str]:
+    """The base checkpoint's pass-key task files (`recall_format.json` and the filler file it names,
+    e.g. `heldout.txt`), copied into every saved checkpoint so that `litkv evaluate` measures recall on
+    it as on the base; none when the base has no task."""
+    if not (base_dir / RECALL_FILE).is_file():
+        return []
+    filler = RecallFormat.load(base_dir / RECALL_FILE).filler_file
+    return [RECALL_FILE] + ([filler] if Path(filler).name == filler else [])
 
 
 def check_resume_dir(resume_dir: Path, mode: str) -> Path:
