@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend", "build_mask", "WEIGHTS_BLOCK_ELEMENTS"]
+__all__ = ["attend", "build_mask", "masked_sdpa", "WEIGHTS_BLOCK_ELEMENTS"]
 
 # Largest number of score elements held at once by the eager (weights / soft-capping) path.
 WEIGHTS_BLOCK_ELEMENTS = 1 << 24
@@ -78,10 +78,29 @@ def attend(
     else:
         mask = mask.expand(b, g, t, s)
         folded_mask = mask[:, :, None].expand(b, g, q_per_kv, t, s).reshape(b, g, q_per_kv * t, s)
-        y = F.scaled_dot_product_attention(qg.reshape(b, g, q_per_kv * t, hs), k, v, attn_mask=folded_mask, scale=scale)
+        folded_q = qg.reshape(b, g, q_per_kv * t, hs)
+        if torch.compiler.is_compiling():  # the eager kernel as one opaque op (inductor's is slower on CPU)
+            y = masked_sdpa(folded_q, k, v, folded_mask, scale)
+        else:
+            y = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=scale)
         weights = None
     y = y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
     return y, weights
+
+
+@torch.library.custom_op("litkv::masked_sdpa", mutates_args=())
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """`F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)` as one op that
+    `torch.compile` calls as it is: `q` `(B, G, M, hs)`, `k`/`v` `(B, G, S, hs/hv)`, `mask` `(B, G, M, S)`
+    bool -> `(B, G, M, hv)`."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@masked_sdpa.register_fake
+def _masked_sdpa_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 def _attend_eager(
