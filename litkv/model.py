@@ -419,8 +419,9 @@ class CausalSelfAttention(nn.Module):
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
             keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
-            if no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights:
-                # positions increase along the call, so causal by index is causal by position
+            if no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights and self.window is None:
+                # positions increase along the call, so causal by index is causal by position (a sliding
+                # window is not: positions may skip)
                 y = self._attend_full(q, keys, values, softcap)
                 weights = None
             else:
