@@ -38,15 +38,6 @@ SEQ, CACHE, CHUNK = 96, 24, 8
 TOLERANCE = 1e-4  # as tests/test_gradient.py
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """A tiny checkpoint with the shipped pass-key task (`recall_format.json` + `heldout.txt`)."""

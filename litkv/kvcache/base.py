@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ class KVCache(ABC):
         if not self.static_shapes:
             self.check_room(t)
         length = self.cache_length
-        staged = t <= ROOM and not (torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad))
+        staged = t <= ROOM and not needs_functional(keys, values)
         if staged:
             self.storage.stage(keys, values)
             all_keys, all_values = self.storage.read_staged(t)
@@ -352,7 +352,7 @@ class KVCache(ABC):
         new_pos = cand.positions[..., length:].gather(2, src)
         self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
         if not self.static_shapes:
-            self.num_filled = min(length, self.num_filled + t)
+            self.advance(t)
         if self._keeps_state():
             self.after_write(_placement(dest, src, valid, length), cand)
         self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
@@ -368,7 +368,7 @@ class KVCache(ABC):
         target = torch.where(kept, drop, length)  # a dropped token is "written" into the room itself
         self._pos_buffer.scatter_(2, target, cand.positions[..., length:])
         if not self.static_shapes:
-            self.num_filled = min(length, self.num_filled + 1)
+            self.advance(1)
         if self._keeps_state():  # before the storage write: `cand.keys` are views of the slots
             self.after_write(_placement(dest, torch.zeros_like(dest), kept, length), cand)
         self.storage.commit_staged(target)
@@ -387,8 +387,8 @@ class KVCache(ABC):
         self.after_write(placement, cand)
 
     def advance(self, num_new: int) -> None:
-        """Count `num_new` tokens taken by calls made with `static_shapes` (which leave `num_filled`
-        alone, so that a compiled step does not depend on a changing host counter)."""
+        """Count `num_new` tokens taken by an evicting call. Calls made with `static_shapes` leave this to
+        their caller, so that a compiled step does not depend on a changing host counter."""
         self.num_filled = min(self.cache_length, self.num_filled + num_new)
 
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROOM", "CacheShape", "FloatStorage", "KVStorage", "load_into", "scatter_slots"]
+__all__ = ["ROOM", "CacheShape", "FloatStorage", "KVStorage", "load_into", "needs_functional", "scatter_slots"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class CacheShape:
     value_size: int
 
 
-def _needs_functional(*tensors: torch.Tensor) -> bool:
+def needs_functional(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a write of these tensors (then writes make new tensors, not in place)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -66,7 +67,7 @@ def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor
     old = buffer.gather(2, index)
     mask = valid.view(*valid.shape, *([1] * len(rest)))
     new = torch.where(mask, source.to(buffer.dtype), old)
-    if _needs_functional(buffer, source):
+    if needs_functional(buffer, source):
         return buffer.scatter(2, index, new)
     return buffer.scatter_(2, index, new)
 
@@ -165,7 +166,7 @@ class FloatStorage(KVStorage):
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         end = start + keys.shape[2]
-        if _needs_functional(self.keys, keys, values):
+        if needs_functional(self.keys, keys, values):
             self.keys = torch.cat((self.keys[:, :, :start], keys, self.keys[:, :, end:]), dim=2)
             self.values = torch.cat((self.values[:, :, :start], values, self.values[:, :, end:]), dim=2)
         else:
