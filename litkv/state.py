@@ -30,6 +30,7 @@ import torch
 
 from litkv.config import KVCacheConfig
 from litkv.kvcache.base import KVCache
+from litkv.kvcache.registry import check_policy_loadable
 from litkv.kvcache.storage import CacheShape
 from litkv.model import GPT
 from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_log_of, writing_mode
@@ -235,6 +236,7 @@ class CacheState:
         expected = meta.pop("digest", None)
         if expected != _digest(meta, tensors):
             raise ValueError(f"cache state file {str(path)!r} is corrupt or was modified (checksum mismatch)")
+        _check_policies_loadable(meta, f"cache state file {str(path)!r}")
         try:
             state = _from_file(tensors, meta)
         except (KeyError, TypeError, ValueError) as err:
@@ -446,6 +448,19 @@ def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
             f"version {FORMAT_VERSION}"
         )
     return tensors, meta
+
+
+def _check_policies_loadable(meta: dict[str, object], source: str) -> None:
+    """ValueError unless every policy the metadata names is loadable without an import (before any
+    `KVCacheConfig` is built from it: building one resolves its policy)."""
+    layers = meta.get("layers")
+    if not isinstance(layers, list):
+        raise ValueError(f"{source} has invalid metadata: 'layers' must be a list")
+    for i, entry in enumerate(layers):
+        config = entry.get("config") if isinstance(entry, dict) else None
+        if not isinstance(config, dict):
+            raise ValueError(f"{source} has invalid metadata: layer {i} has no config")
+        check_policy_loadable(config.get("policy"), f"{source} (layer {i})")
 
 
 def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> CacheState:

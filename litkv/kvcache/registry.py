@@ -4,11 +4,18 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 
 from litkv.kvcache.base import KVCache
 
-__all__ = ["register_kv_cache", "get_kv_cache_class", "known_policies", "check_policy_name"]
+__all__ = [
+    "register_kv_cache",
+    "get_kv_cache_class",
+    "known_policies",
+    "check_policy_name",
+    "check_policy_loadable",
+]
 
 _REGISTRY: dict[str, type[KVCache]] = {}
 # Modules whose classes register the built-in policies; imported on the first lookup.
@@ -74,6 +81,40 @@ def get_kv_cache_class(name: str) -> type[KVCache]:
     if not (isinstance(cls, type) and issubclass(cls, KVCache)):
         raise ValueError(f"policy {name!r}: {attr!r} in {module_name!r} is not a KVCache subclass")
     return cls
+
+
+def check_policy_loadable(name: object, source: str) -> None:
+    """ValueError unless `name` resolves to a policy without importing anything or resolving a new name.
+
+    For policy names read from data (a state file, a store entry, a session): such a name may only be a
+    policy registered in this process, or a `"module:Class"` path whose module is already imported. A
+    file never makes litkv import a module (module top-level code would run), see docs/state.md.
+
+    Args:
+        name: the policy name found in the data.
+        source: what the name was read from, for the message (e.g. a file path).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{source}: the policy name must be a non-empty string, got {name!r:.80}")
+    _load_builtins()
+    if name in _REGISTRY:
+        return
+    hint = (
+        "import the module that defines it, or register it with litkv.kvcache.register_kv_cache, "
+        "before loading"
+    )
+    if ":" not in name:
+        raise ValueError(f"{source} names policy {name!r}, which is not registered in this process; {hint}")
+    module_name, _, attr = name.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise ValueError(
+            f"{source} names policy {name!r} from module {module_name!r}, which is not imported in this process "
+            f"(a file never makes litkv import a module); {hint}"
+        )
+    cls = vars(module).get(attr)  # a plain lookup: no module __getattr__ is called
+    if not (isinstance(cls, type) and issubclass(cls, KVCache)):
+        raise ValueError(f"{source} names policy {name!r}: {attr!r} in {module_name!r} is not a KVCache subclass")
 
 
 def _load_builtins() -> None:
