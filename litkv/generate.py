@@ -7,12 +7,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from tqdm.auto import tqdm
 
-from litkv.config import KVCacheConfig, chunk_bounds
+from litkv.config import KVCacheConfig
 from litkv.kvcache.base import KVCache
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.prefix import PrefixCache
+from litkv.runner import ChunkPlan, run_chunks
 
 __all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
 
@@ -24,10 +24,13 @@ def forward_chunked(
 ) -> torch.Tensor:
     """Run sequences chunk by chunk with fresh caches in place; differentiable with plain autograd.
 
+    Each row is chunked from its own first token (`litkv.runner`), so its logits do not depend on
+    its batch-mates.
+
     Args:
         model: the GPT.
         idx: `(B, T)` token ids.
-        kv_cache: one config for all layers, or one per layer; its `chunk_bounds` give the chunks.
+        kv_cache: one config for all layers, or one per layer; `ChunkPlan.of(kv_cache)` gives the chunks.
         input_pos: `(B, T)` positions (`-1` for left padding); default `0..T-1` for every row.
 
     Returns:
@@ -44,8 +47,7 @@ def forward_chunked(
     if input_pos.shape != idx.shape:
         raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
     with model.kv_caches_attached(kv_cache, b):
-        chunks = [model(idx[:, s:e], input_pos[:, s:e]) for s, e in chunk_bounds(kv_cache, t)]
-    return torch.cat(chunks, dim=1)
+        return run_chunks(model, idx, input_pos, ChunkPlan.of(kv_cache))
 
 
 def pad_prompts(prompts: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +158,8 @@ def generate(
     """Generate from a batch of prompts of different lengths.
 
     Prompts are left-padded; pad tokens get position `-1` and are never attended, stored or scored.
-    The prefill runs in chunks (`kv_cache.chunk_bounds`), then one token per step.
+    The prefill runs in chunks cut from each prompt's own first token (`litkv.runner`: a row's tokens
+    do not depend on its batch-mates), then one token per step.
 
     Args:
         model: the GPT.
@@ -185,16 +188,15 @@ def generate(
     if max_new_tokens == 0:
         return [idx.new_empty(0) for _ in range(b)]
     _check_dense_room(kv_cache, t, max_new_tokens)
-    bounds = chunk_bounds(kv_cache, t)
+    plan = ChunkPlan.of(kv_cache)
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise TypeError(f"prefix_cache must be a litkv.PrefixCache or None, got {type(prefix_cache).__name__}")
     with model.kv_caches_attached(kv_cache, b):
-        hidden, next_pos = None, input_pos[:, -1] + 1
+        next_pos = input_pos[:, -1] + 1
         if prefix_cache is not None:  # litkv.prefix: restore stored prefixes, prefill the rest row by row
             hidden, next_pos = prefix_cache.prefill(model, prompts, kv_cache, progress)
-            bounds = []  # nothing left to prefill as one batch
-        for s, e in tqdm(bounds, desc="prefill", unit="chunk", disable=not progress or len(bounds) < 2):
-            hidden = model(idx[:, s:e], input_pos[:, s:e], lm_head=False)
+        else:
+            hidden = run_chunks(model, idx, input_pos, plan, lm_head=False, last_only=True, progress=progress)
         return _decode(
             model,
             hidden,

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from litkv.config import KVCacheConfig, chunk_bounds
+from litkv.config import KVCacheConfig
 from litkv.model import GPT, kv_cache_configs
+from litkv.runner import ChunkPlan
 from litkv.state import CacheState, model_fingerprint, restore, snapshot
 
 __all__ = ["PrefixCache"]
@@ -202,9 +203,9 @@ class PrefixCache:
         """One prompt alone (batch of one): restore the longest stored prefix, run and store the rest."""
         device = model.lm_head.weight.device
         ids = ids.to(device=device, dtype=torch.long)
-        bounds = chunk_bounds(kv_cache, ids.numel())
-        cfg = kv_cache if isinstance(kv_cache, KVCacheConfig) else kv_cache[0]  # all layers chunk alike
-        sizes = [cfg.first_chunk_length] + [cfg.chunk_length] * (len(bounds) - 1)
+        plan = ChunkPlan.of(kv_cache)
+        bounds = plan.bounds(ids.numel())
+        sizes = [plan.first] + [plan.size] * (len(bounds) - 1)
         full = [(s, e) for (s, e), size in zip(bounds, sizes, strict=True) if e - s == size]
         keys = self.block_keys(seed, ids, full)
         start, hidden = 0, None

@@ -181,8 +181,8 @@ def needle_digits_kept(checkpoint_dir: Path, kv: dict[str, Any], per_depth: int 
         ``{depth: [mean digit tokens held, per layer]}``.
     """
     from litkv.checkpoint import load_model, load_tokenizer
-    from litkv.config import chunk_bounds
     from litkv.recall import RecallTask, encode_plain
+    from litkv.runner import ChunkPlan, run_chunks
 
     model, tokenizer = load_model(checkpoint_dir).eval(), load_tokenizer(checkpoint_dir)
     task = RecallTask.from_checkpoint(checkpoint_dir, tokenizer)
@@ -199,8 +199,7 @@ def needle_digits_kept(checkpoint_dir: Path, kv: dict[str, Any], per_depth: int 
         question = ex.answer_start - len(task.question_ids)
         ids = torch.tensor([ex.ids[:question]])
         with model.kv_caches_attached(cache, 1) as caches:
-            for s, e in chunk_bounds(cache, question):
-                model(ids[:, s:e], torch.arange(s, e)[None])
+            run_chunks(model, ids, torch.arange(question)[None], ChunkPlan.of(cache), last_only=True)
             held = [max(len(digits & set(row.tolist())) for row in c.positions[0]) for c in caches]
         sums = out.setdefault(f"{ex.depth:g}", [0.0] * len(held))
         out[f"{ex.depth:g}"] = [a + b / per_depth for a, b in zip(sums, held, strict=True)]

@@ -12,6 +12,7 @@ import torch
 from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked
+from litkv.runner import ChunkPlan
 
 T = 40
 MODELS = {
@@ -62,7 +63,7 @@ def test_prefill_then_chunks(model: GPT) -> None:
     """A long first chunk followed by shorter ones (and a last partial chunk)."""
     idx = _idx()
     kv_cache = KVCacheConfig(policy="dense", cache_length=T, chunk_size=6, prefill_length=13)
-    assert kv_cache.chunk_bounds(T)[:2] == [(0, 13), (13, 19)]
+    assert ChunkPlan.of(kv_cache).bounds(T)[:2] == [(0, 13), (13, 19)]
     expected = model(idx)
     assert max_diff(forward_chunked(model, idx, kv_cache), expected) <= _bound(model, expected, T + 13)
 

@@ -16,6 +16,7 @@ from litkv.attention import attend, build_mask
 from litkv.config import KVCacheConfig
 from litkv.kvcache import CacheShape, KVCache
 from litkv.kvcache.registry import get_kv_cache_class, known_policies
+from litkv.runner import ChunkPlan
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 EXAMPLES = DOCS / "examples"
@@ -113,7 +114,7 @@ def test_value_norm_keeps_the_largest_values(examples_on_path: None, sinks: int,
         VALUE_NORM, cache_length=length, chunk_size=3, prefill_length=5, options=dict(sinks=sinks, recent=recent)
     )
     cache = get_kv_cache_class(VALUE_NORM)(config, CacheShape(b, g, length, hs, hs), None, torch.float32)
-    bounds = config.chunk_bounds(n)
+    bounds = ChunkPlan.of(config).bounds(n)
     expected = _brute_force_value_norm(v.double(), bounds, length, sinks, recent)
     for (start, end), kept in zip(bounds, expected, strict=True):
         cache.attend_inputs(k[:, :, start:end], v[:, :, start:end], torch.arange(start, end).expand(b, end - start))
@@ -131,7 +132,7 @@ def _run_with_attention(
     g, length = k.shape[1], 8
     config = KVCacheConfig(policy, cache_length=length, chunk_size=3, prefill_length=5, options=options)
     cache = get_kv_cache_class(policy)(config, CacheShape(b, g, length, hs, hs), None, torch.float32)
-    for start, end in config.chunk_bounds(n):
+    for start, end in ChunkPlan.of(config).bounds(n):
         pos = torch.arange(start, end).expand(b, end - start)
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end], v[:, :, start:end], pos)
         _, weights = attend(q[:, :, start:end], keys, values, build_mask(pos, k_pos), 1 / math.sqrt(hs),

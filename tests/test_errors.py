@@ -46,7 +46,7 @@ def _pos(start: int, end: int, batch: int = B) -> torch.Tensor:
 @torch.inference_mode()
 def test_dense_overflow(cached: GPT) -> None:
     cached(_tokens(B, 8), _pos(0, 8))
-    with pytest.raises(ValueError, match=r"cache_length=8, 8 slots used.*need 9"):
+    with pytest.raises(ValueError, match=r"cache_length=8, row 0 holds 8 tokens.*need 9"):
         cached(_tokens(B, 1), _pos(8, 9))
 
 

@@ -29,6 +29,7 @@ from litkv.evaluate import (
 )
 from litkv.kvcache import known_policies
 from litkv.recall import MULTIKEY_WORDS, RecallExample, RecallFormat, RecallTask, encode_plain
+from litkv.runner import ChunkPlan
 
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = {
@@ -134,7 +135,7 @@ def test_quality_metrics_match_float64_reference() -> None:
     results = evaluate_policies(model, windows, ["dense", "last-recent"], [16, 64], template=template, batch_size=2)
     assert [(r.policy, r.cache_length) for r in results] == [("dense", 40), ("last-recent", 16), ("last-recent", 64)]
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    starts = [s for s, _ in cache_config(template, "last-recent", 16).chunk_bounds(40)]
+    starts = [s for s, _ in ChunkPlan.of(cache_config(template, "last-recent", 16)).bounds(40)]
     with torch.no_grad():
         dense = reference_forward(model, inputs).logits
         evicting = reference_forward(model, inputs, chunked_last_recent_mask(16, 0, starts)).logits

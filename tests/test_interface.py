@@ -8,9 +8,9 @@ from helpers import random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.__main__ import normalize_argv
-from litkv.config import chunk_bounds
 from litkv.kvcache import known_policies
 from litkv.kvcache.h2o import H2OOptions
+from litkv.runner import ChunkPlan
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_policy_option_on_the_command_line() -> None:
 
 def test_per_layer_configs_must_chunk_alike(model: GPT) -> None:
     same = [KVCacheConfig("h2o", cache_length=16, chunk_size=4), KVCacheConfig("dense", cache_length=40, chunk_size=4)]
-    assert chunk_bounds(same, 10) == [(0, 4), (4, 8), (8, 10)]
+    assert ChunkPlan.of(same).bounds(10) == [(0, 4), (4, 8), (8, 10)]
     differ = [same[0], KVCacheConfig("dense", cache_length=40, chunk_size=8)]
     with pytest.raises(ValueError, match=r"layer 0 has prefill_length=4, chunk_size=4; layer 1 has .*chunk_size=8"):
         forward_chunked(model, torch.zeros(1, 10, dtype=torch.long), differ)

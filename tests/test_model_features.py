@@ -23,6 +23,7 @@ from helpers import (
 from litkv import GPT, KVCache, KVCacheConfig, forward_chunked, register_kv_cache
 from litkv.kvcache import Candidates, DenseKVCache, LastRecentKVCache, known_policies
 from litkv.kvcache import registry as registry_module
+from litkv.runner import ChunkPlan
 
 T = 24
 
@@ -94,7 +95,7 @@ def test_block_hook_through_the_cache(model: GPT) -> None:
         return halve(i, x)
 
     kv_cache = KVCacheConfig(policy="dense", cache_length=T, chunk_size=5, prefill_length=5)
-    bounds = kv_cache.chunk_bounds(T)
+    bounds = ChunkPlan.of(kv_cache).bounds(T)
     model.set_kv_caches(model.build_kv_caches(kv_cache, batch_size=2))
     try:
         chunks = [model(idx[:, s:e], torch.arange(s, e).expand(2, -1), block_hook=halve_and_record) for s, e in bounds]

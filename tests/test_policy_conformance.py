@@ -31,6 +31,7 @@ from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding
 from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
 from litkv.generate import pad_prompts
 from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
+from litkv.runner import ChunkPlan
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "docs" / "examples"
 if str(EXAMPLES_DIR) not in sys.path:
@@ -207,7 +208,7 @@ def test_evicting_run_keeps_cache_length_distinct_tokens(model32: GPT, policy: s
     sinks = cfg.options.get("sinks", 0)
     model32.set_kv_caches(model32.build_kv_caches(cfg, 2))
     try:
-        for start, end in cfg.chunk_bounds(48):
+        for start, end in ChunkPlan.of(cfg).bounds(48):
             logits = model32(idx[:, start:end], input_pos[:, start:end])
             assert bool(torch.isfinite(logits).all()), f"non-finite logits in tokens {start}..{end}"
             for layer, cache in enumerate(model32.kv_caches):

@@ -14,6 +14,7 @@ from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.qh2o import QuantizedH2OKVCache
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.storage import CacheShape
+from litkv.runner import ChunkPlan
 
 HS = 8
 OUTLIER = torch.tensor([8.0, 0.3, -0.2, 0.1, 0.7, -0.5, 0.2, 0.4])  # one int4 group: coarse steps
@@ -36,7 +37,7 @@ def _run(cls: type, config: KVCacheConfig, q: torch.Tensor, k: torch.Tensor, v: 
     """Prefill tokens 0-2, decode token 3 (layer level); returns the cache."""
     b, g, n, hs = k.shape
     cache = cls(config, CacheShape(b, g, config.cache_length, hs, hs), None, torch.float32)
-    for start, end in config.chunk_bounds(n):
+    for start, end in ChunkPlan.of(config).bounds(n):
         ps = pos[:, start:end]
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end], v[:, :, start:end], ps)
         mask = build_mask(ps, k_pos)

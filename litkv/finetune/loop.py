@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from tqdm.auto import tqdm
 
-from litkv.config import KVCacheConfig, chunk_bounds
+from litkv.config import KVCacheConfig
 from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
 from litkv.gradient import chunked_loss_backward
 from litkv.model import GPT
+from litkv.runner import ChunkPlan
 
 __all__ = [
     "TrainArgs",
@@ -188,7 +189,7 @@ def chunked_loss_sum(
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     total = torch.zeros((), dtype=torch.float32, device=input_ids.device)
     with model.kv_caches_attached(kv_cache, b):
-        for s, e in chunk_bounds(kv_cache, t):
+        for s, e in ChunkPlan.of(kv_cache).bounds(t):  # unpadded rows from 0: their chunks coincide
             logits = model(input_ids[:, s:e], positions[:, s:e]).float()
             chunk_targets = targets[:, s:e].reshape(-1)
             total += F.cross_entropy(logits.flatten(0, 1), chunk_targets, ignore_index=IGNORE_INDEX, reduction="sum")

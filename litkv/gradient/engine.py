@@ -23,10 +23,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from litkv.config import KVCacheConfig, chunk_bounds
+from litkv.config import KVCacheConfig
 from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
 from litkv.model import GPT
+from litkv.runner import ChunkPlan
 
 __all__ = ["chunked_loss_backward", "IGNORE_INDEX"]
 
@@ -52,7 +53,7 @@ def chunked_loss_backward(
         model: the GPT (unwrapped, e.g. `fabric_module.module`); no caches need to be attached.
         input_ids: `(B, T)` token ids; every row starts at position 0.
         targets: `(B, T)` target ids, `-100` where no loss is taken.
-        kv_cache: cache config for all layers, or one per layer; its `chunk_bounds` give the chunks.
+        kv_cache: cache config for all layers, or one per layer; `ChunkPlan.of(kv_cache)` gives the chunks.
         loss_scale: factor applied to the gradients (not to the returned loss), e.g. `1 / accumulation
             steps`.
 
@@ -77,7 +78,7 @@ def chunked_loss_backward(
         raise ValueError("every target is -100 (ignored): the mean cross-entropy is undefined")
     b, t = idx.shape
     input_pos = torch.arange(t, device=device).expand(b, t)
-    bounds = chunk_bounds(configs, t)
+    bounds = ChunkPlan.of(configs).bounds(t)  # every row starts at 0, unpadded: the rows' chunks coincide
     tapes = record_forward(model, idx, input_pos, configs, bounds)
     total = 0.0
     weight = float(loss_scale) / n_valid

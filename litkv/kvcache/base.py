@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,29 @@ from litkv.kvcache.options import NoOptions, PolicyOptions
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 
-if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+__all__ = [
+    "CacheSettings",
+    "Candidates",
+    "CacheShape",
+    "KVCache",
+    "LayerCache",
+    "Placement",
+    "drop_lowest",
+    "pair_drops",
+]
 
-__all__ = ["Candidates", "CacheShape", "KVCache", "LayerCache", "Placement", "pair_drops"]
+
+class CacheSettings(Protocol):
+    """What a cache reads of its configuration (`litkv.kvcache.config.KVCacheConfig` is the one
+    implementation; typed by protocol so that the contract does not import the config: no import circle)."""
+
+    policy: str
+    cache_length: int
+    storage: str
+    quant_group_size: int
+
+    @property
+    def policy_options(self) -> PolicyOptions: ...
 
 
 class LayerCache(Protocol):
@@ -106,6 +125,28 @@ class Placement:
     def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
         """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
         return per_candidate.gather(2, self.source)
+
+
+def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` candidates with the lowest scores, equal scores broken by position (the older goes first).
+
+    The tie-break makes the choice a function of the tokens, not of the slots they happen to sit in,
+    so a row evicts the same tokens alone and in a batch (exact ties are common: RoPE keeps a key's
+    norm, so one token id at two positions has two keys of one norm). One `topk` over an int64 key:
+    the float32 score's order-preserving bit pattern, then the position.
+
+    Args:
+        scores: `(B, G, N)` float32 (may hold +-inf; no NaN).
+        positions: `(B, G, N)` int64 token positions in `[-1, 2^31)`.
+        k: how many to drop.
+
+    Returns:
+        `(B, G, k)` int64 candidate indices.
+    """
+    bits = scores.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    key = ordered * (1 << 32) + (positions + 1)
+    return torch.topk(key, k, dim=2, largest=False, sorted=False).indices
 
 
 def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,7 +221,7 @@ class KVCache(ABC):
     row_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         if shape.cache_length != config.cache_length:
             raise ValueError(f"shape.cache_length={shape.cache_length} != config.cache_length={config.cache_length}")
@@ -228,18 +269,28 @@ class KVCache(ABC):
         """
 
     @classmethod
-    def max_tokens(cls, config: KVCacheConfig) -> int | None:
+    def max_tokens(cls, config: CacheSettings) -> int | None:
         """Most tokens one sequence may bring through this cache, `None` when unbounded (it evicts)."""
         return None
 
-    def check_room(self, num_new: int) -> None:
-        """Raise before attention if `num_new` tokens cannot be taken."""
+    def check_room(self, input_pos: torch.Tensor) -> None:
+        """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken.
+
+        `num_filled` counts pad columns too, so only when it says "full" are the rows' own tokens
+        counted (one host read): pads never take a slot, so a ragged batch fits where each row fits.
+        """
         limit = self.max_tokens(self.config)
-        if limit is not None and self.num_filled + num_new > limit:
+        num_new = input_pos.shape[1]
+        if limit is None or self.num_filled + num_new <= limit:
+            return
+        held = (self.positions >= 0).sum(dim=2).amax(dim=1)  # (B,) tokens held per row
+        need = held + (input_pos >= 0).sum(dim=1)
+        if bool((need > limit).any()):
+            row = int(need.argmax())
             raise ValueError(
-                f"{type(self).__name__} is full: cache_length={self.cache_length}, {self.num_filled} slots used, "
-                f"{num_new} new tokens do not fit (need {self.num_filled + num_new}). Use a larger "
-                "cache_length or a policy that evicts, e.g. 'last-recent' or 'h2o'"
+                f"{type(self).__name__} is full: cache_length={self.cache_length}, row {row} holds "
+                f"{int(held[row])} tokens and {int(need[row] - held[row])} new tokens do not fit (need "
+                f"{int(need[row])}). Use a larger cache_length or a policy that evicts, e.g. 'last-recent' or 'h2o'"
             )
 
     def drops_valid_by_construction(self) -> bool:
@@ -280,7 +331,7 @@ class KVCache(ABC):
         if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
             return self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
         if not self.static_shapes:
-            self.check_room(t)
+            self.check_room(input_pos)
         length = self.cache_length
         staged = t <= ROOM and not needs_functional(keys, values)
         if staged:

@@ -30,14 +30,14 @@ class DenseKVCache(KVCache):
         return type(self).select_drop is DenseKVCache.select_drop
 
     def select_drop(self, candidates: Candidates) -> torch.Tensor:
-        """Drop the `T` lowest-numbered empty slots (position `-1`), so every new token is kept.
+        """Drop the `T` lowest-numbered candidates without a token (empty slots, then the call's pads),
+        so every new token is kept.
 
-        Slots fill in order, so these are `[num_filled, num_filled + T)`; chosen from the positions
-        (not the host counter) so that a compiled step does not depend on it. `check_room` (or
-        `generate`'s check before the first call) makes sure there are `T` empty slots.
+        Chosen from the positions (not the host counter) so that a compiled step does not depend on
+        it. `check_room` (or `generate`'s check before the first call) makes sure there are `T` of them.
         """
-        length = self.cache_length
-        slots = candidates.positions[..., :length]
-        index = torch.arange(length, device=slots.device)
-        rank = torch.where(slots < 0, index, index + length)
+        positions = candidates.positions
+        n = positions.shape[2]
+        index = torch.arange(n, device=positions.device)
+        rank = torch.where(positions < 0, index, index + n)
         return torch.topk(rank, candidates.num_new, dim=2, largest=False, sorted=True).indices

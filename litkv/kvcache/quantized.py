@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, scatter_slots
+from litkv.kvcache.storage_kinds import register_storage
 
 __all__ = ["QuantizedStorage", "QuantizedTensor", "dequantize", "quantize", "round_trip_error"]
 
@@ -182,3 +183,13 @@ class QuantizedStorage(KVStorage):
 
     def _dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         return dequantize(q, self.bits, self.group, self.dtype)
+
+
+@register_storage("int8")
+def _int8(shape: CacheShape, device: torch.device | None, dtype: torch.dtype, group_size: int) -> KVStorage:
+    return QuantizedStorage(shape, device, dtype, bits=8, group_size=group_size)
+
+
+@register_storage("int4")
+def _int4(shape: CacheShape, device: torch.device | None, dtype: torch.dtype, group_size: int) -> KVStorage:
+    return QuantizedStorage(shape, device, dtype, bits=4, group_size=group_size)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache
+from litkv.kvcache.base import Candidates, KVCache, drop_lowest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
 
@@ -74,7 +74,7 @@ class ScoreKVCache(KVCache):
         if protected is not None:
             scores = scores.masked_fill(protected, float("inf"))
         rank = scores.masked_fill(positions < 0, float("-inf"))
-        return torch.topk(rank, candidates.num_new, dim=2, largest=False, sorted=False).indices
+        return drop_lowest(rank, positions, candidates.num_new)
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """`(B, G, N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.

@@ -1,0 +1,140 @@
+"""`KVCacheConfig`: how each attention layer caches keys and values (plain, validated data).
+
+Building caches from it is `GPT.build_kv_caches` / `KVCaches.build`; chunking a run from it is
+`litkv.runner.ChunkPlan.of`. The policy and storage names resolve through their registries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from litkv.kvcache.base import KVCache
+from litkv.kvcache.options import PolicyOptions, check_int, parse_options
+from litkv.kvcache.registry import get_kv_cache_class
+from litkv.kvcache.storage_kinds import check_storage_name
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkPlan", "KVCacheConfig"]
+
+DEFAULT_CHUNK_SIZE = 256
+
+
+@dataclass
+class KVCacheConfig:
+    """How each attention layer caches keys and values.
+
+    Args:
+        policy: Name of a registered policy (``dense``, ``last-recent``, ``h2o``, ``qh2o``, ...; see
+            `litkv.kvcache.known_policies()`) or a ``"package.module:Class"`` path to a `KVCache` subclass.
+        cache_length: Number of slots per (batch row, KV head) and layer.
+        chunk_size: Number of tokens per call after the first (prefill) chunk. At most `cache_length`.
+            ``None``: ``min(256, cache_length)`` (see `chunk_length`).
+        prefill_length: Length of the first (prefill) chunk. ``None``: `chunk_size`. At most `cache_length`.
+            While the cache is not full, chunking does not change any result; a longer first chunk only
+            trades memory for speed. (Quantised storage: new tokens are attended as they are stored, so
+            the same holds up to a rare code flipping at a rounding boundary when a key computed in
+            another chunk shape differs in its last float bit.)
+        storage: Where slots live: ``"float"`` (model dtype), ``"int8"`` or ``"int4"`` (quantised), or a
+            format registered with `litkv.kvcache.register_storage`.
+        quant_group_size: Group size along the head dimension for quantised storage.
+        options: The policy's own options by name (each policy's `Options` dataclass lists them, e.g.
+            ``{"sinks": 4, "recent": 128}``); on the command line ``--kv_cache.sinks 4``. Unknown names
+            are an error naming the policy's options.
+    """
+
+    policy: str = "dense"
+    cache_length: int = 1024
+    chunk_size: int | None = None
+    prefill_length: int | None = None
+    storage: str = "float"
+    quant_group_size: int = 64
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_int("cache_length", self.cache_length, minimum=1)
+        if self.chunk_size is not None:
+            check_int("chunk_size", self.chunk_size, minimum=1)
+        check_int("quant_group_size", self.quant_group_size, minimum=1)
+        if not isinstance(self.policy, str) or not self.policy:
+            raise TypeError(f"policy must be a non-empty string, got {self.policy!r}")
+        if self.chunk_length > self.cache_length:
+            raise ValueError(
+                f"chunk_size must be <= cache_length, got chunk_size={self.chunk_length} and "
+                f"cache_length={self.cache_length}"
+            )
+        if self.prefill_length is not None:
+            check_int("prefill_length", self.prefill_length, minimum=1)
+            if self.prefill_length > self.cache_length:
+                raise ValueError(
+                    f"prefill_length must be <= cache_length, got prefill_length={self.prefill_length} "
+                    f"and cache_length={self.cache_length}"
+                )
+        check_storage_name(self.storage)
+        if self.options is None:
+            self.options = {}
+        cls = get_kv_cache_class(self.policy)
+        self._policy_options = parse_options(cls.Options, self.options, self.policy, self.cache_length)
+
+    @property
+    def policy_class(self) -> type[KVCache]:
+        """The `KVCache` subclass named by `policy`."""
+        return get_kv_cache_class(self.policy)
+
+    @property
+    def policy_options(self) -> PolicyOptions:
+        """`options`, validated into the policy's `Options` dataclass."""
+        return self._policy_options
+
+    @property
+    def chunk_length(self) -> int:
+        """Tokens per call after the prefill chunk: `chunk_size`, or ``min(256, cache_length)``."""
+        return min(DEFAULT_CHUNK_SIZE, self.cache_length) if self.chunk_size is None else self.chunk_size
+
+    @property
+    def first_chunk_length(self) -> int:
+        """Length of the first (prefill) chunk."""
+        return self.chunk_length if self.prefill_length is None else self.prefill_length
+
+    def chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
+        """The chunks `[(start, end), ...]` of one row of `seq_len` tokens (`ChunkPlan.of(self).bounds`)."""
+        return ChunkPlan.of(self).bounds(seq_len)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a run cuts each row: a first chunk of `first` tokens, then chunks of `size` tokens.
+
+    Chunking is a setting of the run, taken from the cache config's `prefill_length` and `chunk_size`
+    (`ChunkPlan.of`); `litkv.runner` applies it to each row from its own first token.
+    """
+
+    first: int
+    size: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("first", self.first), ("size", self.size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ChunkPlan.{name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def of(cls, kv_cache: KVCacheConfig | Sequence[KVCacheConfig]) -> ChunkPlan:
+        """The plan of a cache config (or one per layer; they must agree: one call runs all layers)."""
+        configs = [kv_cache] if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
+        first = configs[0]
+        for layer, cfg in enumerate(configs[1:], start=1):
+            if (cfg.first_chunk_length, cfg.chunk_length) != (first.first_chunk_length, first.chunk_length):
+                raise ValueError(
+                    "per-layer KV cache configs must chunk the same way: layer 0 has prefill_length="
+                    f"{first.first_chunk_length}, chunk_size={first.chunk_length}; layer {layer} has "
+                    f"prefill_length={cfg.first_chunk_length}, chunk_size={cfg.chunk_length}"
+                )
+        return cls(first.first_chunk_length, first.chunk_length)
+
+    def bounds(self, length: int) -> list[tuple[int, int]]:
+        """`[(start, end), ...]` covering `range(length)`: the first chunk, then chunks of `size`."""
+        out, start, end = [], 0, min(self.first, length)
+        while start < length:
+            out.append((start, end))
+            start, end = end, min(end + self.size, length)
+        return out
