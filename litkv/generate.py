@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import torch
 
 from litkv.config import KVCacheConfig
-from litkv.kvcache.base import KVCache
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.prefix import PrefixCache
 from litkv.runner import ChunkPlan, run_chunks
@@ -269,19 +268,16 @@ def _decode_steps(model: GPT, compile: bool) -> Iterator[Callable[[torch.Tensor,
     if not compile:
         yield lambda tokens, positions: model(tokens, positions)[:, -1]
         return
-    caches = [cache for cache in model.kv_caches if isinstance(cache, KVCache)]
+    caches = model.caches
     compiled = model.compiled_decode_step()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits = compiled(tokens, positions)
-        for cache in caches:
-            cache.advance(tokens.shape[1])
+        caches.advance(tokens.shape[1])
         return logits
 
-    for cache in caches:
-        cache.static_shapes = True
+    caches.static_shapes = True
     try:
         yield step
     finally:
-        for cache in caches:
-            cache.static_shapes = False
+        caches.static_shapes = False

@@ -19,6 +19,7 @@ from litgpt.model import GPT as LitGPT
 from litkv.attention import attend, build_mask
 from litkv.config import Config, KVCacheConfig
 from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.storage import CacheShape
 from litkv.rope import apply_rope, yarn_mscale
 
@@ -84,9 +85,8 @@ class GPT(nn.Module):
             )
         )
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        # (B,) int64 largest position each row has seen through the attached caches (positions must
-        # increase); `None` until the first call. Part of a cache snapshot (`litkv.snapshot`).
-        self.last_pos: torch.Tensor | None = None
+        # The attached caches (the run's cache state lives there, `last_pos` included); `None`: none.
+        self.caches: KVCaches | None = None
         # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
         self._checks = True
         self._compiled_decode: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
@@ -127,37 +127,59 @@ class GPT(nn.Module):
             caches.append(cfg.policy_class(cfg, shape, device, dtype))
         return caches
 
-    def set_kv_caches(self, caches: Sequence[LayerCache] | None) -> None:
-        """Attach one cache per layer (`None`: detach all). Position checks restart."""
+    def set_kv_caches(self, caches: KVCaches | Sequence[LayerCache] | None) -> KVCaches | None:
+        """Attach the caches of a run (a `KVCaches`, or one layer cache per layer; `None`: detach all).
+
+        Returns:
+            The attached `KVCaches` (a list is wrapped in a fresh one: position checks restart).
+        """
+        if caches is not None and not isinstance(caches, KVCaches):
+            caches = KVCaches(caches)
         if caches is not None and len(caches) != self.config.n_layer:
             raise ValueError(f"expected {self.config.n_layer} caches (one per layer), got {len(caches)}")
         for i, block in enumerate(self.transformer.h):
             block.attn.kv_cache = None if caches is None else caches[i]
-        self.last_pos = None
+        self.caches = caches
+        return caches
+
+    @property
+    def last_pos(self) -> torch.Tensor | None:
+        """`(B,)` int64 largest position each row has seen through the attached caches (`KVCaches.last_pos`)."""
+        return None if self.caches is None else self.caches.last_pos
+
+    @last_pos.setter
+    def last_pos(self, value: torch.Tensor | None) -> None:
+        if self.caches is None:
+            raise ValueError("no KV caches are attached: call set_kv_caches() first")
+        self.caches.last_pos = value
 
     @contextmanager
     def kv_caches_attached(
-        self, kv_cache: KVCacheConfig | Sequence[KVCacheConfig] | Sequence[LayerCache], batch_size: int | None = None
-    ) -> Iterator[list[LayerCache]]:
+        self,
+        kv_cache: KVCacheConfig | Sequence[KVCacheConfig] | Sequence[LayerCache] | KVCaches,
+        batch_size: int | None = None,
+    ) -> Iterator[KVCaches]:
         """Attach caches for the duration of a `with` block, and detach them however it ends.
 
         Args:
             kv_cache: a config for all layers, one config per layer (fresh caches for `batch_size` rows
-                are built), or one ready cache per layer.
+                are built), one ready cache per layer, or a `KVCaches`.
             batch_size: rows of the fresh caches (needed with configs).
 
         Yields:
-            The attached caches, one per layer.
+            The attached `KVCaches` (a sequence of the layer caches).
         """
-        if isinstance(kv_cache, (list, tuple)) and kv_cache and not isinstance(kv_cache[0], KVCacheConfig):
+        if isinstance(kv_cache, KVCaches):
+            caches = kv_cache
+        elif isinstance(kv_cache, (list, tuple)) and kv_cache and not isinstance(kv_cache[0], KVCacheConfig):
             caches = list(kv_cache)
         else:
             if batch_size is None:
                 raise ValueError("batch_size is needed to build caches from KVCacheConfig")
             caches = self.build_kv_caches(kv_cache, batch_size)
-        self.set_kv_caches(caches)
+        attached = self.set_kv_caches(caches)
         try:
-            yield caches
+            yield attached
         finally:
             self.set_kv_caches(None)
 
@@ -180,6 +202,7 @@ class GPT(nn.Module):
 
     @property
     def kv_caches(self) -> list[KVCache | None]:
+        """The attached layer caches (`None` per layer when none are attached)."""
         return [block.attn.kv_cache for block in self.transformer.h]
 
     # -- forward --------------------------------------------------------------------------------
@@ -295,33 +318,16 @@ class GPT(nn.Module):
             input_pos = input_pos.long()
         if input_pos.shape != idx.shape:
             raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
-        caches = self.kv_caches
-        if any(cache is None for cache in caches):
+        caches = self.caches
+        if caches is None:
             raise ValueError("input_pos was given but no KV caches are attached: call set_kv_caches() first")
-        cache_batch = caches[0].positions.shape[0]
-        if idx.shape[0] != cache_batch:
+        if idx.shape[0] != caches.batch_size:
             raise ValueError(
                 f"batch size changed mid-sequence: the KV caches were built for batch size "
-                f"{cache_batch}, got idx with batch size {idx.shape[0]}"
+                f"{caches.batch_size}, got idx with batch size {idx.shape[0]}"
             )
-        if self._checks:
-            self._check_increasing(input_pos)
-        last = input_pos.amax(dim=1)
-        self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
+        caches.observe(input_pos, check=self._checks)
         return input_pos
-
-    def _check_increasing(self, input_pos: torch.Tensor) -> None:
-        """ValueError naming row, index and values unless non-pad positions increase across calls."""
-        running = torch.cummax(input_pos, dim=1).values
-        before = torch.full_like(input_pos[:, :1], -1) if self.last_pos is None else self.last_pos[:, None]
-        previous = torch.cat((before, running[:, :-1]), dim=1).clamp(min=before)
-        bad = (input_pos >= 0) & (input_pos <= previous)
-        if bool(bad.any()):
-            row, col = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"positions must increase: row {row} has position {int(input_pos[row, col])} at index {col} "
-                f"after position {int(previous[row, col])}"
-            )
 
 
 class Block(nn.Module):

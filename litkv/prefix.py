@@ -182,7 +182,7 @@ class PrefixCache:
         Returns:
             hidden `(B, 1, n_embd)` of each prompt's last token and `next_pos` `(B,)` (the prompt lengths).
         """
-        batch_caches = list(model.kv_caches)
+        batch_caches = model.caches
         configs = kv_cache_configs(kv_cache) or [kv_cache] * model.config.n_layer
         dtype = batch_caches[0].dtype
         seed = self.namespace(model, configs, dtype)

@@ -375,11 +375,11 @@ def restore(model: GPT, state: CacheState) -> list[KVCache]:
         model.set_kv_caches(caches)
     with writing_mode(caches):
         for cache, layer in zip(caches, state.layers, strict=True):
-            cache._pending = None  # a call interrupted between attend_inputs and evict_and_store
+            cache.abort_call()  # a call interrupted between attend_inputs and evict_and_store
             cache.load_state_tensors(layer.full_tensors(cache.positions.device), layer.num_filled)
     model.last_pos = None if state.last_pos is None else state.last_pos.to(device, copy=True)
     if log is not None:
-        log.attach(model, caches)
+        log.attach(model.caches)
     return caches  # type: ignore[return-value]
 
 

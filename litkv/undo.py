@@ -10,7 +10,6 @@ emptied. See docs/state.md.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from litkv.kvcache.base import KVCache
+from litkv.kvcache.caches import KVCaches
 from litkv.model import GPT
 
 __all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of", "writing_mode"]
@@ -80,14 +80,15 @@ class UndoLog:
         self.depth = depth
         self.entries: deque[tuple[list[_Record], torch.Tensor | None]] = deque()
         self.base_last_pos: torch.Tensor | None = None  # last_pos before the oldest entry
-        self._model: weakref.ref[GPT] | None = None
+        self._caches: KVCaches | None = None
 
-    def attach(self, model: GPT, caches: Sequence[KVCache]) -> None:
-        """Record the calls through `caches` (the model's); forget earlier records."""
-        self._model = weakref.ref(model)
-        for i, cache in enumerate(caches):
+    def attach(self, caches: KVCaches) -> None:
+        """Record the calls through `caches` (it becomes their `undo_log`); forget earlier records."""
+        self._caches = caches
+        caches.undo_log = self
+        for i, cache in enumerate(caches.policy_caches):
             cache.journal = _LayerJournal(self, i)
-        self.clear(model.last_pos)
+        self.clear(caches.last_pos)
 
     def clear(self, last_pos: torch.Tensor | None) -> None:
         self.entries.clear()
@@ -99,9 +100,9 @@ class UndoLog:
 
     @torch.no_grad()
     def _record(self, layer: int, cache: KVCache, dest: torch.Tensor) -> None:
-        model = self._model() if self._model is not None else None
+        last_pos = None if self._caches is None else self._caches.last_pos
         if layer == 0:
-            after = None if model is None or model.last_pos is None else model.last_pos.clone()
+            after = None if last_pos is None else last_pos.clone()
             self.entries.append(([], after))
             if len(self.entries) > self.depth:
                 _, dropped_after = self.entries.popleft()
@@ -140,15 +141,16 @@ def keep_undo_log(model: GPT, depth: int = 64) -> UndoLog:
     A call is one forward (a prefill chunk or a decode step). `restore` keeps the log attached (emptied);
     caches attached later with `set_kv_caches` are not recorded.
     """
+    attached_caches(model)  # ValueError when none are attached
     log = UndoLog(depth)
-    log.attach(model, attached_caches(model))
+    log.attach(model.caches)
     return log
 
 
 def undo_log_of(model: GPT) -> UndoLog | None:
     """The undo log recording the model's attached caches, if any."""
-    journal = getattr(model.kv_caches[0], "journal", None) if model.kv_caches else None
-    return journal.log if isinstance(journal, _LayerJournal) else None
+    log = None if model.caches is None else model.caches.undo_log
+    return log if isinstance(log, UndoLog) else None
 
 
 def _is_dense_like(cache: KVCache) -> bool:

@@ -65,7 +65,7 @@ def test_per_layer_configs_must_chunk_alike(model: GPT) -> None:
 def test_caches_are_detached_however_the_block_ends(model: GPT) -> None:
     cfg = KVCacheConfig("h2o", cache_length=8, chunk_size=4)
     with pytest.raises(RuntimeError, match="boom"), model.kv_caches_attached(cfg, batch_size=2) as caches:
-        assert model.kv_caches == caches and len(caches) == 2
+        assert model.kv_caches == list(caches) and model.caches is caches and len(caches) == 2
         raise RuntimeError("boom")
     assert model.kv_caches == [None, None]
     with pytest.raises(ValueError, match="batch_size is needed"), model.kv_caches_attached(cfg):

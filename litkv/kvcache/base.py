@@ -437,6 +437,10 @@ class KVCache(ABC):
         placement = _placement(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
         self.after_write(placement, cand)
 
+    def abort_call(self) -> None:
+        """Forget a call interrupted between `attend_inputs` and `evict_and_store` (nothing was stored)."""
+        self._pending = None
+
     def advance(self, num_new: int) -> None:
         """Count `num_new` tokens taken by an evicting call. Calls made with `static_shapes` leave this to
         their caller, so that a compiled step does not depend on a changing host counter."""
