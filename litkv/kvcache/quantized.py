@@ -51,6 +51,10 @@ def _codes(groups: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> Quantiz
 def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> QuantizedTensor:
     """Asymmetric per-group quantisation along the last dimension.
 
+    One opaque op under `torch.compile` (`litkv::quantize`): compiled code calls this eager kernel, so
+    codes are bitwise those of eager mode (a fused kernel may round a product differently and flip a
+    code at a rounding boundary, which changes what attention sees by a whole quantum).
+
     Args:
         x: `(..., D)` with `D` a multiple of `group_size` (and even for 4 bits).
         bits: 8 or 4.
@@ -61,7 +65,14 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dty
         codes `(..., D)` uint8 for 8 bits or `(..., D // 2)` uint8 for 4 bits (two per byte), scales
         and offsets `(..., D // group_size)` in `scale_dtype`.
     """
-    codes, scale, offset = _codes(x.detach().float().unflatten(-1, (-1, group_size)), bits, scale_dtype)
+    return _quantize_op(x.detach(), bits, group_size, scale_dtype)
+
+
+@torch.library.custom_op("litkv::quantize", mutates_args=())
+def _quantize_op(
+    x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, scale, offset = _codes(x.float().unflatten(-1, (-1, group_size)), bits, scale_dtype)
     codes = codes.flatten(-2).to(torch.uint8)
     if bits == 4:
         half = codes.shape[-1] // 2
@@ -69,9 +80,26 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dty
     return codes, scale, offset
 
 
+@_quantize_op.register_fake
+def _quantize_shape(
+    x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = x.shape[-1]
+    codes = x.new_empty(*x.shape[:-1], d * bits // 8, dtype=torch.uint8)
+    groups = x.new_empty(*x.shape[:-1], d // group_size, dtype=scale_dtype)
+    return codes, groups, torch.empty_like(groups)
+
+
 def dequantize(q: QuantizedTensor, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize`: `(..., D)` in `dtype`."""
+    """Inverse of `quantize`: `(..., D)` in `dtype` (one opaque op under `torch.compile`, like `quantize`)."""
     codes, scale, offset = q
+    return _dequantize_op(codes, scale, offset, bits, group_size, dtype)
+
+
+@torch.library.custom_op("litkv::dequantize", mutates_args=())
+def _dequantize_op(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     if bits == 4:  # unpacked straight into the float buffer: no unpacked uint8 copy
         half = codes.shape[-1]
         x = torch.empty(*codes.shape[:-1], 2 * half, dtype=torch.float32, device=codes.device)
@@ -82,6 +110,13 @@ def dequantize(q: QuantizedTensor, bits: int, group_size: int, dtype: torch.dtyp
     groups = x.unflatten(-1, (-1, group_size))
     groups.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
     return x.to(dtype)
+
+
+@_dequantize_op.register_fake
+def _dequantize_shape(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return codes.new_empty(*codes.shape[:-1], codes.shape[-1] * 8 // bits, dtype=dtype)
 
 
 def round_trip_error(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> torch.Tensor:
