@@ -92,8 +92,11 @@ def sample(
         remove_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # keeps at least one
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
+    # Exponential race (Gumbel-max in another form): argmax of p / E with E ~ Exp(1) draws from p, with
+    # device ops only (torch.multinomial reads the host), so a sampling decode step never syncs.
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
 
 
 def _is_real(value: object) -> bool:

@@ -265,7 +265,7 @@ class GPT(nn.Module):
         """
         if self._compiled_decode is None or (backend is not None and backend != self._compiled_decode[0]):
             name = backend or "inductor"
-            self._compiled_decode = (name, torch.compile(self.decode_step, backend=name, dynamic=False))
+            self._compiled_decode = (name, torch.compile(self.decode_step, backend=name, dynamic=False, fullgraph=True))
         return self._compiled_decode[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
