@@ -1,6 +1,6 @@
 """Prefix reuse: a store of cache states keyed by the token ids they cover, in blocks of the chunk size.
 
-A prompt is cut as the prefill cuts it (`chunk_bounds`: the first chunk, then `chunk_size`); the state
+A prompt is cut as the prefill cuts it (`ChunkPlan`: the first chunk, then `chunk_size`); the state
 after each full block is stored under a hash chain `key_k = sha256(key_{k-1} || block_k ids)` whose
 seed is the model's fingerprint and the cache configs. `generate(..., prefix_cache=store)` prefills
 each row alone from the longest stored prefix of its prompt (rows of a batch may match different
