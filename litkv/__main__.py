@@ -160,14 +160,11 @@ def _load_components(selected: str | None) -> dict[str, Callable[..., object]]:
     return components
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err) if not isinstance(err, KeyError) or not err.args else str(err.args[0])
-    return " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or type(err).__name__
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `litkv` console script."""
     from jsonargparse import CLI
+
+    from litkv.validation import one_line
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:
@@ -178,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (*USER_ERRORS, ImportError) as err:
         if debug:
             raise
-        print(f"error: {_one_line(err)}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(1)
 
 

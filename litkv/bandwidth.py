@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from litkv.validation import require_int
+
 __all__ = [
     "bound_tokens_per_s",
     "bytes_per_step",
@@ -22,9 +24,7 @@ __all__ = [
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+    return require_int(name, value, 1)
 
 
 def measure_bandwidth(nbytes: int = 2**30, repeats: int = 5, threads: int | None = None) -> float:

@@ -12,6 +12,7 @@ from litkv.config import KVCacheConfig
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.prefix import PrefixCache
 from litkv.runner import ChunkPlan, run_chunks
+from litkv.validation import is_int, is_number, require_int
 
 __all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
 
@@ -99,23 +100,19 @@ def sample(
     return (probs / race).argmax(dim=-1)
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_sampling_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """ValueError/TypeError naming the value for a NaN/inf/negative temperature, bad top_k or top_p."""
-    if not _is_real(temperature):
+    if not is_number(temperature):
         raise TypeError(f"temperature must be a float >= 0, got {type(temperature).__name__} {temperature!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite float >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
+        if not is_int(top_k):
             raise TypeError(f"top_k must be an int >= 1 or None, got {type(top_k).__name__} {top_k!r}")
         if top_k < 1:
             raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
     if top_p is not None:
-        if not _is_real(top_p):
+        if not is_number(top_p):
             raise TypeError(f"top_p must be a float in (0, 1] or None, got {type(top_p).__name__} {top_p!r}")
         if not 0.0 < top_p <= 1.0:  # also refuses NaN
             raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
@@ -123,8 +120,7 @@ def _check_sampling_options(temperature: float, top_k: int | None, top_p: float 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
     """The checks `generate` makes of its options, for callers that want them before loading a model."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    require_int("max_new_tokens", max_new_tokens, 0)
     _check_sampling_options(temperature, top_k, top_p)
 
 

@@ -22,6 +22,7 @@ from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.storage import CacheShape
 from litkv.rope import apply_rope, yarn_mscale
+from litkv.validation import require_int
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
 
@@ -111,8 +112,7 @@ class GPT(nn.Module):
         """
         per_layer = kv_cache_configs(kv_cache)
         configs = [kv_cache] * self.config.n_layer if per_layer is None else per_layer
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        require_int("batch_size", batch_size, 1)
         if len(configs) != self.config.n_layer:
             raise ValueError(f"expected one KVCacheConfig per layer ({self.config.n_layer}), got {len(configs)}")
         ref = self.lm_head.weight

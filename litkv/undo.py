@@ -19,6 +19,7 @@ import torch
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
 from litkv.model import GPT
+from litkv.validation import require_int
 
 __all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of", "writing_mode"]
 
@@ -75,8 +76,7 @@ class UndoLog:
     """
 
     def __init__(self, depth: int) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"undo log depth must be an int >= 1 (calls kept), got {depth!r}")
+        require_int("undo log depth", depth, 1, note=" (calls kept)")
         self.depth = depth
         self.entries: deque[tuple[list[_Record], torch.Tensor | None]] = deque()
         self.base_last_pos: torch.Tensor | None = None  # last_pos before the oldest entry
@@ -171,8 +171,7 @@ def truncate(model: GPT, n: int) -> None:
         ValueError: `n` is not an int >= 0, goes back past the first token, past what the undo log
             holds, or into the middle of a call; no undo log is kept for an evicting cache.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0 (tokens to roll back), got {n!r}")
+    require_int("n", n, 0, note=" (tokens to roll back)")
     caches = attached_caches(model)
     if n == 0:
         return

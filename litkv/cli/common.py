@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from litkv.checkpoint import default_checkpoint_dir
+from litkv.validation import require_int
 
 __all__ = ["PRECISIONS", "apply_num_threads", "resolve_checkpoint_dir", "resolve_device", "resolve_dtype"]
 
@@ -70,6 +71,5 @@ def apply_num_threads(num_threads: int | None) -> None:
     """Set torch's CPU thread count; `None` keeps torch's default. Raises ValueError below 1."""
     if num_threads is None:
         return
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
+    require_int("num_threads", num_threads, 1)
     torch.set_num_threads(num_threads)

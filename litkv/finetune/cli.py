@@ -37,6 +37,7 @@ from litkv.finetune.state import (
     save_checkpoint,
 )
 from litkv.model import GPT
+from litkv.validation import require_int
 
 __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "PRECISIONS"]
 
@@ -78,8 +79,7 @@ class FinetuneArgs:
                 f"precision must be one of {list(PRECISIONS)}, got {self.precision!r} (mixed precision is not "
                 "supported: the KV caches hold keys and values in the parameters' dtype)"
             )
-        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
-            raise ValueError(f"devices must be an int >= 1, got {self.devices!r}")
+        require_int("devices", self.devices, 1)
         if self.data.path is None:
             raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
 

@@ -20,6 +20,7 @@ import torch
 
 from litkv.finetune.recall_data import check_shares, load_recall_task, mix_recall_rows
 from litkv.recall import RECALL_FILE
+from litkv.validation import require_int
 
 __all__ = [
     "IGNORE_INDEX",
@@ -76,8 +77,7 @@ class DataArgs:
                 f"data.recall_share ({self.recall_share}) and data.copy_share ({self.copy_share}) apply to a text "
                 f"file, got the instruction file {str(self.path)!r}; set both to 0 for JSON data"
             )
-        if isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int) or self.seq_length < 1:
-            raise ValueError(f"data.seq_length must be an int >= 1, got {self.seq_length!r}")
+        require_int("data.seq_length", self.seq_length, 1)
         if not isinstance(self.val_fraction, (int, float)) or not 0 <= self.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction!r}")
         from litgpt.prompts import prompt_styles

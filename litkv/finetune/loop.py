@@ -24,6 +24,7 @@ from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
 from litkv.gradient import chunked_loss_backward
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
+from litkv.validation import require_int
 
 __all__ = [
     "TrainArgs",
@@ -109,8 +110,7 @@ class EvalArgs:
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    require_int(name, value, minimum)
 
 
 @dataclass

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from litkv.validation import is_number, require_int
+
 __all__ = [
     "LORA_TARGETS",
     "LoRAArgs",
@@ -51,9 +53,8 @@ class LoRAArgs:
     targets: list[str] = field(default_factory=lambda: ["attn.qkv", "attn.proj"])
 
     def __post_init__(self) -> None:
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"lora r must be an int >= 1, got {self.r!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+        require_int("lora r", self.r, 1)
+        if not is_number(self.alpha) or self.alpha <= 0:
             raise ValueError(f"lora alpha must be a number > 0, got {self.alpha!r}")
         if isinstance(self.targets, str) or not isinstance(self.targets, (list, tuple)) or not self.targets:
             raise TypeError(

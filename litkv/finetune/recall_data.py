@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from litkv.recall import RecallFormat, RecallTask, encode_plain
+from litkv.validation import is_number
 
 __all__ = ["check_shares", "copy_row", "load_recall_task", "mix_recall_rows", "recall_row"]
 
@@ -92,7 +93,7 @@ def copy_row(tokenizer: Any, window: list[int], rng: random.Random, max_digits: 
 
 def check_shares(recall_share: float, copy_share: float) -> None:
     for name, value in (("recall_share", recall_share), ("copy_share", copy_share)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        if not is_number(value) or not 0 <= value <= 1:
             raise ValueError(f"data.{name} must be a number in [0, 1], got {value!r}")
     if recall_share + copy_share > 1:
         raise ValueError(

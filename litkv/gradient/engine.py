@@ -28,6 +28,7 @@ from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
+from litkv.validation import is_number
 
 __all__ = ["chunked_loss_backward", "IGNORE_INDEX"]
 
@@ -67,7 +68,7 @@ def chunked_loss_backward(
         )
     configs = _layer_configs(model, kv_cache)
     _check_batch(model, input_ids, targets)
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+    if not is_number(loss_scale):
         raise TypeError(f"loss_scale must be a float, got {type(loss_scale).__name__} {loss_scale!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad: there is nothing to accumulate gradients into")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from litkv.kvcache.options import NoOptions, PolicyOptions
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
+from litkv.validation import require_int
 
 __all__ = [
     "CacheSettings",
@@ -478,8 +479,7 @@ class KVCache(ABC):
         """
         if self._pending is not None:
             raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
-        if isinstance(num_filled, bool) or not isinstance(num_filled, int) or not 0 <= num_filled <= self.cache_length:
-            raise ValueError(f"num_filled must be an int in [0, {self.cache_length}], got {num_filled!r}")
+        require_int("num_filled", num_filled, 0, self.cache_length)
         name = type(self).__name__
         storage = {k[len("storage.") :]: v for k, v in tensors.items() if k.startswith("storage.")}
         self.storage.load_state_tensors(storage)

@@ -14,6 +14,7 @@ from litkv.kvcache.base import KVCache
 from litkv.kvcache.options import PolicyOptions, check_int, parse_options
 from litkv.kvcache.registry import get_kv_cache_class
 from litkv.kvcache.storage_kinds import check_storage_name
+from litkv.validation import require_int
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ChunkPlan", "KVCacheConfig"]
 
@@ -114,8 +115,7 @@ class ChunkPlan:
 
     def __post_init__(self) -> None:
         for name, value in (("first", self.first), ("size", self.size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ChunkPlan.{name} must be an int >= 1, got {value!r}")
+            require_int(f"ChunkPlan.{name}", value, 1)
 
     @classmethod
     def of(cls, kv_cache: KVCacheConfig | Sequence[KVCacheConfig]) -> ChunkPlan:

@@ -22,6 +22,7 @@ import torch
 
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, scatter_slots
 from litkv.kvcache.storage_kinds import register_storage
+from litkv.validation import require_int
 
 __all__ = ["QuantizedStorage", "QuantizedTensor", "dequantize", "quantize", "round_trip_error"]
 
@@ -142,8 +143,7 @@ class QuantizedStorage(KVStorage):
     ) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        require_int("group_size", group_size, 1)
         size = shape.key_size
         if shape.value_size != size:
             raise ValueError(

@@ -1,0 +1,63 @@
+"""Checks of user input shared by every module: one wording for every "must be an int >= 1" error.
+
+Messages name the option, what is expected and what was given, on one line. A bool is never taken
+for an int (`True` is not a batch size).
+"""
+
+from __future__ import annotations
+
+__all__ = ["check_bool", "check_float", "check_int", "is_int", "is_number", "one_line", "require_int"]
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def require_int(name: str, value: object, minimum: int, maximum: int | None = None, note: str = "") -> int:
+    """`value` if it is an int in `[minimum, maximum]`, else ValueError naming `name`, the range and `value`.
+
+    Args:
+        name: the option as the user knows it.
+        value: what was given.
+        minimum: smallest allowed value.
+        maximum: largest allowed value, or `None`.
+        note: words appended to the expectation, e.g. ``" (calls kept)"``.
+    """
+    if is_int(value) and value >= minimum and (maximum is None or value <= maximum):
+        return value  # type: ignore[return-value]
+    expected = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    raise ValueError(f"{name} must be an int {expected}{note}, got {value!r}")
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """TypeError unless `value` is an int (not a bool), ValueError if it is below `minimum`."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_float(name: str, value: object, minimum: float | None = None, maximum: float | None = None) -> None:
+    """TypeError unless `value` is a finite real number, ValueError outside `[minimum, maximum]`."""
+    if not is_number(value) or value != value or abs(value) == float("inf"):  # type: ignore[arg-type]
+        raise TypeError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """TypeError unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (a KeyError's key without quotes); its type name when empty."""
+    text = str(err) if not isinstance(err, KeyError) or not err.args else str(err.args[0])
+    return " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or type(err).__name__
