@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -90,6 +90,8 @@ class Candidates:
             and each KV group's query heads; `None` unless the class sets `needs_attn_weights`.
         queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
             `needs_queries`.
+        scratch: the call's scratch space: a policy keeps here what `score`/`select_drop` computed and
+            `after_write` needs (instead of a memo on the cache object); gone after the call.
     """
 
     positions: torch.Tensor
@@ -100,6 +102,7 @@ class Candidates:
     query_pos: torch.Tensor
     attn_weights: torch.Tensor | None = None
     queries: torch.Tensor | None = None
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_new(self) -> int:
@@ -306,12 +309,13 @@ class KVCache(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the new queries attend to: cached tokens plus the new ones.
 
-        Three paths, by what the call allows: while a lossless cache has empty slots for the whole call,
-        the new tokens go straight into them (nothing to choose); a call of at most `ROOM` tokens (a
-        decode step) is staged in the room after the slots and attended from there, so the step copies
-        nothing of the cache; a longer call (a prefill chunk, or any call while autograd records)
-        attends a concatenation. With `static_shapes` every call takes one of the last two paths and
-        attends all `L` slots (empty ones masked), so shapes do not change from step to step.
+        Three named paths, by what the call allows, invisible to policies: `_attend_direct` while a
+        lossless cache has empty slots for the whole call (the new tokens go straight into them,
+        nothing to choose); `_attend_staged` for a call of at most `ROOM` tokens (a decode step: staged
+        in the room after the slots and attended from there, so the step copies nothing of the cache);
+        `_attend_concat` for a longer call (a prefill chunk, or any call while autograd records). With
+        `static_shapes` every call takes one of the last two paths and attends all `L` slots (empty
+        ones masked), so shapes do not change from step to step.
 
         Args:
             keys: `(B, G, T, key_size)` new keys (after RoPE).
@@ -333,22 +337,44 @@ class KVCache(ABC):
             return self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
         if not self.static_shapes:
             self.check_room(input_pos)
-        length = self.cache_length
-        staged = t <= ROOM and not needs_functional(keys, values)
-        if staged:
-            self.storage.stage(keys, values)
-            all_keys, all_values = self.storage.read_staged(t)
-            self._pos_buffer[:, :, length : length + t] = new_pos
-            positions = self._pos_buffer[:, :, : length + t]
-        else:
-            old_keys, old_values = self.storage.read()
-            seen_keys, seen_values = self.storage.as_stored(keys, values)
-            all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
-            positions = torch.cat((self.positions, new_pos), dim=2)
+        if t <= ROOM and not needs_functional(keys, values):
+            return self._attend_staged(keys, values, new_pos, input_pos, kept_queries)
+        return self._attend_concat(keys, values, new_pos, input_pos, kept_queries)
+
+    def _attend_staged(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_pos: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step: the token waits in the room after the slots; attend a view of slots + room."""
+        length, t = self.cache_length, keys.shape[2]
+        self.storage.stage(keys, values)
+        all_keys, all_values = self.storage.read_staged(t)
+        self._pos_buffer[:, :, length : length + t] = new_pos
+        positions = self._pos_buffer[:, :, : length + t]
         # the record's positions are a copy: the slots' positions change before `after_write` reads it
-        record_pos = positions.clone() if staged else positions
-        candidates = Candidates(record_pos, all_keys, all_values, keys, values, input_pos, queries=kept_queries)
-        self._pending = _Pending(False, 0, candidates, staged)
+        candidates = Candidates(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
+        self._pending = _Pending(False, 0, candidates, True)
+        return all_keys, all_values, positions
+
+    def _attend_concat(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_pos: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A longer call (a prefill chunk, or any call under autograd): the slots then the new tokens as stored."""
+        old_keys, old_values = self.storage.read()
+        seen_keys, seen_values = self.storage.as_stored(keys, values)
+        all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
+        positions = torch.cat((self.positions, new_pos), dim=2)
+        candidates = Candidates(positions, all_keys, all_values, keys, values, input_pos, queries=queries)
+        self._pending = _Pending(False, 0, candidates, False)
         return all_keys, all_values, positions
 
     def _attend_direct(
