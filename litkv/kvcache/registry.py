@@ -99,10 +99,7 @@ def check_policy_loadable(name: object, source: str) -> None:
     _load_builtins()
     if name in _REGISTRY:
         return
-    hint = (
-        "import the module that defines it, or register it with litkv.kvcache.register_kv_cache, "
-        "before loading"
-    )
+    hint = "import the module that defines it, or register it with litkv.kvcache.register_kv_cache, before loading"
     if ":" not in name:
         raise ValueError(f"{source} names policy {name!r}, which is not registered in this process; {hint}")
     module_name, _, attr = name.partition(":")
