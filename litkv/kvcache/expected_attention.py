@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["ExpectedAttentionKVCache", "ExpectedAttentionOptions", "average_rotation", "rotate_half"]
 
 RopeTable = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -98,7 +98,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
     Attributes:
         stats: float64 weighted sums of the pre-RoPE queries per (row, query head): weights `(B, H)`,
-            queries `(B, H, D)`, outer products `(B, H, D, D)` (`None` without `use_covariance`).
+            queries `(B, H, D)`, outer products `(B, H, D, D)` (`(B, H, 0, 0)` without `use_covariance`).
     """
 
     Options: ClassVar[type[PolicyOptions]] = ExpectedAttentionOptions
@@ -149,16 +149,15 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         decay = 1.0 if o.n_stats is None else 1.0 - 1.0 / o.n_stats
         later = valid.flip(1).cumsum(1).flip(1) - valid.long()  # counted queries after each one
         w = torch.where(valid, decay ** later.double(), 0.0)[:, None, :].expand(q.shape[:3])  # (B, H, T)
-        outer = torch.einsum("bht,bhtd,bhte->bhde", w, q, q) if o.use_covariance else None
+        # without covariance an empty tensor: row state is a tuple of tensors
+        empty = q.new_zeros(*q.shape[:2], 0, 0)
+        outer = torch.einsum("bht,bhtd,bhte->bhde", w, q, q) if o.use_covariance else empty
         new = (w.sum(dim=2), torch.einsum("bht,bhtd->bhd", w, q), outer)
         if self.stats is None:
             return new
         shrink = decay ** valid.sum(dim=1).double()  # (B,) weight left to the older queries
-
-        def merge(x: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None or old is None else x + shrink.view(-1, *[1] * (x.dim() - 1)) * old
-
-        return (merge(new[0], self.stats[0]), merge(new[1], self.stats[1]), merge(new[2], self.stats[2]))
+        merged = (x + shrink.view(-1, *[1] * (x.dim() - 1)) * old for x, old in zip(new, self.stats, strict=True))
+        return tuple(merged)  # type: ignore[return-value]
 
     def expected(self, stats: Stats, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """`(B, G, N)` scores of keys/values `(B, G, N, D)` at `pos` `(B, G, N)` under `stats`."""
