@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from litkv.kvcache.base import Candidates, Placement
-from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int
+from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
@@ -59,11 +59,15 @@ class ExpectedAttentionOptions(ScoreOptions):
         if self.sinks != 0:
             raise ValueError(f"expected-attention takes its sinks from n_sink (as kvpress); got sinks={self.sinks}")
         check_int("n_sink", self.n_sink, minimum=0)
-        self.sinks = self.n_sink
-        try:
-            super().check(cache_length)
-        finally:
-            self.sinks = 0
+        if self.recent is not None:
+            check_int("recent", self.recent, minimum=0)
+        recent = self.recent_length(cache_length)
+        if self.n_sink + recent > cache_length:
+            raise ValueError(
+                f"n_sink + recent must be <= cache_length, got n_sink={self.n_sink}, recent={recent}, "
+                f"cache_length={cache_length}"
+            )
+        check_mode(self.mode, self.budget, cache_length, self.n_sink + recent)
         check_int("n_future_positions", self.n_future_positions, minimum=1)
         check_bool("use_covariance", self.use_covariance)
         check_bool("use_vnorm", self.use_vnorm)
