@@ -52,7 +52,7 @@ class BruteForce:
         by_pos = sorted(state, key=lambda j: int(self.pos[b, j]))
         recent = self.opts.recent_length(L)
         protected = set(by_pos[len(by_pos) - recent :] if recent else [])
-        sinks = getattr(self.opts, "n_sink", self.opts.sinks)  # expected-attention: n_sink
+        sinks = max(self.opts.sinks, getattr(self.opts, "n_sink", 0))  # expected-attention: n_sink too
         protected |= {j for j in state if self.pos[b, j] < sinks}
         others = sorted((j for j in state if j not in protected), key=lambda j: state[j])
         if len(others) > excess:
@@ -225,7 +225,7 @@ def test_snapkv_matches_brute_force(chunk: int, storage: str, options: dict[str,
         (1, "float", {}),
         (7, "float", dict(n_stats=8, n_sink=2, recent=3, n_future_positions=5)),
         (7, "float", dict(n_stats=4, use_covariance=False, epsilon=0.05)),
-        (1, "float", dict(n_stats=16, use_vnorm=False, n_sink=1, recent=0, n_future_positions=1)),
+        (1, "float", dict(n_stats=16, use_vnorm=False, n_sink=1, sinks=3, recent=0, n_future_positions=1)),
         (7, "int4", dict(n_sink=0)),
     ],
 )
@@ -295,8 +295,12 @@ def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: 
         ("expected-attention", dict(use_covariance="yes"), TypeError, "use_covariance must be a bool"),
         ("expected-attention", dict(n_future_positions=0), ValueError, "n_future_positions must be >= 1"),
         ("expected-attention", dict(epsilon=-1.0), ValueError, "epsilon must be in"),
-        ("expected-attention", dict(sinks=2), ValueError, "takes its sinks from n_sink"),
-        ("expected-attention", dict(n_sink=10), ValueError, "n_sink \\+ recent must be <= cache_length"),
+        (
+            "expected-attention",
+            dict(n_sink=10),
+            ValueError,
+            "max\\(sinks, n_sink\\) \\+ recent must be <= cache_length",
+        ),
         ("expected-attention", dict(window=3), ValueError, "has no option 'window'"),
         ("snapkv", dict(mode="once"), ValueError, "mode must be one of"),
         ("snapkv", dict(mode="one-shot"), ValueError, "needs budget"),

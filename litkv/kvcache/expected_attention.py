@@ -42,9 +42,10 @@ Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass
 class ExpectedAttentionOptions(ScoreOptions):
-    """Options named as in kvpress: `n_future_positions` (512), `n_sink` (4; these are the sinks: leave
-    `sinks` at 0), `use_covariance` (true), `use_vnorm` (true), `epsilon` (0.0); and `n_stats` (None: all
-    the queries seen, uniformly; an int: exponential decay `1 - 1/n_stats` per query), `recent` (half)."""
+    """Options named as in kvpress: `n_future_positions` (512), `n_sink` (4: the first tokens, never evicted,
+    left out of the query statistics and of the softmax), `use_covariance` (true), `use_vnorm` (true),
+    `epsilon` (0.0); and `n_stats` (None: all the queries seen, uniformly; an int: exponential decay
+    `1 - 1/n_stats` per query), `sinks` (0; the first `max(sinks, n_sink)` tokens are kept), `recent` (half)."""
 
     default_recent_fraction: ClassVar[float] = 0.5
 
@@ -55,19 +56,22 @@ class ExpectedAttentionOptions(ScoreOptions):
     epsilon: float = 0.0
     n_stats: int | None = None
 
+    def protected_sinks(self) -> int:
+        """Tokens never evicted at the start: `max(sinks, n_sink)`."""
+        return max(self.sinks, self.n_sink)
+
     def check(self, cache_length: int) -> None:
-        if self.sinks != 0:
-            raise ValueError(f"expected-attention takes its sinks from n_sink (as kvpress); got sinks={self.sinks}")
+        check_int("sinks", self.sinks, minimum=0)
         check_int("n_sink", self.n_sink, minimum=0)
         if self.recent is not None:
             check_int("recent", self.recent, minimum=0)
         recent = self.recent_length(cache_length)
-        if self.n_sink + recent > cache_length:
+        if self.protected_sinks() + recent > cache_length:
             raise ValueError(
-                f"n_sink + recent must be <= cache_length, got n_sink={self.n_sink}, recent={recent}, "
-                f"cache_length={cache_length}"
+                f"max(sinks, n_sink) + recent must be <= cache_length, got sinks={self.sinks}, n_sink={self.n_sink}, "
+                f"recent={recent}, cache_length={cache_length}"
             )
-        check_mode(self.mode, self.budget, cache_length, self.n_sink + recent)
+        check_mode(self.mode, self.budget, cache_length, self.protected_sinks() + recent)
         check_int("n_future_positions", self.n_future_positions, minimum=1)
         check_bool("use_covariance", self.use_covariance)
         check_bool("use_vnorm", self.use_vnorm)
@@ -113,7 +117,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
-        self.sinks = self.options.n_sink
+        self.sinks = self.options.protected_sinks()
         self.stats: Stats | None = None  # set at the first call
         self._next: Stats | None = None  # this call's, from score()
         self._rope: tuple[RopeTable, int, int | None] | None = None
