@@ -53,13 +53,13 @@ class TOVAKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = TOVAOptions
     needs_attn_weights: ClassVar[bool] = True
-    needs_queries: ClassVar[bool] = True
     row_state: ClassVar[tuple[str, ...]] = ("last_query",)
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
+        self.needs_queries = self.one_shot  # type: ignore[misc]  # the prompt's last query, one-shot only
         self.last_query: tuple[torch.Tensor, torch.Tensor] | None = None  # one-shot: the prompt's last query
 
     def score(self, candidates: Candidates) -> torch.Tensor:
