@@ -192,3 +192,70 @@ def test_one_shot_keeps_the_reference_set(model: GPT, prompt: torch.Tensor, poli
                 assert have == want, (
                     f"layer {layer} row {row} head {g}: only litkv {have - want}, only ref {want - have}"
                 )
+
+
+# -- one-shot mechanics ----------------------------------------------------------------------------
+
+
+def _prefill(model: GPT, idx: torch.Tensor, cfg: KVCacheConfig) -> list:
+    caches = model.build_kv_caches(cfg, batch_size=idx.shape[0])
+    model.set_kv_caches(caches)
+    pos = torch.arange(idx.shape[1]).expand(idx.shape[0], -1)
+    for start in range(0, idx.shape[1], CHUNK):
+        model(idx[:, start : start + CHUNK], input_pos=pos[:, start : start + CHUNK])
+    return caches
+
+
+@pytest.mark.parametrize("storage", ["float", "int4"])
+@torch.inference_mode()
+def test_one_shot_decodes_without_eviction_until_full(model: GPT, prompt: torch.Tensor, storage: str) -> None:
+    """After the compression to 12 of 48 tokens, 4 decode steps fill the free slots (nothing evicted); once
+    the 16 slots are full, the policy evicts as in continuous mode."""
+    options = {"mode": "one-shot", "budget": 12}
+    cfg = KVCacheConfig("knorm", cache_length=N, chunk_size=CHUNK, storage=storage, quant_group_size=8, options=options)
+    try:
+        caches = _prefill(model, prompt, cfg)
+        assert all(not c.compressed and c.num_filled == N for c in caches)
+        compress_all(caches)
+        kept = [c.positions.clone() for c in caches]
+        assert all(c.compressed and int((c.positions >= 0).sum(dim=2).min()) == 12 for c in caches)
+        for step in range(N - 12):
+            model(prompt[:, :1], input_pos=torch.full((ROWS, 1), N + step))
+        for c, before in zip(caches, kept, strict=True):
+            held = c.positions
+            assert bool((held[..., :12] == before[..., :12]).all())  # the compressed prompt stays in place
+            new = held[..., 12:].sort(dim=2).values  # int4 storage places them in any free slot
+            assert new.tolist() == torch.arange(N, 2 * N - 12).expand_as(new).tolist()
+        model(prompt[:, :1], input_pos=torch.full((ROWS, 1), 2 * N - 12))
+        assert all(int((c.positions >= 0).sum(dim=2).min()) == N for c in caches)  # full: evicting
+    finally:
+        model.set_kv_caches(None)
+
+
+@torch.inference_mode()
+def test_one_shot_prompt_must_fit(model: GPT, prompt: torch.Tensor) -> None:
+    cfg = KVCacheConfig("h2o", cache_length=N - 8, chunk_size=CHUNK, options={"mode": "one-shot", "budget": 8})
+    try:
+        with pytest.raises(ValueError, match="keeps the whole prompt until it is compressed"):
+            _prefill(model, prompt, cfg)
+    finally:
+        model.set_kv_caches(None)
+
+
+@torch.inference_mode()
+def test_compress_is_for_one_shot_only_and_state_keeps_the_flag(model: GPT, prompt: torch.Tensor) -> None:
+    try:
+        continuous = _prefill(model, prompt, KVCacheConfig("knorm", cache_length=N, chunk_size=CHUNK))
+        with pytest.raises(RuntimeError, match="is for mode='one-shot'"):
+            continuous[0].compress()
+        cfg = KVCacheConfig("snapkv", cache_length=N, chunk_size=CHUNK, options={"mode": "one-shot", "budget": 16})
+        cache = _prefill(model, prompt, cfg)[0]
+        before = {k: v.clone() for k, v in cache.state_tensors().items()}
+        cache.compress()
+        after = {k: v.clone() for k, v in cache.state_tensors().items()}
+        cache.load_state_tensors(before, N)
+        assert not cache.compressed and cache.positions.tolist() == before["positions"].tolist()
+        cache.load_state_tensors(after, 16)
+        assert cache.compressed and cache.positions.tolist() == after["positions"].tolist()
+    finally:
+        model.set_kv_caches(None)
