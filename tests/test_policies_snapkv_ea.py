@@ -92,9 +92,10 @@ ROPE_BASE, ROPE_N = 100.0, 12  # partial rotary: the last HS - ROPE_N dims are n
 
 
 def rope_table(needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `(needed, ROPE_N)` in the half-split layout (LitGPT's and Hugging Face's)."""
+    """cos and sin `(max(needed, 256), ROPE_N)` in the half-split layout (LitGPT's and Hugging Face's); like
+    the model's table, it covers more positions than asked for (at least every position of the test)."""
     inv_freq = ROPE_BASE ** (-torch.arange(0, ROPE_N, 2, dtype=torch.float64) / ROPE_N)
-    angles = torch.arange(needed, dtype=torch.float64)[:, None] * inv_freq
+    angles = torch.arange(max(needed, 256), dtype=torch.float64)[:, None] * inv_freq
     return torch.cat((angles.cos(), angles.cos()), dim=1), torch.cat((angles.sin(), angles.sin()), dim=1)
 
 

@@ -121,25 +121,42 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         self.stats: Stats | None = None  # set at the first call
         self._next: Stats | None = None  # this call's, from score()
         self._rope: tuple[RopeTable, int, int | None] | None = None
+        self._future: tuple[torch.Tensor, torch.Tensor] = (torch.ones(0), torch.zeros(0))  # set by bind_rope
 
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
-        """The model's RoPE: `table(n)` gives cos and sin `(>= n, n_elem[, k])` for positions `0..n-1`
-        (`column` picks the last dim when the model has per-layer tables)."""
+        """The model's RoPE: `table(n)` gives its cos and sin tables `(N, n_elem[, k])`, `N >= n` and covering
+        every position of the calls the model runs (`GPT._rope_table`; `column` picks the last dim when the
+        model has per-layer tables). Also precomputes the mean
+        cos and sin of the offsets `1..n_future_positions` (the average rotation is built from them)."""
         self._rope = (table, n_elem, column)
+        future = torch.arange(1, self.options.n_future_positions + 1)
+        cos, sin = self._cos_sin(future, needed=self.options.n_future_positions + 1)
+        self._future = (cos.mean(dim=0), sin.mean(dim=0))
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0)."""
+    def _cos_sin(self, positions: torch.Tensor, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0). No host read: the
+        model's table covers the positions of the call it runs (`needed` more may be asked for)."""
         if self._rope is None:
             raise RuntimeError(
                 "ExpectedAttentionKVCache needs the model's RoPE table: attach the caches with GPT.set_kv_caches "
                 "(or call cache.bind_rope(table, n_elem))"
             )
         table, n_elem, column = self._rope
-        cos, sin = table(int(positions.max()) + 1)
+        cos, sin = table(needed)
         if column is not None:
             cos, sin = cos[..., column], sin[..., column]
-        index = positions.clamp(min=0)
+        index = positions.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)
         return cos[index, :n_elem].double(), sin[index, :n_elem].double()
+
+    def future_rotation(self, newest: torch.Tensor, size: int) -> torch.Tensor:
+        """`(B, size, size)` mean RoPE rotation of the positions `newest + 1 .. newest + n_future_positions`
+        per row (`newest` `(B,)`): with angles linear in the position, `cos((p + k) t)` averaged over `k` is
+        `cos(p t) mean_k cos(k t) - sin(p t) mean_k sin(k t)` (and `sin` alike)."""
+        cos_p, sin_p = self._cos_sin(newest)  # (B, n)
+        cos_k, sin_k = self._future
+        cos = cos_p * cos_k - sin_p * sin_k
+        sin = sin_p * cos_k + cos_p * sin_k
+        return average_rotation(cos, sin, size)
 
     def pre_rope(self, queries: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """`(B, H, T, D)` float64 queries rotated back to position 0 (the rotated dims only)."""
@@ -175,10 +192,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         b, g, n, d = k.shape
         total = s0.clamp(min=1e-300)  # (B, H)
         mean = s1 / total[..., None]
-        nxt = pos.flatten(1).max(dim=1).values + 1  # (B,) the first future position
-        future = nxt[:, None] + torch.arange(o.n_future_positions, device=pos.device)
-        cos, sin = self._cos_sin(future)
-        rot = average_rotation(cos.mean(dim=1), sin.mean(dim=1), d)[:, None]  # (B, 1, D, D)
+        rot = self.future_rotation(pos.flatten(1).max(dim=1).values, d)[:, None]  # (B, 1, D, D)
         mu = (rot @ mean[..., None])[..., 0]  # (B, H, D)
         logits = torch.einsum("bgqd,bgnd->bgqn", mu.view(b, g, -1, d), k) / d**0.5
         if o.use_covariance:
