@@ -17,7 +17,8 @@ pair (litkv policy, kvpress press) and each budget `b`: the same prompt of `n` t
   `cache_length=n`, then compressed (`compress_all`); the kept positions are the slots' positions.
 
 The Jaccard overlap `|A & B| / |A | B|` of the two kept sets is reported per layer and KV head (JSON)
-and as mean / min per pair and budget (markdown table).
+and as mean / min per pair and budget (markdown table). litkv runs with the options that make its
+policy the press's (`PAIRS`), or with its own defaults (`--litkv_defaults`: what the defaults change).
 """
 
 from __future__ import annotations
@@ -142,14 +143,16 @@ def jaccard(a: set[int], b: set[int]) -> float:
     return len(a & b) / max(len(a | b), 1)
 
 
-def compare(model: GPT, twin: LlamaForCausalLM, ids: torch.Tensor, budgets: Sequence[int], chunk: int) -> dict:
-    """`{pair: {budget: per-layer lists of per-head Jaccard}}`."""
+def compare(
+    model: GPT, twin: LlamaForCausalLM, ids: torch.Tensor, budgets: Sequence[int], chunk: int, defaults: bool
+) -> dict:
+    """`{pair: {budget: per-layer lists of per-head Jaccard}}` (litkv's default options with `defaults`)."""
     n = ids.shape[1]
     out: dict[str, dict[int, list[list[float]]]] = {}
     for name, (policy, options, make_press) in PAIRS.items():
         out[name] = {}
         for budget in budgets:
-            ours = litkv_kept(model, ids, policy, options, budget, chunk)
+            ours = litkv_kept(model, ids, policy, {} if defaults else options, budget, chunk)
             theirs = kvpress_kept(twin, ids, make_press(ratio_for_budget(n, budget)))
             out[name][budget] = [
                 [jaccard(a, b) for a, b in zip(la, lb, strict=True)] for la, lb in zip(ours, theirs, strict=True)
@@ -196,6 +199,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=64, help="litkv prefill chunk")
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--litkv_defaults", action="store_true", help="litkv's default options (not kvpress's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("out/parity"))
     return parser.parse_args(argv)
@@ -215,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             print(f"{label}: {checkpoint}", flush=True)
             model, twin = load_model(checkpoint, dtype=torch.float32), build_twin(checkpoint)
-            results[label] = compare(model, twin, ids, args.budgets, args.chunk)
+            results[label] = compare(model, twin, ids, args.budgets, args.chunk, args.litkv_defaults)
     print()
     print(markdown(results, args.budgets))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "transformers": _version("transformers"),
         "length": args.length,
         "chunk": args.chunk,
+        "litkv_defaults": args.litkv_defaults,
         "jaccard": {m: {p: {str(b): v for b, v in pb.items()} for p, pb in r.items()} for m, r in results.items()},
     }
     (args.out / "parity.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
