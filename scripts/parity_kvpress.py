@@ -68,7 +68,24 @@ PAIRS: dict[str, tuple[str, dict[str, Any], Callable[[float], kvpress.BasePress]
         lambda r: kvpress.ObservedAttentionPress(compression_ratio=r),
     ),
 }
+# AdaKV pairs: kvpress masks instead of removing (AdaKVPress needs a non-eager twin)
+ADAKV: dict[str, tuple[str, dict[str, Any], Callable[[float], kvpress.BasePress]]] = {
+    "adakv-expected-attention": (
+        "litkv.kvcache.adakv:AdaKVExpectedAttention",
+        {**PAIRS["expected-attention"][1], "alpha_safeguard": 0.2},
+        lambda r: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=r), alpha_safeguard=0.2),
+    ),
+    "adakv-snapkv": (
+        "litkv.kvcache.adakv:AdaKVSnapKV",
+        {**PAIRS["snapkv"][1], "alpha_safeguard": 0.2},
+        lambda r: kvpress.AdaKVPress(
+            kvpress.SnapKVPress(compression_ratio=r, window_size=WINDOW, kernel_size=5), alpha_safeguard=0.2
+        ),
+    ),
+}
 PRESS_NAMES = {
+    "adakv-expected-attention": "AdaKVPress(ExpectedAttentionPress), alpha 0.2",
+    "adakv-snapkv": f"AdaKVPress(SnapKVPress window {WINDOW}), alpha 0.2",
     "knorm": "KnormPress",
     "keydiff": "KeyDiffPress",
     "tova": "TOVAPress",
@@ -121,6 +138,25 @@ def kvpress_kept(twin: LlamaForCausalLM, ids: torch.Tensor, press: kvpress.BaseP
 
 
 @torch.inference_mode()
+def kvpress_kept_masked(twin: LlamaForCausalLM, ids: torch.Tensor, press: kvpress.BasePress) -> list[list[set[int]]]:
+    """Kept positions of a press that masks keys per head (AdaKVPress): all minus `masked_key_indices`."""
+    cache = DynamicCache()
+    with press(twin):
+        twin.model(input_ids=ids, past_key_values=cache)
+    n = ids.shape[1]
+    kept = []
+    for layer in twin.model.layers:
+        attn = layer.self_attn
+        heads = [set(range(n)) for _ in range(twin.config.num_key_value_heads)]
+        _, head_idx, seq_idx = attn.masked_key_indices
+        for h, j in zip(head_idx.tolist(), seq_idx.tolist(), strict=True):
+            heads[h].discard(j)
+        attn.masked_key_indices = None
+        kept.append(heads)
+    return kept
+
+
+@torch.inference_mode()
 def litkv_kept(
     model: GPT, ids: torch.Tensor, policy: str, options: dict[str, Any], budget: int, chunk: int
 ) -> list[list[set[int]]]:
@@ -159,6 +195,20 @@ def compare(
             ]
         cells = ", ".join(f"@{b} {_mean(out[name][b]):.3f}" for b in budgets)
         print(f"  {name}: {cells}", flush=True)
+    twin.set_attn_implementation("sdpa")  # AdaKVPress refuses eager attention
+    try:
+        for name, (policy, options, make_press) in ADAKV.items():
+            out[name] = {}
+            for budget in budgets:
+                ours = litkv_kept(model, ids, policy, options, budget, chunk)
+                theirs = kvpress_kept_masked(twin, ids, make_press(ratio_for_budget(n, budget)))
+                out[name][budget] = [
+                    [jaccard(a, b) for a, b in zip(la, lb, strict=True)] for la, lb in zip(ours, theirs, strict=True)
+                ]
+            cells = ", ".join(f"@{b} {_mean(out[name][b]):.3f}" for b in budgets)
+            print(f"  {name}: {cells}", flush=True)
+    finally:
+        twin.set_attn_implementation("eager")
     return out
 
 

@@ -95,10 +95,10 @@ def ref_snapkv(x: Layer, g: int, budget: int, o: dict) -> set[int]:
     return top(pooled, budget, set(range(prefix, N)))
 
 
-def ref_expected_attention(x: Layer, g: int, budget: int, o: dict, n_elem: int = 0, base: float = 0.0) -> set[int]:
+def ea_scores(x: Layer, g: int, o: dict, n_elem: int, base: float) -> dict[int, float]:
     """Mean and covariance of the pre-RoPE queries at positions >= n_sink; averaged rotation of positions
     N..N+F-1; softmax over tokens >= n_sink of `(R mu).k / sqrt(d) + k^T R S R^T k / (2d)`, summed over the
-    group, times `||v||`; the sinks kept."""
+    group, times `||v||`; the sinks score `inf`."""
     s, f, d = o["n_sink"], o["n_future_positions"], x.d
     rot = sum(rotation(N + i, n_elem, d, base) for i in range(f)) / f
     scores = dict.fromkeys(range(s, N), 0.0)
@@ -110,7 +110,22 @@ def ref_expected_attention(x: Layer, g: int, budget: int, o: dict, n_elem: int =
         logits = torch.stack([mu @ x.k[g, j] / d**0.5 + x.k[g, j] @ cov @ x.k[g, j] / (2 * d) for j in range(s, N)])
         for j, p in zip(range(s, N), torch.softmax(logits, dim=0).tolist(), strict=True):
             scores[j] += p
-    return top({j: sc * float(x.v[g, j].norm()) for j, sc in scores.items()}, budget, set(range(s)))
+    return {j: math.inf for j in range(s)} | {j: sc * float(x.v[g, j].norm()) for j, sc in scores.items()}
+
+
+def ref_expected_attention(x: Layer, g: int, budget: int, o: dict, n_elem: int = 0, base: float = 0.0) -> set[int]:
+    return top(ea_scores(x, g, o, n_elem, base), budget, set())
+
+
+def ref_adakv(per_head: list[dict[int, float]], budget: int, alpha: float) -> list[set[int]]:
+    """AdaKV: each head's `max(1, int(budget alpha))` best first, then the best of all heads' other tokens up
+    to `budget x heads` in total."""
+    safe = max(1, int(budget * alpha))
+    chosen = [set(sorted(sc, key=lambda j: -sc[j])[:safe]) for sc in per_head]
+    rest = sorted(((sc[j], h, j) for h, sc in enumerate(per_head) for j in sc if j not in chosen[h]), reverse=True)
+    for _, h, j in rest[: budget * len(per_head) - sum(map(len, chosen))]:
+        chosen[h].add(j)
+    return chosen
 
 
 CASES: dict[str, tuple[dict, Callable[..., set[int]]]] = {
@@ -192,6 +207,31 @@ def test_one_shot_keeps_the_reference_set(model: GPT, prompt: torch.Tensor, poli
                 assert have == want, (
                     f"layer {layer} row {row} head {g}: only litkv {have - want}, only ref {want - have}"
                 )
+
+
+@pytest.mark.parametrize("budget", [6, 20])
+def test_adakv_expected_attention_keeps_the_reference_set(model: GPT, prompt: torch.Tensor, budget: int) -> None:
+    """AdaKV allocation over Expected Attention's scores (alpha 0.2): the reference's ragged kept sets."""
+    options = {**CASES["expected-attention"][0], "alpha_safeguard": 0.2}
+    c = model.config
+    layers = layers_of(model, prompt)
+    got = litkv_kept(model, prompt, "litkv.kvcache.adakv:AdaKVExpectedAttention", options, budget, decode=False)
+    sizes = set()
+    for layer, per_row in enumerate(layers):
+        for row, x in enumerate(per_row):
+            scores = [ea_scores(x, g, options, c.rope_n_elem, float(c.rope_base)) for g in range(c.n_query_groups)]
+            want = ref_adakv(scores, budget, 0.2)
+            assert got[layer][row] == want, f"layer {layer} row {row}"
+            sizes |= {len(k) for k in want}
+    assert len(sizes) > 1  # the heads did get different budgets
+
+
+def test_adakv_needs_one_shot() -> None:
+    with pytest.raises(ValueError, match="mode must be 'one-shot'"):
+        KVCacheConfig("litkv.kvcache.adakv:AdaKVKNorm", cache_length=16)
+    with pytest.raises(ValueError, match="alpha_safeguard must be in"):
+        options = dict(mode="one-shot", budget=4, alpha_safeguard=1.5)
+        KVCacheConfig("litkv.kvcache.adakv:AdaKVKNorm", cache_length=16, options=options)
 
 
 # -- one-shot mechanics ----------------------------------------------------------------------------

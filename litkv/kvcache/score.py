@@ -84,13 +84,14 @@ class OneShot(KVCache):
             raise RuntimeError(f"{type(self).__name__}.compress() is for mode='one-shot', got {self.options.mode!r}")
         if self._pending is not None:
             raise RuntimeError("compress() called between attend_inputs() and evict_and_store()")
-        positions = self.positions
-        scores = self.oneshot_scores().to(torch.float32)
+        compact_slots(self, self.select_keep(self.oneshot_scores().to(torch.float32), self.positions))
+        self.compressed = True
+
+    def select_keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`(B, G, L)` bool: the `budget` highest `scores` of each (row, KV head) among the filled slots."""
         rank = scores.masked_fill(positions < 0, float("-inf"))
         top = torch.topk(rank, min(self.budget, self.cache_length), dim=2).indices
-        keep = torch.zeros_like(positions, dtype=torch.bool).scatter_(2, top, True) & (positions >= 0)
-        compact_slots(self, keep)
-        self.compressed = True
+        return torch.zeros_like(positions, dtype=torch.bool).scatter_(2, top, True) & (positions >= 0)
 
     def attend_inputs(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
