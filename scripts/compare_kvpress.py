@@ -74,7 +74,12 @@ PRESSES: dict[str, Callable[[float], kvpress.BasePress]] = {
     "KeyDiffPress": lambda r: kvpress.KeyDiffPress(compression_ratio=r),
     "TOVAPress": lambda r: kvpress.TOVAPress(compression_ratio=r),
     "StreamingLLMPress": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
+    # masks keys per head instead of removing them; needs a non-eager twin
+    "AdaKVPress(ExpectedAttentionPress)": lambda r: kvpress.AdaKVPress(
+        kvpress.ExpectedAttentionPress(compression_ratio=r)
+    ),
 }
+MASKING = ("AdaKVPress(ExpectedAttentionPress)",)
 
 # LitGPT config fields that must hold these values for the model to be a plain Llama
 _LLAMA_FIELDS: dict[str, Any] = {
@@ -238,7 +243,7 @@ def recall_one(
     else:
         with press(model):
             model.model(input_ids=ids[None, :n_context], past_key_values=cache)
-    if cache.get_seq_length() != budget:
+    if cache.get_seq_length() != (n_context if isinstance(press, kvpress.AdaKVPress) else budget):
         raise RuntimeError(f"kvpress kept {cache.get_seq_length()} positions, expected {budget}")
     question = ids[None, n_context : example["answer_start"]]
     positions = torch.arange(n_context, example["answer_start"])[None]
@@ -286,15 +291,16 @@ def litkv_recall_one(model: Any, policy: str, options: dict[str, Any] | None, ex
 
 def run_litkv(model: Any, policy: str, one_shot: bool, budgets: Sequence[int], data: dict[str, Any]) -> dict:
     """Recall per budget and depth (`"mean"` too) of a litkv policy in one mode."""
-    from parity_kvpress import PAIRS
+    from parity_kvpress import ADAKV, PAIRS
 
-    options = PAIRS[policy][1] if one_shot else None
+    path, pair_options, _ = {**PAIRS, **ADAKV}[policy]
+    options = pair_options if one_shot else None
     result: dict[int, dict[str, float]] = {}
     for budget in budgets:
         hits: dict[float, list[bool]] = {}
         for ex in data["examples"]:
             n = context_length(ex, data["question_ids"])
-            hits.setdefault(ex["depth"], []).append(litkv_recall_one(model, policy, options, ex, n, budget))
+            hits.setdefault(ex["depth"], []).append(litkv_recall_one(model, path, options, ex, n, budget))
         row = {f"{d:g}": sum(h) / len(h) for d, h in sorted(hits.items())}
         row["mean"] = sum(sum(h) for h in hits.values()) / sum(len(h) for h in hits.values())
         result[budget] = row
@@ -314,6 +320,7 @@ def run_press(
 ) -> dict[int, dict[str, float]]:
     """Recall per budget and depth (`"mean"` too) of one press (or `DENSE`)."""
     result: dict[int, dict[str, float]] = {}
+    model.set_attn_implementation("sdpa" if name in MASKING else "eager")
     for budget in budgets:
         hits: dict[float, list[bool]] = {}
         for ex in data["examples"]:
@@ -377,9 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        from parity_kvpress import PAIRS
+        from parity_kvpress import ADAKV, PAIRS
 
-        unknown = sorted(set(args.litkv) - set(PAIRS))
+        unknown = sorted(set(args.litkv) - set(PAIRS) - set(ADAKV))
         if unknown:
             raise ValueError(f"--litkv: no kvpress-equivalent options for {unknown}; known: {sorted(PAIRS)}")
         torch.set_num_threads(args.threads)
@@ -413,7 +420,7 @@ def evaluate(model: LlamaForCausalLM, data: dict[str, Any], args: argparse.Names
 
         lit = load_model(args.checkpoint_dir, dtype=torch.float32)
         for policy in args.litkv:
-            for mode in ("one-shot", "continuous"):
+            for mode in ("one-shot",) if policy.startswith("adakv") else ("one-shot", "continuous"):
                 name = f"litkv {policy} ({mode})"
                 results[name] = run_litkv(lit, policy, mode == "one-shot", args.budgets, data)
                 print(f"{name}: " + ", ".join(f"@{b} {results[name][b]['mean']:.2f}" for b in args.budgets), flush=True)
