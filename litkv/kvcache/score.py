@@ -18,7 +18,8 @@ then `compress()` keeps `budget` tokens per (row, KV head), scored by `oneshot_s
 them to the first slots; decoding then fills the freed slots without eviction (continuous eviction
 resumes only if the cache fills up again). `compress()` runs by itself at the first one-token call
 after the prompt (the first decode step), or when a caller invokes it (at the end of the prompt,
-before a question that must not be compressed, as kvpress's pipeline does).
+before a question that must not be compressed, as kvpress's pipeline does). A one-token prompt chunk
+looks like a decode step: with such chunks, call `compress_all` after the prompt.
 """
 
 from __future__ import annotations
