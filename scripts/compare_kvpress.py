@@ -27,6 +27,15 @@ Steps:
 Unlike litkv's budget (cache slots for the whole sequence, question and answer included), kvpress's b
 bounds only the compressed context: the question and answer tokens are added on top.
 
+With `--litkv POLICY ...` (litkv on the path: `PYTHONPATH=.`, and litgpt installed in this environment)
+the same examples also run through litkv's own model and policies, in two modes:
+
+- one-shot, as kvpress: the context prefilled in chunks of 64 with `mode="one-shot"`, `budget=b` and
+  room for every token, compressed (`compress_all`), then the question and the answer decoded without
+  eviction; options as in `scripts/parity_kvpress.py` (the kvpress-equivalent settings);
+- continuous, litkv's default: `cache_length=b` slots for the whole sequence (question and answer
+  included), evicting at every chunk of 64 and every decode step, the policy's default options.
+
     python scripts/compare_kvpress.py --examples_dir out/kvpress_compare --out out/kvpress_compare
 """
 
@@ -65,7 +74,12 @@ PRESSES: dict[str, Callable[[float], kvpress.BasePress]] = {
     "KeyDiffPress": lambda r: kvpress.KeyDiffPress(compression_ratio=r),
     "TOVAPress": lambda r: kvpress.TOVAPress(compression_ratio=r),
     "StreamingLLMPress": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
+    # masks keys per head instead of removing them; needs a non-eager twin
+    "AdaKVPress(ExpectedAttentionPress)": lambda r: kvpress.AdaKVPress(
+        kvpress.ExpectedAttentionPress(compression_ratio=r)
+    ),
 }
+MASKING = ("AdaKVPress(ExpectedAttentionPress)",)
 
 # LitGPT config fields that must hold these values for the model to be a plain Llama
 _LLAMA_FIELDS: dict[str, Any] = {
@@ -229,7 +243,7 @@ def recall_one(
     else:
         with press(model):
             model.model(input_ids=ids[None, :n_context], past_key_values=cache)
-    if cache.get_seq_length() != budget:
+    if cache.get_seq_length() != (n_context if isinstance(press, kvpress.AdaKVPress) else budget):
         raise RuntimeError(f"kvpress kept {cache.get_seq_length()} positions, expected {budget}")
     question = ids[None, n_context : example["answer_start"]]
     positions = torch.arange(n_context, example["answer_start"])[None]
@@ -240,6 +254,57 @@ def recall_one(
         pos = torch.tensor([[example["answer_start"] + i]])
         out.append(int(model(input_ids=step, past_key_values=cache, position_ids=pos).logits[0, -1].argmax()))
     return out == answer
+
+
+@torch.inference_mode()
+def litkv_recall_one(model: Any, policy: str, options: dict[str, Any] | None, example: dict[str, Any], n_context: int,
+                     budget: int) -> bool:  # fmt: skip
+    """litkv's recall of one example: one-shot (`options` given) or continuous (`options` None)."""
+    from litkv import KVCacheConfig
+    from litkv.kvcache.score import compress_all
+
+    ids = torch.tensor(example["ids"], dtype=torch.long)[None]
+    answer = example["ids"][example["answer_start"] :]
+    total = ids.shape[1]
+    if options is None:
+        config = KVCacheConfig(policy, cache_length=budget, chunk_size=64)
+        ends = [example["answer_start"]]
+    else:
+        one_shot = {**options, "mode": "one-shot", "budget": budget}
+        config = KVCacheConfig(policy, cache_length=total, chunk_size=64, options=one_shot)
+        ends = [n_context, example["answer_start"]]
+    with model.kv_caches_attached(config, batch_size=1) as caches:
+        start = 0
+        for end in ends:
+            for s in range(start, end, 64):
+                e = min(s + 64, end)
+                logits = model(ids[:, s:e], input_pos=torch.arange(s, e)[None])
+            start = end
+            if options is not None and end == n_context:
+                compress_all(caches)
+        out = [int(logits[0, -1].argmax())]
+        for i in range(len(answer) - 1):
+            pos = torch.tensor([[example["answer_start"] + i]])
+            out.append(int(model(torch.tensor([[out[-1]]]), input_pos=pos)[0, -1].argmax()))
+    return out == answer
+
+
+def run_litkv(model: Any, policy: str, one_shot: bool, budgets: Sequence[int], data: dict[str, Any]) -> dict:
+    """Recall per budget and depth (`"mean"` too) of a litkv policy in one mode."""
+    from parity_kvpress import ADAKV, PAIRS
+
+    path, pair_options, _ = {**PAIRS, **ADAKV}[policy]
+    options = pair_options if one_shot else None
+    result: dict[int, dict[str, float]] = {}
+    for budget in budgets:
+        hits: dict[float, list[bool]] = {}
+        for ex in data["examples"]:
+            n = context_length(ex, data["question_ids"])
+            hits.setdefault(ex["depth"], []).append(litkv_recall_one(model, path, options, ex, n, budget))
+        row = {f"{d:g}": sum(h) / len(h) for d, h in sorted(hits.items())}
+        row["mean"] = sum(sum(h) for h in hits.values()) / sum(len(h) for h in hits.values())
+        result[budget] = row
+    return result
 
 
 def context_length(example: dict[str, Any], question_ids: Sequence[int]) -> int:
@@ -255,6 +320,7 @@ def run_press(
 ) -> dict[int, dict[str, float]]:
     """Recall per budget and depth (`"mean"` too) of one press (or `DENSE`)."""
     result: dict[int, dict[str, float]] = {}
+    model.set_attn_implementation("sdpa" if name in MASKING else "eager")
     for budget in budgets:
         hits: dict[float, list[bool]] = {}
         for ex in data["examples"]:
@@ -288,7 +354,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--examples_dir", type=Path, default=Path("out/kvpress_compare"), help="exported inputs")
     parser.add_argument("--out", type=Path, default=Path("out/kvpress_compare"), help="where to write the JSON")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="context slots kept")
-    parser.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES), help="presses to run")
+    parser.add_argument("--presses", nargs="*", default=list(PRESSES), choices=list(PRESSES), help="presses to run")
+    parser.add_argument("--litkv", nargs="*", default=[], help="litkv policies to run too (one-shot and continuous)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N examples per depth")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max |logit difference| twin vs litkv")
@@ -317,6 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        from parity_kvpress import ADAKV, PAIRS
+
+        unknown = sorted(set(args.litkv) - set(PAIRS) - set(ADAKV))
+        if unknown:
+            raise ValueError(f"--litkv: no kvpress-equivalent options for {unknown}; known: {sorted(PAIRS)}")
         torch.set_num_threads(args.threads)
         data = load_examples(args.examples_dir / EXAMPLES_FILE, args.limit)
         for ex in data["examples"]:
@@ -343,6 +415,15 @@ def evaluate(model: LlamaForCausalLM, data: dict[str, Any], args: argparse.Names
     for name in args.presses:
         results[name] = run_press(model, name, args.budgets, data)
         print(f"{name}: " + ", ".join(f"@{b} {results[name][b]['mean']:.2f}" for b in args.budgets), flush=True)
+    if args.litkv:
+        from litkv.checkpoint import load_model
+
+        lit = load_model(args.checkpoint_dir, dtype=torch.float32)
+        for policy in args.litkv:
+            for mode in ("one-shot",) if policy.startswith("adakv") else ("one-shot", "continuous"):
+                name = f"litkv {policy} ({mode})"
+                results[name] = run_litkv(lit, policy, mode == "one-shot", args.budgets, data)
+                print(f"{name}: " + ", ".join(f"@{b} {results[name][b]['mean']:.2f}" for b in args.budgets), flush=True)
     elapsed = time.perf_counter() - start
     print()
     print(markdown_table(results, args.budgets))

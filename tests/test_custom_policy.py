@@ -69,7 +69,7 @@ def test_decay_is_an_option_checked_by_name(examples_on_path: None) -> None:
     assert KVCacheConfig(DECAYED_H2O, cache_length=8, options=dict(decay=0.5)).policy_options.decay == 0.5
     with pytest.raises(ValueError, match=r"decay must be in \[0.0, 1.0\], got 1.5"):
         KVCacheConfig(DECAYED_H2O, cache_length=8, options=dict(decay=1.5))
-    with pytest.raises(ValueError, match="has no option 'decays'; its options: sinks, recent, decay"):
+    with pytest.raises(ValueError, match="has no option 'decays'; its options: sinks, recent, mode, budget, decay"):
         KVCacheConfig(DECAYED_H2O, cache_length=8, options=dict(decays=0.5))
 
 

@@ -1,5 +1,5 @@
-"""`snapkv` and `expected-attention` against brute-force float64 versions of their rules, against dense
-attention with room for every token, and batch == alone on left-padded batches (float and int4)."""
+"""`snapkv` and `expected-attention` (continuous mode) against brute-force float64 versions of their rules,
+against dense attention with room for every token, and batch == alone on left-padded batches (float and int4)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ class BruteForce:
         by_pos = sorted(state, key=lambda j: int(self.pos[b, j]))
         recent = self.opts.recent_length(L)
         protected = set(by_pos[len(by_pos) - recent :] if recent else [])
-        protected |= {j for j in state if self.pos[b, j] < self.opts.sinks}
+        sinks = max(self.opts.sinks, getattr(self.opts, "n_sink", 0))  # expected-attention: n_sink too
+        protected |= {j for j in state if self.pos[b, j] < sinks}
         others = sorted((j for j in state if j not in protected), key=lambda j: state[j])
         if len(others) > excess:
             last_out, first_in = state[others[excess - 1]], state[others[excess]]
@@ -87,46 +88,87 @@ class BruteSnapKV(BruteForce):
         return out
 
 
+ROPE_BASE, ROPE_N = 100.0, 12  # partial rotary: the last HS - ROPE_N dims are not rotated
+
+
+def rope_table(needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `(max(needed, 256), ROPE_N)` in the half-split layout (LitGPT's and Hugging Face's); like
+    the model's table, it covers more positions than asked for (at least every position of the test)."""
+    inv_freq = ROPE_BASE ** (-torch.arange(0, ROPE_N, 2, dtype=torch.float64) / ROPE_N)
+    angles = torch.arange(max(needed, 256), dtype=torch.float64)[:, None] * inv_freq
+    return torch.cat((angles.cos(), angles.cos()), dim=1), torch.cat((angles.sin(), angles.sin()), dim=1)
+
+
+def rotation(p: int) -> torch.Tensor:
+    """`(HS, HS)` float64 RoPE rotation at position `p`: pair `(i, i + ROPE_N/2)` turned by `p * base^(-2i/n)`."""
+    r = torch.eye(HS, dtype=torch.float64)
+    half = ROPE_N // 2
+    for i in range(half):
+        angle = p * ROPE_BASE ** (-2 * i / ROPE_N)
+        c, s = math.cos(angle), math.sin(angle)
+        r[i, i], r[i, i + half], r[i + half, i], r[i + half, i + half] = c, -s, s, c
+    return r
+
+
+def rotated(q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Queries `(B, H, n, HS)` float64 turned by the rotation of their positions (pads: position 0)."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            out[b, :, i] = q[b, :, i] @ rotation(max(int(pos[b, i]), 0)).T
+    return out
+
+
 class BruteExpectedAttention(BruteForce):
-    """Weighted mean and (centred) covariance of all non-pad queries so far, weight `decay^(later ones)`;
-    softmax of `s mu.k + s^2 k^T Sigma k / 2` over the held tokens, summed over heads, times `||v||`."""
+    """Expected Attention from the paper's equations: weighted mean and centred covariance of the *pre-RoPE*
+    queries at positions `>= n_sink` so far (weight `decay^(later ones)`, 1 without `n_stats`); the
+    mean of the rotation matrices of the next `n_future_positions` positions `R`; softmax over the held
+    tokens at positions `>= n_sink` of `(R mu).k / sqrt(d) + k^T R Sigma R^T k / (2 d)`, summed over the
+    group's heads, `(score + epsilon) ||v||` with `use_vnorm`. `self.q` holds the pre-RoPE queries."""
 
     def __init__(self, config: KVCacheConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         super().__init__(config, q, k, v, pos)
         self.history: list[list[int]] = [[] for _ in range(B)]
+        self.newest = [-1] * B
 
     def step(self, start: int, end: int) -> None:
         for b in range(B):
-            self.history[b] += [i for i in range(start, end) if self.pos[b, i] >= 0]
+            self.history[b] += [i for i in range(start, end) if self.pos[b, i] >= self.opts.n_sink]
+            self.newest[b] = max([self.newest[b]] + [int(p) for p in self.pos[b, start:end]])
         super().step(start, end)
 
     def moments(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         hist = self.history[b]
         if not hist:
             return torch.zeros(HS, dtype=torch.float64), torch.zeros(HS, HS, dtype=torch.float64)
-        decay = 1 - 1 / self.opts.n_stats
+        decay = 1.0 if self.opts.n_stats is None else 1 - 1 / self.opts.n_stats
         weights = [decay ** (len(hist) - 1 - r) for r in range(len(hist))]
         total = sum(weights)
         mu = sum(w * self.q[b, h, i] for w, i in zip(weights, hist, strict=True)) / total
         cov = sum(
             w * torch.outer(self.q[b, h, i] - mu, self.q[b, h, i] - mu) for w, i in zip(weights, hist, strict=True)
         )
-        cov = cov / total
-        if self.opts.covariance == "diagonal":
-            cov = torch.diag(torch.diagonal(cov))
-        return mu, cov * (self.opts.covariance != "none")
+        return mu, cov / total
 
     def scores(self, b: int, g: int, held: list[int], new: list[int], call_scores: bool) -> dict[int, float]:
         if not call_scores:  # the cache scores only the calls that evict
             return {}
+        o = self.opts
+        rot = sum(rotation(self.newest[b] + 1 + f) for f in range(o.n_future_positions)) / o.n_future_positions
+        visible = [j for j in held if self.pos[b, j] >= o.n_sink]
         out = dict.fromkeys(held, 0.0)
         for h in range(g * PER_KV, (g + 1) * PER_KV):
             mu, cov = self.moments(b, h)
-            logits = torch.stack([SCALE * mu @ self.k[b, g, j] + SCALE**2 / 2 * self.k[b, g, j] @ cov @ self.k[b, g, j]
-                                  for j in held])  # fmt: skip
-            for j, w in zip(held, torch.softmax(logits, dim=0).tolist(), strict=True):
+            mu, cov = rot @ mu, rot @ cov @ rot.T
+            logits = []
+            for j in visible:
+                key = self.k[b, g, j]
+                logits.append(mu @ key * SCALE + (key @ cov @ key * SCALE**2 / 2 if o.use_covariance else 0.0))
+            for j, w in zip(visible, torch.softmax(torch.stack(logits), dim=0).tolist(), strict=True):
                 out[j] += w
-        return {j: s * float(self.v[b, g, j].norm()) for j, s in out.items()}
+        if o.use_vnorm:
+            out = {j: (s + o.epsilon * PER_KV) * float(self.v[b, g, j].norm()) for j, s in out.items()}
+        return out
 
 
 def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk: int, storage: str,
@@ -143,6 +185,9 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
     cache = get_kv_cache_class(policy)(config, CacheShape(B, G, L, HS, HS), None, torch.float32)
     seen_k, seen_v = cache.storage.as_stored(k, v)  # what queries and policy see (int4: rounded per token)
     oracle = oracle_class(config, q.double(), seen_k.double(), seen_v.double(), pos)
+    if hasattr(cache, "bind_rope"):  # the cache gets the queries after RoPE, the oracle keeps them before
+        cache.bind_rope(rope_table, ROPE_N)
+        q = rotated(q.double(), pos).float()
     evicting = 0
     for start, end in config.chunk_bounds(n):
         ps = pos[:, start:end]
@@ -179,14 +224,23 @@ def test_snapkv_matches_brute_force(chunk: int, storage: str, options: dict[str,
     "chunk, storage, options",
     [
         (1, "float", {}),
-        (7, "float", dict(n_stats=8, sinks=2, recent=3)),
-        (7, "float", dict(n_stats=4, covariance="diagonal")),
-        (1, "float", dict(n_stats=16, covariance="none", sinks=1, recent=0)),
-        (7, "int4", dict(n_stats=32)),
+        (7, "float", dict(n_stats=8, n_sink=2, recent=3, n_future_positions=5)),
+        (7, "float", dict(n_stats=4, use_covariance=False, epsilon=0.05)),
+        (1, "float", dict(n_stats=16, use_vnorm=False, n_sink=1, sinks=3, recent=0, n_future_positions=1)),
+        (7, "int4", dict(n_sink=0)),
     ],
 )
 def test_expected_attention_matches_brute_force(chunk: int, storage: str, options: dict[str, object]) -> None:
     _run_against_brute_force("expected-attention", BruteExpectedAttention, chunk, storage, options, seed=chunk)
+
+
+def test_expected_attention_without_rope_is_a_clear_error() -> None:
+    config = KVCacheConfig("expected-attention", cache_length=8)
+    cache = get_kv_cache_class("expected-attention")(config, CacheShape(1, G, 8, HS, HS), None, torch.float32)
+    k = torch.randn(1, G, 2, HS)
+    cache.attend_inputs(k, k, torch.arange(2)[None], torch.randn(1, N_HEAD, 2, HS))
+    with pytest.raises(RuntimeError, match="needs the model's RoPE table"):
+        cache.evict_and_store(None)
 
 
 def test_policies_ask_for_queries_not_attention_weights() -> None:
@@ -219,7 +273,7 @@ def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (6, 19, 33)]
     config = KVCacheConfig(policy, cache_length=12, chunk_size=1, storage=storage, quant_group_size=8,
-                           options=dict(sinks=1))  # fmt: skip
+                           options=dict(n_sink=1) if policy == "expected-attention" else dict(sinks=1))  # fmt: skip
     idx, input_pos = pad_prompts(prompts, torch.device("cpu"))
     batched = forward_chunked(model64, idx, config, input_pos=input_pos)
     tokens = generate(model64, prompts, max_new_tokens=5, kv_cache=config)
@@ -239,8 +293,21 @@ def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: 
         ("snapkv", dict(keep_max="yes"), TypeError, "keep_max must be a bool"),
         ("snapkv", dict(recent=20), ValueError, "sinks \\+ recent must be <= cache_length"),
         ("expected-attention", dict(n_stats=0), ValueError, "n_stats must be >= 1, got 0"),
-        ("expected-attention", dict(covariance="low-rank"), ValueError, "covariance must be one of"),
+        ("expected-attention", dict(use_covariance="yes"), TypeError, "use_covariance must be a bool"),
+        ("expected-attention", dict(n_future_positions=0), ValueError, "n_future_positions must be >= 1"),
+        ("expected-attention", dict(epsilon=-1.0), ValueError, "epsilon must be in"),
+        (
+            "expected-attention",
+            dict(n_sink=10),
+            ValueError,
+            "max\\(sinks, n_sink\\) \\+ recent must be <= cache_length",
+        ),
         ("expected-attention", dict(window=3), ValueError, "has no option 'window'"),
+        ("snapkv", dict(mode="once"), ValueError, "mode must be one of"),
+        ("snapkv", dict(mode="one-shot"), ValueError, "needs budget"),
+        ("snapkv", dict(budget=8), ValueError, "budget is for mode='one-shot'"),
+        ("snapkv", dict(mode="one-shot", budget=17), ValueError, "budget must be <= cache_length"),
+        ("snapkv", dict(mode="one-shot", budget=4, recent=6), ValueError, "budget must be >= 6"),
     ],
 )
 def test_bad_options_are_clear_errors(policy: str, options: dict[str, object], error: type, match: str) -> None:

@@ -278,24 +278,31 @@ class KVCache(ABC):
         return None
 
     def check_room(self, input_pos: torch.Tensor) -> None:
-        """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken.
-
-        `num_filled` counts pad columns too, so only when it says "full" are the rows' own tokens
-        counted (one host read): pads never take a slot, so a ragged batch fits where each row fits.
-        """
+        """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken."""
         limit = self.max_tokens(self.config)
-        num_new = input_pos.shape[1]
-        if limit is None or self.num_filled + num_new <= limit:
-            return
+        over = None if limit is None else self.overflow(input_pos, limit)
+        if over is not None:
+            row, held, need = over
+            raise ValueError(
+                f"{type(self).__name__} is full: cache_length={self.cache_length}, row {row} holds {held} tokens "
+                f"and {need - held} new tokens do not fit (need {need}). Use a larger cache_length or a policy "
+                "that evicts, e.g. 'last-recent' or 'h2o'"
+            )
+
+    def overflow(self, input_pos: torch.Tensor, limit: int) -> tuple[int, int, int] | None:
+        """`(row, tokens held, tokens needed)` of a row whose own tokens would exceed `limit` with this call.
+
+        `num_filled` counts pad columns too, so only when it says "over" are the rows' own tokens counted
+        (one host read): pads never take a slot, so a ragged batch fits where each row fits.
+        """
+        if self.num_filled + input_pos.shape[1] <= limit:
+            return None
         held = (self.positions >= 0).sum(dim=2).amax(dim=1)  # (B,) tokens held per row
         need = held + (input_pos >= 0).sum(dim=1)
-        if bool((need > limit).any()):
-            row = int(need.argmax())
-            raise ValueError(
-                f"{type(self).__name__} is full: cache_length={self.cache_length}, row {row} holds "
-                f"{int(held[row])} tokens and {int(need[row] - held[row])} new tokens do not fit (need "
-                f"{int(need[row])}). Use a larger cache_length or a policy that evicts, e.g. 'last-recent' or 'h2o'"
-            )
+        if not bool((need > limit).any()):
+            return None
+        row = int(need.argmax())
+        return row, int(held[row]), int(need[row])
 
     def drops_valid_by_construction(self) -> bool:
         """Whether `select_drop` returns valid indices by construction, so that `evict_and_store` need

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 __all__ = [
+    "MODES",
     "LastRecentOptions",
     "NoOptions",
     "PolicyOptions",
@@ -19,8 +20,11 @@ __all__ = [
     "check_bool",
     "check_float",
     "check_int",
+    "check_mode",
     "parse_options",
 ]
+
+MODES = ("continuous", "one-shot")
 
 
 def check_int(name: str, value: object, minimum: int) -> None:
@@ -45,6 +49,22 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
+def check_mode(mode: object, budget: object, cache_length: int, protected: int) -> None:
+    """Check `mode` and `budget`: `one-shot` needs `budget` in `[max(protected, 1), cache_length]`, `continuous`
+    takes none (`protected`: tokens the policy never evicts, e.g. sinks + recent)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "continuous":
+        if budget is not None:
+            raise ValueError(f"budget is for mode='one-shot' only (continuous evicts to cache_length), got {budget}")
+        return
+    if budget is None:
+        raise ValueError("mode='one-shot' needs budget: the tokens kept per KV head when the prompt is compressed")
+    check_int("budget", budget, minimum=max(protected, 1))
+    if budget > cache_length:
+        raise ValueError(f"budget must be <= cache_length, got budget={budget}, cache_length={cache_length}")
+
+
 @dataclass
 class PolicyOptions:
     """Base of every policy's options. Fields need defaults; `check` validates against the cache size."""
@@ -62,14 +82,20 @@ class NoOptions(PolicyOptions):
 class LastRecentOptions(PolicyOptions):
     """Args:
     sinks: Number of initial tokens that are never evicted (StreamingLLM attention sinks).
+    mode: `continuous` (evict at every call once full) or `one-shot` (keep the whole prompt, compress it
+        to `budget` tokens at the end of prefill, then decode without eviction until the cache is full).
+    budget: Tokens kept by the one-shot compression (one-shot only).
     """
 
     sinks: int = 0
+    mode: str = "continuous"
+    budget: int | None = None
 
     def check(self, cache_length: int) -> None:
         check_int("sinks", self.sinks, minimum=0)
         if self.sinks >= cache_length:
             raise ValueError(f"sinks must be < cache_length, got sinks={self.sinks}, cache_length={cache_length}")
+        check_mode(self.mode, self.budget, cache_length, self.sinks)
 
 
 @dataclass
@@ -79,17 +105,26 @@ class ScoreOptions(PolicyOptions):
     Args:
         sinks: Number of initial tokens that are never evicted.
         recent: Number of newest tokens that are never evicted. ``None``: the policy's default,
-            `default_recent_fraction` of the cache.
+            `default_recent_fraction` of the cache (of `budget` in one-shot mode).
+        mode: `continuous` (evict at every call once the cache is full) or `one-shot` (keep the whole
+            prompt, compress it to `budget` tokens at the end of prefill, as kvpress does; afterwards
+            decode without eviction until the cache is full, then evict as in `continuous`).
+        budget: Tokens kept per (row, KV head) by the one-shot compression (one-shot only).
     """
 
     default_recent_fraction: ClassVar[float] = 0.0
 
     sinks: int = 0
     recent: int | None = None
+    mode: str = "continuous"
+    budget: int | None = None
 
     def recent_length(self, cache_length: int) -> int:
-        """The recent window actually used with `cache_length` slots."""
-        return int(cache_length * self.default_recent_fraction) if self.recent is None else self.recent
+        """The recent window actually used with `cache_length` slots (`budget` slots in one-shot mode)."""
+        if self.recent is not None:
+            return self.recent
+        size = self.budget if self.mode == "one-shot" and isinstance(self.budget, int) else cache_length
+        return int(size * self.default_recent_fraction)
 
     def check(self, cache_length: int) -> None:
         check_int("sinks", self.sinks, minimum=0)
@@ -100,6 +135,7 @@ class ScoreOptions(PolicyOptions):
                 f"sinks + recent must be <= cache_length, got sinks={self.sinks}, "
                 f"recent={self.recent_length(cache_length)}, cache_length={cache_length}"
             )
+        check_mode(self.mode, self.budget, cache_length, self.sinks + self.recent_length(cache_length))
 
 
 def parse_options(

@@ -11,11 +11,21 @@ head):
 
 Per-slot state of a policy (H2O's accumulated attention, say) is kept by the policy itself: build it
 per candidate in `score` or `after_write` and carry it into the slots with `placement.carry`.
+
+Modes (`ScoreOptions.mode`): `continuous` (the above, at every call once the cache is full) or
+`one-shot` (`OneShot`): the cache keeps every prompt token (it must have room for the whole prompt),
+then `compress()` keeps `budget` tokens per (row, KV head), scored by `oneshot_scores()`, and moves
+them to the first slots; decoding then fills the freed slots without eviction (continuous eviction
+resumes only if the cache fills up again). `compress()` runs by itself at the first one-token call
+after the prompt (the first decode step), or when a caller invokes it (at the end of the prompt,
+before a question that must not be compressed, as kvpress's pipeline does). A one-token prompt chunk
+looks like a decode step: with such chunks, call `compress_all` after the prompt.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -27,10 +37,97 @@ from litkv.kvcache.storage import CacheShape
 if TYPE_CHECKING:
     from litkv.config import KVCacheConfig
 
-__all__ = ["ScoreKVCache"]
+__all__ = ["OneShot", "ScoreKVCache", "compact_slots", "compress_all"]
 
 
-class ScoreKVCache(KVCache):
+def compact_slots(cache: KVCache, keep: torch.Tensor) -> None:
+    """Move the slots marked in `keep` `(B, G, L)` to the front of each (row, KV head), in slot order,
+    and empty the others (position `-1`); `num_filled` becomes the largest kept count."""
+    length = cache.cache_length
+    if cache.journal is not None:
+        cache.journal(cache, torch.arange(length, device=keep.device).expand(keep.shape))
+    order = torch.sort((~keep).to(torch.int8), dim=2, stable=True).indices  # kept slots first
+    kept = keep.gather(2, order)
+    tensors = {}
+    for name, tensor in cache.state_tensors().items():
+        if name == "positions" or name.startswith(("storage.", "slot.")):
+            index = order.view(*order.shape, *[1] * (tensor.dim() - 3)).expand(*order.shape, *tensor.shape[3:])
+            tensor = tensor.gather(2, index)
+        tensors[name] = tensor.clone()
+    tensors["positions"] = tensors["positions"].masked_fill(~kept, -1)
+    cache.load_state_tensors(tensors, int(keep.sum(dim=2).max()) if keep.numel() else 0)
+
+
+def compress_all(caches: Sequence[object]) -> None:
+    """`compress()` every one-shot cache of `caches` (one per layer) that has not compressed yet: the end
+    of the prompt. Other caches are left alone."""
+    for cache in caches:
+        if isinstance(cache, OneShot) and cache.one_shot and not cache.compressed:
+            cache.compress()
+
+
+class OneShot(KVCache):
+    """The one-shot mode of a policy (`options.mode == "one-shot"`, `options.budget`): no eviction until
+    `compress()`, which keeps the `budget` highest `oneshot_scores()` per (row, KV head)."""
+
+    def _init_one_shot(self) -> None:
+        self.one_shot = getattr(self.options, "mode", "continuous") == "one-shot"
+        self.budget = getattr(self.options, "budget", None)
+        self.compressed = False
+
+    @abstractmethod
+    def oneshot_scores(self) -> torch.Tensor:
+        """`(B, G, L)` score of each slot's token at the end of the prompt (highest kept; `inf`: always kept)."""
+
+    def compress(self) -> None:
+        """Keep the `budget` best-scored tokens of each (row, KV head), moved to the first slots."""
+        if not self.one_shot:
+            raise RuntimeError(f"{type(self).__name__}.compress() is for mode='one-shot', got {self.options.mode!r}")
+        if self._pending is not None:
+            raise RuntimeError("compress() called between attend_inputs() and evict_and_store()")
+        compact_slots(self, self.select_keep(self.oneshot_scores().to(torch.float32), self.positions))
+        self.compressed = True
+
+    def select_keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`(B, G, L)` bool: the `budget` highest `scores` of each (row, KV head) among the filled slots."""
+        rank = scores.masked_fill(positions < 0, float("-inf"))
+        top = torch.topk(rank, min(self.budget, self.cache_length), dim=2).indices
+        return torch.zeros_like(positions, dtype=torch.bool).scatter_(2, top, True) & (positions >= 0)
+
+    def attend_inputs(
+        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Compress first if this is the first one-token call (decode step) after a one-shot prompt."""
+        if self.one_shot and not self.compressed and keys.shape[2] == 1 and self.num_filled > 0:
+            self.compress()
+        return super().attend_inputs(keys, values, input_pos, queries)
+
+    def check_room(self, input_pos: torch.Tensor) -> None:
+        """One-shot: the whole prompt must fit before the compression."""
+        super().check_room(input_pos)
+        over = self.overflow(input_pos, self.cache_length) if self.one_shot and not self.compressed else None
+        if over is not None:
+            row, held, need = over
+            raise ValueError(
+                f"{type(self).__name__} in mode='one-shot' keeps the whole prompt until it is compressed: "
+                f"cache_length={self.cache_length}, row {row} holds {held} tokens, {need - held} more do not fit. "
+                "Use cache_length >= prompt length (the budget sets what is kept)"
+            )
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().state_tensors()
+        if self.one_shot:
+            out["row.one_shot_compressed"] = torch.full((self.shape.batch_size,), self.compressed)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
+        super().load_state_tensors(tensors, num_filled)
+        if self.one_shot:
+            flag = tensors.get("row.one_shot_compressed")
+            self.compressed = flag is not None and bool(flag.all())
+
+
+class ScoreKVCache(OneShot):
     """Evicts, per (row, KV head), the candidates with the lowest `score()`; keeps sinks and recent tokens."""
 
     Options: ClassVar[type[PolicyOptions]] = ScoreOptions
@@ -43,6 +140,7 @@ class ScoreKVCache(KVCache):
             raise TypeError(f"{type(self).__name__}.Options must subclass ScoreOptions, got {type(self.options)}")
         self.sinks = self.options.sinks
         self.recent = self.options.recent_length(self.cache_length)
+        self._init_one_shot()
 
     @abstractmethod
     def score(self, candidates: Candidates) -> torch.Tensor:
@@ -55,6 +153,25 @@ class ScoreKVCache(KVCache):
         Returns:
             `(B, G, L + T)` scores (any float dtype).
         """
+
+    def oneshot_scores(self) -> torch.Tensor:
+        """`(B, G, L)` `score()` of the slots as a call without new tokens would see them; sinks and the
+        `recent` newest tokens score `inf`. Policies whose score needs the prompt's queries override it."""
+        keys, values = self.storage.read()
+        b, g, _ = self.positions.shape
+        none = keys[:, :, :0]
+        candidates = Candidates(
+            self.positions.clone(), keys, values, none, values[:, :, :0],
+            torch.zeros(b, 0, dtype=torch.long, device=keys.device),
+        )  # fmt: skip
+        if self.needs_attn_weights:
+            candidates.attn_weights = torch.zeros_like(self.positions, dtype=torch.float32)
+        return self.protect(self.score(candidates).to(torch.float32), self.positions)
+
+    def protect(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`scores` with the sinks and the `recent` newest tokens set to `inf`."""
+        protected = self._protected(positions)
+        return scores if protected is None else scores.masked_fill(protected, float("inf"))
 
     def drops_valid_by_construction(self) -> bool:
         """Its own `select_drop` (a top-k, unless overridden) gives distinct in-range indices."""

@@ -11,6 +11,11 @@ paper compresses once, after the prompt; here every call evicts, so during decod
 newest query. With `keep_max` (default), a token's score is the largest pooled score it got in any
 call since it entered the cache (during prefill too), so tokens that a past window needed are not
 forgotten when the window moves on.
+
+With `mode="one-shot"` (as in the paper and kvpress's `SnapKVPress`): the last `window` queries of the
+prompt are kept (post-RoPE) while it is prefilled; at the compression their attention is averaged, the
+window's own tokens are kept and score 0 in the pool (kvpress pools the tokens before the window only,
+with zero padding), and the `budget` best pooled tokens are kept.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from litkv.kvcache.storage import CacheShape
 if TYPE_CHECKING:
     from litkv.config import KVCacheConfig
 
-__all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "window_attention"]
+__all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "update_window", "window_attention"]
 
 
 @dataclass
@@ -78,6 +83,23 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch
     return weights / in_window.sum(dim=1).clamp(min=1)[:, None, None]
 
 
+def update_window(
+    window: tuple[torch.Tensor, torch.Tensor] | None, queries: torch.Tensor, query_pos: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `size` newest non-pad queries of each row after a call: `window` (queries `(B, H, size, D)` float32,
+    positions `(B, size)`, `-1` where empty) or `None`, and the call's queries `(B, H, T, D)` and `query_pos`."""
+    q, pos = queries.detach().float(), query_pos
+    if window is not None:
+        q, pos = torch.cat((window[0], q), dim=2), torch.cat((window[1], pos), dim=1)
+    if pos.shape[1] < size:
+        missing = size - pos.shape[1]
+        q = F.pad(q, (0, 0, 0, missing))
+        pos = F.pad(pos, (0, missing), value=-1)
+    index = torch.topk(pos, size, dim=1).indices  # (B, size)
+    b, h, _, d = q.shape
+    return q.gather(2, index[:, None, :, None].expand(b, h, size, d)), pos.gather(1, index)
+
+
 def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
     """Average pool of `scores` `(B, G, N)` over neighbours in token order (`positions` `(B, G, N)`;
     empty slots sort first and must score 0, so they act as the zero padding of the pool)."""
@@ -100,6 +122,7 @@ class SnapKVKVCache(ScoreKVCache):
     Options: ClassVar[type[PolicyOptions]] = SnapKVOptions
     needs_queries: ClassVar[bool] = True
     slot_state: ClassVar[tuple[str, ...]] = ("best",)
+    row_state: ClassVar[tuple[str, ...]] = ("window",)
 
     def __init__(
         self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
@@ -107,6 +130,8 @@ class SnapKVKVCache(ScoreKVCache):
         super().__init__(config, shape, device, dtype)
         self.best = torch.zeros_like(self.positions, dtype=torch.float32)
         self._scores: torch.Tensor | None = None  # this call's per-candidate scores, from score()
+        # one-shot: the prompt's last `window` queries and their positions (None until the first call)
+        self.window: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""
@@ -120,8 +145,23 @@ class SnapKVKVCache(ScoreKVCache):
         pooled = pool_by_position(weights, pos, o.kernel).masked_fill(pos < 0, 0.0)
         return torch.maximum(F.pad(self.best, (0, candidates.num_new)), pooled) if o.keep_max else pooled
 
+    def oneshot_scores(self) -> torch.Tensor:
+        """`(B, G, L)` pooled attention of the prompt's last `window` queries; the window's tokens `inf`."""
+        if self.window is None:
+            raise RuntimeError("SnapKVKVCache.compress() before any prompt token was seen")
+        queries, query_pos = self.window
+        pos = self.positions
+        weights = window_attention(queries, self.storage.read()[0], query_pos, pos, self.options.window)
+        start = query_pos.masked_fill(query_pos < 0, torch.iinfo(torch.long).max).min(dim=1).values  # (B,)
+        in_window = pos >= start[:, None, None]
+        pooled = pool_by_position(weights.masked_fill(in_window | (pos < 0), 0.0), pos, self.options.kernel)
+        return self.protect(pooled.masked_fill(in_window, float("inf")), pos)
+
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         """Carry the running maximum into the slots (while filling, the call is scored here)."""
+        if self.one_shot and not self.compressed:
+            self.window = update_window(self.window, candidates.queries, candidates.query_pos, self.options.window)
+            return
         if self.options.keep_max:
             scores = self._scores
             if scores is None:  # cache filling: the stored slots are lossless, the call's slots are empty
