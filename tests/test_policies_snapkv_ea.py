@@ -308,6 +308,7 @@ def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: 
         ("snapkv", dict(budget=8), ValueError, "budget is for mode='one-shot'"),
         ("snapkv", dict(mode="one-shot", budget=17), ValueError, "budget must be <= cache_length"),
         ("snapkv", dict(mode="one-shot", budget=4, recent=6), ValueError, "budget must be >= 6"),
+        ("snapkv", dict(mode="one-shot", budget=8, recent=0), ValueError, "budget must be >= window"),
     ],
 )
 def test_bad_options_are_clear_errors(policy: str, options: dict[str, object], error: type, match: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import float64_model, random_gpt, tiny_config
 
-from litkv import GPT, KVCacheConfig
+from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache.score import compress_all
 
 N, CHUNK, ROWS = 48, 7, 2
@@ -299,3 +299,18 @@ def test_compress_is_for_one_shot_only_and_state_keeps_the_flag(model: GPT, prom
         assert cache.compressed and cache.positions.tolist() == after["positions"].tolist()
     finally:
         model.set_kv_caches(None)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "expected-attention", "last-recent"])
+@torch.inference_mode()
+def test_one_shot_left_padded_batch_equals_each_prompt_alone(model: GPT, policy: str) -> None:
+    """Prompts of 13, 30 and 41 tokens, left-padded, compressed to 10 at the first decode step of `generate`:
+    each row's greedy tokens are those of its prompt alone."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (13, 30, 41)]
+    options = {"sinks": 2} if policy == "last-recent" else {"sinks": 1, "recent": 2}
+    options |= {"window": 4} if policy == "snapkv" else {}
+    cfg = KVCacheConfig(policy, cache_length=N, chunk_size=CHUNK, options={**options, "mode": "one-shot", "budget": 10})
+    batched = generate(model, prompts, max_new_tokens=6, kv_cache=cfg)
+    for row, prompt in enumerate(prompts):
+        assert batched[row].tolist() == generate(model, [prompt], 6, cfg)[0].tolist(), f"row {row}"

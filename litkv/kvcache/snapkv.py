@@ -61,6 +61,11 @@ class SnapKVOptions(ScoreOptions):
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd (the pool is centred on each token), got {self.kernel}")
         check_bool("keep_max", self.keep_max)
+        if self.mode == "one-shot" and self.budget < self.window:
+            raise ValueError(
+                f"mode='one-shot' keeps the observation window: budget must be >= window, got budget={self.budget}, "
+                f"window={self.window}"
+            )
 
 
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor,
