@@ -195,6 +195,7 @@ def generate(
             hidden, next_pos = prefix_cache.prefill(model, prompts, kv_cache, progress)
         else:
             hidden = run_chunks(model, idx, input_pos, plan, lm_head=False, last_only=True, progress=progress)
+        model.caches.end_prefill()  # one-shot policies compress the prompt here
         return _decode(
             model,
             hidden,

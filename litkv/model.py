@@ -139,10 +139,10 @@ class GPT(nn.Module):
             raise ValueError(f"expected {self.config.n_layer} caches (one per layer), got {len(caches)}")
         for i, block in enumerate(self.transformer.h):
             block.attn.kv_cache = None if caches is None else caches[i]
-            bind_rope = getattr(block.attn.kv_cache, "bind_rope", None)  # policies that need RoPE (expected-attention)
-            if bind_rope is not None:
+            cache = block.attn.kv_cache
+            if isinstance(cache, KVCache) and cache.needs_rope:  # policies that score with RoPE (expected-attention)
                 column = None if self.config.rope_indices is None else self.config.rope_indices[i]
-                bind_rope(self._rope_table, self.config.rope_n_elem, column)
+                cache.bind_rope(self._rope_table, self.config.rope_n_elem, column)
         self.caches = caches
         return caches
 

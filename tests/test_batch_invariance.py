@@ -92,3 +92,25 @@ def test_prefix_store_warm_equals_cold_batch_equals_alone(model: GPT, prompts: l
     warm = [t.tolist() for t in generate(model, prompts, NEW, cfg, prefix_cache=store)]
     assert store.hits >= len(prompts)
     assert cold == alone == first == warm
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keydiff", "snapkv", "expected-attention", "last-recent"])
+@torch.inference_mode()
+def test_one_shot_compresses_at_the_end_of_the_prompt_whatever_the_chunking(
+    model: GPT, prompts: list[torch.Tensor], policy: str
+) -> None:
+    """One-shot mode keeps the whole prompt and compresses it when generate ends the prefill
+    (`KVCaches.end_prefill`), not at the first one-token call: chunk 1 (every prefill call is one token)
+    gives the tokens and kept sets of chunk 64 and of the default, alone and in a ragged batch."""
+    options = {"mode": "one-shot", "budget": 24}
+    if policy == "snapkv":
+        options["window"] = 8
+    results = []
+    for chunk in (1, 64, None):
+        cfg = KVCacheConfig(policy, cache_length=max(LENGTHS) + NEW, chunk_size=chunk, options=options)
+        results.append(_run(model, prompts, cfg))
+        alone = [_run(model, [p], cfg) for p in prompts]
+        assert results[-1][0] == [a[0][0] for a in alone] and results[-1][1] == [a[1][0] for a in alone]
+    assert results[0] == results[1] == results[2]
+    held = results[0][1][2]  # the longest prompt: its prompt tokens were cut to the budget
+    assert all(sum(p < max(LENGTHS) for p in head) == 24 for layer in held for head in layer)

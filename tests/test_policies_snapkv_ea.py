@@ -185,7 +185,7 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
     cache = get_kv_cache_class(policy)(config, CacheShape(B, G, L, HS, HS), None, torch.float32)
     seen_k, seen_v = cache.storage.as_stored(k, v)  # what queries and policy see (int4: rounded per token)
     oracle = oracle_class(config, q.double(), seen_k.double(), seen_v.double(), pos)
-    if hasattr(cache, "bind_rope"):  # the cache gets the queries after RoPE, the oracle keeps them before
+    if cache.needs_rope:  # the cache gets the queries after RoPE, the oracle keeps them before
         cache.bind_rope(rope_table, ROPE_N)
         q = rotated(q.double(), pos).float()
     evicting = 0

@@ -4,7 +4,7 @@ equations, on a tiny random GQA model: the same kept set per layer, row and KV h
 The reference reads the model's pre-RoPE queries, keys and values from the `qkv` projection (a forward
 hook on a dense run), applies RoPE itself (rotation matrices from the config), and ranks the prompt's
 tokens with plain loops and Python sets; litkv prefills the same prompt in chunks with
-`mode="one-shot"` and compresses (`compress_all`, or by itself at the first decode step).
+`mode="one-shot"` and compresses (`compress_all`, or `KVCaches.end_prefill` as `generate` calls it).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def layers_of(model: GPT, idx: torch.Tensor) -> list[list[Layer]]:
 
 @torch.inference_mode()
 def litkv_kept(model: GPT, idx: torch.Tensor, policy: str, options: dict, budget: int, decode: bool) -> Kept:
-    """Chunked one-shot prefill, then `compress_all` (or one decode step: it compresses by itself)."""
+    """Chunked one-shot prefill, then `compress_all` (or `KVCaches.end_prefill` and one decode step)."""
     cfg = KVCacheConfig(
         policy, cache_length=N + 4, chunk_size=CHUNK, options={**options, "mode": "one-shot", "budget": budget}
     )
@@ -184,6 +184,7 @@ def litkv_kept(model: GPT, idx: torch.Tensor, policy: str, options: dict, budget
         for start in range(0, N, CHUNK):
             model(idx[:, start : start + CHUNK], input_pos=pos[:, start : start + CHUNK])
         if decode:
+            caches.end_prefill()
             model(idx[:, :1], input_pos=torch.full((ROWS, 1), N))
         else:
             compress_all(caches)

@@ -202,6 +202,7 @@ class KVCache(ABC):
             the instance is `self.options`).
         needs_attn_weights: `Candidates.attn_weights` is filled (attention takes the eager path).
         needs_queries: `Candidates.queries` is filled.
+        needs_rope: the model hands the cache its RoPE tables when attaching it (`bind_rope`).
         heads_share_positions: every KV head of a row always holds the same tokens in the same slots
             (true for policies that look at neither keys nor attention); attention then builds one mask
             per row instead of one per head.
@@ -221,6 +222,7 @@ class KVCache(ABC):
     needs_attn_weights: ClassVar[bool] = False
     needs_queries: ClassVar[bool] = False
     heads_share_positions: ClassVar[bool] = False
+    needs_rope: ClassVar[bool] = False
     slot_state: ClassVar[tuple[str, ...]] = ()
     row_state: ClassVar[tuple[str, ...]] = ()
 
@@ -470,6 +472,17 @@ class KVCache(ABC):
         slots = slots.expand(*self.positions.shape[:2], t)
         placement = _placement(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
         self.after_write(placement, cand)
+
+    def end_prefill(self) -> None:
+        """Called once a prompt has been prefilled, before its first decode step (`KVCaches.end_prefill`).
+
+        Nothing by default; a one-shot policy compresses its prompt to the budget here.
+        """
+
+    def bind_rope(
+        self, table: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_elem: int, column: int | None = None
+    ) -> None:
+        """Receive the model's RoPE tables (`table(length) -> (cos, sin)`) when the class sets `needs_rope`."""
 
     def abort_call(self) -> None:
         """Forget a call interrupted between `attend_inputs` and `evict_and_store` (nothing was stored)."""

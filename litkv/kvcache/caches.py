@@ -76,6 +76,11 @@ class KVCaches:
         for cache in self.policy_caches:
             cache.advance(num_new)
 
+    def end_prefill(self) -> None:
+        """The prompt is in: every layer's `end_prefill` (one-shot policies compress to their budget)."""
+        for cache in self.policy_caches:
+            cache.end_prefill()
+
     # -- positions ------------------------------------------------------------------------------
 
     def observe(self, input_pos: torch.Tensor, check: bool) -> None:

@@ -12,7 +12,7 @@ key `k` is `exp(k.R mu / sqrt(d) + k^T R Sigma R^T k / (2 d))` (the covariance t
 averaged over the KV group's query heads and, with `use_vnorm`, turned into `(score + epsilon) ||v||`.
 The lowest are evicted; the `n_sink` first tokens and the `recent` newest are never evicted.
 
-The RoPE table comes from the model: `GPT.set_kv_caches` calls `bind_rope` on caches that have it.
+The RoPE table comes from the model: the class sets `needs_rope`, so `GPT.set_kv_caches` calls `bind_rope`.
 The scale is `1/sqrt(head_size)` (the model's own may differ, e.g. Gemma's). No attention weights are
 needed: the layer keeps the fast attention path.
 """
@@ -111,6 +111,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = ExpectedAttentionOptions
     needs_queries: ClassVar[bool] = True
+    needs_rope: ClassVar[bool] = True
     row_state: ClassVar[tuple[str, ...]] = ("stats",)
 
     def __init__(

@@ -60,10 +60,11 @@ def compact_slots(cache: KVCache, keep: torch.Tensor) -> None:
 
 def compress_all(caches: Sequence[object]) -> None:
     """`compress()` every one-shot cache of `caches` (one per layer) that has not compressed yet: the end
-    of the prompt. Other caches are left alone."""
+    of the prompt (what `KVCaches.end_prefill` does; `generate` calls it after the prefill). Other caches
+    are left alone."""
     for cache in caches:
-        if isinstance(cache, OneShot) and cache.one_shot and not cache.compressed:
-            cache.compress()
+        if isinstance(cache, OneShot):
+            cache.end_prefill()
 
 
 class OneShot(KVCache):
@@ -94,13 +95,10 @@ class OneShot(KVCache):
         top = torch.topk(rank, min(self.budget, self.cache_length), dim=2).indices
         return torch.zeros_like(positions, dtype=torch.bool).scatter_(2, top, True) & (positions >= 0)
 
-    def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Compress first if this is the first one-token call (decode step) after a one-shot prompt."""
-        if self.one_shot and not self.compressed and keys.shape[2] == 1 and self.num_filled > 0:
+    def end_prefill(self) -> None:
+        """The end of the prompt: a one-shot cache compresses (once)."""
+        if self.one_shot and not self.compressed:
             self.compress()
-        return super().attend_inputs(keys, values, input_pos, queries)
 
     def check_room(self, input_pos: torch.Tensor) -> None:
         """One-shot: the whole prompt must fit before the compression."""
