@@ -102,7 +102,7 @@ class Candidates:
     query_pos: torch.Tensor
     attn_weights: torch.Tensor | None = None
     queries: torch.Tensor | None = None
-    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    scratch: dict[str, object] = field(default_factory=dict)
 
     @property
     def num_new(self) -> int:

@@ -120,7 +120,6 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         super().__init__(config, shape, device, dtype)
         self.sinks = self.options.protected_sinks()
         self.stats: Stats | None = None  # set at the first call
-        self._next: Stats | None = None  # this call's, from score()
         self._rope: tuple[RopeTable, int, int | None] | None = None
         self._future: tuple[torch.Tensor, torch.Tensor] = (torch.ones(0), torch.zeros(0))  # set by bind_rope
 
@@ -209,8 +208,8 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` expected attention of each candidate (times `||v||` with `use_vnorm`)."""
-        self._next = self.updated_stats(candidates.queries, candidates.query_pos)
-        return self.expected(self._next, candidates.keys, candidates.values, candidates.positions)
+        stats = candidates.scratch["ea.stats"] = self.updated_stats(candidates.queries, candidates.query_pos)
+        return self.expected(stats, candidates.keys, candidates.values, candidates.positions)
 
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` expected attention of the slots under the prompt's statistics; sinks and recent `inf`."""
@@ -221,8 +220,5 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         """Keep the statistics with this call's queries (also while the cache fills)."""
-        if self._next is None:
-            self.stats = self.updated_stats(candidates.queries, candidates.query_pos)
-        else:
-            self.stats = self._next
-        self._next = None
+        stats = candidates.scratch.get("ea.stats")  # set by score(); not while the cache fills
+        self.stats = self.updated_stats(candidates.queries, candidates.query_pos) if stats is None else stats

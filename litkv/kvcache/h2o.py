@@ -78,7 +78,6 @@ class H2OKVCache(ScoreKVCache):
         self.normalize = self.options.normalize_scores
         self.attn_sums = torch.zeros_like(self.positions, dtype=torch.float32)
         self.query_counts = torch.zeros_like(self.attn_sums)
-        self._accumulated: tuple[Candidates, torch.Tensor] | None = None
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` accumulated attention (divided by the query counts with `normalize_scores`)."""
@@ -88,12 +87,13 @@ class H2OKVCache(ScoreKVCache):
     def accumulated(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` attention each candidate has received since it entered the cache, this call included.
 
-        Computed once per call (`score` and `after_write` both read it).
+        Computed once per call (`score` and `after_write` both read it; kept in the call's scratch space).
         """
-        if self._accumulated is None or self._accumulated[0] is not candidates:
+        value = candidates.scratch.get("h2o.accumulated")
+        if value is None:
             value = F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
-            self._accumulated = (candidates, value)
-        return self._accumulated[1]
+            candidates.scratch["h2o.accumulated"] = value
+        return value  # type: ignore[return-value]
 
     def counts(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` queries that could attend to each candidate since it entered the cache."""
@@ -103,7 +103,6 @@ class H2OKVCache(ScoreKVCache):
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         empty = self.positions < 0
         self.attn_sums = placement.carry(self.accumulated(candidates)).masked_fill(empty, 0.0)
-        self._accumulated = None
         if self.normalize:
             self.query_counts = placement.carry(self.counts(candidates)).masked_fill(empty, 0.0)
 

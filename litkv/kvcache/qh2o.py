@@ -80,7 +80,6 @@ class QuantizedH2OKVCache(H2OKVCache):
         if not isinstance(self.storage, QuantizedStorage):
             raise TypeError(f"qh2o needs QuantizedStorage, got {type(self.storage).__name__}")
         self.quant_errors = torch.zeros_like(self.attn_sums)
-        self._errors: tuple[Candidates, torch.Tensor] | None = None
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` normalised H2O score minus the weighted normalised quantisation error."""
@@ -92,16 +91,16 @@ class QuantizedH2OKVCache(H2OKVCache):
         """Carry the candidates' errors into the slots, then update the H2O state."""
         errors = placement.carry(self._candidate_errors(candidates))
         self.quant_errors = errors.masked_fill(self.positions < 0, 0.0)
-        self._errors = None
         super().after_write(placement, candidates)
 
     def _candidate_errors(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` errors of the slots' tokens, then of the new tokens (0 for pads), once per call."""
-        if self._errors is None or self._errors[0] is not candidates:
+        errors = candidates.scratch.get("qh2o.errors")
+        if errors is None:
             new = self.storage.token_errors(candidates.new_keys, candidates.new_values)
             new = new.masked_fill(candidates.query_pos[:, None, :] < 0, 0.0)
-            self._errors = (candidates, torch.cat((self.quant_errors, new), dim=2))
-        return self._errors[1]
+            errors = candidates.scratch["qh2o.errors"] = torch.cat((self.quant_errors, new), dim=2)
+        return errors  # type: ignore[return-value]
 
 
 def _share_of_max(x: torch.Tensor) -> torch.Tensor:

@@ -134,14 +134,13 @@ class SnapKVKVCache(ScoreKVCache):
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self.best = torch.zeros_like(self.positions, dtype=torch.float32)
-        self._scores: torch.Tensor | None = None  # this call's per-candidate scores, from score()
         # one-shot: the prompt's last `window` queries and their positions (None until the first call)
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""
-        self._scores = self.call_scores(candidates, candidates.keys)
-        return self._scores
+        scores = candidates.scratch["snapkv.scores"] = self.call_scores(candidates, candidates.keys)
+        return scores
 
     def call_scores(self, candidates: Candidates, keys: torch.Tensor) -> torch.Tensor:
         """`(B, G, L + T)` this call's pooled window attention over `keys`, maxed with the past if asked."""
@@ -168,9 +167,8 @@ class SnapKVKVCache(ScoreKVCache):
             self.window = update_window(self.window, candidates.queries, candidates.query_pos, self.options.window)
             return
         if self.options.keep_max:
-            scores = self._scores
+            scores = candidates.scratch.get("snapkv.scores")
             if scores is None:  # cache filling: the stored slots are lossless, the call's slots are empty
                 keys = torch.cat((self.storage.read()[0], candidates.new_keys), dim=2)
                 scores = self.call_scores(candidates, keys)
             self.best = placement.carry(scores).masked_fill(self.positions < 0, 0.0)
-        self._scores = None
