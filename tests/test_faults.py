@@ -268,3 +268,52 @@ def test_finetune_killed_at_20_points_resumes_to_the_uninterrupted_run(
     print(f"finetune: {kills} kills, {in_write} inside a checkpoint write")
     assert kills >= POINTS - 2
     _same_checkpoint(out / "final", ref / "final")
+
+
+# -- a prefix store shared by concurrent processes --------------------------------------------------
+
+
+def _generate_argv(ckpt: Path, prompt: str, store: Path | None) -> list[str]:
+    argv = ["generate", str(ckpt), "--prompt", prompt, "--kv_cache", "h2o", "--kv_cache.cache_length", "16",
+            "--kv_cache.chunk_size", "4", "--temperature", "0", "--max_new_tokens", "4",
+            "--num_threads", "1"]  # fmt: skip
+    return argv + ([] if store is None else ["--prompt_cache", str(store)])
+
+
+def test_concurrent_processes_share_a_prefix_store(server: ForkServer, ckpt: Path, tmp_path: Path) -> None:
+    """Four `litkv generate --prompt_cache DIR` processes at a time, three rounds, on prompts sharing
+    prefixes (so they write the same entries at the same moment), while entries are being deleted
+    under them: every process prints the tokens of a cold run, and every file left is a complete entry
+    that proves the key it is named after."""
+    from safetensors import safe_open
+
+    base = TEXT[:160]
+    prompts = [base[: 60 + 25 * i] for i in range(4)]
+    cold = []
+    for i, prompt in enumerate(prompts):
+        pid = server.start(
+            _generate_argv(ckpt, prompt, None), ckpt / "model_config.yaml", tmp_path / f"c{i}", tmp_path / "e"
+        )
+        assert server.wait(pid) == 0, (tmp_path / "e").read_text()
+        cold.append((tmp_path / f"c{i}").read_text())
+    store, rng = tmp_path / "store", random.Random(3)
+    for round_ in range(3):
+        pids = [
+            server.start(
+                _generate_argv(ckpt, p, store), ckpt / "model_config.yaml", tmp_path / f"o{i}", tmp_path / f"e{i}"
+            )
+            for i, p in enumerate(prompts)
+        ]
+        time.sleep(0.05 * round_)
+        for f in sorted(store.glob("*.safetensors")) if store.is_dir() else []:
+            if rng.random() < 0.3:
+                f.unlink(missing_ok=True)  # another process's cleanup, say
+        codes = [server.wait(pid) for pid in pids]
+        assert codes == [0] * 4, [(tmp_path / f"e{i}").read_text()[-2000:] for i in range(4)]
+        assert [(tmp_path / f"o{i}").read_text() for i in range(4)] == cold
+    files = sorted(store.glob("*.safetensors"))
+    assert files and not [p for p in store.iterdir() if is_temp_name(p.name)]
+    for f in files:
+        CacheState.load(f)
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            assert json.loads((handle.metadata() or {})["litkv_prefix"])["key"] == f.name.removesuffix(".safetensors")
