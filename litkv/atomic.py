@@ -11,7 +11,7 @@ directory):
    and the directory is `fsync`ed, so the rename itself survives a power loss.
 
 On any error the temporary file is removed and the previous file is left as it was. A write that
-fails for lack of space or permission (ENOSPC, EDQUOT, EACCES, EPERM, EROFS) raises one
+fails for lack of space or permission (ENOSPC, EDQUOT, EFBIG, EACCES, EPERM, EROFS) raises one
 `FileWriteError` naming the path (an `OSError` with the errno, and a `ValueError`, so the CLI prints
 it as one line). A process killed mid-write leaves only a temporary name behind: it never ends in a
 data suffix, so no reader takes it for data, and `remove_stale_temp_files` (called when a directory
@@ -46,7 +46,7 @@ __all__ = [
 #: Prefix of every temporary file or directory that litkv writes (then renames into place).
 TMP_PREFIX = ".litkv-tmp-"
 #: Errors of a write that the user must fix (space, permission, read-only file system).
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 _OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
 _PID_IN_NAME = re.compile(r"\.(\d+)-[0-9a-f]{8}$")
 #: Files that earlier litkv versions left as `.NAME.XXXXXX.tmp` when killed mid-write.

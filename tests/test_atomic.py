@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import errno
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -203,6 +204,40 @@ def test_space_and_permission_errors_name_the_path_and_keep_the_old_file(tmp_pat
     assert info.value.errno == code and str(target) in str(info.value) and os.strerror(code) in str(info.value)
     assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="POSIX file size limits")
+def test_a_real_failed_write_through_safetensors_keeps_the_old_file(tmp_path: Path) -> None:
+    """A real write failure in the middle of a cache state (the file size limit stands in for a full
+    disk: the kernel refuses the write with EFBIG): one FileWriteError naming the path, the previous
+    session file intact and loadable, no temporary file left."""
+    import resource
+
+    from tiny_checkpoint import checkpoint_config
+
+    model = litkv.GPT(checkpoint_config()).eval()
+    model.set_kv_caches(model.build_kv_caches(litkv.KVCacheConfig(cache_length=64), 1))
+    with torch.no_grad():
+        model(torch.arange(2)[None], torch.arange(2)[None])
+        small = snapshot(model)
+        model(torch.arange(60)[None], torch.arange(2, 62)[None])
+        large = snapshot(model)
+    target = tmp_path / "session.safetensors"
+    small.save(target)
+    limit = target.stat().st_size + 1000
+    assert large.nbytes() > limit
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        with pytest.raises(FileWriteError, match="cannot write .*session.safetensors") as info:
+            large.save(target)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert info.value.errno == errno.EFBIG
+    assert [p.name for p in tmp_path.iterdir()] == ["session.safetensors"]
+    assert CacheState.load(target).layers[0].num_filled == 2
 
 
 def test_a_serialiser_error_that_hides_the_errno_is_recognised(tmp_path: Path) -> None:
