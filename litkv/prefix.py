@@ -166,7 +166,10 @@ class PrefixCache:
             proof = json.dumps({"key": key, "tokens": tokens})
             try:
                 state.save(path, extra_metadata={_PROOF: proof})
-            except OSError as err:  # no space, no permission, a read-only or vanished parent: memory only
+            except FileNotFoundError as err:  # another process removed our temporary file: skip this one
+                log.info("prefix cache: %s not written: %s", path, err)
+                return
+            except OSError as err:  # no space, no permission, read-only, not a directory: memory only
                 self._write_failed = True
                 warnings.warn(
                     f"prefix cache: cannot write to {str(self.directory)!r} ({err}); going on in memory only",

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import random_gpt, tiny_config
 
-from litkv import GPT, KVCacheConfig, PrefixCache, generate
+from litkv import GPT, CacheState, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
@@ -296,3 +296,27 @@ def test_leftover_temp_files_removed_at_open_live_ones_counted(model: GPT, tmp_p
     _, prompts = _prompts(seed=10)
     generate(model, prompts[:1], 1, cfg, prefix_cache=store)
     assert store.disk_bytes() <= 6000 and live.exists()  # the live write's bytes left ~1 kB for entries
+
+
+def test_a_write_whose_temp_file_vanished_is_skipped_quietly(
+    model: GPT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """Another process's cleanup removed this writer's temporary file (its rename fails): that entry is not
+    written, no warning, and the store keeps writing the others."""
+    from litkv import state as state_module
+
+    save = state_module.CacheState.save
+    calls = []
+
+    def first_fails(self: CacheState, path: Path, extra_metadata: dict[str, str] | None = None) -> None:
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        save(self, path, extra_metadata)
+
+    monkeypatch.setattr(state_module.CacheState, "save", first_fails)
+    _, prompts = _prompts(seed=11)
+    store = _disk_store(model, tmp_path / "s", _config("h2o"), prompts[0])
+    files = list((tmp_path / "s").glob("*.safetensors"))
+    assert len(calls) == 4 and len(files) == 3 and store.disk_bytes() > 0
+    assert not [w for w in recwarn if "memory only" in str(w.message)]
