@@ -224,11 +224,66 @@ def test_state_operation_sequences_match_the_model(model: GPT, ops: list[tuple[s
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
 
 
-def test_most_generated_configs_ran(model: GPT) -> None:
-    """The generators are not so wild that everything is refused (run after the property test above)."""
-    if RAN["worked"] + RAN["refused"] == 0:
-        pytest.skip("the property test did not run in this session")
-    assert RAN["worked"] >= 80, (RAN, REASONS)
+TRUNCATED = {True: 0, False: 0}  # examples that rolled back some calls / none
+EVICTING = [p for p in ("h2o", "tova", "last-recent", "knorm", "keydiff", "snapkv") if p in POLICIES]
+
+
+@settings(derandomize=True, deadline=None, max_examples=200, suppress_health_check=list(HealthCheck))
+@given(
+    policy=st.sampled_from(EVICTING),
+    calls=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    rollbacks=st.lists(
+        st.one_of(st.tuples(st.just(True), st.integers(1, 4)), st.tuples(st.just(False), st.integers(0, 20))),
+        min_size=1,
+        max_size=3,
+    ),
+    depth=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+@torch.no_grad()
+def test_truncate_of_an_evicting_cache_equals_never_having_made_the_calls(
+    model: GPT, policy: str, calls: list[int], rollbacks: list[tuple[bool, int]], depth: int, seed: int
+) -> None:
+    """Calls of random sizes through an 8-slot evicting cache (it evicts), then random `truncate(n)`:
+    allowed exactly when `n` ends on a call boundary within the undo log's `depth` calls, and then the
+    caches are bitwise those of a fresh run of the calls that remain."""
+    from litkv.state import keep_undo_log
+
+    cfg = KVCacheConfig(policy, cache_length=8, chunk_size=6)
+    gen = torch.Generator().manual_seed(seed)
+    chunks = [torch.randint(0, VOCAB, (1, n), generator=gen) for n in calls]
+    model.set_kv_caches(model.build_kv_caches(cfg, 1))
+    keep_undo_log(model, depth)
+    done: list[torch.Tensor] = []
+    for chunk in chunks:
+        start = sum(c.shape[1] for c in done)
+        model(chunk, torch.arange(start, start + chunk.shape[1])[None])
+        done.append(chunk)
+    logged = len(done) if len(done) <= depth else depth
+    for by_calls, k in rollbacks:  # the tokens of the last k calls, or k tokens
+        n = sum(c.shape[1] for c in done[len(done) - min(k, len(done)) :]) if by_calls else k
+        ends = [sum(c.shape[1] for c in done[len(done) - j :]) for j in range(logged + 1)]
+        if n not in ends:
+            with pytest.raises(ValueError) as info:
+                truncate(model, n)
+            _raised_by_litkv(info.value)
+            continue
+        truncate(model, n)
+        j = ends.index(n)
+        done, logged = done[: len(done) - j], logged - j
+    fresh = snapshot(model)
+    model.set_kv_caches(model.build_kv_caches(cfg, 1))
+    start = 0
+    for chunk in done:
+        model(chunk, torch.arange(start, start + chunk.shape[1])[None])
+        start += chunk.shape[1]
+    replay = snapshot(model)
+    TRUNCATED[len(done) < len(chunks)] += 1
+    for got, want in zip(fresh.layers, replay.layers, strict=True):
+        g, w = got.full_tensors(), want.full_tensors()
+        assert all(torch.equal(g[k], w[k]) for k in w), policy
+    if done:
+        assert fresh.last_pos.tolist() == replay.last_pos.tolist()
 
 
 @pytest.mark.xfail(strict=True, reason="GPT.forward sets last_pos before the caches run (litkv/model.py)")
@@ -298,3 +353,12 @@ def test_chat_options_work_or_fail_with_one_error_line(
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
     if code == 2:
         assert "error:" in err, (argv, err)
+
+
+def test_most_generated_configs_ran(model: GPT) -> None:
+    """The generators are not so wild that everything is refused (runs last: after the property tests)."""
+    if RAN["worked"] + RAN["refused"] == 0:
+        pytest.skip("the property test did not run in this session")
+    assert RAN["worked"] >= 80, (RAN, REASONS)
+    if sum(TRUNCATED.values()):
+        assert TRUNCATED[True] >= 50, TRUNCATED  # the rollback property rolled back calls in many examples
