@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from litkv.atomic import save_dir_atomic, write_atomic, write_special_file, write_text_atomic
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth
 
 __all__ = ["BenchResult", "bench", "format_table", "prepare_weights", "run_peer"]
@@ -99,13 +100,13 @@ def prepare_weights(model_name: str, seed: int, workdir: Path) -> tuple[Path, Pa
     torch.manual_seed(seed)
     hf_model = LlamaForCausalLM(hf_config)
     hf_dir, lit_dir = workdir / "hf", workdir / "litgpt"
-    hf_model.save_pretrained(hf_dir)
+    save_dir_atomic(hf_dir, hf_model.save_pretrained)
     state_dict: dict[str, torch.Tensor] = {}
     hf_weights = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     copy_weights_hf_llama(config, {}, state_dict, hf_weights)
     state_dict = {k: v.contiguous().clone() for k, v in state_dict.items()}
     lit_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state_dict, str(lit_dir / "model.safetensors"))
+    write_atomic(lit_dir / "model.safetensors", lambda tmp: save_file(state_dict, str(tmp)))
     return hf_dir, lit_dir
 
 
@@ -114,8 +115,7 @@ _BASELINE_MB: list[float] = []
 
 def _reset_peak_rss() -> None:
     """Reset the kernel's resident-set high-water mark of this process (Linux); remember the RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    write_special_file("/proc/self/clear_refs", "5")
     _BASELINE_MB.append(_status_mb("VmRSS"))
 
 
@@ -530,5 +530,5 @@ def bench(
             r.step_bytes, r.bandwidth = _step_bytes(model, r.prompt_len, r.new_tokens), bandwidth
     print(format_table(results))
     if json_out is not None:
-        json_out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        write_text_atomic(json_out, json.dumps([asdict(r) for r in results], indent=2))
     return results

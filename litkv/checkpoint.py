@@ -9,26 +9,23 @@ containers of them) is refused. YAML is read with `yaml.safe_load` only.
 Every file that cannot be used (truncated, corrupt, wrong type, wrong dtype, NaN/inf weights, an
 inconsistent config) raises a ValueError that names the file and what is wrong.
 
-Writes are atomic: a file (or a whole directory, `save_dir_atomic`) is written under a temporary
-name starting with `TMP_PREFIX` in the target's directory and renamed into place when complete. A
-process killed mid-write leaves only such temporary names behind, which `remove_stale_temp_files`
-removes and which are never taken for a checkpoint.
+Writes go through `litkv.atomic` (re-exported here: `save_file_atomic`, `save_dir_atomic`,
+`remove_stale_temp_files`, `is_temp_name`, `TMP_PREFIX`): a file or a whole directory is written under
+a temporary name in the target's directory and renamed into place when complete, so a process killed
+mid-write leaves only temporary names behind, never taken for a checkpoint.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import secrets
-import shutil
-import stat
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from litkv.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, save_dir_atomic, write_atomic
 from litkv.config import Config
 from litkv.model import GPT
 
@@ -61,8 +58,6 @@ CONFIG_FILE = "model_config.yaml"
 SAFETENSORS_FILE = "model.safetensors"
 PTH_FILE = "lit_model.pth"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-#: Prefix of every temporary file or directory that litkv writes (then renames into place).
-TMP_PREFIX = ".litkv-tmp-"
 #: `mlp_class_name` and `norm_class_name` values a checkpoint config may use.
 MLP_CLASSES = ("GptNeoxMLP", "LLaMAMLP", "GemmaMLP", "LLaMAMoE")
 NORM_CLASSES = ("LayerNorm", "RMSNorm")
@@ -70,10 +65,6 @@ NORM_CLASSES = ("LayerNorm", "RMSNorm")
 _POSITIVE_INTS = ("block_size", "vocab_size", "padded_vocab_size", "padding_multiple", "n_layer", "n_head", "n_embd",
                   "n_query_groups", "head_size", "intermediate_size")  # fmt: skip
 _OPTIONAL_INTS = ("padded_vocab_size", "n_query_groups", "head_size", "intermediate_size")
-#: Names of files that earlier litkv versions left behind when killed mid-write: `.NAME.XXXXXX.tmp`.
-_LEGACY_TMP_NAMES = (CONFIG_FILE, SAFETENSORS_FILE, PTH_FILE, "lora.safetensors", "training_state.pt",
-                     "hyperparameters.yaml", "prompt_style.yaml", "tokenizer.json", "tokenizer.model",
-                     "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")  # fmt: skip
 
 
 def default_checkpoint_dir() -> Path:
@@ -410,121 +401,11 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
         raise ValueError(f"cannot read the tokenizer in {str(path)!r}: {_one_line(err)}") from err
 
 
-# -- atomic writes ---------------------------------------------------------------------------------
+# -- atomic writes (litkv.atomic) -------------------------------------------------------------------
 
 
-def is_temp_name(name: str) -> bool:
-    """Whether `name` is a temporary file/directory name of an (interrupted) litkv write."""
-    if name.startswith(TMP_PREFIX):
-        return True
-    return name.endswith(".tmp") and any(name.startswith(f".{known}.") for known in _LEGACY_TMP_NAMES)
-
-
-def _temp_sibling(path: Path, make: Callable[[Path], None]) -> Path:
-    """Create (with `make`, which must fail if it exists) a fresh `TMP_PREFIX` name next to `path`."""
-    for _ in range(100):
-        tmp = path.parent / f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}"
-        try:
-            make(tmp)
-        except FileExistsError:
-            continue
-        return tmp
-    raise FileExistsError(f"cannot create a temporary name next to {str(path)!r}")
-
-
-def _create_file(tmp: Path) -> None:
-    # mode 0o666 & ~umask, as open() would (mkstemp would give 0o600)
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_file_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
-    """Write `path` atomically: `write_fn(tmp_path)` writes a temporary file `TMP_PREFIX...` in the
-    same directory, which then replaces `path` (`os.replace`). On any error the temporary file is
-    removed. The file gets mode `0o666 & ~umask`, as a plain `open()` would give it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(path, _create_file)
-    try:
-        mode = stat.S_IMODE(tmp.stat().st_mode)  # 0o666 & ~umask
-        write_fn(tmp)
-        if stat.S_IMODE(tmp.stat().st_mode) != mode:  # safetensors writes its files with 0o600
-            os.chmod(tmp, mode)
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def save_dir_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
-    """Write directory `path` atomically: `write_fn(tmp_dir)` fills a temporary `TMP_PREFIX...`
-    directory next to it, which is then renamed to `path` (an existing `path` is replaced).
-
-    On any error the temporary directory is removed and an existing `path` is kept, so an
-    incomplete directory is never found under the name `path`.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(path, lambda p: p.mkdir(mode=0o777))
-    try:
-        write_fn(tmp)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    """Rename directory `tmp` to `path`; an existing `path` is moved aside first, then deleted."""
-    if not path.exists():
-        os.rename(tmp, path)
-        return
-    old = path.parent / f"{TMP_PREFIX}{path.name}.old-{secrets.token_hex(4)}"
-    os.rename(path, old)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.rename(old, path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_stale_temp_files(directory: str | Path) -> list[Path]:
-    """Remove temporary files/directories of interrupted litkv writes in `directory` and its subdirectories
-    (one level deep, e.g. `out_dir/step-000010/`); warn naming them; return them.
-
-    Only names that litkv's writes produce are touched (`TMP_PREFIX...` and `.NAME.XXXXXX.tmp` of the
-    checkpoint files). Do not call it while another process writes into `directory`.
-    """
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if is_temp_name(p.name)]
-    for sub in root.iterdir():
-        if sub.is_dir() and not sub.is_symlink() and not is_temp_name(sub.name):
-            found += [p for p in sub.iterdir() if is_temp_name(p.name) and not p.is_dir()]
-    for stale in found:
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
-    if found:
-        warnings.warn(
-            f"removed {len(found)} temporary file(s) of interrupted checkpoint writes: "
-            + ", ".join(str(p) for p in sorted(found)),
-            stacklevel=2,
-        )
-    return sorted(found)
+#: The name earlier versions of this module had for `litkv.atomic.write_atomic`.
+save_file_atomic = write_atomic
 
 
 def save_state_dict_atomic(path: str | Path, state_dict: Mapping[str, torch.Tensor]) -> Path:
@@ -547,5 +428,5 @@ def save_state_dict_atomic(path: str | Path, state_dict: Mapping[str, torch.Tens
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        return save_file_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
-    return save_file_atomic(path, lambda tmp: torch.save(tensors, tmp))
+        return write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+    return write_atomic(path, lambda tmp: torch.save(tensors, tmp))

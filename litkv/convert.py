@@ -19,13 +19,13 @@ import yaml
 from litgpt.config import name_to_config
 from litgpt.scripts import convert_hf_checkpoint as lit_convert
 
+from litkv.atomic import write_atomic, write_text_atomic
 from litkv.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
     check_state_dict,
     load_state_dict,
     read_json_object,
-    save_file_atomic,
     save_state_dict_atomic,
 )
 from litkv.config import Config
@@ -202,15 +202,6 @@ def convert_hf_checkpoint(
     save_state_dict_atomic(out_dir / SAFETENSORS_FILE, state_dict)
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
-            save_file_atomic(out_dir / name, partial(_copy, hf_dir / name))
-    save_file_atomic(out_dir / CONFIG_FILE, partial(_write_config, config))  # last: the directory is complete
+            write_atomic(out_dir / name, partial(shutil.copyfile, hf_dir / name))
+    write_text_atomic(out_dir / CONFIG_FILE, yaml.dump(asdict(config)))  # last: the directory is complete
     return out_dir
-
-
-def _copy(src: Path, dst: Path) -> None:
-    shutil.copyfile(src, dst)
-
-
-def _write_config(config: Config, path: Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.dump(asdict(config), f)

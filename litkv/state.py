@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -206,19 +205,21 @@ class CacheState:
 
     # -- files ----------------------------------------------------------------------------------
 
-    def save(self, path: str | Path) -> None:
-        """Write the state to one safetensors file (tensors + JSON metadata with a checksum), atomically."""
+    def save(self, path: str | Path, extra_metadata: dict[str, str] | None = None) -> None:
+        """Write the state to one safetensors file (tensors + JSON metadata with a checksum), atomically
+        (`litkv.atomic.write_atomic`). `extra_metadata`: more string entries of the file's safetensors
+        metadata, for the writer's own use (read back with `safe_open(...).metadata()`; not checksummed)."""
         from safetensors.torch import save_file
+
+        from litkv.atomic import write_atomic
 
         tensors, meta = _to_file(self)
         meta["digest"] = _digest(meta, tensors)
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            save_file(tensors, str(tmp), metadata={"litkv": json.dumps(meta, sort_keys=True)})
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        extra = dict(extra_metadata or {})
+        if "litkv" in extra or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+            raise ValueError(f"extra_metadata must map str to str and not use the key 'litkv', got {extra!r:.200}")
+        metadata = {**extra, "litkv": json.dumps(meta, sort_keys=True)}
+        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> CacheState:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -35,18 +36,18 @@ def _chat(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], l
 def test_session_saved_and_loaded_continues_like_an_uninterrupted_one(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """Three turns in one session == two turns, exit (--session saves), a new session (--session loads) and
-    the third turn; the 64-slot cache has evicted by then (the replies run past 64 tokens)."""
+    """Three turns in one session == two turns, exit (--session saved each turn), a new session (--session
+    loads) and the third turn; the 64-slot cache has evicted by then (the replies run past 64 tokens)."""
     whole, _ = _chat(monkeypatch, capsys, list(TURNS))
     assert len(whole) == 3 and all(whole)
     session = tmp_path / "chat.safetensors"
     first, err = _chat(monkeypatch, capsys, list(TURNS[:2]), "--session", str(session))
-    assert first == whole[:2] and "saved" in err and session.is_file()
+    assert first == whole[:2] and session.is_file() and "error" not in err
     second, err = _chat(monkeypatch, capsys, [TURNS[2], "/stats"], "--session", str(session))
-    assert "loaded" in err
+    assert "loaded" in err and "(2 turns)" in err
     assert second[0] == whole[2]
     seen = int(second[1].split("tokens seen: ")[1].split()[0])
-    assert seen > 64 and "slots held: 64 of 64" in second[1]
+    assert seen > 64 and "slots held: 64 of 64" in second[1] and "turns: 3" in second[1]
 
 
 def test_undo_reset_save_load_commands(
@@ -171,3 +172,151 @@ def test_pseudo_terminal_session() -> None:
             proc.kill()
             proc.wait()
         os.close(main_fd)
+
+
+# -- sessions: per-turn saves, turn boundaries, bad paths, locks, signals ---------------------------------
+
+
+def test_session_saved_after_every_turn_with_its_turn_boundaries(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The file is written after each turn (not only at exit); it stores the turns, so after a resume
+    /undo rolls back the last turn (dense cache: exact for any turn) and /stats counts the turns."""
+    from litkv.cli.chat_cmd import ChatSession
+
+    session = tmp_path / "s.safetensors"
+    sizes: list[int] = []
+    save = ChatSession.save
+
+    def spy(self: ChatSession, path: Path) -> str:
+        message = save(self, path)
+        sizes.append(len(self.turns))
+        return message
+
+    monkeypatch.setattr(ChatSession, "save", spy)
+    dense = ["--kv_cache.policy", "dense", "--kv_cache.cache_length", "512"]
+    whole, _ = _chat(monkeypatch, capsys, list(TURNS[:3]), *dense, "--session", str(session))
+    assert sizes == [1, 2, 3]
+    out, err = _chat(monkeypatch, capsys, ["/stats", "/undo", TURNS[2], "/stats"], *dense, "--session", str(session))
+    assert "(3 turns)" in err and "turns: 3" in out[0] and out[1].startswith("rolled back the last turn")
+    assert out[2] == whole[2] and "turns: 3" in out[3] and sizes[-2:] == [2, 3]
+
+
+def test_undo_after_resume_with_an_evicting_cache_names_the_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    session = tmp_path / "s.safetensors"
+    _chat(monkeypatch, capsys, [TURNS[0]], "--session", str(session))
+    out, err = _chat(monkeypatch, capsys, ["/undo", TURNS[1], "/undo", "/stats"], "--session", str(session))
+    assert "it was loaded from a file" in err and "keep_undo_log" not in err
+    assert out[1].startswith("rolled back") and "turns: 1" in out[2]
+
+
+def test_undo_beyond_the_log_names_the_cli_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, err = _chat(monkeypatch, capsys, [TURNS[0], "/undo", "/stats"], "--undo_depth", "2")
+    assert "--undo_depth 2" in err and "keep_undo_log" not in err and "turns: 1" in out[1]
+
+
+def test_bad_save_and_load_paths_are_one_line_and_the_chat_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("x")
+    lines = [
+        TURNS[0], f"/save {tmp_path}", f"/load {tmp_path}", f"/save {tmp_path / 'file' / 'x'}",
+        f"/load {tmp_path / 'file'}", f"/save {tmp_path / 'new' / 'dir' / 's.safetensors'}", "/stats",
+    ]  # fmt: skip
+    out, err = _chat(monkeypatch, capsys, lines)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 4 and "Traceback" not in err, err
+    assert "is a directory" in errors[0] and "is a directory" in errors[1] and "not a directory" in errors[2]
+    assert "not a readable safetensors file" in errors[3]
+    assert out[1].startswith("saved") and "turns: 1" in out[2]
+
+
+def test_session_that_is_a_directory_is_refused_at_start(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", "--session", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1 and "--session" in err[0] and "is a directory" in err[0]
+
+
+def test_a_second_chat_on_a_session_in_use_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The lock is held while a chat runs (here: another process holds it); once that process is gone
+    (killed: its lock goes with it), the session opens."""
+    session = tmp_path / "s.safetensors"
+    code = "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+    code += "print('held', flush=True); time.sleep(60)"
+    lock_file = tmp_path / ".s.safetensors.lock"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(lock_file)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as exc:
+            _chat(monkeypatch, capsys, [TURNS[0]], "--session", str(session))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 1 and len(err) == 1 and "in use by another litkv chat" in err[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    out, err = _chat(monkeypatch, capsys, [TURNS[0]], "--session", str(session))
+    assert len(out) == 1 and session.is_file()
+
+
+def _start_chat(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "litkv", "chat", *H2O, *GREEDY, *args]
+    return subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, **kwargs
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_save_and_exit_cleanly(tmp_path: Path, signum: int) -> None:
+    """A real chat process, signalled while it waits for the next line: it ends with status 0, no
+    traceback, and the session file holds both turns (a resume goes on from them)."""
+    session = tmp_path / "s.safetensors"
+    proc = _start_chat(["--session", str(session)])
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"{TURNS[0]}\n{TURNS[1]}\n")
+    proc.stdin.flush()
+    replies = [proc.stdout.readline(), proc.stdout.readline()]
+    end = time.monotonic() + 60
+    while _saved_turns(session) < 2:  # the save after the second turn; then the chat waits for input
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err and signal.Signals(signum).name in err, err
+    assert all(r.strip() for r in replies) and _saved_turns(session) == 2
+
+
+def _saved_turns(session: Path) -> int:
+    from litkv.cli.chat_cmd import _read_turns
+    from litkv.state import CacheState
+
+    try:
+        state = CacheState.load(session)
+    except FileNotFoundError:
+        return 0
+    return len(_read_turns(session, len(state.token_ids[0])))
+
+
+def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None:
+    """SIGINT while the model loads: a short message, status 130, and no session file written."""
+    code = (
+        "import os, signal, sys; import litkv.cli.chat_cmd as c; from litkv.__main__ import main\n"
+        "load = c.load_model\n"
+        "def slow(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return load(*a, **k)\n"
+        "c.load_model = slow\n"
+        "main(sys.argv[1:])\n"
+    )
+    session = tmp_path / "s.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "chat", "--session", str(session)], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 130 and "Traceback" not in done.stderr and "interrupted" in done.stderr, done.stderr
+    assert not session.exists()

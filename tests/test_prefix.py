@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import random_gpt, tiny_config
 
-from litkv import GPT, KVCacheConfig, PrefixCache, generate
+from litkv import GPT, CacheState, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
@@ -181,3 +181,142 @@ def test_per_layer_configs(model: GPT) -> None:
     assert store.reused_tokens == 24 + 32 + 40 and store.misses == 1  # row 1 found row 0's blocks at once
     generate(model, prompts[:1], 1, configs[::-1], prefix_cache=store)  # other layer order: another chain
     assert store.misses == 2
+
+
+# -- a store on disk that others share, remove, or fill up --------------------------------------------
+
+
+def _disk_store(model: GPT, directory: Path, cfg: KVCacheConfig, prompt: torch.Tensor) -> PrefixCache:
+    store = PrefixCache(10**9, directory)
+    generate(model, [prompt], 1, cfg, prefix_cache=store)
+    return store
+
+
+def test_an_entry_proves_its_key(model: GPT, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A valid entry copied over another key's file (same model, same config, checksum intact) is not
+    trusted by its name: warned about, removed, recomputed; the output is that of a cold run."""
+    cfg = _config("h2o")
+    _, prompts = _prompts(seed=6)
+    expected = _alone(model, prompts[:1], cfg)[0]
+    _disk_store(model, tmp_path / "s", cfg, prompts[0])
+    files = sorted((tmp_path / "s").glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    assert len(files) == 4  # 32 tokens: blocks of 8
+    files[-1].write_bytes(files[0].read_bytes())  # the longest prefix's name now holds the first block's state
+    store = PrefixCache(10**9, tmp_path / "s")
+    with caplog.at_level(logging.WARNING, logger="litkv.prefix"):
+        assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=store)[0].tolist() == expected
+    assert "does not prove key" in caplog.text and store.hits == 1 and store.reused_tokens == 24
+    again = PrefixCache(10**9, tmp_path / "s")  # recomputed and written again under its own key
+    assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=again)[0].tolist() == expected
+    assert again.reused_tokens == 32
+
+
+def test_an_entry_removed_by_another_process_is_a_miss(
+    model: GPT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between `is_file` and the read, another process removes the entry: a plain miss, no error, no warning."""
+    from litkv import state as state_module
+
+    cfg = _config("tova")
+    _, prompts = _prompts(seed=7)
+    expected = _alone(model, prompts[:1], cfg)[0]
+    _disk_store(model, tmp_path / "s", cfg, prompts[0])
+    load = state_module.CacheState.load.__func__
+
+    def load_after_removal(cls: type, path: Path, *args: object, **kwargs: object) -> object:
+        Path(path).unlink()
+        return load(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(state_module.CacheState, "load", classmethod(load_after_removal))
+    store = PrefixCache(10**9, tmp_path / "s")
+    with caplog.at_level(logging.WARNING, logger="litkv.prefix"):
+        assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=store)[0].tolist() == expected
+    assert store.hits == 0 and store.misses == 1 and caplog.text == ""
+
+
+def test_a_store_directory_removed_while_in_use_is_created_again(model: GPT, tmp_path: Path) -> None:
+    import shutil
+
+    cfg = _config("h2o")
+    _, prompts = _prompts(seed=8)
+    expected = _alone(model, prompts[:2], cfg)
+    store = _disk_store(model, tmp_path / "s", cfg, prompts[0])
+    store.clear()
+    shutil.rmtree(tmp_path / "s")
+    assert store.disk_bytes() == 0
+    assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=store)] == expected
+    assert len(list((tmp_path / "s").glob("*.safetensors"))) > 0 and store.disk_bytes() > 0
+
+
+def test_a_store_that_cannot_write_serves_from_memory_with_one_warning(
+    model: GPT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from litkv import state as state_module
+    from litkv.atomic import FileWriteError
+
+    def full_disk(self: object, path: Path, extra_metadata: object = None) -> None:
+        raise FileWriteError(errno.ENOSPC, f"cannot write {str(path)!r}: No space left on device")
+
+    monkeypatch.setattr(state_module.CacheState, "save", full_disk)
+    cfg = _config("h2o")
+    _, prompts = _prompts(seed=9)
+    expected = _alone(model, prompts[:2], cfg)
+    store = PrefixCache(10**9, tmp_path / "s")
+    with pytest.warns(UserWarning, match="going on in memory only") as record:
+        assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=store)] == expected
+        first = store.hits
+        assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=store)] == expected
+    assert len([w for w in record if "memory only" in str(w.message)]) == 1
+    assert store.hits == first + 2 and store.disk_bytes() == 0
+
+
+def test_leftover_temp_files_removed_at_open_live_ones_counted(model: GPT, tmp_path: Path) -> None:
+    """Temporary files of a killed writer go when the store opens; those of a writer still running stay
+    and count towards the byte bound."""
+    import os
+    import subprocess
+    import sys
+
+    from litkv.atomic import TMP_PREFIX
+
+    directory = tmp_path / "s"
+    directory.mkdir()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    stale = directory / f"{TMP_PREFIX}abc.safetensors.{dead}-0123abcd"
+    legacy = directory / ".abc.safetensors.tmp99"
+    live = directory / f"{TMP_PREFIX}def.safetensors.{os.getppid()}-0123abcd"
+    for path in (stale, legacy, live):
+        path.write_bytes(b"\0" * 5000)
+    store = PrefixCache(6000, directory)
+    assert not stale.exists() and not legacy.exists() and live.exists()
+    assert store.disk_bytes() == 5000
+    cfg = _config("h2o")
+    _, prompts = _prompts(seed=10)
+    generate(model, prompts[:1], 1, cfg, prefix_cache=store)
+    assert store.disk_bytes() <= 6000 and live.exists()  # the live write's bytes left ~1 kB for entries
+
+
+def test_a_write_whose_temp_file_vanished_is_skipped_quietly(
+    model: GPT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """Another process's cleanup removed this writer's temporary file (its rename fails): that entry is not
+    written, no warning, and the store keeps writing the others."""
+    from litkv import state as state_module
+
+    save = state_module.CacheState.save
+    calls = []
+
+    def first_fails(self: CacheState, path: Path, extra_metadata: dict[str, str] | None = None) -> None:
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        save(self, path, extra_metadata)
+
+    monkeypatch.setattr(state_module.CacheState, "save", first_fails)
+    _, prompts = _prompts(seed=11)
+    store = _disk_store(model, tmp_path / "s", _config("h2o"), prompts[0])
+    files = list((tmp_path / "s").glob("*.safetensors"))
+    assert len(calls) == 4 and len(files) == 3 and store.disk_bytes() > 0
+    assert not [w for w in recwarn if "memory only" in str(w.message)]

@@ -3,22 +3,32 @@
 Each turn appends the user's text and the reply to the caches: the history is never prefilled again,
 and with an evicting policy the conversation can run past the model's context length. Commands:
 `/undo` (roll back the last turn), `/save FILE`, `/load FILE`, `/reset`, `/stats`, `/help`, `/quit`.
-`--session FILE` loads the session at start (when the file exists) and saves it at exit. Replies stream;
-Ctrl-C stops a reply (the part already produced stays in the session); Ctrl-D (end of input) exits.
-Input may come from a terminal or a pipe.
+Replies stream; Ctrl-C stops a reply (the part already produced stays in the session as a turn);
+Ctrl-D (end of input) exits. Input may come from a terminal or a pipe.
+
+`--session FILE` loads the session at start (when the file exists) and saves it, atomically, after
+every completed turn and every command that changes it, so a crash loses at most the turn in progress.
+The file holds the turn boundaries (`/undo` works after a resume). While a chat runs, its session file
+is locked (`.FILE.lock` next to it): a second chat on the same file is refused; the lock of a process
+that died is free again. SIGTERM and SIGHUP end the chat cleanly: a reply in progress stops at the
+next token, the session is saved, the process exits with status 0. No path, command or signal ends
+the chat with a traceback.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import torch
 
+from litkv.atomic import remove_stale_temp_files
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
@@ -34,6 +44,8 @@ __all__ = ["ChatSession", "chat"]
 Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (B, V) -> next tokens (B,)
 
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
+#: Safetensors metadata key of a session file's chat data: `{"turns": [tokens of each turn]}` as JSON.
+CHAT_METADATA = "litkv_chat"
 HELP = (
     "commands: /undo (roll back the last turn), /save FILE, /load FILE, /reset, /stats, /help, /quit; "
     "Ctrl-C stops a reply, Ctrl-D exits"
@@ -59,6 +71,7 @@ class ChatSession:
         self.undo_depth = undo_depth
         self.history: list[int] = []
         self.turns: list[int] = []
+        self.loaded_turns = 0  # turns restored from a file: their undo history is not in the log
         self.interrupted = False
         self.reset()
 
@@ -73,7 +86,7 @@ class ChatSession:
             warnings.simplefilter("ignore")  # e.g. qh2o choosing its storage: said once at start
             self.model.set_kv_caches(self.model.build_kv_caches(self.kv_cache, 1))
         keep_undo_log(self.model, self.undo_depth)
-        self.history, self.turns = [], []
+        self.history, self.turns, self.loaded_turns = [], [], 0
 
     # -- a turn ---------------------------------------------------------------------------------
 
@@ -130,25 +143,49 @@ class ChatSession:
         if not self.turns:
             return "nothing to undo"
         n = self.turns[-1]
-        truncate(self.model, n)
+        try:
+            truncate(self.model, n)
+        except ValueError as err:
+            raise ValueError(self._undo_error(n)) from err
         self.turns.pop()
+        self.loaded_turns = min(self.loaded_turns, len(self.turns))
         del self.history[len(self.history) - n :]
         return f"rolled back the last turn ({n} tokens)"
 
+    def _undo_error(self, n: int) -> str:
+        """Why the last turn cannot be rolled back, in terms of the chat's options."""
+        if len(self.turns) <= self.loaded_turns:
+            return (
+                f"cannot undo this turn ({n} tokens): it was loaded from a file, and a {self.kv_cache.policy} cache "
+                "can only roll back turns taken since (a dense cache can roll back any turn)"
+            )
+        return (
+            f"cannot undo this turn ({n} tokens): it took more calls than the undo log keeps "
+            f"(--undo_depth {self.undo_depth}); restart with a larger --undo_depth"
+        )
+
     def save(self, path: Path) -> str:
+        """Write the session (caches, token history, turn boundaries) to `path`, atomically."""
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"cannot save to {str(path)!r}: it is a directory; give a file name")
         state = snapshot(self.model, device="cpu", token_ids=[list(self.history)])
-        state.save(path)
+        state.save(path, extra_metadata={CHAT_METADATA: json.dumps({"turns": self.turns})})
         return f"saved {len(self.history)} tokens to {path} ({state.nbytes() / 2**20:.2f} MiB of state)"
 
     def load(self, path: Path) -> str:
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"cannot load {str(path)!r}: it is a directory, not a session file")
         state = CacheState.load(path)
         if state.batch_size != 1:
             raise ValueError(f"{path} holds {state.batch_size} rows; a chat session has one")
+        history = list(state.token_ids[0]) if state.token_ids else []
+        turns = _read_turns(path, len(history))
         restore(self.model, state)
         self.kv_cache = state.configs[0]
-        self.history = list(state.token_ids[0]) if state.token_ids else []
-        self.turns = []
-        return f"loaded {len(self.history)} tokens from {path} (policy {self.kv_cache.policy})"
+        self.history, self.turns, self.loaded_turns = history, turns, len(turns)
+        return f"loaded {len(self.history)} tokens ({len(turns)} turns) from {path} (policy {self.kv_cache.policy})"
 
     def stats(self) -> str:
         caches = self.model.kv_caches
@@ -159,6 +196,25 @@ class ChatSession:
             f"{caches[0].cache_length} per layer and head | cache: {self.kv_cache.policy}, "
             f"{cache_bytes / 2**20:.2f} MiB"
         )
+
+
+def _read_turns(path: Path, history: int) -> list[int]:
+    """The turn boundaries stored in a session file; `[]` (with a warning) when absent or inconsistent."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        raw = (f.metadata() or {}).get(CHAT_METADATA)
+    if raw is None:
+        return []  # saved by `snapshot(...).save` or an earlier litkv: no turns to undo
+    try:
+        turns = json.loads(raw)["turns"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        turns = None
+    valid = isinstance(turns, list) and all(type(t) is int and t >= 1 for t in turns) and sum(turns) == history
+    if not valid:
+        warnings.warn(f"{path}: its turn boundaries are invalid ({raw[:80]!r}); /undo starts from here", stacklevel=2)
+        return []
+    return turns
 
 
 class _TextStream:
@@ -196,6 +252,10 @@ class _TextStream:
             self.out.flush()
 
 
+#: Commands after which the session file is written again (they change the session).
+_CHANGING = ("/undo", "/reset", "/load")
+
+
 def _command(session: ChatSession, line: str) -> str | None:
     """Run a `/command`; its message, or `None` for `/quit`."""
     name, _, arg = line.strip().partition(" ")
@@ -226,6 +286,98 @@ def _read_line(interactive: bool) -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
+class _Terminate(BaseException):
+    """Raised by the SIGTERM/SIGHUP handler while the chat waits for input (nothing is being computed)."""
+
+
+class _Signals:
+    """The chat's signal handling. While a turn runs and the session is saved (`busy`), Ctrl-C only
+    sets `session.interrupted` (checked between decode steps, so no call is cut between a cache's
+    attend and evict) and SIGTERM/SIGHUP also record that the chat must end after it. While waiting
+    for input, Ctrl-C raises KeyboardInterrupt (a hint is printed) and SIGTERM/SIGHUP end the chat."""
+
+    def __init__(self, session: ChatSession) -> None:
+        self.session = session
+        self.busy = False
+        self.terminate: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if not self.busy:
+            raise KeyboardInterrupt
+        self.session.interrupted = True
+
+    def _on_terminate(self, signum: int, frame: object) -> None:
+        self.terminate = signum
+        if not self.busy:
+            raise _Terminate
+        self.session.interrupted = True
+
+    def __enter__(self) -> _Signals:
+        wanted = {signal.SIGINT: self._on_sigint, signal.SIGTERM: self._on_terminate}
+        if hasattr(signal, "SIGHUP"):
+            wanted[signal.SIGHUP] = self._on_terminate
+        for signum, handler in wanted.items():
+            try:
+                self.previous[signum] = signal.signal(signum, handler)
+            except ValueError:  # not the main thread: signals keep their default behaviour
+                break
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+
+    @contextmanager
+    def protected(self) -> Iterator[None]:
+        """Run a turn (and the save after it) to its end whatever signal comes."""
+        self.session.interrupted = False
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+
+
+def _session_path(session: Path | None) -> Path | None:
+    """`--session` checked before anything is loaded: a file name (existing or not), never a directory."""
+    if session is None:
+        return None
+    path = Path(session)
+    if path.is_dir():
+        raise ValueError(
+            f"--session {str(path)!r} is a directory; give a session file name (e.g. {path / 'chat.safetensors'})"
+        )
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"--session {str(path)!r}: {str(path.parent)!r} is not a directory")
+    return path
+
+
+@contextmanager
+def _session_lock(path: Path | None) -> Iterator[None]:
+    """Hold the session file's lock (`.NAME.lock` next to it) for the chat's life; ValueError if another
+    chat holds it. The lock is the kernel's (`flock`): a process that dies releases it."""
+    if path is None:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise ValueError(
+            f"--session {str(path)!r} is in use by another litkv chat (its lock {lock.lock_file!r} is held); "
+            "end that chat first or give another --session file"
+        ) from None
+    try:
+        remove_stale_temp_files(path.parent, depth=0, kind="session")
+        yield
+    finally:
+        lock.release()
+
+
 def chat(
     checkpoint_dir: Path | None = None,
     kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
@@ -252,7 +404,8 @@ def chat(
         top_k: Sample among the k most likely tokens only.
         top_p: Nucleus sampling threshold in (0, 1].
         seed: Random seed of the sampler.
-        session: A session file: loaded at start when it exists (its cache config wins), saved at exit.
+        session: A session file: loaded at start when it exists (its cache config wins), saved after every
+            turn and command that changes it; locked while the chat runs.
         stop_at_newline: End a reply at its first newline (else at end-of-text or max_new_tokens).
         undo_depth: Calls (prefill chunks and decode steps) the undo log keeps for /undo.
         precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
@@ -260,73 +413,100 @@ def chat(
         num_threads: CPU threads for torch. Default: torch's choice.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    path = _session_path(session)
+    try:
+        with _session_lock(path):
+            state = _start(checkpoint_dir, kv_cache, path, undo_depth, precision, device, num_threads)
+            generator = torch.Generator(device=state.model.lm_head.weight.device).manual_seed(seed)
+
+            def pick(logits: torch.Tensor) -> torch.Tensor:
+                return sample(logits, temperature, top_k, top_p, generator)
+
+            with _Signals(state) as signals:
+                _run(state, signals, pick, path, max_new_tokens, stop_at_newline)
+    except KeyboardInterrupt:  # Ctrl-C while starting (or at a moment no handler is installed)
+        print("\n(interrupted; the session file, if any, is as of the last complete turn)", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _start(
+    checkpoint_dir: Path | None,
+    kv_cache: KVCacheConfig,
+    session: Path | None,
+    undo_depth: int,
+    precision: str | None,
+    device: str | None,
+    num_threads: int | None,
+) -> ChatSession:
+    """Load the model, the tokenizer and the session file."""
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     apply_num_threads(num_threads)
     dev = resolve_device(device)
     model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
     state = ChatSession(model, load_tokenizer(ckpt), kv_cache, undo_depth)
-    if session is not None and Path(session).is_file():
-        print(state.load(Path(session)), file=sys.stderr)
-    generator = torch.Generator(device=dev).manual_seed(seed)
+    if session is not None and session.is_file():
+        print(state.load(session), file=sys.stderr)
+    return state
 
-    def pick(logits: torch.Tensor) -> torch.Tensor:
-        return sample(logits, temperature, top_k, top_p, generator)
 
+def _run(
+    state: ChatSession, signals: _Signals, pick: Pick, session: Path | None, max_new_tokens: int, stop_at_newline: bool
+) -> None:
+    """The chat until end of input, /quit or SIGTERM/SIGHUP; the session file is current at every return."""
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"litkv chat ({state.kv_cache.policy}, {state.kv_cache.cache_length} slots). {HELP}", file=sys.stderr)
+    with suppress(_Terminate):
+        _loop(state, signals, interactive, pick, session, max_new_tokens, stop_at_newline)
+    if signals.terminate is not None:
+        name = signal.Signals(signals.terminate).name
+        kept = f"; {session} holds the session as of the last complete turn" if session is not None else ""
+        print(f"\n(ending on {name}{kept})", file=sys.stderr, flush=True)
+
+
+def _save_session(state: ChatSession, session: Path | None) -> None:
+    """Write the session file (after a turn or a changing command); a failure is one line, the chat goes on."""
+    if session is None:
+        return
     try:
-        _loop(state, interactive, pick, max_new_tokens, stop_at_newline)
-    finally:
-        if session is not None:
-            print(state.save(Path(session)), file=sys.stderr)
+        state.save(session)
+    except (OSError, ValueError) as err:
+        print(f"error: the session was not saved: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
 
 
-def _loop(state: ChatSession, interactive: bool, pick: Pick, max_new_tokens: int, stop_at_newline: bool) -> None:
-    while True:
+def _loop(
+    state: ChatSession,
+    signals: _Signals,
+    interactive: bool,
+    pick: Pick,
+    session: Path | None,
+    max_new_tokens: int,
+    stop_at_newline: bool,
+) -> None:
+    while signals.terminate is None:
         try:
             line = _read_line(interactive)
         except KeyboardInterrupt:
             print("\n(Ctrl-C: type /quit or press Ctrl-D to exit)", file=sys.stderr)
             continue
-        if line is None:
-            return
-        if not line.strip():
+        if line is None or not line.strip():
+            if line is None:
+                return
             continue
         try:
-            if line.startswith("/"):
-                message = _command(state, line)
-                if message is None:
-                    return
-                print(message, flush=True)
-                continue
-            with _stop_on_sigint(state):
+            with signals.protected():
+                if line.startswith("/"):
+                    message = _command(state, line)
+                    if message is None:
+                        return
+                    if line.split()[0] in _CHANGING:
+                        _save_session(state, session)
+                    print(message, flush=True)
+                    continue
                 state.turn(line, max_new_tokens, pick, sys.stdout, stop_at_newline)
+                _save_session(state, session)
             if state.interrupted:
-                print("[reply stopped]", file=sys.stderr, flush=True)
-        except (ValueError, TypeError, FileNotFoundError) as err:
+                kept = " and saved" if session is not None else ""
+                print(f"[reply stopped] the turn so far is kept{kept} (/undo removes it)", file=sys.stderr, flush=True)
+        except (ValueError, TypeError, OSError) as err:
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
-
-
-class _stop_on_sigint:  # noqa: N801 (used as a context manager)
-    """While a reply runs, Ctrl-C sets `session.interrupted` (checked between decode steps) instead of
-    raising, so that no call is cut between a cache's attend and evict."""
-
-    def __init__(self, session: ChatSession) -> None:
-        self.session = session
-        self.previous = None
-
-    def __enter__(self) -> None:
-        self.session.interrupted = False
-
-        def handler(signum: int, frame: object) -> None:
-            self.session.interrupted = True
-
-        try:
-            self.previous = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread: Ctrl-C keeps its default behaviour
-            self.previous = None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)

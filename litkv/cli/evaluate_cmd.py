@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer, save_file_atomic
+from litkv.atomic import write_atomic, write_text_atomic
+from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
 from litkv.evaluate import DENSE, PolicyResult, evaluate_policies, text_windows
@@ -224,7 +225,7 @@ def _write_outputs(out_dir: Path, results: Sequence[PolicyResult], info: dict[st
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {**info, "results": [r.to_dict() for r in results]}
     json_path = out_dir / "evaluate.json"
-    save_file_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+    write_text_atomic(json_path, json.dumps(data, indent=2) + "\n")
     png_path = out_dir / "evaluate.png"
     try:
         plot_results(results, png_path)
@@ -291,5 +292,5 @@ def plot_results(results: Sequence[PolicyResult], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    save_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)

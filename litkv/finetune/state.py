@@ -7,21 +7,24 @@ tokenizer files, `hyperparameters.yaml` (a valid `--config` for `litkv finetune`
 `training_state.pt`: optimizer state, step, data-order seed and RNG states, tensors and plain
 containers only, so it loads with `torch.load(weights_only=True)`.
 
-A directory is written under a temporary name (`litkv.checkpoint.TMP_PREFIX...`) and renamed into
-place when complete (`save_dir_atomic`), so a run killed mid-write never leaves an incomplete
-`step-XXXXXX/`; the next run removes the temporary leftovers (`remove_stale_temp_files`).
+A directory is written under a temporary name (`litkv.atomic.TMP_PREFIX...`) and renamed into place
+when complete (`save_dir_atomic`; each file in it through `litkv.atomic.write_atomic`), so a run killed
+mid-write never leaves an incomplete `step-XXXXXX/`; the next run removes the temporary leftovers
+(`remove_stale_temp_files`).
 """
 
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from litkv.atomic import write_atomic, write_text_atomic
 from litkv.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
@@ -119,8 +122,7 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
 
 
 def _write_yaml(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(data, f, sort_keys=False)
+    write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 def save_checkpoint(
@@ -146,14 +148,14 @@ def save_checkpoint(
             save_state_dict_atomic(tmp / LORA_FILE, adapters)
         for name in (*COPIED_FILES, *recall_task_files(base_dir)):
             if (base_dir / name).is_file():
-                shutil.copyfile(base_dir / name, tmp / name)
+                write_atomic(tmp / name, partial(shutil.copyfile, base_dir / name))
         _write_yaml(tmp / HPARAMS_FILE, hparams)
         if prompt_style is not None:
             from litgpt.prompts import PromptStyle
 
             cls = type(PromptStyle.from_name(prompt_style))
             _write_yaml(tmp / PROMPT_STYLE_FILE, {"class_path": f"{cls.__module__}.{cls.__name__}"})
-        torch.save(state.to_dict(), tmp / STATE_FILE)
+        write_atomic(tmp / STATE_FILE, partial(torch.save, state.to_dict()))
 
     return save_dir_atomic(path, write)
 
