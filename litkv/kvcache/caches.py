@@ -89,10 +89,14 @@ class KVCaches:
         Args:
             input_pos: the call's positions.
             check: raise ValueError naming row, index and values unless the row's positions increase
-                across calls (one host read; skipped for trusted decode steps).
+                across calls, or when a layer's cache has no room for the call (before anything changes;
+                host reads, skipped for trusted decode steps).
         """
         if check:
             self._check_increasing(input_pos)
+            for cache in self.policy_caches:  # a call a cache refuses changes nothing, last_pos included
+                if not cache.static_shapes and input_pos.shape[1] <= cache.cache_length:  # else: a longer error
+                    cache.check_room(input_pos)
         last = input_pos.amax(dim=1)
         self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
 
