@@ -320,3 +320,19 @@ def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None
     )
     assert done.returncode == 130 and "Traceback" not in done.stderr and "interrupted" in done.stderr, done.stderr
     assert not session.exists()
+
+
+def test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so(tmp_path: Path) -> None:
+    """SIGINT while a long reply streams: the reply stops at the next token, the turn is kept and saved
+    (the session file has it), the chat says so and goes on to the next line."""
+    session = tmp_path / "s.safetensors"
+    proc = _start_chat(["--session", str(session), "--max_new_tokens", "100000", "--stop_at_newline", "false"])
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"{TURNS[0]}\n")
+    proc.stdin.flush()
+    proc.stdout.read(40)  # the reply is streaming
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate("/stats\n", timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "[reply stopped] the turn so far is kept and saved" in err and "turns: 1" in out
+    assert _saved_turns(session) == 1

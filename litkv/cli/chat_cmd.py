@@ -372,7 +372,9 @@ def _session_lock(path: Path | None) -> Iterator[None]:
             "end that chat first or give another --session file"
         ) from None
     try:
-        remove_stale_temp_files(path.parent, depth=0, kind="session")
+        removed = remove_stale_temp_files(path.parent, depth=0, quiet=True)
+        if removed:
+            print(f"(removed {len(removed)} temporary file(s) of interrupted saves in {path.parent})", file=sys.stderr)
         yield
     finally:
         lock.release()
