@@ -32,6 +32,7 @@ from litkv.kvcache.base import KVCache
 from litkv.kvcache.registry import check_policy_loadable
 from litkv.kvcache.storage import CacheShape
 from litkv.model import GPT
+from litkv.state_checks import check_token_ids, validate_state
 from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_log_of, writing_mode
 
 __all__ = [
@@ -227,10 +228,13 @@ class CacheState:
 
         Raises:
             FileNotFoundError: no such file.
+            ValueError: `path` is a directory.
             ValueError: one line, for a file that is not a litkv cache state, has another format version,
                 is truncated, or was modified (checksum mismatch).
         """
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"cache state path {str(path)!r} is a directory, not a cache state file")
         if not path.is_file():
             raise FileNotFoundError(f"cache state file {str(path)!r} does not exist")
         tensors, meta = _read_file(path)
@@ -240,6 +244,7 @@ class CacheState:
         _check_policies_loadable(meta, f"cache state file {str(path)!r}")
         try:
             state = _from_file(tensors, meta)
+            validate_state(state)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"cache state file {str(path)!r} has invalid metadata: {_one_line(err)}") from None
         return state if device is None else state.to(device)
@@ -272,23 +277,31 @@ def _one_line(err: BaseException) -> str:
 _WEIGHT_HASHES: weakref.WeakKeyDictionary[GPT, tuple[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
 
 
+_CHUNK = 1 << 24  # bytes hashed per step (bounds the host copy of a device parameter)
+
+
+def _hash_parameter(h: hashlib._Hash, p: torch.Tensor) -> None:
+    """Feed every byte of `p` to `h` (chunked: a device tensor is copied to host one chunk at a time)."""
+    raw = p.detach().contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, raw.numel(), _CHUNK):
+        h.update(raw[start : start + _CHUNK].cpu().numpy().tobytes())
+
+
 def model_fingerprint(model: GPT) -> dict[str, str]:
-    """`{"model_config": sha256 of the config, "weights": sha256 of names, shapes, dtypes and a sample of
-    up to 4,096 values of each parameter}` (memoised until a parameter changes)."""
+    """`{"model_config": sha256 of the config, "weights": sha256 of names, shapes, dtypes and every byte of
+    every parameter}`. Memoised until a parameter changes (version counter or storage); a model with
+    inference tensors (built under `torch.inference_mode`, no version counter) is hashed at every call."""
     cfg = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in ("name", "hf_config")}
     config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
     params = list(model.named_parameters())
-    # inference tensors (a model built under inference_mode) have no version counter: never memoised
     versions = tuple(-1 if p.is_inference() else p._version for _, p in params) + tuple(p.data_ptr() for _, p in params)
     cached = _WEIGHT_HASHES.get(model)
     if cached is None or cached[0] != versions or -1 in versions:
         h = hashlib.sha256()
         with torch.no_grad():
             for name, p in params:
-                flat = p.detach().reshape(-1)
-                sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
                 h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-                h.update(sample.numpy().tobytes())
+                _hash_parameter(h, p)
         cached = (versions, h.hexdigest())
         _WEIGHT_HASHES[model] = cached
     return {"model_config": config_hash, "weights": cached[1]}
@@ -330,6 +343,11 @@ def snapshot(
         token_ids: per row, the token ids the state covers (kept in the state and its file).
     """
     caches = attached_caches(model)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"snapshot device {device!r} is not a torch device: {_one_line(err)}") from None
     layers = [_layer_snapshot(cache, device) for cache in caches]
     last_pos = None if model.last_pos is None else model.last_pos.to(device, copy=True)
     return CacheState(layers, last_pos, model_fingerprint(model), caches[0].dtype, token_ids)
@@ -346,6 +364,7 @@ def _check_model(model: GPT, state: CacheState) -> None:
         raise ValueError("the cache state was taken from a model with other weights (or another dtype)")
     if len(state.layers) != model.config.n_layer:
         raise ValueError(f"the cache state has {len(state.layers)} layers, the model {model.config.n_layer}")
+    check_token_ids(state, model.config.vocab_size)
 
 
 @torch.no_grad()
