@@ -1,4 +1,4 @@
-"""Cost of `model_fingerprint` (sha256 over every parameter byte) for the shipped default model.
+"""Cost of `model_fingerprint` (an integer digest of every parameter element, then sha256) for the shipped model.
 
 Prints seconds per billion parameters and bytes/s, next to the memory bandwidth `litkv.bandwidth` measures.
 Usage: python scripts/bench_fingerprint.py [--checkpoint litkv/assets/default] [--repeats 3]
