@@ -161,7 +161,18 @@ def _load_components(selected: str | None) -> dict[str, Callable[..., object]]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the `litkv` console script."""
+    """Entry point of the `litkv` console script. Ctrl-C at any moment (imports included) exits with
+    status 130 and no traceback."""
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        if os.environ.get("LITKV_DEBUG", "") not in ("", "0"):
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main(argv: Sequence[str] | None) -> None:
     from jsonargparse import CLI
 
     from litkv.validation import one_line

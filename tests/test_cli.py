@@ -269,3 +269,19 @@ def test_help(command: str, procs) -> None:
     proc = finish(procs[command][0])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: litkv [options] {command}")
+
+
+def test_ctrl_c_anywhere_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while a command's module is still being imported: one line, status 130."""
+    import litkv.__main__ as cli
+
+    def interrupted(selected: str | None) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load_components", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--help"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 130 and err.strip() == "interrupted" and "Traceback" not in err
