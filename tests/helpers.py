@@ -25,6 +25,7 @@ __all__ = [
     "float64_model",
     "forward_depth",
     "max_diff",
+    "random_tokens",
     "randomize_",
     "random_gpt",
     "reference_forward",
@@ -46,6 +47,11 @@ TINY = dict(
     padded_vocab_size=128,
     block_size=256,
 )
+
+
+def random_tokens(batch: int, length: int, seed: int, low: int = 0, high: int = 128) -> torch.Tensor:
+    """(batch, length) int64 token ids uniform in [low, high), drawn from a generator seeded with `seed`."""
+    return torch.randint(low, high, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def tiny_config(name: str, **overrides: object) -> Config:

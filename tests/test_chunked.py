@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+from helpers import float64_model, forward_depth, max_diff, random_gpt, random_tokens, rounding_bound, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.runner import ChunkPlan
@@ -42,7 +42,7 @@ def _bound(model: GPT, expected: torch.Tensor, keys: int) -> float:
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(7))
+    return random_tokens(batch, length, seed=7)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 17, T])

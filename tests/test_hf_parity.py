@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import forward_depth, max_diff, randomize_, rounding_bound, tiny_config
+from helpers import forward_depth, max_diff, random_tokens, randomize_, rounding_bound, tiny_config
 from litgpt.scripts import convert_hf_checkpoint as conv
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
@@ -163,7 +163,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, GPT]:
 
 
 def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return random_tokens(batch, length, seed, low=3, high=VOCAB)
 
 
 @torch.inference_mode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import max_diff, random_gpt, tiny_config
+from helpers import max_diff, random_gpt, random_tokens, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.generate import pad_prompts
@@ -22,7 +22,7 @@ def model() -> GPT:
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(9))
+    return random_tokens(batch, length, seed=9)
 
 
 # Largest logit difference between chunkings, relative to the largest logit. Before `as_stored`, a

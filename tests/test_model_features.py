@@ -15,6 +15,7 @@ from helpers import (
     forward_depth,
     max_diff,
     random_gpt,
+    random_tokens,
     reference_forward,
     rounding_bound,
     tiny_config,
@@ -34,7 +35,7 @@ def model() -> GPT:
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(9))
+    return random_tokens(batch, length, seed=9)
 
 
 def _bound(model: GPT, expected: torch.Tensor) -> float:

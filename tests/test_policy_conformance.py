@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+from helpers import float64_model, forward_depth, max_diff, random_gpt, random_tokens, rounding_bound, tiny_config
 
 from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
 from litkv.generate import pad_prompts
@@ -112,7 +112,7 @@ def model64() -> GPT:
 
 
 def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return random_tokens(batch, length, seed)
 
 
 def test_discovery_finds_the_registry_and_the_examples() -> None:
