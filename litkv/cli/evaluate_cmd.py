@@ -18,9 +18,10 @@ import torch
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer, save_file_atomic
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
-from litkv.evaluate import DENSE, PolicyResult, evaluate_policies, text_windows
+from litkv.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
 from litkv.kvcache.registry import known_policies
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
+from litkv.ruler_report import run_ruler
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 
@@ -51,7 +52,9 @@ def evaluate(
     precision: str | None = None,
     device: str | None = None,
     num_threads: int | None = None,
-) -> list[PolicyResult]:
+    tasks: str | None = None,
+    task_samples: int = 8,
+) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
     Per (policy, budget): perplexity, mean KL(dense || policy) per token, top-1 agreement with dense,
@@ -83,8 +86,20 @@ def evaluate(
         precision: "32-true", "bf16-true", ... Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
         num_threads: CPU threads for torch. Default: torch's choice (one per core).
+        tasks: Run the offline RULER tasks instead (docs/ruler.md): "ruler" for all, or names separated by
+            commas (niah_single_1,vt,...); at `window` tokens (default: the model's context); writes ruler.json
+            and ruler.png.
+        task_samples: Samples per RULER task.
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
+    if tasks is not None:
+        ruler_settings = {
+            "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
+            "policy_options": _nest_policy_options(policy_options), "batch_size": batch_size, "text_file": text_file,
+            "out_dir": out_dir, "precision": precision, "device": device, "num_threads": num_threads,
+        }  # fmt: skip
+        budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
+        return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
     policy_options = _nest_policy_options(policy_options)
     for name, value in (("recall_cases", recall_cases), ("multikey_cases", multikey_cases)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
