@@ -376,8 +376,9 @@ def evaluate_ruler(
     batch_size: int = 4,
     progress: bool = False,
     policy_options: dict[str, dict[str, Any]] | None = None,
+    length: int = 0,
 ) -> list[RulerResult]:
-    """RULER scores of dense (cache as long as the longest sample) and of every (policy, budget).
+    """RULER scores of dense (cache as long as `length` or the longest sample) and of every (policy, budget).
 
     Returns:
         The dense reference first (always), then one result per (policy, budget) in order.
@@ -390,7 +391,7 @@ def evaluate_ruler(
     if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
         raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
     options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
-    longest = max(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task)
+    longest = max(length, *(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task))
     configs = _configs(template, policies, budgets, longest, options)
     results = []
     with tqdm(total=len(configs) * len(samples), desc="ruler", disable=not progress) as bar:

@@ -27,6 +27,7 @@ from litkv.recall import RecallFormat, encode_plain
 
 __all__ = [
     "NOISE",
+    "FALLBACK_WORDS",
     "NiahFormat",
     "TASKS",
     "RulerSample",
@@ -159,6 +160,16 @@ TASKS: dict[str, RulerTask] = {
     )
 }
 ALL_TASKS = "ruler"
+# The word list of a text too short to give one (`word_list`).
+FALLBACK_WORDS = (
+    "anchor", "basket", "candle", "desert", "engine", "forest", "garden", "hammer", "island", "jacket",
+    "kettle", "ladder", "marble", "needle", "oyster", "pepper", "quartz", "ribbon", "saddle", "tunnel",
+    "umpire", "valley", "walnut", "yellow", "zipper", "bridge", "castle", "dragon", "feather", "glacier",
+    "harvest", "insect", "jungle", "kingdom", "lemon", "mirror", "napkin", "orange", "pillow", "rabbit",
+    "silver", "thunder", "velvet", "window", "blanket", "compass", "dolphin", "emerald", "fountain", "gravel",
+    "helmet", "ivory", "journal", "lantern", "meadow", "nutmeg", "orchard", "parrot", "quiver", "rocket",
+    "spider", "tomato", "violin", "wizard",
+)  # fmt: skip
 
 
 def resolve_tasks(tasks: str | Sequence[str]) -> list[str]:
@@ -190,11 +201,13 @@ def word_list(text: str, min_len: int = 3, max_len: int = 10, skip_frequent: int
     """Distinct lowercase alphabetic words of `text` (sorted), the local stand-in for RULER's wonderwords.
 
     The `skip_frequent` most frequent words are left out, so that a model babbling text like `text`
-    ("the", "and", "lord") does not name a reference by chance.
+    ("the", "and", "lord") does not name a reference by chance. A text with fewer than
+    `len(FALLBACK_WORDS)` such words gives `FALLBACK_WORDS`.
     """
     counts = Counter(w.lower() for w in re.findall(r"[A-Za-z]+", text))
     frequent = {w for w, _ in counts.most_common(skip_frequent)}
-    return sorted(w for w in counts if min_len <= len(w) <= max_len and w not in frequent)
+    words = sorted(w for w in counts if min_len <= len(w) <= max_len and w not in frequent)
+    return words if len(words) >= len(FALLBACK_WORDS) else list(FALLBACK_WORDS)
 
 
 def string_match_all(predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
@@ -349,13 +362,26 @@ def _sample(
         build, refs = _vt_builder(words, rng)
         text, ids = _fit(build, tokenizer, budget, hi=400)
     elif task.kind == "cwe":
-        build, refs = _cwe_builder(words, rng)
-        text, ids = _fit(build, tokenizer, budget, hi=400)
+        text, ids, refs = _fit_cwe(tokenizer, words, budget, rng)
     else:
         build, _ = _fwe_builder(rng)
         text, ids = _fit(build, tokenizer, budget, hi=4000)
         refs = _fwe_top(text)
     return RulerSample(task.name, text, ids, refs, task.max_new_tokens)
+
+
+def _fit_cwe(tokenizer: Any, words: Sequence[str], budget: int, rng: random.Random) -> tuple[str, list[int], list[str]]:
+    """RULER's cwe frequencies (common words 10x here, 30x in RULER at 4K+ tokens; others 3x), lowered to
+    6x/2x then 3x/1x when even the common words alone do not fit in `budget` tokens."""
+    seed = rng.random()
+    for freq_cw, freq_ucw in ((10, 3), (6, 2), (3, 1)):
+        build, refs = _cwe_builder(words, random.Random(seed), freq_cw=freq_cw, freq_ucw=freq_ucw)
+        try:
+            text, ids = _fit(build, tokenizer, budget, hi=400)
+        except ValueError:
+            continue
+        return text, ids, refs
+    raise ValueError(f"even the cwe common words (3 times each) do not fit in {budget} prompt tokens")
 
 
 def _fwe_top(prompt: str) -> list[str]:

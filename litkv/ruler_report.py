@@ -52,7 +52,7 @@ def run_ruler(
     start = time.perf_counter()
     results = evaluate_ruler(
         model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
-        settings["policy_options"],
+        settings["policy_options"], length,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(format_ruler_table(results))
