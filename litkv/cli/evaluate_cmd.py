@@ -89,14 +89,15 @@ def evaluate(
         tasks: Run the offline RULER tasks instead (docs/ruler.md): "ruler" for all, or names separated by
             commas (niah_single_1,vt,...); at `window` tokens (default: the model's context); writes ruler.json
             and ruler.png.
-        task_samples: Samples per RULER task.
+        task_samples: Samples per RULER task (generated as one batch, or batch_size rows when larger).
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     if tasks is not None:
         ruler_settings = {
             "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
-            "policy_options": _nest_policy_options(policy_options), "batch_size": batch_size, "text_file": text_file,
-            "out_dir": out_dir, "precision": precision, "device": device, "num_threads": num_threads,
+            "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
+            "text_file": text_file, "out_dir": out_dir, "precision": precision, "device": device,
+            "num_threads": num_threads,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
         return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
