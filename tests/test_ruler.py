@@ -14,6 +14,7 @@ from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
 from litkv.__main__ import main
 from litkv.checkpoint import load_tokenizer
+from litkv.cli.ruler_report import format_ruler_table, near_zero_tasks
 from litkv.config import KVCacheConfig
 from litkv.evaluate import RulerResult, evaluate_ruler, ruler_score
 from litkv.model import GPT
@@ -30,7 +31,6 @@ from litkv.ruler import (
     string_match_part,
     word_list,
 )
-from litkv.ruler_report import format_ruler_table, near_zero_tasks
 
 LENGTH = 800
 RECALL = {

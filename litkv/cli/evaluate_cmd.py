@@ -17,11 +17,11 @@ import torch
 
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer, save_file_atomic
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.cli.ruler_report import run_ruler
 from litkv.config import KVCacheConfig
 from litkv.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
 from litkv.kvcache.registry import known_policies
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
-from litkv.ruler_report import run_ruler
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 
