@@ -24,14 +24,20 @@ from litkv.config import KVCacheConfig
 from litkv.generate import forward_chunked, generate
 from litkv.model import GPT, check_integer_tensor
 from litkv.recall import RecallExample
+from litkv.ruler import METRICS as RULER_METRICS
+from litkv.ruler import TASKS as RULER_TASKS
+from litkv.ruler import RulerSample
 
 __all__ = [
     "DENSE",
     "PolicyResult",
+    "RulerResult",
     "cache_config",
     "decode_speed",
     "evaluate_policies",
+    "evaluate_ruler",
     "recall_accuracy",
+    "ruler_score",
     "text_windows",
 ]
 
@@ -323,3 +329,76 @@ def _cache_bytes(model: GPT, kv_cache: KVCacheConfig) -> int:
     """Bytes of keys and values held by one row's caches over all layers."""
     with torch.inference_mode():
         return sum(cache.nbytes() for cache in model.build_kv_caches(kv_cache, batch_size=1))
+
+
+@dataclass
+class RulerResult:
+    """RULER scores (string match, in [0, 1]) of one (policy, budget), per task."""
+
+    policy: str
+    cache_length: int
+    scores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.scores.values()) / len(self.scores) if self.scores else math.nan
+
+    def to_dict(self) -> dict[str, object]:
+        return {"policy": self.policy, "cache_length": self.cache_length, "scores": self.scores, "mean": self.mean}
+
+
+def ruler_score(
+    model: GPT, tokenizer: Any, samples: Sequence[RulerSample], kv_cache: KVCacheConfig, batch_size: int = 8
+) -> float:
+    """RULER's score of greedy answers (`generate` through `kv_cache`) to `samples` of one task."""
+    _check_batch_size(batch_size)
+    if not samples:
+        raise ValueError("ruler_score needs at least one sample")
+    device = model.lm_head.weight.device
+    predictions: list[str] = []
+    for start in range(0, len(samples), batch_size):
+        batch = samples[start : start + batch_size]
+        prompts = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
+        outputs = generate(model, prompts, max(s.max_new_tokens for s in batch), kv_cache, temperature=0.0)
+        predictions += [tokenizer.decode(out[: s.max_new_tokens].cpu()) for s, out in zip(batch, outputs, strict=True)]
+    metric = RULER_METRICS[RULER_TASKS[samples[0].task].metric]
+    return metric(predictions, [s.references for s in samples])
+
+
+@torch.inference_mode()
+def evaluate_ruler(
+    model: GPT,
+    tokenizer: Any,
+    samples: dict[str, list[RulerSample]],
+    policies: Sequence[str],
+    budgets: Sequence[int],
+    template: KVCacheConfig | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+    policy_options: dict[str, dict[str, Any]] | None = None,
+    length: int = 0,
+) -> list[RulerResult]:
+    """RULER scores of dense (cache as long as `length` or the longest sample) and of every (policy, budget).
+
+    Returns:
+        The dense reference first (always), then one result per (policy, budget) in order.
+    """
+    template = KVCacheConfig() if template is None else template
+    _check_template(template)
+    _check_batch_size(batch_size)
+    if not samples or any(not v for v in samples.values()):
+        raise ValueError(f"samples must map task names to non-empty lists, got {list(samples)}")
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
+    options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
+    longest = max(length, *(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task))
+    configs = _configs(template, policies, budgets, longest, options)
+    results = []
+    with tqdm(total=len(configs) * len(samples), desc="ruler", disable=not progress) as bar:
+        for (policy, budget), cfg in configs.items():
+            res = RulerResult(policy, budget)
+            for task, task_samples in samples.items():
+                res.scores[task] = ruler_score(model, tokenizer, task_samples, cfg, batch_size)
+                bar.update(1)
+            results.append(res)
+    return results

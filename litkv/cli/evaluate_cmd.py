@@ -18,8 +18,9 @@ import torch
 from litkv.atomic import write_atomic, write_text_atomic
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.cli.ruler_report import run_ruler
 from litkv.config import KVCacheConfig
-from litkv.evaluate import DENSE, PolicyResult, evaluate_policies, text_windows
+from litkv.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
 from litkv.kvcache.registry import known_policies
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
 
@@ -52,7 +53,9 @@ def evaluate(
     precision: str | None = None,
     device: str | None = None,
     num_threads: int | None = None,
-) -> list[PolicyResult]:
+    tasks: str | None = None,
+    task_samples: int = 8,
+) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
     Per (policy, budget): perplexity, mean KL(dense || policy) per token, top-1 agreement with dense,
@@ -84,8 +87,21 @@ def evaluate(
         precision: "32-true", "bf16-true", ... Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
         num_threads: CPU threads for torch. Default: torch's choice (one per core).
+        tasks: Run the offline RULER tasks instead (docs/ruler.md): "ruler" for all, or names separated by
+            commas (niah_single_1,vt,...); at `window` tokens (default: the model's context); writes ruler.json
+            and ruler.png.
+        task_samples: Samples per RULER task (generated as one batch, or batch_size rows when larger).
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
+    if tasks is not None:
+        ruler_settings = {
+            "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
+            "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
+            "text_file": text_file, "out_dir": out_dir, "precision": precision, "device": device,
+            "num_threads": num_threads,
+        }  # fmt: skip
+        budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
+        return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
     policy_options = _nest_policy_options(policy_options)
     for name, value in (("recall_cases", recall_cases), ("multikey_cases", multikey_cases)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
