@@ -1,0 +1,116 @@
+"""`litkv serve`: the state-reuse contract (engine), the HTTP API and its errors (in process, through
+LitServe's ASGI app), and one real `litkv serve` process driven by the `openai` client."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_checkpoint import make_tiny_checkpoint
+
+from litkv.checkpoint import load_model, load_tokenizer
+from litkv.cli.chat_cmd import ChatSession
+from litkv.config import KVCacheConfig
+from litkv.generate import sample
+from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+
+KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
+TURNS = [
+    "The quick brown fox",
+    "What is the passkey?",
+    "Remember it.",
+    "In the beginning was the word",
+    "The passkey is 12345.",
+    "the lazy dog",
+    "was with the fox",
+    "What is it?",
+    "jumps over",
+    "The word",
+    "Remember the passkey.",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_checkpoint(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(ckpt: Path) -> tuple:
+    return load_model(ckpt), load_tokenizer(ckpt)
+
+
+def converse(engine: Engine, turns: list[str], max_tokens: int = 10, **kw: object) -> tuple[list, list]:
+    """Run `turns` as one conversation, resending the history each time; (reply ids, messages)."""
+    messages: list[tuple[str, str]] = []
+    replies = []
+    for text in turns:
+        messages.append(("user", text))
+        result = TurnResult()
+        "".join(engine.run(TurnRequest(list(messages), max_tokens, **kw), result))
+        messages.append(("assistant", result.content))
+        replies.append(result.reply_ids)
+    return replies, messages
+
+
+# -- the contract ---------------------------------------------------------------------------------
+
+
+def test_turns_equal_chat_from_memory_disk_and_recomputed(model_and_tok: tuple, tmp_path: Path) -> None:
+    model, tok = model_and_tok
+    turns = TURNS[:6]
+    session = ChatSession(model, tok, KV)
+    chat = [session.turn(t, 10, lambda logits: sample(logits, 0.0), io.StringIO()) for t in turns]
+
+    memory = Engine(model, tok, KV, StateStore(1 << 30, tmp_path))
+    from_memory, messages = converse(memory, turns, temperature=0.0)
+    assert from_memory == chat
+    assert memory.store.hits["memory"] == len(turns) - 1
+    assert len(list(tmp_path.glob("*.safetensors"))) == len(turns)
+
+    recomputed = Engine(model, tok, KV, StateStore(0))  # keeps nothing but the reply ids it generated
+    assert converse(recomputed, turns, temperature=0.0)[0] == chat
+
+    # a fresh store on the same directory (a restart): the last turn's state comes from disk
+    disk = Engine(model, tok, KV, StateStore(1 << 30, tmp_path))
+    result = TurnResult()
+    "".join(disk.run(TurnRequest(messages[:-1], 10, temperature=0.0), result))
+    assert disk.store.hits == {"memory": 0, "disk": 1}
+    assert result.reused_tokens > 0 and result.reply_ids == chat[-1]
+
+
+def test_sampled_turn_same_from_store_and_recomputed(model_and_tok: tuple) -> None:
+    model, tok = model_and_tok
+    kw = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
+    stored, _ = converse(Engine(model, tok, KV, StateStore(1 << 30)), TURNS[:4], **kw)
+    recomputed, _ = converse(Engine(model, tok, KV, StateStore(0)), TURNS[:4], **kw)
+    assert stored == recomputed
+    other, _ = converse(Engine(model, tok, KV, StateStore(1 << 30)), TURNS[:4], temperature=0.9, seed=8)
+    assert other != stored
+
+
+def test_store_is_byte_bounded(model_and_tok: tuple) -> None:
+    model, tok = model_and_tok
+    engine = Engine(model, tok, KV, StateStore(1 << 30))
+    converse(engine, TURNS[:1])
+    one = engine.store.nbytes
+    bounded = Engine(model, tok, KV, StateStore(3 * one))
+    for i in range(5):
+        converse(bounded, [f"{TURNS[i]} {i}"])
+        assert bounded.store.nbytes <= 3 * one
+    assert 2 <= len(bounded.store) < 5  # states differ in size (filled slots): the oldest went
+
+
+def test_cancelled_turn_stores_nothing(model_and_tok: tuple) -> None:
+    model, tok = model_and_tok
+    engine = Engine(model, tok, KV, StateStore(1 << 30), stop_at_newline=False)
+    steps = iter(range(100))
+    result = TurnResult()
+    list(engine.run(TurnRequest([("user", TURNS[0])], 20), result, cancelled=lambda: next(steps) >= 3))
+    assert len(result.reply_ids) == 3 and not result.stored and len(engine.store) == 0
