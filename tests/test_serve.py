@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,91 @@ def test_cancelled_turn_stores_nothing(model_and_tok: tuple) -> None:
     result = TurnResult()
     list(engine.run(TurnRequest([("user", TURNS[0])], 20), result, cancelled=lambda: next(steps) >= 3))
     assert len(result.reply_ids) == 3 and not result.stored and len(engine.store) == 0
+
+
+# -- the HTTP API, in process ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    from fastapi.testclient import TestClient
+    from litserve.utils import wrap_litserve_start
+
+    from litkv.serve.api import ServeOptions, build_server
+
+    dense = KVCacheConfig(policy="dense", cache_length=64, chunk_size=8)
+    opts = ServeOptions(ckpt, dense, "tiny", api_key="sk-test", max_tokens=50, max_prompt_tokens=200,
+                        max_body_bytes=4096, num_threads=1, state_dir=tmp_path_factory.mktemp("states"))
+    server = build_server(opts, timeout=60)
+    with wrap_litserve_start(server) as started, TestClient(started.app) as http:
+        http.headers["Authorization"] = "Bearer sk-test"
+        wait_healthy(lambda: http.get("/health").status_code)
+        yield http
+
+
+def wait_healthy(status: Callable[[], int], seconds: float = 90) -> None:
+    """Until /health says 200 (the worker has loaded the model), at most `seconds`."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if status() == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the server was not healthy within {seconds} s")
+
+
+def chat_body(**kw: object) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": TURNS[0]}], "max_tokens": 8,
+            "temperature": 0, **kw}
+
+
+def test_api_models_health_and_completion(client) -> None:
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    reply = client.post("/v1/chat/completions", json=chat_body())
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["usage"]["completion_tokens"] >= 1 and body["usage"]["prompt_tokens"] > 0
+    text = body["choices"][0]["message"]["content"]
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["delta"]["content"] or "" for e in events[:-1])
+    assert streamed == text
+    # the second turn restores the first turn's state: only the new message is run
+    messages = chat_body()["messages"] + [{"role": "assistant", "content": text}, {"role": "user", "content": "it"}]
+    again = client.post("/v1/chat/completions", json=chat_body(messages=messages))
+    assert again.status_code == 200, again.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "code"),
+    [
+        ({"model": "gpt-4"}, 404, "model_not_found"),
+        ({"messages": []}, 400, "invalid_request_error"),
+        ({"messages": None}, 400, "invalid_request_error"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_request_error"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "invalid_request_error"),
+        ({"max_tokens": -1}, 400, "invalid_request_error"),
+        ({"max_tokens": 10**9}, 400, "invalid_request_error"),
+        ({"temperature": -1}, 400, "invalid_request_error"),
+        ({"top_p": 0}, 400, "invalid_request_error"),
+        ({"messages": [{"role": "user", "content": "the fox " * 60}]}, 400, "context_length_exceeded"),
+        ({"messages": [{"role": "user", "content": "x" * 5000}]}, 413, "request_too_large"),
+        ({"stream": True, "max_tokens": 0}, 400, "invalid_request_error"),
+    ],
+)
+def test_api_errors_are_4xx_with_openai_body(client, kwargs: dict, status: int, code: str) -> None:
+    reply = client.post("/v1/chat/completions", json=chat_body(**kwargs))
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["code"] == code
+
+
+def test_api_key_malformed_json_and_worker_alive(client) -> None:
+    bad = client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    broken = client.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
+    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
