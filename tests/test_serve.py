@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.checkpoint import load_model, load_tokenizer
@@ -128,8 +127,17 @@ def client(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     from litkv.serve.api import ServeOptions, build_server
 
     dense = KVCacheConfig(policy="dense", cache_length=64, chunk_size=8)
-    opts = ServeOptions(ckpt, dense, "tiny", api_key="sk-test", max_tokens=50, max_prompt_tokens=200,
-                        max_body_bytes=4096, num_threads=1, state_dir=tmp_path_factory.mktemp("states"))
+    opts = ServeOptions(
+        ckpt,
+        dense,
+        "tiny",
+        api_key="sk-test",
+        max_tokens=50,
+        max_prompt_tokens=200,
+        max_body_bytes=4096,
+        num_threads=1,
+        state_dir=tmp_path_factory.mktemp("states"),
+    )
     server = build_server(opts, timeout=60)
     with wrap_litserve_start(server) as started, TestClient(started.app) as http:
         http.headers["Authorization"] = "Bearer sk-test"
@@ -151,8 +159,13 @@ def wait_healthy(status: Callable[[], int], seconds: float = 90) -> None:
 
 
 def chat_body(**kw: object) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": TURNS[0]}], "max_tokens": 8,
-            "temperature": 0, **kw}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": TURNS[0]}],
+        "max_tokens": 8,
+        "temperature": 0,
+        **kw,
+    }
 
 
 def test_api_models_health_and_completion(client) -> None:
@@ -203,3 +216,141 @@ def test_api_key_malformed_json_and_worker_alive(client) -> None:
     broken = client.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
     assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+# -- a real `litkv serve` process and the openai client -------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(ckpt: Path, state_dir: Path, log: Path) -> tuple:
+    """`litkv serve` on 127.0.0.1 (h2o 32 slots, replies not cut at newlines); (process, base url)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = _free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "litkv",
+        "serve",
+        str(ckpt),
+        "--kv-cache",
+        "h2o",
+        "--kv_cache.cache_length",
+        "32",
+        "--kv_cache.chunk_size",
+        "8",
+        "--port",
+        str(port),
+        "--state_dir",
+        str(state_dir),
+        "--num_threads",
+        "1",
+        "--stop_at_newline",
+        "false",
+        "--model_name",
+        "tiny",
+        "--api_key",
+        "sk-test",
+    ]
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def health() -> int:
+        if proc.poll() is not None:
+            raise RuntimeError(f"litkv serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status
+
+    wait_healthy(health)
+    return proc, url
+
+
+def stop_server(proc) -> int:
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except Exception:
+        proc.kill()
+        raise
+
+
+def openai_turns(client, turns: list[str], stream: bool, history: list | None = None) -> tuple[list[str], list]:
+    messages = list(history or [])
+    replies = []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        kw = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0.8, "seed": 3}
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kw)
+            reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            reply = client.chat.completions.create(**kw).choices[0].message.content
+        messages.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    return replies, messages
+
+
+def test_real_server_with_openai_client(ckpt: Path, model_and_tok: tuple, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    model, tok = model_and_tok
+    solo = Engine(model, tok, KV, StateStore(0), stop_at_newline=False)
+    expected = converse(solo, TURNS, max_tokens=6, temperature=0.8, seed=3)[1]
+    expected_text = [c for r, c in expected if r == "assistant"]
+    log = tmp_path / "server.log"
+    proc, url = start_server(ckpt, tmp_path / "states", log)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=60, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        # 10 turns, alternating streaming and not: the text of every turn is the in-process engine's
+        first, history = openai_turns(client, TURNS[:5], stream=True)
+        second, history = openai_turns(client, TURNS[5:10], stream=False, history=history)
+        assert first + second == expected_text[:10]
+        # 4 concurrent clients x 3 turns: each equals its solo run
+        prompts = [[f"{t} {i}" for t in TURNS[i : i + 3]] for i in range(4)]
+        solos = [[c for r, c in converse(solo, p, 6, temperature=0.8, seed=3)[1] if r == "assistant"] for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: openai_turns(client, p, stream=True)[0], prompts))
+        assert together == solos
+        # a client that goes away mid-stream: no state stored for that turn, the server goes on
+        stored = len(list((tmp_path / "states").glob("*.safetensors")))
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 50, "stream": True}
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body, timeout=30, headers={"Authorization": "Bearer sk-test"}
+        ) as r:
+            next(r.iter_lines())
+        time.sleep(1.0)
+        assert openai_turns(client, ["the dog"], stream=False)[0]
+        assert len(list((tmp_path / "states").glob("*.safetensors"))) == stored + 1
+    finally:
+        assert stop_server(proc) in (0, -15)
+    # a restart on the same --state_dir: turn 11 restores turn 10's state from disk, same text as without
+    proc, url = start_server(ckpt, tmp_path / "states", log)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=60, max_retries=0)
+        eleventh, _ = openai_turns(client, TURNS[10:11], stream=True, history=history)
+        assert eleventh == expected_text[10:11]
+    finally:
+        stop_server(proc)
+    import re
+
+    reused = [int(m) for m in re.findall(r"prompt tokens \((\d+) reused\)", log.read_text())]
+    assert len(reused) == 10 + 12 + 1 + 1 + 1 and reused[-1] > 0  # after the restart, turn 10's state from disk
+    assert log.read_text().count("stored=False") == 1  # the turn whose client went away

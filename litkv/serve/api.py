@@ -55,6 +55,7 @@ class ServeOptions:
     api_key: str | None = None
     num_threads: int | None = None
     cancel_dir: Path | None = None
+    log_level: str = "INFO"
 
 
 class ChatRequest(ChatCompletionRequest):
@@ -95,7 +96,10 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
             code="model_not_found",
             param="model",
         )
-    messages = [(m.role, _message_text(m.content, i)) for i, m in enumerate(request.messages)]
+    messages = [
+        (m.role, "" if m.content is None and m.role == "assistant" else _message_text(m.content, i))
+        for i, m in enumerate(request.messages)
+    ]
     check_messages(messages)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = opts.default_max_tokens if max_tokens is None else max_tokens
@@ -199,6 +203,7 @@ class LitKVAPI(ls.LitAPI):
         from litkv.checkpoint import load_model, load_tokenizer
         from litkv.cli.common import apply_num_threads, resolve_device, resolve_dtype
 
+        _worker_logging(self.opts.log_level)
         apply_num_threads(self.opts.num_threads)
         dev = resolve_device(self.opts.device)
         model = load_model(self.opts.checkpoint_dir, device=dev, dtype=resolve_dtype(self.opts.dtype, dev))
@@ -249,6 +254,17 @@ class LitKVAPI(ls.LitAPI):
             "completion_tokens": completion,
             "total_tokens": result.prompt_tokens + completion,
         }
+
+
+def _worker_logging(level: str) -> None:
+    """The inference worker is a spawned process: give litkv's loggers a handler there."""
+    root = logging.getLogger("litkv")
+    root.setLevel(level)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False  # LitServe's own handlers would print each line twice
 
 
 class _Guard:

@@ -83,13 +83,14 @@ def message_keys(root: str, messages: Sequence[Message]) -> list[str]:
 
 
 def check_messages(messages: Sequence[Message]) -> None:
-    """RequestError unless the roles are known, the last message is the user's, and no content is empty."""
+    """RequestError unless the roles are known, the last message is the user's, and no system or user
+    content is empty (an assistant reply may be: a reply can end at once)."""
     if not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
     for i, (role, content) in enumerate(messages):
         if role not in ROLES:
             raise RequestError(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}", param="messages")
-        if not isinstance(content, str) or not content:
+        if not isinstance(content, str) or (not content and role != "assistant"):
             raise RequestError(f"messages[{i}].content must be a non-empty string", param="messages")
     if messages[-1][0] != "user":
         raise RequestError(f"the last message must be the user's, got {messages[-1][0]!r}", param="messages")
