@@ -63,7 +63,7 @@ def serve(
         num_threads: CPU threads for torch. Default: torch's choice.
         timeout: Seconds a request may wait and run.
     """
-    from litkv.serve.api import ServeOptions, build_server
+    from litkv.serve.api import ServeOptions, build_server, drain_on_sigterm
 
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     for name, value, low in (
@@ -86,4 +86,6 @@ def serve(
     )  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = build_server(opts, timeout=timeout)
+    assert opts.cancel_dir is not None  # build_server made it
+    drain_on_sigterm(server, opts.cancel_dir, limit_s=timeout)
     server.run(host=host, port=port, generate_client_file=False, num_api_servers=1)

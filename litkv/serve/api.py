@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +32,10 @@ from litkv.config import KVCacheConfig
 from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages
 from litkv.serve.store import StateStore
 
-__all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "error_body"]
+__all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
+
+DRAINING = "DRAINING"  # marker file in the run directory: refuse new requests
+INFLIGHT = "inflight-"  # one marker file per chat request in flight
 
 log = logging.getLogger(__name__)
 
@@ -269,23 +275,37 @@ def _worker_logging(level: str) -> None:
 
 class _Guard:
     """ASGI middleware: API key (``Authorization: Bearer KEY`` or ``X-API-Key``) on /v1 paths, and the
-    body size limit (by Content-Length), both answered with OpenAI-style error bodies."""
+    body size limit (by Content-Length), both answered with OpenAI-style error bodies; while the server
+    drains (SIGTERM), new /v1 requests get 503; each chat request in flight has a marker file in `run_dir`."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, run_dir: Path | None = None) -> None:
         self.app = app
+        self.run_dir = run_dir
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-            refusal = self._refusal(scope.get("path", ""), headers)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        refusal = self._refusal(scope.get("path", ""), headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        marker = None
+        if self.run_dir is not None and scope.get("path", "").startswith("/v1/chat"):
+            marker = Path(self.run_dir) / f"{INFLIGHT}{uuid.uuid4().hex}"
+            marker.touch()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
 
     def _refusal(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
+        if self.run_dir is not None and path.startswith("/v1") and (Path(self.run_dir) / DRAINING).exists():
+            return JSONResponse(error_body("the server is shutting down", "server_shutting_down"), status_code=503)
         if self.api_key is not None and path.startswith("/v1"):
             given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
             if given != self.api_key:
@@ -331,3 +351,23 @@ def build_server(opts: ServeOptions, timeout: float = 600.0) -> ls.LitServer:
     server.app.add_exception_handler(HTTPException, _http_exception)
     server.app.add_exception_handler(RequestValidationError, _validation_error)
     return server
+
+
+def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0) -> None:
+    """On SIGTERM: refuse new requests (503), wait (at most `limit_s`) for those in flight to finish, then
+    stop LitServe (its shutdown would otherwise cut the streams in flight)."""
+
+    def drain() -> None:
+        (Path(run_dir) / DRAINING).touch()
+        log.info("SIGTERM: draining the requests in flight (at most %.0f s)", limit_s)
+        end = time.monotonic() + limit_s
+        while any(Path(run_dir).glob(f"{INFLIGHT}*")) and time.monotonic() < end:
+            time.sleep(0.1)
+        time.sleep(0.2)  # the last bytes of the last response
+        if server._shutdown_event is not None:
+            server._shutdown_event.set()
+
+    def handler(signum: int, frame: object) -> None:
+        threading.Thread(target=drain, name="litkv-drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)
