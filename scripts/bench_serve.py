@@ -3,7 +3,8 @@
 N conversations x T turns through the `openai` client (streaming), each turn adding a user message of
 about `--words` words, replies of `--max_tokens` tokens. Reports the time to first token (TTFT) of
 each turn (median over conversations), the aggregate tokens/s of 1 client and of `--clients` clients
-at once, and the server's RSS (all its processes) after each conversation.
+at once (reply tokens counted by re-tokenising the replies, the same way for both servers), and the
+server's RSS (all its processes) after each conversation.
 
 `litgpt serve` is litgpt's own server code (`litgpt.deploy.serve.OpenAISpecLitAPI` on LitServe, as
 `litgpt serve --openai_spec true` builds it) started here only to bind 127.0.0.1; it reads
@@ -130,10 +131,9 @@ def conversation(client: openai.OpenAI, c: int, args: argparse.Namespace) -> tup
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
                 parts.append(chunk.choices[0].delta.content)
-            if chunk.usage is not None:
-                tokens += chunk.usage.completion_tokens
         ttfts.append((first or time.perf_counter()) - sent)
         messages.append({"role": "assistant", "content": "".join(parts)})
+        tokens += len(args.tokenizer.encode(messages[-1]["content"], add_special_tokens=False).ids)
     return ttfts, tokens, time.perf_counter() - t0
 
 
@@ -187,6 +187,9 @@ def main() -> None:
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", nargs="+", default=["litkv", "litgpt"])
     args = p.parse_args()
+    from tokenizers import Tokenizer
+
+    args.tokenizer = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))  # counts both servers' replies
     results = {kind: run(kind, args) for kind in args.servers}
     print(
         "| server | " + " | ".join(f"TTFT t{i + 1} (ms)" for i in range(args.turns)) + " | 1 client tok/s | "
