@@ -26,10 +26,11 @@ COMMANDS: dict[str, str] = {
     "evaluate": "litkv.cli.evaluate_cmd:evaluate",
     "bench": "litkv.bench:bench",
     "chat": "litkv.cli.chat_cmd:chat",
+    "serve": "litkv.cli.serve_cmd:serve",
 }
 
 # Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).
-CHECKPOINT_POSITIONAL = ("generate", "evaluate", "finetune", "chat")
+CHECKPOINT_POSITIONAL = ("generate", "evaluate", "finetune", "chat", "serve")
 DESCRIPTION = "litkv: a LitGPT-style GPT with a pluggable, evicting KV cache. Run `litkv COMMAND --help`."
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError)
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")

@@ -1,0 +1,91 @@
+"""`litkv serve`: an OpenAI-compatible chat server (LitServe) that keeps each conversation's cache state."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from litkv.checkpoint import check_checkpoint_dir
+from litkv.cli.common import resolve_checkpoint_dir, resolve_device
+from litkv.config import KVCacheConfig
+from litkv.validation import require_int
+
+__all__ = ["serve"]
+
+_DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=256)  # never mutated
+
+
+def serve(
+    checkpoint_dir: Path | None = None,
+    kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    state_bytes: int = 1 << 30,
+    state_dir: Path | None = None,
+    max_tokens: int = 1024,
+    default_max_tokens: int = 128,
+    max_prompt_tokens: int = 8192,
+    max_body_bytes: int = 1 << 20,
+    top_k: int | None = 50,
+    stop_at_newline: bool = True,
+    seed: int = 1234,
+    precision: str | None = None,
+    device: str | None = None,
+    num_threads: int | None = None,
+    timeout: float = 600.0,
+) -> None:
+    """Serve a checkpoint over the OpenAI chat API; each conversation's cache state is kept and reused.
+
+    Endpoints: ``POST /v1/chat/completions`` (streaming or not; ``max_tokens``, ``temperature``, ``top_p``,
+    ``seed``, ``stop``), ``GET /v1/models``, ``GET /health``. A request's messages are matched against
+    the stored states at message boundaries and only the new messages are run (docs/serve.md).
+
+    Args:
+        checkpoint_dir: LitGPT-layout directory. Default: the model shipped with litkv.
+        kv_cache: KV cache policy and budget, as for ``litkv generate`` (default h2o, 256 slots).
+        host: Address to bind (default 127.0.0.1: this machine only).
+        port: TCP port.
+        api_key: When set, /v1 requests need ``Authorization: Bearer KEY`` (else 401).
+        model_name: The model id of /v1/models and of requests. Default: the checkpoint directory's name.
+        state_bytes: Bytes of conversation states kept in memory (least recently used go first).
+        state_dir: Also write every state here (atomically) and read it back after eviction or a restart.
+        max_tokens: Largest ``max_tokens`` a request may ask for.
+        default_max_tokens: ``max_tokens`` of a request that gives none.
+        max_prompt_tokens: Most tokens a request's messages may have.
+        max_body_bytes: Largest request body.
+        top_k: Sample among the k most likely tokens only (as ``litkv chat``).
+        stop_at_newline: End a reply at its first newline (as ``litkv chat``).
+        seed: Sampler seed of a request without ``seed``.
+        precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
+        device: "cpu", "cuda", ... Default: CUDA if available.
+        num_threads: CPU threads for torch. Default: torch's choice.
+        timeout: Seconds a request may wait and run.
+    """
+    from litkv.serve.api import ServeOptions, build_server, drain_on_sigterm
+
+    ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
+    for name, value, low in (
+        ("port", port, 0),
+        ("state_bytes", state_bytes, 0),
+        ("max_tokens", max_tokens, 1),
+        ("default_max_tokens", default_max_tokens, 1),
+        ("max_prompt_tokens", max_prompt_tokens, 1),
+        ("max_body_bytes", max_body_bytes, 1),
+    ):
+        require_int(name, value, low)
+    if default_max_tokens > max_tokens:
+        raise ValueError(f"default_max_tokens ({default_max_tokens}) must be <= max_tokens ({max_tokens})")
+    dev = resolve_device(device)
+    opts = ServeOptions(
+        checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
+        dtype=precision, state_bytes=state_bytes, state_dir=state_dir, max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
+        top_k=top_k, stop_at_newline=stop_at_newline, seed=seed, api_key=api_key, num_threads=num_threads,
+    )  # fmt: skip
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = build_server(opts, timeout=timeout)
+    assert opts.cancel_dir is not None  # build_server made it
+    drain_on_sigterm(server, opts.cancel_dir, limit_s=timeout)
+    server.run(host=host, port=port, generate_client_file=False, num_api_servers=1)

@@ -1,0 +1,6 @@
+"""`litkv serve`: an OpenAI-compatible chat server on LitServe that keeps each conversation's cache state."""
+
+from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult
+from litkv.serve.store import StateStore
+
+__all__ = ["Engine", "RequestError", "StateStore", "TurnRequest", "TurnResult"]

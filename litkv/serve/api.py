@@ -1,0 +1,373 @@
+"""The HTTP side of `litkv serve`: a LitServe `LitAPI` and an `OpenAISpec` that checks requests first.
+
+The spec (in the API server process) refuses a bad request with a 4xx and an OpenAI-style error body
+before it reaches the inference worker, so that a streaming request gets its error as a status, not in
+the stream; the worker (`LitKVAPI`) runs the turn through the `Engine`. A streaming client that goes
+away marks its request cancelled (a file in a directory both processes see); the worker stops at the
+next decode step and stores nothing for that turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import litserve as ls
+from fastapi import BackgroundTasks, HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from litserve.specs.openai import ChatCompletionRequest, OpenAISpec
+from starlette.requests import Request
+
+from litkv.config import KVCacheConfig
+from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages
+from litkv.serve.store import StateStore
+
+__all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
+
+DRAINING = "DRAINING"  # marker file in the run directory: refuse new requests
+INFLIGHT = "inflight-"  # one marker file per chat request in flight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeOptions:
+    """Everything the server process and the inference worker need (plain values: it is pickled)."""
+
+    checkpoint_dir: Path
+    kv_cache: KVCacheConfig
+    model_name: str
+    device: str = "cpu"
+    dtype: str | None = None
+    state_bytes: int = 1 << 30
+    state_dir: Path | None = None
+    max_tokens: int = 1024
+    default_max_tokens: int = 128
+    max_prompt_tokens: int = 8192
+    max_body_bytes: int = 1 << 20
+    top_k: int | None = 50
+    stop_at_newline: bool = True
+    seed: int = 1234
+    api_key: str | None = None
+    num_threads: int | None = None
+    cancel_dir: Path | None = None
+    log_level: str = "INFO"
+
+
+class ChatRequest(ChatCompletionRequest):
+    """OpenAI's chat completion body, with the `seed` field LitServe's model leaves out."""
+
+    seed: int | None = None
+
+
+def error_body(message: str, code: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    kind = "authentication_error" if code == "invalid_api_key" else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _http_error(err: RequestError) -> HTTPException:
+    return HTTPException(err.status, detail=error_body(str(err), err.code, err.param))
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if getattr(part, "type", None) != "text":
+                raise RequestError(f"messages[{index}].content: only text parts are supported", param="messages")
+            parts.append(part.text)
+        return "".join(parts)
+    raise RequestError(f"messages[{index}].content must be a string", param="messages")
+
+
+def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnRequest:
+    """The checked turn of a request; RequestError (a 4xx) for anything out of bounds."""
+    if request.model not in (None, "", opts.model_name):
+        raise RequestError(
+            f"model {request.model!r} does not exist; this server serves {opts.model_name!r}",
+            status=404,
+            code="model_not_found",
+            param="model",
+        )
+    messages = [
+        (m.role, "" if m.content is None and m.role == "assistant" else _message_text(m.content, i))
+        for i, m in enumerate(request.messages)
+    ]
+    check_messages(messages)
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_tokens = opts.default_max_tokens if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= opts.max_tokens:
+        raise RequestError(f"max_tokens must be in [1, {opts.max_tokens}], got {max_tokens}", param="max_tokens")
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if not (math.isfinite(temperature) and 0 <= temperature <= 2):
+        raise RequestError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    top_p = request.top_p
+    if top_p is not None and not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if request.n not in (None, 1):
+        raise RequestError("n must be 1", param="n")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop must be a non-empty string or a list of at most 4 of them", param="stop")
+    seed = getattr(request, "seed", None)
+    return TurnRequest(
+        messages,
+        max_tokens,
+        temperature,
+        None if top_p == 1.0 else top_p,
+        seed,
+        stop,
+        (request.metadata or {}).get("litkv_id", ""),
+    )
+
+
+class LitKVSpec(OpenAISpec):
+    """OpenAISpec that checks a request (bounds, prompt tokens, cache room) before queueing it, serves
+    `GET /v1/models`, and cancels a stream's turn when its client goes away."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        super().__init__()
+        self.opts = opts
+        self._tokenizer = None
+        self._limit = opts.kv_cache.policy_class.max_tokens(opts.kv_cache)
+
+    def pre_setup(self, lit_api: ls.LitAPI) -> None:
+        super().pre_setup(lit_api)
+        self.add_endpoint("/v1/models", self.list_models, ["GET"])
+
+    async def list_models(self) -> dict[str, Any]:
+        card = {"id": self.opts.model_name, "object": "model", "created": 0, "owned_by": "litkv"}
+        return {"object": "list", "data": [card]}
+
+    def _count_tokens(self, turn: TurnRequest) -> int:
+        if self._tokenizer is None:
+            from litkv.checkpoint import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.opts.checkpoint_dir)
+        tok = self._tokenizer
+        return sum(len(tok.encode(c + "\n", bos=None if i == 0 else False)) for i, (_, c) in enumerate(turn.messages))
+
+    def check(self, request: ChatCompletionRequest) -> TurnRequest:
+        turn = parse_request(request, self.opts)
+        prompt = self._count_tokens(turn)
+        if prompt > self.opts.max_prompt_tokens:
+            raise RequestError(
+                f"the messages have {prompt} tokens, more than this server's limit of {self.opts.max_prompt_tokens}",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        if self._limit is not None and prompt + turn.max_tokens > self._limit:
+            raise RequestError(
+                f"the messages ({prompt} tokens) and max_tokens ({turn.max_tokens}) do not fit the "
+                f"{self.opts.kv_cache.policy} cache's {self._limit} slots; use an evicting policy",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        return turn
+
+    async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks) -> Any:
+        try:
+            self.check(request)
+        except RequestError as err:
+            raise _http_error(err) from None
+        request.metadata = {**(request.metadata or {}), "litkv_id": uuid.uuid4().hex}
+        return await super().chat_completion(request, background_tasks)
+
+    async def streaming_completion(self, request: ChatCompletionRequest, pipe_responses: list) -> Any:
+        finished = False
+        try:
+            async for chunk in super().streaming_completion(request, pipe_responses):
+                yield chunk
+            finished = True
+        finally:
+            if not finished and self.opts.cancel_dir is not None:
+                (Path(self.opts.cancel_dir) / request.metadata["litkv_id"]).touch()
+                log.info("client went away: turn %s cancelled", request.metadata["litkv_id"])
+
+
+class LitKVAPI(ls.LitAPI):
+    """The inference worker: one model, one `Engine`, one turn at a time."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        super().__init__(spec=LitKVSpec(opts), max_batch_size=1)
+        self.opts = opts
+
+    def setup(self, device: str) -> None:
+        from litkv.checkpoint import load_model, load_tokenizer
+        from litkv.cli.common import apply_num_threads, resolve_device, resolve_dtype
+
+        _worker_logging(self.opts.log_level)
+        apply_num_threads(self.opts.num_threads)
+        dev = resolve_device(self.opts.device)
+        model = load_model(self.opts.checkpoint_dir, device=dev, dtype=resolve_dtype(self.opts.dtype, dev))
+        store = StateStore(self.opts.state_bytes, self.opts.state_dir)
+        self.engine = Engine(
+            model,
+            load_tokenizer(self.opts.checkpoint_dir),
+            self.opts.kv_cache,
+            store,
+            self.opts.top_k,
+            self.opts.stop_at_newline,
+            self.opts.seed,
+        )
+
+    def decode_request(self, request: ChatCompletionRequest, **kwargs: Any) -> TurnRequest:
+        try:
+            return parse_request(request, self.opts)
+        except RequestError as err:
+            raise _http_error(err) from None
+
+    def _cancelled(self, request_id: str) -> bool:
+        return (
+            self.opts.cancel_dir is not None and bool(request_id) and (Path(self.opts.cancel_dir) / request_id).exists()
+        )
+
+    def predict(self, turn: TurnRequest, **kwargs: Any) -> Iterator[Any]:
+        result = TurnResult()
+        try:
+            yield from self.engine.run(turn, result, lambda: self._cancelled(turn.request_id))
+        except RequestError as err:
+            raise _http_error(err) from None
+        finally:
+            if self.opts.cancel_dir is not None and turn.request_id:
+                (Path(self.opts.cancel_dir) / turn.request_id).unlink(missing_ok=True)
+        completion = len(result.reply_ids)
+        log.info(
+            "turn %s: %d prompt tokens (%d reused), %d new, stored=%s",
+            turn.request_id[:8],
+            result.prompt_tokens,
+            result.reused_tokens,
+            completion,
+            result.stored,
+        )
+        yield {
+            "role": "assistant",
+            "content": "",
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": result.prompt_tokens + completion,
+        }
+
+
+def _worker_logging(level: str) -> None:
+    """The inference worker is a spawned process: give litkv's loggers a handler there."""
+    root = logging.getLogger("litkv")
+    root.setLevel(level)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False  # LitServe's own handlers would print each line twice
+
+
+class _Guard:
+    """ASGI middleware: API key (``Authorization: Bearer KEY`` or ``X-API-Key``) on /v1 paths, and the
+    body size limit (by Content-Length), both answered with OpenAI-style error bodies; while the server
+    drains (SIGTERM), new /v1 requests get 503; each chat request in flight has a marker file in `run_dir`."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, run_dir: Path | None = None) -> None:
+        self.app = app
+        self.run_dir = run_dir
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        refusal = self._refusal(scope.get("path", ""), headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        marker = None
+        if self.run_dir is not None and scope.get("path", "").startswith("/v1/chat"):
+            marker = Path(self.run_dir) / f"{INFLIGHT}{uuid.uuid4().hex}"
+            marker.touch()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
+
+    def _refusal(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
+        if self.run_dir is not None and path.startswith("/v1") and (Path(self.run_dir) / DRAINING).exists():
+            return JSONResponse(error_body("the server is shutting down", "server_shutting_down"), status_code=503)
+        if self.api_key is not None and path.startswith("/v1"):
+            given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if given != self.api_key:
+                return JSONResponse(error_body("invalid or missing API key", "invalid_api_key"), status_code=401)
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            message = f"the request body must be at most {self.max_body_bytes} bytes"
+            return JSONResponse(error_body(message, "request_too_large"), status_code=413)
+        return None
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> JSONResponse:
+    detail = exc.detail if isinstance(exc.detail, dict) and "error" in exc.detail else error_body(str(exc.detail))
+    return JSONResponse(detail, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}"
+    if any(e.get("type") == "json_invalid" for e in errors):
+        message = "the request body is not valid JSON"
+    return JSONResponse(error_body(message, param=where or None), status_code=400)
+
+
+def build_server(opts: ServeOptions, timeout: float = 600.0) -> ls.LitServer:
+    """The LitServer for `opts` (not started)."""
+    if opts.cancel_dir is None:
+        import tempfile
+
+        opts.cancel_dir = Path(tempfile.mkdtemp(prefix="litkv-serve-cancel-"))
+    os.makedirs(opts.cancel_dir, exist_ok=True)
+    accelerator = "cuda" if str(opts.device).startswith("cuda") else "cpu"
+    server = ls.LitServer(
+        LitKVAPI(opts),
+        accelerator=accelerator,
+        devices=1,
+        workers_per_device=1,
+        timeout=timeout,
+        middlewares=[(_Guard, {"api_key": opts.api_key, "max_body_bytes": opts.max_body_bytes})],
+    )
+    server.app.add_exception_handler(HTTPException, _http_exception)
+    server.app.add_exception_handler(RequestValidationError, _validation_error)
+    return server
+
+
+def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0) -> None:
+    """On SIGTERM: refuse new requests (503), wait (at most `limit_s`) for those in flight to finish, then
+    stop LitServe (its shutdown would otherwise cut the streams in flight)."""
+
+    def drain() -> None:
+        (Path(run_dir) / DRAINING).touch()
+        log.info("SIGTERM: draining the requests in flight (at most %.0f s)", limit_s)
+        end = time.monotonic() + limit_s
+        while any(Path(run_dir).glob(f"{INFLIGHT}*")) and time.monotonic() < end:
+            time.sleep(0.1)
+        time.sleep(0.2)  # the last bytes of the last response
+        if server._shutdown_event is not None:
+            server._shutdown_event.set()
+
+    def handler(signum: int, frame: object) -> None:
+        threading.Thread(target=drain, name="litkv-drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)

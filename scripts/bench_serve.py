@@ -1,0 +1,208 @@
+"""Multi-turn chat workload against `litkv serve` and `litgpt serve` on the same checkpoint.
+
+N conversations x T turns through the `openai` client (streaming), each turn adding a user message of
+about `--words` words, replies of `--max_tokens` tokens. Reports the time to first token (TTFT) of
+each turn (median over conversations), the aggregate tokens/s of 1 client and of `--clients` clients
+at once (reply tokens counted by re-tokenising the replies, the same way for both servers), and the
+server's RSS (all its processes) after each conversation.
+
+`litgpt serve` is litgpt's own server code (`litgpt.deploy.serve.OpenAISpecLitAPI` on LitServe, as
+`litgpt serve --openai_spec true` builds it) started here only to bind 127.0.0.1; it reads
+`lit_model.pth`, so the checkpoint is copied to a temporary directory with its weights in that file.
+
+    nice python scripts/bench_serve.py --conversations 4 --turns 10 --clients 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import psutil
+
+TEXT = (
+    "and it came to pass when the king heard these words that he rent his clothes and went up into the "
+    "house of the lord and the servants of the king said unto him behold the land is before thee"
+)
+WORDS = TEXT.split()
+
+
+def user_message(conversation: int, turn: int, words: int) -> str:
+    start = (conversation * 7 + turn * 13) % len(WORDS)
+    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(words)).capitalize() + "."
+
+
+def litgpt_checkpoint(src: Path) -> Path:
+    """A copy of `src` with the weights in `lit_model.pth` (what litgpt's LLM.load reads)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = Path(tempfile.mkdtemp(prefix="bench-serve-litgpt-"))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    torch.save(load_file(str(src / "model.safetensors")), out / "lit_model.pth")
+    return out
+
+
+LITGPT_LAUNCH = """
+import sys
+from pathlib import Path
+from litserve import LitServer
+from litserve.specs.openai import OpenAISpec
+from litgpt.deploy.serve import OpenAISpecLitAPI
+api = OpenAISpecLitAPI(checkpoint_dir=Path(sys.argv[1]), quantize=None, precision="32-true", temperature=0.8,
+                       top_k=50, top_p=1.0, max_new_tokens=50, devices=1, api_path="/predict")
+LitServer(api, spec=OpenAISpec(), accelerator="cpu", devices=1, stream=True, timeout=600).run(
+    host="127.0.0.1", port=int(sys.argv[2]), generate_client_file=False)
+"""
+
+
+def start(kind: str, ckpt: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if kind == "litkv":
+        argv = [
+            sys.executable,
+            "-m",
+            "litkv",
+            "serve",
+            str(ckpt),
+            "--port",
+            str(port),
+            "--num_threads",
+            str(args.threads),
+            "--kv-cache",
+            args.policy,
+            "--kv_cache.cache_length",
+            str(args.cache_length),
+            "--stop_at_newline",
+            "false",
+            "--state_bytes",
+            str(args.state_bytes),
+        ]
+    else:
+        argv = [sys.executable, "-c", LITGPT_LAUNCH, str(litgpt_checkpoint(ckpt)), str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{kind} serve did not come up")
+
+
+def rss_mib(proc: subprocess.Popen) -> float:
+    root = psutil.Process(proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+
+
+def conversation(client: openai.OpenAI, c: int, args: argparse.Namespace) -> tuple[list[float], int, float]:
+    """One conversation; (TTFT of each turn, tokens received, seconds)."""
+    messages: list[dict] = []
+    ttfts, tokens, t0 = [], 0, time.perf_counter()
+    for t in range(args.turns):
+        messages.append({"role": "user", "content": user_message(c, t, args.words)})
+        sent = time.perf_counter()
+        first, parts = None, []
+        stream = client.chat.completions.create(
+            model=client.model_name,
+            messages=messages,
+            stream=True,
+            max_completion_tokens=args.max_tokens,
+            temperature=0.8,
+            seed=c,
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                parts.append(chunk.choices[0].delta.content)
+        ttfts.append((first or time.perf_counter()) - sent)
+        messages.append({"role": "assistant", "content": "".join(parts)})
+        tokens += len(args.tokenizer.encode(messages[-1]["content"], add_special_tokens=False).ids)
+    return ttfts, tokens, time.perf_counter() - t0
+
+
+def run(kind: str, args: argparse.Namespace) -> dict:
+    proc = start(kind, args.checkpoint, args.port, args)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=600)
+        client.model_name = client.models.list().data[0].id if kind == "litkv" else "litgpt"
+        ttfts, rss, tokens, seconds = [], [], 0, 0.0
+        for c in range(args.conversations):
+            t, n, s = conversation(client, c, args)
+            ttfts.append(t)
+            tokens, seconds = tokens + n, seconds + s
+            rss.append(rss_mib(proc))
+        with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+            t0 = time.perf_counter()
+            results = list(pool.map(lambda c: conversation(client, 1000 + c, args), range(args.clients)))
+            together = sum(r[1] for r in results) / (time.perf_counter() - t0)
+        turn_ttft = [statistics.median(t[i] for t in ttfts) for i in range(args.turns)]
+        return {"ttft": turn_ttft, "solo_tps": tokens / seconds, "together_tps": together, "rss": rss}
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server, then end whatever of its process tree is left (LitServe's own main process
+    dies on SIGTERM without stopping its workers)."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for child in children:
+        if child.is_running():
+            child.kill()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, default=Path(__file__).parents[1] / "litkv/assets/default")
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--words", type=int, default=30)
+    p.add_argument("--max_tokens", type=int, default=24)
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--cache_length", type=int, default=256)
+    p.add_argument("--state_bytes", type=int, default=64 << 20)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--port", type=int, default=18765)
+    p.add_argument("--servers", nargs="+", default=["litkv", "litgpt"])
+    args = p.parse_args()
+    from tokenizers import Tokenizer
+
+    args.tokenizer = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))  # counts both servers' replies
+    results = {kind: run(kind, args) for kind in args.servers}
+    print(
+        "| server | " + " | ".join(f"TTFT t{i + 1} (ms)" for i in range(args.turns)) + " | 1 client tok/s | "
+        f"{args.clients} clients tok/s | RSS first / last conv (MiB) |"
+    )
+    print("|---" * (args.turns + 5) + "|")
+    for kind, r in results.items():
+        ttft = " | ".join(f"{1000 * t:.0f}" for t in r["ttft"])
+        print(
+            f"| {kind} | {ttft} | {r['solo_tps']:.1f} | {r['together_tps']:.1f} | "
+            f"{r['rss'][0]:.0f} / {r['rss'][-1]:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
