@@ -3,12 +3,33 @@ the bytes are what someone wrote, and anyone can recompute it. See docs/state.md
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from litkv.state import CacheState, LayerState
+from litkv.kvcache.storage import CacheShape
+
+
+class LayerState(Protocol):
+    """What is checked of one layer of a `litkv.state.LayerState` (typed by protocol: no import circle)."""
+
+    shape: CacheShape
+    tensors: dict[str, torch.Tensor]
+    num_filled: int
+    length: int
+
+
+class CacheState(Protocol):
+    """What is checked of a `litkv.state.CacheState`."""
+
+    layers: Sequence[LayerState]
+    last_pos: torch.Tensor | None
+    last_hidden: torch.Tensor | None
+    token_ids: list[list[int]] | None
+
+    @property
+    def batch_size(self) -> int: ...
 
 
 def _fail(field: str, problem: str) -> None:

@@ -18,17 +18,12 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from litkv.checkpoint import save_file_atomic
+from litkv.atomic import write_text_atomic
 from litkv.state import CacheState
 
 __all__ = ["StateStore"]
 
 log = logging.getLogger(__name__)
-
-
-def _save_atomic(path: Path, write: object) -> None:
-    """The project's atomic write (one call site to switch when it moves to `litkv.atomic`)."""
-    save_file_atomic(path, write)  # type: ignore[arg-type]
 
 
 class StateStore:
@@ -73,9 +68,8 @@ class StateStore:
             self._remember_reply(key, reply_ids)
             self._insert(key, state)
         if self.directory is not None:
-            _save_atomic(self._path(key, ".safetensors"), state.save)
-            text = json.dumps({"reply_ids": list(reply_ids)})
-            _save_atomic(self._path(key, ".json"), lambda p: Path(p).write_text(text))
+            state.save(self._path(key, ".safetensors"))  # atomic (litkv.atomic)
+            write_text_atomic(self._path(key, ".json"), json.dumps({"reply_ids": list(reply_ids)}))
 
     def _insert(self, key: str, state: CacheState) -> None:
         old = self._states.pop(key, None)
