@@ -291,7 +291,7 @@ def litkv_recall_one(model: Any, policy: str, options: dict[str, Any] | None, ex
 
 def run_litkv(model: Any, policy: str, one_shot: bool, budgets: Sequence[int], data: dict[str, Any]) -> dict:
     """Recall per budget and depth (`"mean"` too) of a litkv policy in one mode."""
-    from parity_kvpress import ADAKV, PAIRS
+    from kvpress_pairs import ADAKV, PAIRS
 
     path, pair_options, _ = {**PAIRS, **ADAKV}[policy]
     options = pair_options if one_shot else None
@@ -384,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        from parity_kvpress import ADAKV, PAIRS
+        from kvpress_pairs import ADAKV, PAIRS
 
         unknown = sorted(set(args.litkv) - set(PAIRS) - set(ADAKV))
         if unknown:
