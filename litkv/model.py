@@ -21,6 +21,8 @@ from litkv.config import Config, KVCacheConfig
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.storage import CacheShape
+from litkv.learned.gate import EvictionGates
+from litkv.learned.soft import SoftEviction
 from litkv.rope import apply_rope, yarn_mscale
 from litkv.validation import require_int
 
@@ -88,6 +90,8 @@ class GPT(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         # The attached caches (the run's cache state lives there, `last_pos` included); `None`: none.
         self.caches: KVCaches | None = None
+        # Trained eviction gates (`litkv.learned`), read by the `learned` policy; `None`: none loaded.
+        self.eviction_gates: EvictionGates | None = None
         # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
         self._checks = True
         self._compiled_decode: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
@@ -143,6 +147,8 @@ class GPT(nn.Module):
             if isinstance(cache, KVCache) and cache.needs_rope:  # policies that score with RoPE (expected-attention)
                 column = None if self.config.rope_indices is None else self.config.rope_indices[i]
                 cache.bind_rope(self._rope_table, self.config.rope_n_elem, column)
+            if isinstance(cache, KVCache) and cache.needs_gates:  # the `learned` policy
+                cache.bind_gates(self.eviction_gates, i)
         self.caches = caches
         return caches
 
@@ -407,6 +413,9 @@ class CausalSelfAttention(nn.Module):
             mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
         self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
         self.kv_cache: KVCache | None = None
+        # Set while eviction gates are trained (`litkv.learned.soft.soft_eviction`): calls without a
+        # cache attend with the gates' soft keep decisions as an additive bias.
+        self.soft_eviction: SoftEviction | None = None
         self.config = config
         self.block_idx = block_idx
 
@@ -422,7 +431,9 @@ class CausalSelfAttention(nn.Module):
         that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel)."""
         q, k, v = self._qkv(x, cos, sin)
         softcap = self.config.attention_logit_softcapping
-        if input_pos is None:
+        if input_pos is None and self.soft_eviction is not None:
+            y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
+        elif input_pos is None:
             y = self._attend_full(q, k, v, softcap)
         else:
             cache = self.kv_cache

@@ -36,6 +36,8 @@ from litkv.finetune.state import (
     restore_rng,
     save_checkpoint,
 )
+from litkv.learned.run import learn_eviction as run_learn_eviction
+from litkv.learned.train import GateTrainArgs
 from litkv.model import GPT
 from litkv.validation import require_int
 
@@ -53,6 +55,7 @@ _DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512, chunk_size=128
 _DEFAULT_TRAIN = TrainArgs()
 _DEFAULT_EVAL = EvalArgs()
 _DEFAULT_LORA = LoRAArgs()
+_DEFAULT_LEARN = GateTrainArgs()
 
 
 @dataclass
@@ -123,6 +126,8 @@ def finetune(
     devices: int = 1,
     seed: int = 1337,
     resume: Path | None = None,
+    learn_eviction: bool = False,
+    learn: GateTrainArgs = _DEFAULT_LEARN,
 ) -> None:
     """Fine-tune a model on long sequences with its KV cache policy in place (gradients through the cache).
 
@@ -148,6 +153,11 @@ def finetune(
         seed: Random seed (LoRA initialisation, train/validation split, data order).
         resume: A checkpoint directory of an earlier run (`out_dir/step-XXXXXX`) to continue from: its
             weights, optimizer state, step and data order are restored.
+        learn_eviction: Train eviction gates for the `learned` policy instead (needs
+            `--kv_cache.policy learned`; the backbone stays frozen; `mode`, `train`, `eval`, `lora`,
+            `precision`, `devices` and `resume` do not apply). Writes `out_dir/final/` with the base's
+            weights and `eviction_gates.safetensors` (docs/learned.md).
+        learn: Gate training (`--learn_eviction true`).
     """
     _check_mode(mode)
     args = FinetuneArgs(
@@ -164,6 +174,9 @@ def finetune(
         seed=seed,
         resume=None if resume is None else Path(resume),
     )
+    if learn_eviction or args.kv_cache.policy == "learned":
+        _learn(args, learn_eviction, learn)
+        return
     fabric = Fabric(
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
@@ -172,6 +185,19 @@ def finetune(
     )
     fabric.launch()
     run(fabric, args)
+
+
+def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> None:
+    """The `--learn_eviction true` branch: train the gates (backbone frozen), write `out_dir/final`."""
+    if learn_eviction is not True or args.kv_cache.policy != "learned":
+        raise ValueError(
+            "training eviction gates needs both --learn_eviction true and --kv_cache.policy learned, got "
+            f"learn_eviction={learn_eviction!r}, kv_cache.policy={args.kv_cache.policy!r} (the other policies "
+            "are fine-tuned through the cache without --learn_eviction)"
+        )
+    device = "cuda" if torch.cuda.is_available() else None
+    path = run_learn_eviction(args.checkpoint_dir, args.data, learn, args.out_dir, device)
+    tqdm.write(f"saved {path}")
 
 
 def run(fabric: Fabric, args: FinetuneArgs) -> GPT:

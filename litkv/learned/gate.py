@@ -1,0 +1,157 @@
+"""Trainable eviction gates: one retention logit per token, layer and KV head.
+
+The gate of layer `l` and KV head `g` is linear in the token's key *before RoPE*:
+`logit = (k_pre . w[l, g]) / sqrt(D) + b[l, g]`. Keys are already computed for every token and live in
+the cache, so the gate needs no plumbing beyond the cache (a KVzap/Locret-style scorer on the hidden
+state would); a key is a linear map of the normed hidden state, so this is DMS's
+"RMSNorm + Linear(hidden -> n_kv_heads)" restricted to the key's subspace. The key is rotated back to
+position 0 (`unrotate_keys`) so that the same content gives the same logit at every position.
+
+Gates are plain tensors, not modules of the model: the model's own weights and files stay as they
+are, and the gates are saved in their own safetensors file next to them (`GATES_FILE`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from litkv.rope import apply_rope
+
+__all__ = ["GATES_FILE", "EvictionGates", "unrotate_keys"]
+
+#: The gates' file in a checkpoint directory, next to `model.safetensors`.
+GATES_FILE = "eviction_gates.safetensors"
+
+_FORMAT = "litkv-eviction-gates"
+
+
+def unrotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
+    """Keys rotated back to position 0.
+
+    Args:
+        keys: `(B, G, T, D)` keys as the attention computed them (RoPE applied to the first `n_elem`
+            dims, half-split layout).
+        cos: `(B or 1, T, n_elem)` cosines of the keys' positions; `sin` likewise.
+        n_elem: how many leading dims RoPE rotates.
+
+    Returns:
+        `(B, G, T, D)` in the dtype of `keys` (the rotation by minus the angle).
+    """
+    rotated = apply_rope(keys[..., :n_elem], cos, -sin)
+    return torch.cat((rotated, keys[..., n_elem:]), dim=-1)
+
+
+@dataclass
+class EvictionGates:
+    """The gates of every layer.
+
+    Attributes:
+        weight: `(n_layer, G, D)` float32.
+        bias: `(n_layer, G)` float32.
+        window: the recent window the gates were trained with (tokens younger than this are never
+            evicted in training; the `learned` policy's default `recent`).
+        sinks: the first positions that were never evicted in training (the policy's default `sinks`).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    window: int
+    sinks: int
+
+    def __post_init__(self) -> None:
+        if self.weight.dim() != 3 or self.bias.shape != self.weight.shape[:2]:
+            raise ValueError(
+                f"gate weight must be (n_layer, G, D) and bias (n_layer, G), "
+                f"got {tuple(self.weight.shape)} and {tuple(self.bias.shape)}"
+            )
+        for name in ("window", "sinks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"gate {name} must be an int >= 0, got {value!r}")
+
+    @classmethod
+    def create(
+        cls, n_layer: int, n_kv_heads: int, head_size: int, window: int, sinks: int, bias: float = 3.0
+    ) -> EvictionGates:
+        """Fresh gates: zero weights and a bias of `bias` (every token kept with probability sigmoid(bias))."""
+        weight = torch.zeros(n_layer, n_kv_heads, head_size)
+        return cls(weight, torch.full((n_layer, n_kv_heads), float(bias)), window, sinks)
+
+    @property
+    def n_layer(self) -> int:
+        return self.weight.shape[0]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trainable tensors (`weight`, `bias`)."""
+        return [self.weight, self.bias]
+
+    def to(self, device: torch.device | str) -> EvictionGates:
+        """These gates on `device` (float32 always: logits are compared, not multiplied into activations)."""
+        return EvictionGates(
+            self.weight.to(device, torch.float32), self.bias.to(device, torch.float32), self.window, self.sinks
+        )
+
+    def logits(self, layer: int, keys_pre: torch.Tensor) -> torch.Tensor:
+        """`(B, G, T)` retention logits (higher: keep) of pre-RoPE keys `(B, G, T, D)`, float32 (float64 for
+        float64 keys)."""
+        dtype = torch.promote_types(keys_pre.dtype, torch.float32)
+        weight = self.weight[layer].to(keys_pre.device, dtype)
+        if keys_pre.shape[1] != weight.shape[0] or keys_pre.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"layer {layer} gates expect keys (B, {weight.shape[0]}, T, {weight.shape[1]}), "
+                f"got {tuple(keys_pre.shape)}"
+            )
+        dots = torch.einsum("bgtd,gd->bgt", keys_pre.to(dtype), weight)
+        return dots / math.sqrt(weight.shape[1]) + self.bias[layer].to(keys_pre.device, dtype)[None, :, None]
+
+    def check_model(self, n_layer: int, n_kv_heads: int, head_size: int, source: str) -> None:
+        """ValueError naming both shapes unless these gates fit a model of this shape."""
+        expected = (n_layer, n_kv_heads, head_size)
+        if tuple(self.weight.shape) != expected:
+            raise ValueError(
+                f"{source}: the gates are for (n_layer, n_query_groups, head_size) = {tuple(self.weight.shape)}, "
+                f"the model has {expected}"
+            )
+
+    def save(self, path: str | Path) -> Path:
+        """Write the gates atomically to a safetensors file (tensors + window/sinks in the metadata)."""
+        from safetensors.torch import save_file
+
+        from litkv.atomic import write_atomic
+
+        tensors = {"weight": self.weight.detach().float().cpu().contiguous(), "bias": self.bias.detach().float().cpu()}
+        meta = {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
+        return write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+    @classmethod
+    def load(cls, path: str | Path) -> EvictionGates:
+        """Read gates written by `save` (safetensors only; ValueError naming the file on anything else)."""
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                keys = set(f.keys())
+                if meta.get("format") != _FORMAT or keys != {"weight", "bias"}:
+                    raise ValueError(
+                        f"{str(path)!r} is not an eviction-gates file: expected format {_FORMAT!r} with tensors "
+                        f"['bias', 'weight'], got format {meta.get('format')!r} with {sorted(keys)}"
+                    )
+                weight, bias = f.get_tensor("weight").float(), f.get_tensor("bias").float()
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{str(path)!r} is not a readable safetensors file: {err}") from err
+        try:
+            window, sinks = int(meta["window"]), int(meta["sinks"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(
+                f"{str(path)!r}: metadata needs integer 'window' and 'sinks', got {json.dumps(meta)}"
+            ) from err
+        if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+            raise ValueError(f"{str(path)!r}: the gates hold NaN or inf")
+        return cls(weight, bias, window, sinks)

@@ -1,0 +1,241 @@
+"""Training the eviction gates (the backbone stays frozen).
+
+Two methods, same gates, same data:
+
+- `distill` (DMS-style, the default): the student is the model with soft delayed eviction
+  (`litkv.learned.soft`), the teacher the same model without eviction. Loss per step:
+  `KL(teacher || student)` over next-token distributions (tokens with a training target weigh
+  `1 + answer_weight`) plus `compression_weight * relu(mean keep - target)`, the target going from 1
+  to `target_keep` over the first `ramp` of the steps while the temperature anneals.
+- `regress` (Locret/KVzap-style baseline): no gradient through the attention; each gate logit is
+  regressed on the log of the largest attention weight its token receives from the dense model's
+  queries beyond the window.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from litkv.learned.gate import EvictionGates, unrotate_keys
+from litkv.learned.soft import SoftEviction, soft_eviction
+from litkv.validation import require_int
+
+__all__ = ["METHODS", "GateTrainArgs", "StepLog", "train_gates"]
+
+METHODS = ("distill", "regress")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GateTrainArgs:
+    """Settings of a gate-training run.
+
+    Args:
+        method: `distill` (through the soft cache) or `regress` (on dense attention mass).
+        steps: optimizer steps.
+        batch_size: sequences per step.
+        lr: Adam learning rate of the gates (cosine to a tenth).
+        target_keep: the fraction of tokens (outside window and sinks) the gates should keep at the end.
+        ramp: fraction of the steps over which the target goes from 1 to `target_keep`.
+        window: recent tokens never evicted (training) and the policy's default `recent`.
+        sinks: first positions never evicted.
+        temperature_start: of the logistic decision at step 0 (annealed geometrically) ...
+        temperature_end: ... to this at the end of the ramp.
+        compression_weight: weight of the compression term.
+        answer_weight: extra weight of the KL at tokens that have a target in the data (recall answers).
+        init_bias: the gates' initial bias (keep probability sigmoid(init_bias)).
+        seed: seeds the data order and the noise.
+    """
+
+    method: str = "distill"
+    steps: int = 400
+    batch_size: int = 4
+    lr: float = 0.05
+    target_keep: float = 0.06
+    ramp: float = 0.6
+    window: int = 16
+    sinks: int = 4
+    temperature_start: float = 1.0
+    temperature_end: float = 0.25
+    compression_weight: float = 10.0
+    answer_weight: float = 20.0
+    init_bias: float = 2.0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        for name in ("steps", "batch_size"):
+            require_int(name, getattr(self, name), 1)
+        for name in ("window", "sinks"):
+            require_int(name, getattr(self, name), 0)
+        if not 0 < self.target_keep <= 1:
+            raise ValueError(f"target_keep must be in (0, 1], got {self.target_keep!r}")
+        if not 0 <= self.ramp <= 1:
+            raise ValueError(f"ramp must be in [0, 1], got {self.ramp!r}")
+        for name in ("lr", "temperature_start", "temperature_end"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("compression_weight", "answer_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def schedule(self, step: int) -> tuple[float, float, float]:
+        """`(target keep, temperature, learning rate)` at `step`."""
+        ramp_steps = max(1, round(self.ramp * self.steps))
+        frac = min(1.0, step / ramp_steps)
+        target = 1.0 + (self.target_keep - 1.0) * frac
+        temperature = self.temperature_start * (self.temperature_end / self.temperature_start) ** frac
+        lr = self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / self.steps)))
+        return target, temperature, lr
+
+
+@dataclass
+class StepLog:
+    """One step's record: `loss` (the optimised total), `kl` (distill) or `mse` (regress) in `fit`,
+    `keep` the mean soft keep fraction (distill), `target` the compression target."""
+
+    step: int
+    loss: float
+    fit: float
+    keep: float
+    target: float
+
+
+def train_gates(
+    model: nn.Module,
+    examples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    args: GateTrainArgs,
+    progress: Callable[[StepLog], None] | None = None,
+) -> tuple[EvictionGates, list[StepLog]]:
+    """Train fresh gates for `model` (a `litkv.GPT`, frozen) on `examples` `(ids (T,), targets (T,))`.
+
+    Returns:
+        The trained gates (on the model's device) and one `StepLog` per step.
+    """
+    if not examples:
+        raise ValueError("train_gates needs at least one example")
+    c = model.config
+    device = next(model.parameters()).device
+    gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, args.window, args.sinks, args.init_bias)
+    gates = gates.to(device)
+    for tensor in gates.parameters():
+        tensor.requires_grad_(True)
+    optimizer = torch.optim.Adam(gates.parameters(), lr=args.lr)
+    model.requires_grad_(False)
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    order: list[int] = []
+    logs = []
+    for step in range(args.steps):
+        if len(order) < args.batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch, order = order[: args.batch_size], order[args.batch_size :]
+        ids = torch.stack([examples[i][0] for i in batch]).to(device)
+        targets = torch.stack([examples[i][1] for i in batch]).to(device)
+        target, temperature, lr = args.schedule(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if args.method == "distill":
+            loss, fit, keep = _distill_loss(model, gates, ids, targets, args, target, temperature)
+        else:
+            loss, fit, keep = _regress_loss(model, gates, ids, args)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        log = StepLog(step, float(loss.detach()), fit, keep, target)
+        logs.append(log)
+        if progress is not None:
+            progress(log)
+    for tensor in gates.parameters():
+        tensor.requires_grad_(False)
+    return gates, logs
+
+
+def evictable(length: int, window: int, sinks: int, device: torch.device) -> torch.Tensor:
+    """`(T,)` bool: the tokens of a `length`-token sequence that some later query sees outside the window
+    (and that are not sinks): the ones a decision applies to."""
+    idx = torch.arange(length, device=device)
+    return (idx < length - window) & (idx >= sinks)
+
+
+def _distill_loss(
+    model: nn.Module,
+    gates: EvictionGates,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    args: GateTrainArgs,
+    target: float,
+    temperature: float,
+) -> tuple[torch.Tensor, float, float]:
+    """KL(teacher || student) + compression term, its KL part and the mean keep fraction."""
+    with torch.no_grad():
+        teacher = F.log_softmax(model(ids).float(), dim=-1)
+    soft = SoftEviction(gates, model.config.rope_n_elem, temperature=temperature)
+    with soft_eviction(model, soft):
+        student = F.log_softmax(model(ids).float(), dim=-1)
+    kl = (teacher.exp() * (teacher - student)).sum(dim=-1)  # (B, T)
+    weight = 1.0 + args.answer_weight * (targets != IGNORE_INDEX).float() * _has_sparse_targets(targets)
+    kl = (kl * weight).sum() / weight.sum()
+    mask = evictable(ids.shape[1], gates.window, gates.sinks, ids.device)
+    keep = torch.stack([k[:, :, mask] for k in soft.keep.values()]).mean()
+    loss = kl + args.compression_weight * F.relu(keep - target)
+    return loss, float(kl.detach()), float(keep.detach())
+
+
+def _has_sparse_targets(targets: torch.Tensor) -> torch.Tensor:
+    """`(B, 1)` 1.0 for rows whose targets are partly ignored (recall/copy rows), 0.0 for plain text."""
+    return (targets == IGNORE_INDEX).any(dim=1, keepdim=True).float()
+
+
+def _regress_loss(
+    model: nn.Module, gates: EvictionGates, ids: torch.Tensor, args: GateTrainArgs
+) -> tuple[torch.Tensor, float, float]:
+    """MSE between each gate logit and the log attention mass of its token under the dense model."""
+    records = attention_mass(model, ids, gates.window)
+    losses = []
+    for layer, (keys_pre, mass) in enumerate(records):
+        logit = gates.logits(layer, keys_pre)
+        mask = evictable(ids.shape[1], gates.window, gates.sinks, ids.device)
+        goal = torch.log(mass + 1e-4)
+        losses.append(F.mse_loss(logit[:, :, mask], goal[:, :, mask]))
+    loss = torch.stack(losses).mean()
+    return loss, float(loss.detach()), float("nan")
+
+
+@torch.no_grad()
+def attention_mass(model: nn.Module, ids: torch.Tensor, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the pre-RoPE keys `(B, G, T, D)` and each token's largest attention weight `(B, G, T)`
+    from a query at distance `>= window` (over the KV group's query heads) in the dense model."""
+    records: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hooks = [block.attn.register_forward_hook(_mass_hook(records, window)) for block in model.transformer.h]
+    try:
+        model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return records
+
+
+def _mass_hook(records: list, window: int) -> Callable:
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        x, cos, sin = inputs[0], inputs[1], inputs[2]
+        q, k, _ = module._qkv(x, cos, sin)
+        b, h, t, hs = q.shape
+        g = k.shape[1]
+        scores = torch.matmul(q.view(b, g, h // g * t, hs), k.transpose(2, 3)).float() * module.scale
+        idx = torch.arange(t, device=q.device)
+        scores = scores.view(b, g, h // g, t, t).masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        far = (idx[:, None] - idx[None, :]) >= window  # (query, key)
+        mass = probs.masked_fill(~far, 0.0).amax(dim=(2, 3))  # (B, G, T)
+        records.append((unrotate_keys(k, cos, sin, module.config.rope_n_elem), mass))
+
+    return hook
