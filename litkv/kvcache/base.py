@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from litkv.kvcache.options import NoOptions, PolicyOptions
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 from litkv.validation import require_int
+
+if TYPE_CHECKING:
+    from litkv.learned.gate import EvictionGates
 
 __all__ = [
     "CacheSettings",
@@ -203,6 +206,7 @@ class KVCache(ABC):
         needs_attn_weights: `Candidates.attn_weights` is filled (attention takes the eager path).
         needs_queries: `Candidates.queries` is filled.
         needs_rope: the model hands the cache its RoPE tables when attaching it (`bind_rope`).
+        needs_gates: the model hands the cache its trained eviction gates when attaching it (`bind_gates`).
         heads_share_positions: every KV head of a row always holds the same tokens in the same slots
             (true for policies that look at neither keys nor attention); attention then builds one mask
             per row instead of one per head.
@@ -223,6 +227,7 @@ class KVCache(ABC):
     needs_queries: ClassVar[bool] = False
     heads_share_positions: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = False
+    needs_gates: ClassVar[bool] = False
     slot_state: ClassVar[tuple[str, ...]] = ()
     row_state: ClassVar[tuple[str, ...]] = ()
 
@@ -483,6 +488,10 @@ class KVCache(ABC):
         self, table: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_elem: int, column: int | None = None
     ) -> None:
         """Receive the model's RoPE tables (`table(length) -> (cos, sin)`) when the class sets `needs_rope`."""
+
+    def bind_gates(self, gates: EvictionGates | None, layer: int) -> None:
+        """Receive the model's eviction gates (`GPT.eviction_gates`, `None` when none are loaded) and this
+        cache's layer index when the class sets `needs_gates`."""
 
     def abort_call(self) -> None:
         """Forget a call interrupted between `attend_inputs` and `evict_and_store` (nothing was stored)."""
