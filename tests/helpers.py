@@ -15,16 +15,19 @@ import torch.nn as nn
 from litgpt.model import RMSNorm
 
 from litkv import GPT, Config
+from litkv.learned.gate import EvictionGates
 
 __all__ = [
     "MaskFn",
     "RefOutput",
+    "attach_random_gates",
     "band_mask",
     "causal_mask",
     "chunked_last_recent_mask",
     "float64_model",
     "forward_depth",
     "max_diff",
+    "random_gates",
     "random_tokens",
     "randomize_",
     "random_gpt",
@@ -82,6 +85,22 @@ def random_gpt(config: Config, seed: int = 0) -> GPT:
     model = GPT(config)
     randomize_(model, seed)
     return model.eval()
+
+
+def random_gates(config: Config, seed: int = 0, window: int = 2, sinks: int = 1) -> EvictionGates:
+    """Eviction gates for `config` with N(0, 1) weights and biases (so that the `learned` policy's
+    ranking is far from trivial), drawn from a generator seeded with `seed`."""
+    gates = EvictionGates.create(config.n_layer, config.n_query_groups, config.head_size, window, sinks)
+    gen = torch.Generator().manual_seed(seed)
+    gates.weight.copy_(torch.randn(gates.weight.shape, generator=gen))
+    gates.bias.copy_(torch.randn(gates.bias.shape, generator=gen))
+    return gates
+
+
+def attach_random_gates(model: GPT, seed: int = 0, window: int = 2, sinks: int = 1) -> GPT:
+    """`model` (returned) with `random_gates` as its `eviction_gates`, on its device."""
+    model.eviction_gates = random_gates(model.config, seed, window, sinks).to(model.lm_head.weight.device)
+    return model
 
 
 class _DtypeRMSNorm(RMSNorm):

@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import float64_model, random_gpt, tiny_config
+from helpers import attach_random_gates, float64_model, random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -34,7 +34,7 @@ CHUNKS = (1, 7, 64, None)
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=5))
+    return attach_random_gates(float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=5)), seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_prefix_store_warm_equals_cold_batch_equals_alone(model: GPT, prompts: l
     assert cold == alone == first == warm
 
 
-@pytest.mark.parametrize("policy", ["h2o", "keydiff", "snapkv", "expected-attention", "last-recent"])
+@pytest.mark.parametrize("policy", ["h2o", "keydiff", "snapkv", "expected-attention", "last-recent", "learned"])
 @torch.inference_mode()
 def test_one_shot_compresses_at_the_end_of_the_prompt_whatever_the_chunking(
     model: GPT, prompts: list[torch.Tensor], policy: str

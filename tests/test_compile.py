@@ -13,17 +13,18 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch._dynamo
-from helpers import random_gpt, tiny_config
+from helpers import attach_random_gates, random_gpt, tiny_config
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from litkv import GPT, KVCacheConfig, generate
 
 POLICIES = ["dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention"]
+POLICIES += ["learned"]
 
 
 def _model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M", block_size=1024), seed=3)
+    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M", block_size=1024), seed=3), seed=3)
 
 
 def _config(policy: str, storage: str = "float") -> KVCacheConfig:

@@ -26,7 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import float64_model, forward_depth, max_diff, random_gpt, random_tokens, rounding_bound, tiny_config
+from helpers import (
+    attach_random_gates,
+    float64_model,
+    forward_depth,
+    max_diff,
+    random_gpt,
+    random_tokens,
+    rounding_bound,
+    tiny_config,
+)
 
 from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
 from litkv.generate import pad_prompts
@@ -103,12 +112,12 @@ def _logit_bound(policy: str, storage: str, reference: torch.Tensor, depth: int)
 
 @pytest.fixture(scope="module")
 def model32() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=21)
+    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=21), seed=21)
 
 
 @pytest.fixture(scope="module")
 def model64() -> GPT:
-    return float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=21))
+    return attach_random_gates(float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=21)), seed=21)
 
 
 def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:

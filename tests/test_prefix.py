@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
+from helpers import attach_random_gates, random_gpt, tiny_config
 
 from litkv import GPT, CacheState, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -22,7 +22,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=11)
+    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=11), seed=11)
 
 
 def _config(policy: str, chunk: int = 8) -> KVCacheConfig:

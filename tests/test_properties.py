@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
+from helpers import attach_random_gates, random_gpt, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,7 @@ SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M", block_size=128), seed=3)
+    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M", block_size=128), seed=3), seed=3)
 
 
 def _raised_by_litkv(err: BaseException) -> None:
@@ -231,7 +231,7 @@ def test_state_operation_sequences_match_the_model(model: GPT, ops: list[tuple[s
 
 
 TRUNCATED = {True: 0, False: 0}  # examples that rolled back some calls / none
-EVICTING = [p for p in ("h2o", "tova", "last-recent", "knorm", "keydiff", "snapkv") if p in POLICIES]
+EVICTING = [p for p in ("h2o", "tova", "last-recent", "knorm", "keydiff", "snapkv", "learned") if p in POLICIES]
 
 
 @settings(derandomize=True, deadline=None, max_examples=200, suppress_health_check=list(HealthCheck))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
+from helpers import attach_random_gates, random_gpt, tiny_config
 
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
 from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
@@ -29,7 +29,7 @@ B = 2
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=7)
+    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=7), seed=7)
 
 
 def _tokens(length: int, seed: int, batch: int = B) -> torch.Tensor:

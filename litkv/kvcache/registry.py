@@ -29,6 +29,7 @@ _BUILTIN_MODULES = (
     "litkv.kvcache.keydiff",
     "litkv.kvcache.snapkv",
     "litkv.kvcache.expected_attention",
+    "litkv.kvcache.learned",
 )
 _builtins_loaded = False
 

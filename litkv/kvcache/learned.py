@@ -1,0 +1,216 @@
+"""`learned`: evict by trained eviction gates (`litkv.learned`, `litkv finetune --learn_eviction true`).
+
+Each token gets one retention logit per KV head from the layer's gate, linear in its key before RoPE
+(`EvictionGates.logits`): the call's new keys are rotated back to position 0 with the model's RoPE
+table at their own positions, and the logit is computed once, when the token arrives, from the key as
+computed (not as stored: with int8/int4 storage the gate sees the un-quantised key). It then travels
+with the token's slot (`slot_state`), so snapshots, restores, row selection, files and the undo log
+carry it; the stored keys are never scored again. When the cache is full, the lowest logits are
+evicted, outside the `sinks` first tokens and the `recent` newest (by default the gates' own `sinks`
+and `window`, those they were trained with).
+
+With `threshold`, the cache also empties, after every call, the slots whose logit is below it, outside
+the sinks and the recent window: it then holds a variable number of tokens, at most `cache_length`, and
+freed slots are taken by new tokens before anything else is evicted. Costs of that mode: an undo log
+(`litkv.keep_undo_log`) records every slot of each call, not only the overwritten ones; while the
+cache fills, slots emptied below `num_filled` stay empty until the cache has taken `cache_length`
+tokens (the fill path writes the next slots in order).
+
+The model hands the cache its gates (`GPT.eviction_gates`, loaded with the checkpoint by `load_model`
+when `eviction_gates.safetensors` is there) and its RoPE table when attaching it (`needs_gates`,
+`needs_rope`). No attention weights are needed: the layer keeps the fast attention path; scoring reads
+nothing on the host (compiled decoding works).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from litkv.kvcache.base import Candidates, KVCache, Placement
+from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_float, check_int, check_mode
+from litkv.kvcache.registry import register_kv_cache
+from litkv.kvcache.score import ScoreKVCache
+from litkv.kvcache.storage import CacheShape
+from litkv.learned.gate import EvictionGates, unrotate_keys
+
+if TYPE_CHECKING:
+    from litkv.config import KVCacheConfig
+
+__all__ = ["LearnedKVCache", "LearnedOptions", "NO_GATES"]
+
+RopeTable = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+Journal = Callable[[KVCache, torch.Tensor], None]
+
+#: The error of a `learned` cache attached to a model without gates.
+NO_GATES = (
+    "policy 'learned' needs trained eviction gates: load a checkpoint that has eviction_gates.safetensors "
+    "(litkv/assets/default ships them) or train them with `litkv finetune --learn_eviction true`"
+)
+
+
+@dataclass
+class LearnedOptions(ScoreOptions):
+    """Options of `learned`.
+
+    Args:
+        sinks: first tokens never evicted; `None`: the gates' `sinks` (resolved when the gates are bound).
+        recent: newest tokens never evicted; `None`: the gates' `window`.
+        mode, budget: as every score policy (`ScoreOptions`).
+        threshold: `None`, or a logit: after every call, slots whose logit is below it are emptied
+            (outside the sinks and the recent window).
+    """
+
+    sinks: int | None = None  # type: ignore[assignment]
+    recent: int | None = None
+    threshold: float | None = None
+
+    def recent_length(self, cache_length: int) -> int:
+        """The explicit `recent`, else 0 until the gates are bound (`LearnedKVCache.bind_gates`)."""
+        return 0 if self.recent is None else self.recent
+
+    def check(self, cache_length: int) -> None:
+        if self.sinks is not None:
+            check_int("sinks", self.sinks, minimum=0)
+        if self.recent is not None:
+            check_int("recent", self.recent, minimum=0)
+        protected = (self.sinks or 0) + self.recent_length(cache_length)
+        if protected > cache_length:
+            raise ValueError(
+                f"sinks + recent must be <= cache_length, got sinks={self.sinks}, recent={self.recent}, "
+                f"cache_length={cache_length}"
+            )
+        check_mode(self.mode, self.budget, cache_length, protected)
+        if self.threshold is not None:
+            check_float("threshold", self.threshold)
+
+
+class _AllSlots:
+    """A journal that records every slot of a call: threshold mode empties slots it does not overwrite."""
+
+    def __init__(self, inner: Journal) -> None:
+        self.inner = inner
+
+    def __call__(self, cache: KVCache, dest: torch.Tensor) -> None:
+        b, g, _ = dest.shape
+        length = cache.cache_length
+        self.inner(cache, torch.arange(length, device=dest.device).expand(b, g, length))
+
+
+@register_kv_cache("learned")
+class LearnedKVCache(ScoreKVCache):
+    """Keeps the sinks, the recent window and the tokens with the highest gate logits.
+
+    Attributes:
+        logits: `(B, G, L)` float32 gate logit of each slot's token (0 for empty slots).
+    """
+
+    Options: ClassVar[type[PolicyOptions]] = LearnedOptions
+    needs_rope: ClassVar[bool] = True
+    needs_gates: ClassVar[bool] = True
+    slot_state: ClassVar[tuple[str, ...]] = ("logits",)
+
+    def __init__(
+        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__(config, shape, device, dtype)
+        self.sinks = 0 if self.options.sinks is None else self.options.sinks
+        self.threshold: float | None = self.options.threshold
+        self.logits = torch.zeros_like(self.positions, dtype=torch.float32)
+        self._gates: EvictionGates | None = None  # this layer's gates only, on the cache's device
+        self._rope: tuple[RopeTable, int, int | None] | None = None
+
+    # -- binding --------------------------------------------------------------------------------
+
+    def bind_gates(self, gates: EvictionGates | None, layer: int) -> None:
+        """Take layer `layer` of `gates` (`(n_layer, G, D)`); resolve `sinks`/`recent` left to the gates.
+
+        Raises:
+            ValueError: no gates, gates of another shape, or sinks + recent longer than the cache.
+        """
+        if gates is None:
+            raise ValueError(NO_GATES)
+        if not isinstance(gates, EvictionGates):
+            raise TypeError(f"bind_gates expects EvictionGates, got {type(gates).__name__}")
+        source = f"policy 'learned' (layer {layer})"
+        gates.check_model(gates.n_layer, self.shape.n_query_groups, self.shape.key_size, source)
+        if not 0 <= layer < gates.n_layer:
+            raise ValueError(f"{source}: layer must be in [0, {gates.n_layer}) (the gates' n_layer), got {layer}")
+        o = self.options
+        self.sinks = gates.sinks if o.sinks is None else o.sinks
+        self.recent = gates.window if o.recent is None else o.recent
+        room = o.budget if o.mode == "one-shot" else self.cache_length
+        if self.sinks + self.recent > room:
+            what = f"budget={room}" if o.mode == "one-shot" else f"cache_length={room}"
+            raise ValueError(
+                f"{source}: sinks + recent must be <= {what}, got sinks={self.sinks}, recent={self.recent} "
+                f"(the gates' defaults: sinks={gates.sinks}, window={gates.window}; set --kv_cache.sinks/recent)"
+            )
+        part = EvictionGates(gates.weight[layer : layer + 1], gates.bias[layer : layer + 1], gates.window, gates.sinks)
+        self._gates = part.to(self.positions.device)
+
+    def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
+        """The model's RoPE: `table(n)` gives cos and sin `(N, n_elem[, k])` covering the positions of the
+        calls the model runs (`column` picks the last dim of per-layer tables)."""
+        self._rope = (table, n_elem, column)
+
+    @property
+    def journal(self) -> Journal | None:
+        """The undo log's recorder (`KVCache.journal`); in threshold mode it records every slot."""
+        return self._journal
+
+    @journal.setter
+    def journal(self, value: Journal | None) -> None:
+        wrap = value is not None and self.options.threshold is not None and not isinstance(value, _AllSlots)
+        self._journal = _AllSlots(value) if wrap else value  # type: ignore[arg-type]
+
+    # -- scoring --------------------------------------------------------------------------------
+
+    def new_logits(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, T)` float32 gate logits of the call's new tokens (computed once per call, from
+        `candidates.new_keys` as computed, rotated back to position 0; pads get a meaningless value)."""
+        value = candidates.scratch.get("learned.new")
+        if value is None:
+            gates, (table, n_elem, column) = self._bound()
+            keys = candidates.new_keys.detach()
+            keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
+            cos, sin = table(1)
+            if column is not None:
+                cos, sin = cos[..., column], sin[..., column]
+            index = candidates.query_pos.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)  # (B, T)
+            cos, sin = cos[index, :n_elem].to(keys), sin[index, :n_elem].to(keys)
+            value = gates.logits(0, unrotate_keys(keys, cos, sin, n_elem))
+            candidates.scratch["learned.new"] = value
+        return value  # type: ignore[return-value]
+
+    def score(self, candidates: Candidates) -> torch.Tensor:
+        """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones."""
+        return torch.cat((self.logits, self.new_logits(candidates)), dim=2)
+
+    def oneshot_scores(self) -> torch.Tensor:
+        """`(B, G, L)` the slots' logits; sinks and the recent window `inf`."""
+        self._bound()
+        return self.protect(self.logits.clone(), self.positions)
+
+    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+        """Carry each surviving candidate's logit into its slot; in threshold mode, empty the old slots
+        whose logit is below the threshold."""
+        logits = placement.carry(self.score(candidates))
+        if self.threshold is not None:
+            protected = self._protected(self.positions)
+            below = logits < self.threshold
+            self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
+        self.logits = logits.masked_fill(self.positions < 0, 0.0)
+
+    def _bound(self) -> tuple[EvictionGates, tuple[RopeTable, int, int | None]]:
+        if self._gates is None or self._rope is None:
+            missing = "eviction gates (bind_gates)" if self._gates is None else "RoPE table (bind_rope)"
+            raise RuntimeError(
+                f"LearnedKVCache has no {missing}: attach the caches with GPT.set_kv_caches on a model whose "
+                "eviction_gates are set (load_model reads them from the checkpoint), or call "
+                "cache.bind_gates(gates, layer) and cache.bind_rope(table, n_elem)"
+            )
+        return self._gates, self._rope
