@@ -27,6 +27,7 @@ import torch
 
 from litkv.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, save_dir_atomic, write_atomic
 from litkv.config import Config
+from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.model import GPT
 
 __all__ = [
@@ -300,15 +301,17 @@ def check_finite(state_dict: Mapping[str, torch.Tensor], source: str, block: int
 def load_model(
     checkpoint_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> GPT:
-    """Build the `GPT` of `checkpoint_dir` and load its weights (in eval mode).
+    """Build the `GPT` of `checkpoint_dir` and load its weights (in eval mode), and its eviction gates
+    (`model.eviction_gates`, for the `learned` policy) when the directory has `eviction_gates.safetensors`.
 
     Args:
         checkpoint_dir: directory with `model_config.yaml` and `model.safetensors` or `lit_model.pth`.
         device: where to put the model (default: CPU).
-        dtype: floating dtype of the parameters (default: the dtype stored in the file).
+        dtype: floating dtype of the parameters (default: the dtype stored in the file; gates stay float32).
 
     Raises:
-        ValueError: a corrupt file, an invalid config, weights that do not match it, NaN/inf weights.
+        ValueError: a corrupt file, an invalid config, weights that do not match it, NaN/inf weights,
+            a gates file that is not one or does not fit the model.
     """
     path = check_checkpoint_dir(checkpoint_dir, tokenizer=False)
     config = load_config(path)
@@ -325,7 +328,18 @@ def load_model(
     model = model.to(device=torch.device("cpu") if device is None else torch.device(device))
     if dtype is not None:
         model = model.to(dtype=dtype)
+    model.eviction_gates = _load_gates(path, config, model.lm_head.weight.device)
     return model.eval()
+
+
+def _load_gates(path: Path, config: Config, device: torch.device) -> EvictionGates | None:
+    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config`; `None` without the file."""
+    gates_file = path / GATES_FILE
+    if not gates_file.is_file():
+        return None
+    gates = EvictionGates.load(gates_file)
+    gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
+    return gates.to(device)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

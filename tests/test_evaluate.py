@@ -49,7 +49,7 @@ FORMAT = {
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ckpt")
-    make_tiny_checkpoint(path)
+    make_tiny_checkpoint(path, gates_seed=0)  # eviction gates: `--policies all` runs `learned` too
     (path / "recall_format.json").write_text(json.dumps(FORMAT))
     (path / "heldout.txt").write_text(TEXT * 3)
     return path

@@ -9,10 +9,12 @@ import json
 from pathlib import Path
 
 import torch
+from helpers import random_gates
 from litgpt.utils import save_config
 
 from litkv.checkpoint import save_state_dict_atomic
 from litkv.config import Config
+from litkv.learned.gate import GATES_FILE
 from litkv.model import GPT
 
 __all__ = ["TEXT", "checkpoint_config", "make_tiny_checkpoint", "train_tiny_tokenizer"]
@@ -62,8 +64,11 @@ def checkpoint_config(vocab_size: int = 384, block_size: int = 256) -> Config:
     )
 
 
-def make_tiny_checkpoint(out_dir: Path, seed: int = 0, fmt: str = "safetensors", block_size: int = 256) -> GPT:
-    """A random tiny GQA/RoPE GPT with a trained BPE tokenizer, saved in LitGPT layout."""
+def make_tiny_checkpoint(
+    out_dir: Path, seed: int = 0, fmt: str = "safetensors", block_size: int = 256, gates_seed: int | None = None
+) -> GPT:
+    """A random tiny GQA/RoPE GPT with a trained BPE tokenizer, saved in LitGPT layout; with `gates_seed`,
+    also random eviction gates (`helpers.random_gates`) in `eviction_gates.safetensors`."""
     torch.manual_seed(seed)
     config = checkpoint_config(block_size=block_size)
     model = GPT(config)
@@ -75,4 +80,6 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0, fmt: str = "safetensors",
     name = "model.safetensors" if fmt == "safetensors" else "lit_model.pth"
     save_state_dict_atomic(out_dir / name, model.state_dict())
     train_tiny_tokenizer(out_dir)
+    if gates_seed is not None:
+        random_gates(config, gates_seed).save(out_dir / GATES_FILE)
     return model.eval()
