@@ -41,8 +41,11 @@ import torch
 
 from litkv import GPT, Config, KVCacheConfig, generate
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
+from litkv.learned import EvictionGates
 
-POLICIES = ("dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention")
+POLICIES = (
+    "dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention", "learned"
+)  # fmt: skip
 EXTRA_POLICIES = ("h2o-int4",)  # h2o with int4 storage (qh2o also weighs the quantisation error)
 # name: (batch, prompt length, new tokens)
 CONFIGS = {"1x4096": (1, 4096, 128), "4x4096": (4, 4096, 64), "1x16384": (1, 16384, 32)}
@@ -309,6 +312,10 @@ def build_model(name: str, seed: int) -> GPT:
     model = GPT(Config.from_name(name)).eval()
     if model.lm_head.weight.shape == model.transformer.wte.weight.shape:
         model.lm_head.weight = model.transformer.wte.weight
+    c = model.config  # random eviction gates for `learned` (its speed does not depend on what they learned)
+    gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, window=16, sinks=4)
+    gates.weight.normal_()
+    model.eviction_gates = gates
     return model
 
 
