@@ -24,6 +24,7 @@ nothing on the host (compiled decoding works).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -86,6 +87,32 @@ class LearnedOptions(ScoreOptions):
         check_mode(self.mode, self.budget, cache_length, protected)
         if self.threshold is not None:
             check_float("threshold", self.threshold)
+
+
+def _pre_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Keys `(B, G, T, D)` rotated back to position 0: `unrotate_keys`, whose result is the key times
+    `cos^2 + sin^2` of its position, divided by that and multiplied by its value at position 0.
+
+    The factor is 1 (or YaRN's scaling squared, the same at every position) up to the rounding of the
+    table: without the correction one token id at two positions (one pre-RoPE key in the first layer)
+    would get logits that differ in float32 and the tie would be broken by the table's rounding, not
+    by position as `drop_lowest` does. `cos`, `sin`: the tables `(N, n_elem)`; `positions` `(B, T)`.
+    """
+    n_elem = cos.shape[-1]
+    c, s = cos[positions], sin[positions]  # (B, T, n_elem)
+    gain = (cos[0] * cos[0] + sin[0] * sin[0]) / (c * c + s * s)
+    unrotated = unrotate_keys(keys, c, s, n_elem)
+    return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
+
+
+def _logits(gates: EvictionGates, keys_pre: torch.Tensor) -> torch.Tensor:
+    """`(B, G, T)` float32 logits of layer 0 of `gates` for pre-RoPE keys `(B, G, T, D)`: `EvictionGates.logits`
+    computed in the keys' precision (at least float32), so that in a float64 model one token id at two
+    positions (one pre-RoPE key in the first layer) gets one float32 logit whatever the call's shape, and
+    the tie is broken by position (`drop_lowest`), not by rounding."""
+    weight, bias = gates.weight[0].to(keys_pre.dtype), gates.bias[0].to(keys_pre.dtype)
+    dots = torch.einsum("bgtd,gd->bgt", keys_pre, weight)
+    return (dots / math.sqrt(weight.shape[-1]) + bias[None, :, None]).to(torch.float32)
 
 
 class _AllSlots:
@@ -181,8 +208,7 @@ class LearnedKVCache(ScoreKVCache):
             if column is not None:
                 cos, sin = cos[..., column], sin[..., column]
             index = candidates.query_pos.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)  # (B, T)
-            cos, sin = cos[index, :n_elem].to(keys), sin[index, :n_elem].to(keys)
-            value = gates.logits(0, unrotate_keys(keys, cos, sin, n_elem))
+            value = _logits(gates, _pre_rope(keys, cos[:, :n_elem].to(keys), sin[:, :n_elem].to(keys), index))
             candidates.scratch["learned.new"] = value
         return value  # type: ignore[return-value]
 
