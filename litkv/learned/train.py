@@ -60,12 +60,12 @@ class GateTrainArgs:
     lr: float = 0.05
     target_keep: float = 0.06
     ramp: float = 0.6
-    window: int = 16
+    window: int = 32
     sinks: int = 4
     temperature_start: float = 1.0
     temperature_end: float = 0.25
     compression_weight: float = 10.0
-    answer_weight: float = 20.0
+    answer_weight: float = 10.0
     init_bias: float = 2.0
     seed: int = 1234
 
