@@ -1,13 +1,13 @@
 """`learned`: evict by trained eviction gates (`litkv.learned`, `litkv finetune --learn_eviction true`).
 
 Each token gets one retention logit per KV head from the layer's gate, linear in its key before RoPE
-(`EvictionGates.logits`): the call's new keys are rotated back to position 0 with the model's RoPE
-table at their own positions, and the logit is computed once, when the token arrives, from the key as
-computed (not as stored: with int8/int4 storage the gate sees the un-quantised key). It then travels
-with the token's slot (`slot_state`), so snapshots, restores, row selection, files and the undo log
-carry it; the stored keys are never scored again. When the cache is full, the lowest logits are
-evicted, outside the `sinks` first tokens and the `recent` newest (by default the gates' own `sinks`
-and `window`, those they were trained with).
+(`EvictionGates.logits`, in the keys' precision): the call's new keys are rotated back to position 0
+with the model's RoPE table at their own positions (`_pre_rope`), and the logit is computed once, when
+the token arrives, from the key as computed (not as stored: with int8/int4 storage the gate sees the
+un-quantised key). It then travels with the token's slot (`slot_state`), so snapshots, restores, row
+selection, files and the undo log carry it; the stored keys are never scored again. When the cache is
+full, the lowest logits are evicted, outside the `sinks` first tokens and the `recent` newest (by
+default the gates' own `sinks` and `window`, those they were trained with).
 
 With `threshold`, the cache also empties, after every call, the slots whose logit is below it, outside
 the sinks and the recent window: it then holds a variable number of tokens, at most `cache_length`, and
@@ -99,8 +99,9 @@ def _pre_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     by position as `drop_lowest` does. `cos`, `sin`: the tables `(N, n_elem)`; `positions` `(B, T)`.
     """
     n_elem = cos.shape[-1]
-    c, s = cos[positions], sin[positions]  # (B, T, n_elem)
-    gain = (cos[0] * cos[0] + sin[0] * sin[0]) / (c * c + s * s)
+    c, s = cos[positions].to(keys), sin[positions].to(keys)  # (B, T, n_elem)
+    c0, s0 = cos[0].to(keys), sin[0].to(keys)
+    gain = (c0 * c0 + s0 * s0) / (c * c + s * s)
     unrotated = unrotate_keys(keys, c, s, n_elem)
     return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
 
@@ -208,7 +209,7 @@ class LearnedKVCache(ScoreKVCache):
             if column is not None:
                 cos, sin = cos[..., column], sin[..., column]
             index = candidates.query_pos.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)  # (B, T)
-            value = _logits(gates, _pre_rope(keys, cos[:, :n_elem].to(keys), sin[:, :n_elem].to(keys), index))
+            value = _logits(gates, _pre_rope(keys, cos[:, :n_elem], sin[:, :n_elem], index))
             candidates.scratch["learned.new"] = value
         return value  # type: ignore[return-value]
 
