@@ -308,7 +308,8 @@ def _odd(index: torch.Tensor, salt: int) -> torch.Tensor:
 
 def model_fingerprint(model: GPT) -> dict[str, str]:
     """`{"model_config": sha256 of the config, "weights": sha256 of names, shapes, dtypes and each
-    parameter's `_parameter_digest` (every element counts)}`.
+    parameter's `_parameter_digest` (every element counts)}`, plus `"eviction_gates"` (sha256 of the
+    gates' tensors, window and sinks) when the model has gates.
 
     Memoised until a parameter changes (version counter or storage); a model with inference tensors
     (built under `torch.inference_mode`, no version counter) is hashed at every call.
@@ -326,7 +327,14 @@ def model_fingerprint(model: GPT) -> dict[str, str]:
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{digest};".encode())
         cached = (versions, h.hexdigest())
         _WEIGHT_HASHES[model] = cached
-    return {"model_config": config_hash, "weights": cached[1]}
+    out = {"model_config": config_hash, "weights": cached[1]}
+    gates = model.eviction_gates  # the `learned` policy's scores depend on them
+    if gates is not None:
+        h = hashlib.sha256(f"{tuple(gates.weight.shape)}:{gates.window}:{gates.sinks};".encode())
+        for tensor in (gates.weight, gates.bias):
+            h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        out["eviction_gates"] = h.hexdigest()
+    return out
 
 
 # -- snapshot / restore ---------------------------------------------------------------------------
@@ -384,6 +392,9 @@ def _check_model(model: GPT, state: CacheState) -> None:
         )
     if fp["weights"] != state.fingerprint.get("weights"):
         raise ValueError("the cache state was taken from a model with other weights (or another dtype)")
+    learned = any(layer.config.policy == "learned" for layer in state.layers)
+    if learned and fp.get("eviction_gates") != state.fingerprint.get("eviction_gates"):
+        raise ValueError("the cache state holds `learned` caches scored by other eviction gates than the model's")
     if len(state.layers) != model.config.n_layer:
         raise ValueError(f"the cache state has {len(state.layers)} layers, the model {model.config.n_layer}")
     check_token_ids(state, model.config.vocab_size)

@@ -319,8 +319,9 @@ def test_cache_binding_errors(model: GPT) -> None:
         _layer_cache().bind_gates(EvictionGates.create(2, 2, 8, 2, 1), 0)
     with pytest.raises(ValueError, match=r"layer must be in \[0, 2\)"):
         _layer_cache().bind_gates(EvictionGates.create(2, 2, 16, 2, 1), 2)
-    with pytest.raises(ValueError, match="sinks \\+ recent must be <= cache_length=8, got sinks=2, recent=7"):
-        _layer_cache().bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)
+    clamped = _layer_cache()  # the gates' window 7 and sinks 2 do not fit 8 slots: clamped, the gates still rank
+    clamped.bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)
+    assert (clamped.sinks, clamped.recent) == (2, 3)
     _layer_cache(recent=2).bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)  # explicit recent wins
     with pytest.raises(TypeError, match="threshold must be a finite number"):
         _layer_cache(threshold="high")
@@ -335,3 +336,28 @@ def test_defaults_come_from_the_gates_and_options_override_them() -> None:
     cache = _layer_cache(sinks=0, recent=5)
     cache.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
     assert (cache.sinks, cache.recent) == (0, 5)
+
+
+def test_states_and_prefix_seeds_know_the_gates() -> None:
+    """A `learned` state restores only into a model with the same gates; the prefix store's seed (the
+    fingerprint) changes with the gates; a state of another policy ignores them."""
+    from litkv import restore
+    from litkv.state import model_fingerprint
+
+    model = attach_random_gates(random_gpt(tiny_config("pythia-14m"), seed=3), seed=4)
+    prompt = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(5))
+    states = {}
+    for policy in ("learned", "h2o"):
+        with model.kv_caches_attached(KVCacheConfig(policy, cache_length=12), batch_size=1):
+            for start in (0, 10):  # 20 tokens through 12 slots: evicting
+                model(prompt[:, start : start + 10], input_pos=torch.arange(start, start + 10)[None])
+            states[policy] = snapshot(model)
+    before = model_fingerprint(model)
+    attach_random_gates(model, seed=5)
+    assert model_fingerprint(model)["eviction_gates"] != before["eviction_gates"]
+    assert model_fingerprint(model)["weights"] == before["weights"]
+    with model.kv_caches_attached(KVCacheConfig("learned", cache_length=12), batch_size=1):
+        with pytest.raises(ValueError, match="other eviction gates"):
+            restore(model, states["learned"])
+    with model.kv_caches_attached(KVCacheConfig("h2o", cache_length=12), batch_size=1):
+        restore(model, states["h2o"])
