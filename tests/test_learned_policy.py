@@ -356,8 +356,10 @@ def test_states_and_prefix_seeds_know_the_gates() -> None:
     attach_random_gates(model, seed=5)
     assert model_fingerprint(model)["eviction_gates"] != before["eviction_gates"]
     assert model_fingerprint(model)["weights"] == before["weights"]
-    with model.kv_caches_attached(KVCacheConfig("learned", cache_length=12), batch_size=1):
-        with pytest.raises(ValueError, match="other eviction gates"):
-            restore(model, states["learned"])
+    with (
+        model.kv_caches_attached(KVCacheConfig("learned", cache_length=12), batch_size=1),
+        pytest.raises(ValueError, match="other eviction gates"),
+    ):
+        restore(model, states["learned"])
     with model.kv_caches_attached(KVCacheConfig("h2o", cache_length=12), batch_size=1):
         restore(model, states["h2o"])
