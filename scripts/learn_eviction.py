@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heldout_seed", type=int, default=7, help="seed of the second set of pass keys")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ship", action="store_true", help="copy the distilled gates into litkv/assets/default")
+    p.add_argument("--reuse", action="store_true", help="skip the training of a method whose final/ exists")
     return p.parse_args(argv)
 
 
@@ -90,7 +91,7 @@ def rows(results: list, name: str | None = None) -> list[dict[str, Any]]:
     return [
         {
             "policy": name if (name and r.policy == "learned") else r.policy,
-            "budget": r.budget,
+            "budget": r.cache_length,
             "ppl": r.perplexity,
             "kl": r.kl,
             "top1": r.top1,
@@ -151,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     report: dict[str, Any] = {"settings": vars(args) | {"out_dir": str(args.out_dir)}, "train_seconds": {}}
     checkpoints = {}
     for method in ("distill", "regress"):
+        if args.reuse and (out / method / "final" / LOG_FILE).is_file():
+            checkpoints[method] = out / method / "final"
+            continue
         checkpoints[method], seconds = train(text, method, args, out / method)
         report["train_seconds"][method] = round(seconds, 1)
     all_rows = []

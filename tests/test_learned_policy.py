@@ -28,7 +28,7 @@ from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
 
 B = 2
 LENGTH = 16  # cache slots
-WINDOW, SINKS = 4, 2  # the gates' recent window and sinks: the policy's defaults
+WINDOW, SINKS = 4, 2  # the recent window (given explicitly; the default is half the cache) and the gates' sinks
 PROMPT = 52
 CHUNKS = [9, 5, 1, 1, 7, 3, 1, 8, 1, 1, 4, 11]  # direct fill, then concat and staged (one-token) calls
 Check = Callable[[int, LearnedKVCache, torch.Tensor, int], None]
@@ -45,6 +45,7 @@ def _tokens(seed: int, batch: int = B, length: int = PROMPT) -> torch.Tensor:
 
 
 def _config(storage: str = "float", chunk: int = 8, **options: object) -> KVCacheConfig:
+    options = {"recent": WINDOW, **options}
     return KVCacheConfig("learned", cache_length=LENGTH, chunk_size=chunk, storage=storage, quant_group_size=8,
                          options=options)  # fmt: skip
 
@@ -332,7 +333,7 @@ def test_cache_binding_errors(model: GPT) -> None:
 def test_defaults_come_from_the_gates_and_options_override_them() -> None:
     cache = _layer_cache()
     cache.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
-    assert (cache.sinks, cache.recent) == (1, 3)
+    assert (cache.sinks, cache.recent) == (1, 3)  # the gates' sinks; recent: half of the 7 slots left
     cache = _layer_cache(sinks=0, recent=5)
     cache.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
     assert (cache.sinks, cache.recent) == (0, 5)
