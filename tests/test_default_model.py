@@ -88,6 +88,17 @@ def test_a_small_window_forgets_an_early_key(shipped: tuple) -> None:
     assert recall_accuracy(model, examples, recent, batch_size=4)[0.0] <= 0.25
 
 
+def test_shipped_gates_keep_an_early_key_in_64_slots(shipped: tuple) -> None:
+    """The shipped eviction gates load with the model and `learned` recalls, at 64 slots, the keys that
+    the recent window of the same size forgets (seed 11: keys the gates were not trained on)."""
+    model, _, task = shipped
+    assert model.eviction_gates is not None and model.eviction_gates.n_layer == model.config.n_layer
+    examples = task.examples(task.fmt.context_length, (0.0, 0.5), per_depth=3, seed=11)
+    learned = KVCacheConfig(policy="learned", cache_length=64, chunk_size=64)
+    by_depth = recall_accuracy(model, examples, learned, batch_size=3)
+    assert min(by_depth.values()) >= 2 / 3, by_depth
+
+
 def test_samples_read_as_bible_text(shipped: tuple) -> None:
     model, tokenizer, _ = shipped
     heldout = (SHIPPED / "heldout.txt").read_text(encoding="utf-8")
