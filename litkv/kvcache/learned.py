@@ -25,7 +25,6 @@ nothing on the host (compiled decoding works).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -105,16 +104,6 @@ def _pre_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     gain = (c0 * c0 + s0 * s0) / (c * c + s * s)
     unrotated = unrotate_keys(keys, c, s, n_elem)
     return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
-
-
-def _logits(gates: EvictionGates, keys_pre: torch.Tensor) -> torch.Tensor:
-    """`(B, G, T)` float32 logits of layer 0 of `gates` for pre-RoPE keys `(B, G, T, D)`: `EvictionGates.logits`
-    computed in the keys' precision (at least float32), so that in a float64 model one token id at two
-    positions (one pre-RoPE key in the first layer) gets one float32 logit whatever the call's shape, and
-    the tie is broken by position (`drop_lowest`), not by rounding."""
-    weight, bias = gates.weight[0].to(keys_pre.dtype), gates.bias[0].to(keys_pre.dtype)
-    dots = torch.einsum("bgtd,gd->bgt", keys_pre, weight)
-    return (dots / math.sqrt(weight.shape[-1]) + bias[None, :, None]).to(torch.float32)
 
 
 class _AllSlots:
@@ -212,13 +201,20 @@ class LearnedKVCache(ScoreKVCache):
             if column is not None:
                 cos, sin = cos[..., column], sin[..., column]
             index = candidates.query_pos.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)  # (B, T)
-            value = _logits(gates, _pre_rope(keys, cos[:, :n_elem], sin[:, :n_elem], index))
+            # in the keys' precision (float64 models: one token id at two positions gets one float32 logit,
+            # so the tie is broken by position in `drop_lowest`, not by rounding)
+            value = gates.logits(0, _pre_rope(keys, cos[:, :n_elem], sin[:, :n_elem], index)).to(torch.float32)
             candidates.scratch["learned.new"] = value
         return value  # type: ignore[return-value]
 
     def score(self, candidates: Candidates) -> torch.Tensor:
-        """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones."""
-        return torch.cat((self.logits, self.new_logits(candidates)), dim=2)
+        """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones (built once
+        per call: `select_drop` and `after_write` both read it)."""
+        value = candidates.scratch.get("learned.score")
+        if value is None:
+            value = torch.cat((self.logits, self.new_logits(candidates)), dim=2)
+            candidates.scratch["learned.score"] = value
+        return value  # type: ignore[return-value]
 
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` the slots' logits; sinks and the recent window `inf`."""
