@@ -35,6 +35,7 @@ from litkv.finetune.state import (
     restore_model,
     restore_rng,
     save_checkpoint,
+    yaml_safe,
 )
 from litkv.learned.run import learn_eviction as run_learn_eviction
 from litkv.learned.train import GateTrainArgs
@@ -88,17 +89,7 @@ class FinetuneArgs:
 
     def to_hparams(self) -> dict[str, Any]:
         """A YAML-safe dict that `litkv finetune --config` accepts."""
-
-        def plain(value: Any) -> Any:
-            if isinstance(value, Path):
-                return str(value)
-            if dataclasses.is_dataclass(value):
-                return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-            if isinstance(value, (list, tuple)):
-                return [plain(v) for v in value]
-            return value
-
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: yaml_safe(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 def _check_mode(mode: object) -> None:

@@ -15,6 +15,7 @@ mid-write never leaves an incomplete `step-XXXXXX/`; the next run removes the te
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass
 from functools import partial
@@ -51,6 +52,7 @@ __all__ = [
     "load_training_state",
     "restore_model",
     "restore_rng",
+    "yaml_safe",
 ]
 
 LORA_FILE = "lora.safetensors"
@@ -119,6 +121,20 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state(rng["cuda"])
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"cannot restore the saved RNG state: {err}") from err
+
+
+def yaml_safe(value: Any) -> Any:
+    """`value` with dataclasses turned into dicts, paths into strings and tuples into lists (recursively),
+    so that `yaml.safe_dump` writes it."""
+    if isinstance(value, Path):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: yaml_safe(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: yaml_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [yaml_safe(v) for v in value]
+    return value
 
 
 def _write_yaml(path: Path, data: dict[str, Any]) -> None:

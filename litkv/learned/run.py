@@ -6,18 +6,16 @@ from __future__ import annotations
 import csv
 import io
 import shutil
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-import torch
 import yaml
 from tqdm.auto import tqdm
 
 from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.checkpoint import find_weights_file, load_model, load_tokenizer
 from litkv.finetune.data import DataArgs, load_examples, split_examples
-from litkv.finetune.state import COPIED_FILES, recall_task_files
+from litkv.finetune.state import COPIED_FILES, recall_task_files, yaml_safe
 from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.learned.train import GateTrainArgs, StepLog, train_gates
 
@@ -50,7 +48,7 @@ def learn_eviction(
         gates, logs = train_gates(model, train, learn, progress)
     finally:
         bar.close()
-    settings = {"base": str(checkpoint_dir), "data": _plain(asdict(data)), "learn": asdict(learn)}
+    settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn})
     return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, gates, logs, settings))
 
 
@@ -66,13 +64,3 @@ def _write(base_dir: Path, gates: EvictionGates, logs: list[StepLog], settings: 
     writer.writerows([log.step, log.loss, log.fit, log.keep, log.target] for log in logs)
     write_text_atomic(tmp / LOG_FILE, buffer.getvalue())
     write_text_atomic(tmp / "learn_eviction.yaml", yaml.safe_dump(settings, sort_keys=False))
-
-
-def _plain(value: object) -> object:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, torch.dtype):
-        return str(value)
-    return value
