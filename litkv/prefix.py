@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from litkv.atomic import remove_stale_temp_files, temp_files
 from litkv.config import KVCacheConfig
 from litkv.model import GPT, kv_cache_configs
 from litkv.runner import ChunkPlan
-from litkv.state import CacheState, model_fingerprint, restore, snapshot
+from litkv.state import CacheState, StateLRU, model_fingerprint, restore, snapshot
 
 __all__ = ["PrefixCache"]
 
@@ -74,8 +73,7 @@ class PrefixCache:
             removed = remove_stale_temp_files(self.directory, depth=0, quiet=True)
             if removed:
                 log.warning("prefix cache: removed %d temporary file(s) of interrupted writes", len(removed))
-        self._memory: OrderedDict[str, CacheState] = OrderedDict()
-        self._memory_bytes = 0
+        self._memory = StateLRU(self.max_bytes)
         self._write_failed = False
         self.hits = self.misses = self.reused_tokens = 0
 
@@ -83,7 +81,7 @@ class PrefixCache:
 
     def nbytes(self) -> int:
         """Bytes of the states held in memory."""
-        return self._memory_bytes
+        return self._memory.nbytes
 
     def disk_bytes(self) -> int:
         """Bytes of the state files in `directory` and of temporary files of writes in progress (0 without one)."""
@@ -95,7 +93,6 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget the states held in memory (files on disk stay)."""
         self._memory.clear()
-        self._memory_bytes = 0
 
     def get(self, key: str, tokens: int | None = None) -> CacheState | None:
         """The state stored under `key` (memory first, then disk), marked most recently used.
@@ -106,7 +103,6 @@ class PrefixCache:
         """
         state = self._memory.get(key)
         if state is not None:
-            self._memory.move_to_end(key)
             return state
         path = self._path(key)
         if path is None or not path.is_file():
@@ -148,20 +144,13 @@ class PrefixCache:
 
         `tokens`: how many tokens the state covers (recorded in the file with the key, checked by `get`).
         """
-        if key in self._memory:
-            self._memory.move_to_end(key)
+        if self._memory.get(key) is not None:  # marked most recently used
             return
         self._keep(key, state, write=True, tokens=tokens)
 
     def _keep(self, key: str, state: CacheState, write: bool, tokens: int | None = None) -> None:
-        size = state.nbytes()
-        if size > self.max_bytes:
+        if not self._memory.put(key, state):  # larger than the memory: neither kept nor written
             return
-        self._memory[key] = state
-        self._memory_bytes += size
-        while self._memory_bytes > self.max_bytes:
-            _, old = self._memory.popitem(last=False)
-            self._memory_bytes -= old.nbytes()
         path = self._path(key)
         if write and path is not None and not self._write_failed and not path.exists():
             proof = json.dumps({"key": key, "tokens": tokens})

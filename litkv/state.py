@@ -21,6 +21,7 @@ import hashlib
 import json
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_l
 __all__ = [
     "CacheState",
     "LayerState",
+    "StateLRU",
     "UndoLog",
     "keep_undo_log",
     "model_fingerprint",
@@ -270,6 +272,57 @@ def _check_same(a: CacheState, b: CacheState, what: str) -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
+
+
+# -- memory of states ------------------------------------------------------------------------------
+
+
+class StateLRU:
+    """Cache states by key, at most `max_bytes` bytes of tensors (`CacheState.nbytes`) in all; the least
+    recently used go first (the memory of the prefix store and of the server's conversation store).
+
+    Attributes:
+        nbytes: bytes of the states held.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._states: OrderedDict[str, CacheState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._states
+
+    def get(self, key: str) -> CacheState | None:
+        """The state under `key`, marked most recently used; `None` when there is none."""
+        state = self._states.get(key)
+        if state is not None:
+            self._states.move_to_end(key)
+        return state
+
+    def put(self, key: str, state: CacheState) -> bool:
+        """Keep `state` under `key` (replacing what was there), then drop the least recently used states
+        until the total fits. Returns False, keeping nothing, for a state larger than `max_bytes`."""
+        old = self._states.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes()
+        size = state.nbytes()
+        if size > self.max_bytes:
+            return False
+        self._states[key] = state
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, dropped = self._states.popitem(last=False)
+            self.nbytes -= dropped.nbytes()
+        return True
+
+    def clear(self) -> None:
+        """Forget every state."""
+        self._states.clear()
+        self.nbytes = 0
 
 
 # -- model fingerprint ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from litkv.atomic import write_text_atomic
-from litkv.state import CacheState
+from litkv.state import CacheState, StateLRU
 
 __all__ = ["StateStore"]
 
@@ -44,16 +44,15 @@ class StateStore:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
         self.max_replies = max_replies
-        self._states: OrderedDict[str, CacheState] = OrderedDict()
+        self._states = StateLRU(max_bytes)
         self._replies: OrderedDict[str, list[int]] = OrderedDict()
-        self._bytes = 0
         self._lock = threading.Lock()
         self.hits = {"memory": 0, "disk": 0}
 
     @property
     def nbytes(self) -> int:
         """Bytes of the states held in memory."""
-        return self._bytes
+        return self._states.nbytes
 
     def __len__(self) -> int:
         return len(self._states)
@@ -66,23 +65,10 @@ class StateStore:
         """Keep `state` (a CPU copy) and the reply's token ids under `key`."""
         with self._lock:
             self._remember_reply(key, reply_ids)
-            self._insert(key, state)
+            self._states.put(key, state)
         if self.directory is not None:
             state.save(self._path(key, ".safetensors"))  # atomic (litkv.atomic)
             write_text_atomic(self._path(key, ".json"), json.dumps({"reply_ids": list(reply_ids)}))
-
-    def _insert(self, key: str, state: CacheState) -> None:
-        old = self._states.pop(key, None)
-        if old is not None:
-            self._bytes -= old.nbytes()
-        size = state.nbytes()
-        if size > self.max_bytes:
-            return
-        self._states[key] = state
-        self._bytes += size
-        while self._bytes > self.max_bytes:
-            _, dropped = self._states.popitem(last=False)
-            self._bytes -= dropped.nbytes()
 
     def _remember_reply(self, key: str, reply_ids: list[int]) -> None:
         self._replies[key] = list(reply_ids)
@@ -95,7 +81,6 @@ class StateStore:
         with self._lock:
             state = self._states.get(key)
             if state is not None:
-                self._states.move_to_end(key)
                 self.hits["memory"] += 1
                 return state
         if self.directory is None or not self._path(key, ".safetensors").is_file():
@@ -106,7 +91,7 @@ class StateStore:
             log.warning("ignoring state file for %s: %s", key[:12], err)
             return None
         with self._lock:
-            self._insert(key, state)
+            self._states.put(key, state)
             self.hits["disk"] += 1
         return state
 
