@@ -8,10 +8,39 @@ patch releases.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["apply_rope", "yarn_mscale"]
+__all__ = ["BoundRope", "RopeTable", "apply_rope", "yarn_mscale"]
+
+#: The model's tables: `table(n)` gives cos and sin `(N, n_elem[, k])` with `N >= n` (`GPT._rope_table`).
+RopeTable = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BoundRope:
+    """The model's RoPE tables as a cache that declares `needs_rope` receives them (`KVCache.bind_rope`).
+
+    Attributes:
+        table: `table(n)` -> cos, sin covering every position of the calls the model runs.
+        n_elem: how many dims of a head RoPE rotates.
+        column: picks the last dim of per-layer tables, `None` for one table.
+    """
+
+    table: RopeTable
+    n_elem: int
+    column: int | None = None
+
+    def at(self, positions: torch.Tensor, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `(*positions.shape, n_elem)` in the table's dtype at `positions` (`-1` read as 0). No
+        host read: the table covers the positions of the call the model runs (`needed` more may be asked for)."""
+        cos, sin = self.table(needed)
+        if self.column is not None:
+            cos, sin = cos[..., self.column], sin[..., self.column]
+        index = positions.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)
+        return cos[index, : self.n_elem], sin[index, : self.n_elem]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:

@@ -19,7 +19,6 @@ needed: the layer keeps the fast attention path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -30,13 +29,13 @@ from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
+from litkv.rope import BoundRope, RopeTable
 
 if TYPE_CHECKING:
     from litkv.config import KVCacheConfig
 
 __all__ = ["ExpectedAttentionKVCache", "ExpectedAttentionOptions", "average_rotation", "rotate_half"]
 
-RopeTable = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -120,7 +119,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         super().__init__(config, shape, device, dtype)
         self.sinks = self.options.protected_sinks()
         self.stats: Stats | None = None  # set at the first call
-        self._rope: tuple[RopeTable, int, int | None] | None = None
+        self._rope: BoundRope | None = None
         self._future: tuple[torch.Tensor, torch.Tensor] = (torch.ones(0), torch.zeros(0))  # set by bind_rope
 
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
@@ -128,7 +127,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         every position of the calls the model runs (`GPT._rope_table`; `column` picks the last dim when the
         model has per-layer tables). Also precomputes the mean
         cos and sin of the offsets `1..n_future_positions` (the average rotation is built from them)."""
-        self._rope = (table, n_elem, column)
+        self._rope = BoundRope(table, n_elem, column)
         future = torch.arange(1, self.options.n_future_positions + 1)
         cos, sin = self._cos_sin(future, needed=self.options.n_future_positions + 1)
         self._future = (cos.mean(dim=0), sin.mean(dim=0))
@@ -141,12 +140,8 @@ class ExpectedAttentionKVCache(ScoreKVCache):
                 "ExpectedAttentionKVCache needs the model's RoPE table: attach the caches with GPT.set_kv_caches "
                 "(or call cache.bind_rope(table, n_elem))"
             )
-        table, n_elem, column = self._rope
-        cos, sin = table(needed)
-        if column is not None:
-            cos, sin = cos[..., column], sin[..., column]
-        index = positions.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)
-        return cos[index, :n_elem].double(), sin[index, :n_elem].double()
+        cos, sin = self._rope.at(positions, needed)
+        return cos.double(), sin.double()
 
     def future_rotation(self, newest: torch.Tensor, size: int) -> torch.Tensor:
         """`(B, size, size)` mean RoPE rotation of the positions `newest + 1 .. newest + n_future_positions`

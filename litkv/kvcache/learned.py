@@ -37,13 +37,13 @@ from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates, unrotate_keys
+from litkv.rope import BoundRope, RopeTable
 
 if TYPE_CHECKING:
     from litkv.config import KVCacheConfig
 
 __all__ = ["LearnedKVCache", "LearnedOptions", "NO_GATES"]
 
-RopeTable = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 Journal = Callable[[KVCache, torch.Tensor], None]
 
 #: The error of a `learned` cache attached to a model without gates.
@@ -89,18 +89,21 @@ class LearnedOptions(ScoreOptions):
             check_float("threshold", self.threshold)
 
 
-def _pre_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _pre_rope(
+    keys: torch.Tensor, at_pos: tuple[torch.Tensor, torch.Tensor], at_zero: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """Keys `(B, G, T, D)` rotated back to position 0: `unrotate_keys`, whose result is the key times
     `cos^2 + sin^2` of its position, divided by that and multiplied by its value at position 0.
 
     The factor is 1 (or YaRN's scaling squared, the same at every position) up to the rounding of the
     table: without the correction one token id at two positions (one pre-RoPE key in the first layer)
     would get logits that differ in float32 and the tie would be broken by the table's rounding, not
-    by position as `drop_lowest` does. `cos`, `sin`: the tables `(N, n_elem)`; `positions` `(B, T)`.
+    by position as `drop_lowest` does. `at_pos`: cos, sin `(B, T, n_elem)` at the keys' positions;
+    `at_zero`: cos, sin `(B, 1, n_elem)` at position 0 (`BoundRope.at`).
     """
-    n_elem = cos.shape[-1]
-    c, s = cos[positions].to(keys), sin[positions].to(keys)  # (B, T, n_elem)
-    c0, s0 = cos[0].to(keys), sin[0].to(keys)
+    c, s = at_pos[0].to(keys), at_pos[1].to(keys)
+    c0, s0 = at_zero[0].to(keys), at_zero[1].to(keys)
+    n_elem = c.shape[-1]
     gain = (c0 * c0 + s0 * s0) / (c * c + s * s)
     unrotated = unrotate_keys(keys, c, s, n_elem)
     return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
@@ -139,7 +142,7 @@ class LearnedKVCache(ScoreKVCache):
         self.threshold: float | None = self.options.threshold
         self.logits = torch.zeros_like(self.positions, dtype=torch.float32)
         self._gates: EvictionGates | None = None  # this layer's gates only, on the cache's device
-        self._rope: tuple[RopeTable, int, int | None] | None = None
+        self._rope: BoundRope | None = None
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -175,7 +178,7 @@ class LearnedKVCache(ScoreKVCache):
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
         """The model's RoPE: `table(n)` gives cos and sin `(N, n_elem[, k])` covering the positions of the
         calls the model runs (`column` picks the last dim of per-layer tables)."""
-        self._rope = (table, n_elem, column)
+        self._rope = BoundRope(table, n_elem, column)
 
     @property
     def journal(self) -> Journal | None:
@@ -194,16 +197,14 @@ class LearnedKVCache(ScoreKVCache):
         `candidates.new_keys` as computed, rotated back to position 0; pads get a meaningless value)."""
         value = candidates.scratch.get("learned.new")
         if value is None:
-            gates, (table, n_elem, column) = self._bound()
+            gates, rope = self._bound()
             keys = candidates.new_keys.detach()
             keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-            cos, sin = table(1)
-            if column is not None:
-                cos, sin = cos[..., column], sin[..., column]
-            index = candidates.query_pos.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)  # (B, T)
+            pos = candidates.query_pos  # (B, T)
             # in the keys' precision (float64 models: one token id at two positions gets one float32 logit,
             # so the tie is broken by position in `drop_lowest`, not by rounding)
-            value = gates.logits(0, _pre_rope(keys, cos[:, :n_elem], sin[:, :n_elem], index)).to(torch.float32)
+            keys_pre = _pre_rope(keys, rope.at(pos), rope.at(torch.zeros_like(pos[:, :1])))
+            value = gates.logits(0, keys_pre).to(torch.float32)
             candidates.scratch["learned.new"] = value
         return value  # type: ignore[return-value]
 
@@ -231,7 +232,7 @@ class LearnedKVCache(ScoreKVCache):
             self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
         self.logits = logits.masked_fill(self.positions < 0, 0.0)
 
-    def _bound(self) -> tuple[EvictionGates, tuple[RopeTable, int, int | None]]:
+    def _bound(self) -> tuple[EvictionGates, BoundRope]:
         if self._gates is None or self._rope is None:
             missing = "eviction gates (bind_gates)" if self._gates is None else "RoPE table (bind_rope)"
             raise RuntimeError(
