@@ -253,12 +253,16 @@ class GPT(nn.Module):
         # a multi-token call without pads may use SDPA's causal kernel where a layer's cache held nothing
         # before (one host read, outside trusted decode steps)
         no_pads = input_pos is not None and t > 1 and self._checks and bool((input_pos >= 0).all())
-        for i, block in enumerate(self.transformer.h):
-            if block_hook is not None:
-                replaced = block_hook(i, x)
-                x = x if replaced is None else replaced
-            c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
-            x = block(x, c, s, input_pos, no_pads)
+        try:
+            for i, block in enumerate(self.transformer.h):
+                if block_hook is not None:
+                    replaced = block_hook(i, x)
+                    x = x if replaced is None else replaced
+                c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
+                x = block(x, c, s, input_pos, no_pads)
+        finally:  # decode steps evict here, every layer together (as each layer would have on its own)
+            if input_pos is not None and self.caches is not None:
+                self.caches.flush()
         x = self.transformer.ln_f(x)
         return self.logits(x) if lm_head else x
 

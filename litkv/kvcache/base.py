@@ -20,7 +20,7 @@ the call's queries) are filled only when the class asks for them (`needs_attn_we
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -44,6 +44,7 @@ __all__ = [
     "Placement",
     "drop_lowest",
     "pair_drops",
+    "staged_placement",
 ]
 
 
@@ -129,6 +130,11 @@ class Placement:
     valid: torch.Tensor
     source: torch.Tensor
 
+    def layer(self, i: int) -> Placement:
+        """Layer `i` of a placement built for `n` layers at once (fields `(n, B, G, ...)`)."""
+        source = self.source[i] if self.source.numel() else self.source
+        return Placement(self.dest[i], self.src[i], self.valid[i], source)
+
     def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
         """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
         return per_candidate.gather(2, self.source)
@@ -143,17 +149,21 @@ def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.
     the float32 score's order-preserving bit pattern, then the position.
 
     Args:
-        scores: `(B, G, N)` float32 (may hold +-inf; no NaN).
-        positions: `(B, G, N)` int64 token positions in `[-1, 2^31)`.
+        scores: `(..., N)` float32 (may hold +-inf; no NaN), e.g. `(B, G, N)`.
+        positions: `(..., N)` int64 token positions in `[-1, 2^31)`.
         k: how many to drop.
 
     Returns:
-        `(B, G, k)` int64 candidate indices.
+        `(..., k)` int64 candidate indices.
     """
+    if k == 1:  # a decode step: the lowest score, then the oldest among equal ones (four ops, no int64 key)
+        lowest = scores == scores.amin(dim=-1, keepdim=True)
+        top = torch.iinfo(torch.long).max
+        return torch.where(lowest, positions, top).argmin(dim=-1, keepdim=True)
     bits = scores.contiguous().view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     key = ordered * (1 << 32) + (positions + 1)
-    return torch.topk(key, k, dim=2, largest=False, sorted=False).indices
+    return torch.topk(key, k, dim=-1, largest=False, sorted=False).indices
 
 
 def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,10 +190,27 @@ def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, tor
     return dest, src, valid
 
 
+def staged_placement(drop: torch.Tensor, cache_length: int, with_source: bool = True) -> Placement:
+    """The `Placement` of a one-token call whose token waits in the room (slot `L`).
+
+    Args:
+        drop: `(..., 1)` dropped candidate indices in `[0, L]` (`L`: the new token itself); leading dims
+            `(B, G)`, or `(n, B, G)` for `n` layers at once.
+        cache_length: `L`.
+        with_source: also build `Placement.source` (only policies with per-slot state read it).
+    """
+    dest = drop.clamp(max=cache_length - 1)  # the freed slot, where the token is kept
+    kept = drop < cache_length
+    src = torch.zeros_like(dest)
+    if with_source:
+        return _placement(dest, src, kept, cache_length)
+    return Placement(dest, src, kept, dest.new_empty(0))  # `source` left empty: nothing reads it
+
+
 def _placement(dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, cache_length: int) -> Placement:
-    b, g, _ = dest.shape
-    source = torch.arange(cache_length, device=dest.device).expand(b, g, cache_length)
-    source = source.scatter(2, dest, torch.where(valid, cache_length + src, dest))
+    """The `Placement` of `dest`, `src`, `valid` `(..., T)` (leading dims `(B, G)`, or `(n, B, G)` for `n` layers)."""
+    source = torch.arange(cache_length, device=dest.device).expand(*dest.shape[:-1], cache_length)
+    source = source.scatter(-1, dest, torch.where(valid, cache_length + src, dest))
     return Placement(dest, src, valid, source)
 
 
@@ -258,6 +285,10 @@ class KVCache(ABC):
         # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
         # overwrite (an undo log records what they held); `None`: nothing is recorded.
         self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
+        # Set by `KVCaches`: a decode step's eviction waits for `KVCaches.flush` (the end of the model's
+        # forward), which finishes every layer's together (`evict_deferred`); `settle` finishes it alone.
+        self.defer_staged = False
+        self._deferred: Candidates | None = None
 
     # -- what a policy implements ---------------------------------------------------------------
 
@@ -341,6 +372,7 @@ class KVCache(ABC):
         Returns:
             keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`.
         """
+        self.settle()
         self._check_inputs(keys, values, input_pos)
         if self.needs_queries and queries is None:
             raise ValueError(f"{type(self).__name__} needs the call's queries, got None")
@@ -433,11 +465,14 @@ class KVCache(ABC):
             return
         length, t = self.cache_length, cand.num_new
         cand.attn_weights = attn_weights
+        if pending.staged:
+            if self.defer_staged and self.journal is None and not self.static_shapes:
+                self._deferred = cand
+            else:
+                self._evict_staged(cand)
+            return
         drop = self.select_drop(cand)
         self._check_drop(drop, t)
-        if pending.staged:
-            self._store_staged(drop, cand)
-            return
         dest, src, valid = pair_drops(drop, length)
         if self.journal is not None:
             self.journal(self, dest)
@@ -449,21 +484,54 @@ class KVCache(ABC):
             self.after_write(_placement(dest, src, valid, length), cand)
         self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
 
-    def _store_staged(self, drop: torch.Tensor, cand: Candidates) -> None:
+    def _evict_staged(self, cand: Candidates) -> None:
         """Evict for a one-token call whose token waits in the room (slot `L`): it moves into the dropped
         slot, or stays in the room (overwritten by the next call) when it is the one dropped."""
+        drop = self.select_drop(cand)
+        self._check_drop(drop, 1)
+        placement = staged_placement(drop, self.cache_length, self._keeps_state())
+        self.store_staged(placement, cand)
+
+    def store_staged(self, placement: Placement, cand: Candidates) -> None:
+        """Write a staged call's choice (`staged_placement`): positions, the policy's state, the storage."""
         length = self.cache_length
-        dest = drop.clamp(max=length - 1)  # (B, G, 1) the freed slot, where the token is kept
-        kept = drop < length
         if self.journal is not None:
-            self.journal(self, dest)
-        target = torch.where(kept, drop, length)  # a dropped token is "written" into the room itself
+            self.journal(self, placement.dest)
+        target = torch.where(placement.valid, placement.dest, length)  # a dropped token stays in the room
         self._pos_buffer.scatter_(2, target, cand.positions[..., length:])
         if not self.static_shapes:
             self.advance(1)
         if self._keeps_state():  # before the storage write: `cand.keys` are views of the slots
-            self.after_write(_placement(dest, torch.zeros_like(dest), kept, length), cand)
+            self.after_write(placement, cand)
         self.storage.commit_staged(target)
+
+    def settle(self) -> None:
+        """Finish this layer's deferred decode-step eviction, if one waits (`defer_staged`)."""
+        cand, self._deferred = self._deferred, None
+        if cand is not None:
+            self._evict_staged(cand)
+
+    def take_deferred(self) -> Candidates:
+        """The deferred decode step's record, handed to `evict_deferred` (the cache no longer holds it)."""
+        cand, self._deferred = self._deferred, None
+        if cand is None:
+            raise RuntimeError(f"{type(self).__name__}.take_deferred(): no decode step waits for its eviction")
+        return cand
+
+    @property
+    def has_deferred(self) -> bool:
+        """Whether a decode step's eviction waits for `KVCaches.flush` (or `settle`)."""
+        return self._deferred is not None
+
+    @classmethod
+    def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
+        """Finish the deferred decode-step evictions of `caches` (layers of this class, in layer order).
+
+        One layer at a time here; a class may choose for all the layers at once (`ScoreKVCache` does:
+        its per-step selection then costs a few tensor operations per model step, not per layer).
+        """
+        for cache in caches:
+            cache.settle()
 
     def _after_direct(self, start: int, cand: Candidates, attn_weights: torch.Tensor | None) -> None:
         """`after_write` for a call whose tokens went into the empty slots `[start, start + T)`."""
@@ -516,6 +584,7 @@ class KVCache(ABC):
         tuple) are the policy's `row_state`, batch first. Row state not set yet is left out. The host
         counter `num_filled` is not a tensor: read it from the attribute.
         """
+        self.settle()
         out = {"positions": self.positions}
         out.update({f"storage.{k}": v for k, v in self.storage.state_tensors().items()})
         out.update({f"slot.{name}": getattr(self, name) for name in self.slot_state})
@@ -535,6 +604,7 @@ class KVCache(ABC):
         if self._pending is not None:
             raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
         require_int("num_filled", num_filled, 0, self.cache_length)
+        self._deferred = None  # a waiting eviction is overwritten with the rest of the state
         name = type(self).__name__
         storage = {k[len("storage.") :]: v for k, v in tensors.items() if k.startswith("storage.")}
         self.storage.load_state_tensors(storage)

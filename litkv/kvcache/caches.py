@@ -40,6 +40,8 @@ class KVCaches:
         self.layers: list[LayerCache] = list(layers)
         self.last_pos: torch.Tensor | None = None
         self.undo_log: CallRecorder | None = None
+        for cache in self.policy_caches:  # decode steps evict at `flush`, all layers together
+            cache.defer_staged = True
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -80,6 +82,18 @@ class KVCaches:
         """The prompt is in: every layer's `end_prefill` (one-shot policies compress to their budget)."""
         for cache in self.policy_caches:
             cache.end_prefill()
+
+    def flush(self) -> None:
+        """Finish the decode-step evictions that wait (`KVCache.defer_staged`): the end of a model call.
+
+        Layers of one class go to that class's `evict_deferred` together, in layer order (a score policy
+        chooses for all of them at once). A layer whose eviction did not wait is left alone.
+        """
+        waiting = [cache for cache in self.policy_caches if cache.has_deferred]
+        while waiting:
+            kind = type(waiting[0])
+            kind.evict_deferred([cache for cache in waiting if type(cache) is kind])
+            waiting = [cache for cache in waiting if type(cache) is not kind]
 
     # -- positions ------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache, drop_lowest
+from litkv.kvcache.base import Candidates, KVCache, drop_lowest, staged_placement
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
 
@@ -178,21 +178,45 @@ class ScoreKVCache(OneShot):
     def select_drop(self, candidates: Candidates) -> torch.Tensor:
         """The `T` lowest-ranked candidates: pads and empty slots, then the lowest scores outside the
         sinks and the recent window."""
-        positions = candidates.positions
+        return self.lowest(self.checked_score(candidates), candidates.positions, candidates.num_new)
+
+    def checked_score(self, candidates: Candidates) -> torch.Tensor:
+        """`score(candidates)` as `(B, G, L + T)` float32; ValueError naming the shapes when it is not."""
         scores = self.score(candidates)
-        expected = tuple(positions.shape)
+        expected = tuple(candidates.positions.shape)
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise ValueError(f"{type(self).__name__}.score must return shape {expected} (B, G, L + T), got {got}")
-        scores = scores.to(torch.float32)
+        return scores.to(torch.float32)
+
+    def lowest(self, scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+        """`(..., k)` indices of the `k` lowest-ranked candidates of `scores`, `positions` `(..., N)`:
+        pads and empty slots first, then the lowest scores outside the sinks and the recent window."""
         protected = self._protected(positions)
         if protected is not None:
             scores = scores.masked_fill(protected, float("inf"))
-        rank = scores.masked_fill(positions < 0, float("-inf"))
-        return drop_lowest(rank, positions, candidates.num_new)
+        return drop_lowest(scores.masked_fill(positions < 0, float("-inf")), positions, k)
+
+    @classmethod
+    def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
+        """Every layer's decode-step eviction at once: each layer's `score`, then one selection (sinks,
+        recent window, lowest score) over the stacked `(n_layers, B, G, L + 1)` scores, then each layer's
+        writes. Layers with another selection or other options are finished one by one."""
+        first = caches[0]
+        alike = {(type(c).select_drop, c.recent, c.sinks, c.cache_length, c.positions.shape) for c in caches}
+        if len(caches) == 1 or len(alike) > 1 or type(first).select_drop is not ScoreKVCache.select_drop:
+            super().evict_deferred(caches)
+            return
+        records = [cache.take_deferred() for cache in caches]
+        scores = torch.stack([c.checked_score(r) for c, r in zip(caches, records, strict=True)])
+        positions = torch.stack([r.positions for r in records])
+        drops = first.lowest(scores, positions, 1)  # (n, B, G, 1)
+        placement = staged_placement(drops, first.cache_length, first._keeps_state())
+        for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
+            cache.store_staged(placement.layer(i), record)
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """`(B, G, N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.
+        """`(..., N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.
 
         Pads and empty slots may be marked too (when a row has fewer than `recent` tokens); the
         caller ranks them first anyway. `None` when nothing is protected.
@@ -200,8 +224,8 @@ class ScoreKVCache(OneShot):
         recent, sinks = self.recent, self.sinks
         protected = None
         if recent > 0:
-            n = positions.shape[2]
-            kth = torch.kthvalue(positions, n - recent + 1, dim=2, keepdim=True).values
+            n = positions.shape[-1]
+            kth = torch.kthvalue(positions, n - recent + 1, dim=-1, keepdim=True).values
             protected = positions >= kth
         if sinks > 0:
             is_sink = (positions >= 0) & (positions < sinks)
