@@ -124,23 +124,29 @@ def _attend_eager(
     s = k.shape[2]
     block = max(1, WEIGHTS_BLOCK_ELEMENTS // max(1, b * g * q_per_kv * s))
     keys_t = k.transpose(2, 3)  # products in the model dtype: no float32 copy of the keys
+    score_dtype = torch.promote_types(qg.dtype, torch.float32)
     outputs = []
-    weight_sum = torch.zeros(b, g, s, dtype=torch.float32, device=qg.device) if need_weights else None
+    weight_sum = None
     for start in range(0, t, block):
         end = min(start + block, t)
         n = end - start
         q_block = qg[:, :, :, start:end].reshape(b, g, q_per_kv * n, hs)
-        scores = torch.matmul(q_block, keys_t)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale).view(b, g, q_per_kv, n, s)
+        scores = torch.matmul(q_block, keys_t).to(score_dtype).mul_(scale).view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = torch.where(mask[:, :, None, start:end], scores, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores.masked_fill_(~mask[:, :, None, start:end], float("-inf")), dim=-1)
         out = torch.matmul(probs.view(b, g, q_per_kv * n, s).to(v.dtype), v)
         outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
-        if weight_sum is not None:
-            probs = probs.detach()
-            if query_valid is not None:
-                probs = probs * query_valid[:, None, None, start:end, None]
-            weight_sum += probs.sum(dim=(2, 3))
+        if need_weights:
+            part = _weight_sum(probs.detach(), None if query_valid is None else query_valid[:, start:end])
+            weight_sum = part if weight_sum is None else weight_sum + part
     return torch.cat(outputs, dim=3) if len(outputs) > 1 else outputs[0], weight_sum
+
+
+def _weight_sum(probs: torch.Tensor, query_valid: torch.Tensor | None) -> torch.Tensor:
+    """`probs` `(B, G, q_per_kv, n, S)` summed over the group's heads and the valid queries
+    (`query_valid` `(B, n)`) -> `(B, G, S)` float32."""
+    per_query = probs.sum(dim=2)  # (B, G, n, S)
+    if query_valid is not None:
+        per_query = per_query * query_valid[:, None, :, None]
+    return per_query.sum(dim=2, dtype=torch.float32)

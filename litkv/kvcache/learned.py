@@ -25,7 +25,7 @@ nothing on the host (compiled decoding works).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -207,6 +207,26 @@ class LearnedKVCache(ScoreKVCache):
             value = gates.logits(0, keys_pre).to(torch.float32)
             candidates.scratch["learned.new"] = value
         return value  # type: ignore[return-value]
+
+    @classmethod
+    def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """The layers' scores with the new tokens' gate logits of every layer computed at once: the keys
+        of all layers, side by side on the head axis `(B, n_layers * G, 1, D)`, rotated back and gated in
+        one pass (per element the same operations as one layer alone)."""
+        rope = caches[0]._bound()[1]
+        if all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in caches):
+            keys = torch.cat([r.new_keys.detach() for r in records], dim=1)
+            keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
+            pos = records[0].query_pos
+            keys_pre = _pre_rope(keys, rope.at(pos), rope.at(torch.zeros_like(pos[:, :1])))
+            gates = [c._bound()[0] for c in caches]  # type: ignore[attr-defined]
+            stacked = EvictionGates(
+                torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1), 0, 0
+            )
+            logits = stacked.logits(0, keys_pre).to(torch.float32)
+            for record, part in zip(records, logits.chunk(len(caches), dim=1), strict=True):
+                record.scratch["learned.new"] = part
+        return super().deferred_scores(caches, records)
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones (built once

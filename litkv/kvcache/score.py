@@ -208,12 +208,19 @@ class ScoreKVCache(OneShot):
             super().evict_deferred(caches)
             return
         records = [cache.take_deferred() for cache in caches]
-        scores = torch.stack([c.checked_score(r) for c, r in zip(caches, records, strict=True)])
+        scores = cls.deferred_scores(caches, records)
         positions = torch.stack([r.positions for r in records])
         drops = first.lowest(scores, positions, 1)  # (n, B, G, 1)
         placement = staged_placement(drops, first.cache_length, first._keeps_state())
         for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
             cache.store_staged(placement.layer(i), record)
+
+    @classmethod
+    def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """`(n_layers, B, G, L + 1)` float32 scores of the layers' waiting decode steps: each layer's
+        `checked_score`. A class may compute what its layers share once (`learned`: every layer's gate
+        logits in one product), as long as each layer gets the scores it would get alone."""
+        return torch.stack([c.checked_score(r) for c, r in zip(caches, records, strict=True)])
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """`(..., N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.
