@@ -134,7 +134,7 @@ def _attend_eager(
         scores = torch.matmul(q_block, keys_t).to(score_dtype).mul_(scale).view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        probs = torch.softmax(scores.masked_fill_(~mask[:, :, None, start:end], float("-inf")), dim=-1)
+        probs = torch.softmax(torch.where(mask[:, :, None, start:end], scores, float("-inf")), dim=-1)
         out = torch.matmul(probs.view(b, g, q_per_kv * n, s).to(v.dtype), v)
         outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
         if need_weights:
