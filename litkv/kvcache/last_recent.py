@@ -6,11 +6,12 @@ its `sinks` first tokens and its `budget - sinks` newest ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates
+from litkv.kvcache.base import Candidates, KVCache, staged_placement
 from litkv.kvcache.options import LastRecentOptions, PolicyOptions
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import OneShot
@@ -41,7 +42,30 @@ class LastRecentKVCache(OneShot):
 
     def select_drop(self, candidates: Candidates) -> torch.Tensor:
         """Drop the oldest tokens (empty slots and pads first); tokens at positions `< sinks` stay."""
-        return torch.topk(self._age_score(candidates.positions), candidates.num_new, dim=2, largest=False).indices
+        return self._oldest(candidates.positions, candidates.num_new)
+
+    @classmethod
+    def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
+        """Every layer's decode-step eviction with one selection over the stacked `(n_layers, B, G, L + 1)`
+        positions (layers with other options or another `select_drop` are finished one by one)."""
+        first = caches[0]
+        alike = {(type(c).select_drop, c.options.sinks, c.cache_length, c.positions.shape) for c in caches}
+        if len(caches) == 1 or len(alike) > 1 or type(first).select_drop is not LastRecentKVCache.select_drop:
+            super().evict_deferred(caches)
+            return
+        records = [cache.take_deferred() for cache in caches]
+        drops = first._oldest(torch.stack([r.positions for r in records]), 1)  # (n, B, G, 1)
+        placement = staged_placement(drops, first.cache_length, first._keeps_state())
+        for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
+            cache.store_staged(placement.layer(i), record)
+
+    def _oldest(self, positions: torch.Tensor, k: int) -> torch.Tensor:
+        """`(..., k)` indices of the `k` oldest of `positions` `(..., N)` outside the sinks (the first of
+        equal ones for one drop, as `argmin` gives: the same in a batch of layers as alone)."""
+        age = self._age_score(positions)
+        if k == 1:
+            return age.argmin(dim=-1, keepdim=True)
+        return torch.topk(age, k, dim=-1, largest=False).indices
 
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` the slots' positions, sinks highest: the newest and the sinks are kept."""
