@@ -28,13 +28,17 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from litkv.atomic import save_dir_atomic, write_atomic, write_special_file, write_text_atomic
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth
 
-__all__ = ["BenchResult", "bench", "format_table", "prepare_weights", "run_peer"]
+if TYPE_CHECKING:
+    from litgpt.config import Config
+
+__all__ = ["BenchResult", "bench", "format_table", "hf_generate", "load_hf", "load_lit", "prepare_weights", "run_peer"]
 
 PEERS = ("litkv", "litkv-compile", "hf", "hf-static-compile", "litgpt")
 COMPILED = ("litkv-compile", "hf-static-compile")
@@ -74,16 +78,23 @@ class PeerUnavailable(RuntimeError):
     """A peer that cannot run in this installation (reported as a row, not an error)."""
 
 
-def prepare_weights(model_name: str, seed: int, workdir: Path) -> tuple[Path, Path]:
-    """Write random weights for preset `model_name` as a HF model dir and a LitGPT safetensors file."""
+def _config(model: str | Config) -> Config:
+    """The LitGPT config of preset name `model`, or `model` itself (a preset with overrides)."""
     from litgpt.config import Config
+
+    return Config.from_name(model) if isinstance(model, str) else model
+
+
+def prepare_weights(model_name: str | Config, seed: int, workdir: Path) -> tuple[Path, Path]:
+    """Write random weights for preset `model_name` (a name or a `Config`) as a HF model dir and a LitGPT
+    safetensors file."""
     from litgpt.scripts.convert_hf_checkpoint import copy_weights_hf_llama
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = Config.from_name(model_name)
+    config = _config(model_name)
     if config.mlp_class_name != "LLaMAMLP" or config.norm_class_name != "RMSNorm" or config.bias:
-        raise ValueError(f"the decode benchmark supports Llama-family presets, got {model_name!r}")
+        raise ValueError(f"the decode benchmark supports Llama-family presets, got {config.name!r}")
     hf_config = LlamaConfig(
         vocab_size=config.padded_vocab_size,
         hidden_size=config.n_embd,
@@ -128,12 +139,12 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def _load_lit(model_name: str, lit_dir: Path, cls: type[torch.nn.Module]) -> torch.nn.Module:
-    from litgpt.config import Config
+def load_lit(model_name: str | Config, lit_dir: Path, cls: type[torch.nn.Module]) -> torch.nn.Module:
+    """The weights `prepare_weights` wrote under `lit_dir` in a `cls` (litkv's or LitGPT's `GPT`), eval mode."""
     from safetensors.torch import load_file
 
     with torch.device("meta"):
-        model = cls(Config.from_name(model_name))
+        model = cls(_config(model_name))
     model.load_state_dict(load_file(str(lit_dir / "model.safetensors")), assign=True)
     # Share the embedding with the LM head where they are equal (tied weights), as HF does.
     if torch.equal(model.lm_head.weight, model.transformer.wte.weight):
@@ -164,7 +175,7 @@ def _time_litkv(
 
     if compile and not _litkv_compile_available():
         raise PeerUnavailable("not available: litkv.generate has no compile option in this version")
-    model = _load_lit(model_name, lit_dir, GPT)
+    model = load_lit(model_name, lit_dir, GPT)
     cfg = KVCacheConfig(cache_length=prompt.numel() + new, chunk_size=min(chunk, prompt.numel() + new))
     options = {"compile": True} if compile else {}
     _reset_peak_rss()  # compiled: before the warm-up, so that the peak includes compilation
@@ -188,7 +199,7 @@ def _time_litgpt(model_name: str, lit_dir: Path, prompt: torch.Tensor, new: int)
     from litgpt.generate.base import generate_fn
     from litgpt.model import GPT as LitGPT
 
-    model = _load_lit(model_name, lit_dir, LitGPT)
+    model = load_lit(model_name, lit_dir, LitGPT)
     model.cos, model.sin = model.rope_cache(device=torch.device("cpu"))  # non-persistent buffers
     model.max_seq_length = prompt.numel() + new
     with torch.device("cpu"):
@@ -221,6 +232,50 @@ class _Stamps:
         pass
 
 
+class Streamer(Protocol):
+    """What transformers' `generate` calls: `put` with the prompt first (before the prefill), then each
+    new token; `end` once done."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+def load_hf(hf_dir: Path, static_compile: bool = False) -> torch.nn.Module:
+    """The `LlamaForCausalLM` that `prepare_weights` wrote under `hf_dir` (float32, eval mode); with
+    `static_compile`, its forward goes through `torch.compile` (see `_time_hf`)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if static_compile:
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        model.forward = torch.compile(model.forward, mode=mode, fullgraph=True, dynamic=False)
+    return model
+
+
+def hf_generate(
+    model: torch.nn.Module, prompts: torch.Tensor, n_new: int, streamer: Streamer, static_len: int | None = None
+) -> None:
+    """Greedy `n_new` tokens for the equal-length `prompts` (B, T) with transformers' default (dynamic)
+    cache, or a fresh `StaticCache` of `static_len` slots."""
+    from transformers import StaticCache
+
+    extra = {}
+    if static_len is not None:
+        extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=static_len)
+    with torch.inference_mode():
+        model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=0,
+            **extra,
+        )
+
+
 def _time_hf(hf_dir: Path, prompt: torch.Tensor, new: int, static_compile: bool, warmups: list[_Warmup]) -> Timed:
     """transformers' default (dynamic) cache, or a `StaticCache` with `torch.compile` of the forward.
 
@@ -229,35 +284,15 @@ def _time_hf(hf_dir: Path, prompt: torch.Tensor, new: int, static_compile: bool,
     static-shape graph; each call gets a fresh `StaticCache` of `prompt + new` slots, so the warm-up
     call compiles exactly the graphs the timed call uses.
     """
-    from transformers import LlamaForCausalLM, StaticCache
-
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    if static_compile:
-        mode = "reduce-overhead" if model.device.type == "cuda" else None
-        model.forward = torch.compile(model.forward, mode=mode, fullgraph=True, dynamic=False)
-
-    def call(n_new: int, streamer: _Stamps) -> None:
-        extra = {}
-        if static_compile:
-            extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=prompt.numel() + new)
-        with torch.inference_mode():
-            model.generate(
-                prompt[None],
-                max_new_tokens=n_new,
-                min_new_tokens=n_new,
-                do_sample=False,
-                streamer=streamer,
-                pad_token_id=0,
-                **extra,
-            )
-
+    model = load_hf(hf_dir, static_compile)
+    static_len = prompt.numel() + new if static_compile else None
     _reset_peak_rss()  # compiled: before the warm-up, so that the peak includes compilation
     if static_compile:
         warm = _Stamps()
-        call(min(new, WARMUP_TOKENS), warm)
+        hf_generate(model, prompt[None], min(new, WARMUP_TOKENS), warm, static_len)
         warmups.append(_Warmup(warm.stamps))
     timed = _Stamps()
-    call(new, timed)
+    hf_generate(model, prompt[None], new, timed, static_len)
     return timed.stamps, timed.tokens
 
 

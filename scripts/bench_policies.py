@@ -1,27 +1,46 @@
-"""Decode speed of the KV cache policies against the memory-bandwidth bound, SmolLM2-135M architecture.
+"""Decode and prefill speed of the KV cache policies, eager and compiled, against the memory-bandwidth
+bound and Hugging Face `transformers`, SmolLM2-135M architecture.
 
-Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU. For each
-configuration (batch x prompt length) every policy runs `litkv.generate` on the same prompts (greedy)
-with streamed steps timed: prefill is the time to the first token; decode tokens/s is `batch x steps`
-over the steps' time. The policies' generations run interleaved, one decode step of each in turn (each
-in its own thread on its own copy of the model sharing the weights, handing over at every streamed
-token), so that all of them see the same load on a shared machine; a step's time runs from its
-policy's turn to its token.
+Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU, written once in both
+formats by `litkv.bench.prepare_weights` so that the `transformers` row (`hf-dynamic`:
+`LlamaForCausalLM`, its default `DynamicCache`, not compiled) runs on the same weights; a preset that
+is not Llama-family (or `--no-hf`) runs without it. For each configuration (batch x prompt length)
+every (mode, policy) generation runs `litkv.generate` on the same prompts (greedy) with streamed steps
+timed: prefill is the time to the first token; decode tokens/s is `batch x steps` over the steps' time;
+end-to-end is prefill plus every step. `compiled` is `generate(..., compile=True)` after one untimed
+warm-up call with the same shapes (it compiles the decode step; the prefill is not compiled). All the
+generations of a configuration (both modes and the `transformers` row) run interleaved, one decode step
+of each in turn (each in its own thread on its own copy of the model sharing the weights, handing over
+at every streamed token), so that all of them see the same load on a shared machine; a step's time runs
+from its generation's turn to its token.
 
 Bytes a decode step reads: the weights once, plus every row's cached keys and values (`cache_length`
-slots for an evicting policy, counted from the cache's own `nbytes()` so that int4 scales and offsets
-count; the tokens cached halfway through the decode for dense). The machine's memory bandwidth is
-measured in the same run with the same thread count (`litkv.bandwidth.measure_bandwidth`: best of
-five sums of a 1 GiB tensor, before and after each configuration; the better of the two counts), so
-that each row shows:
+slots for an evicting policy, counted from the cache's own `nbytes()` so that int4/int8 scales and
+offsets count; the tokens cached halfway through the decode for dense and `transformers`). The
+machine's memory bandwidth is measured in the same run with the same thread count
+(`litkv.bandwidth.measure_bandwidth`: best of five sums of a 1 GiB tensor, before and after each
+configuration; the better of the two counts). Each row shows:
 
-- `vs dense`: decode tokens/s over dense's; `byte bound`: dense's bytes per step over the policy's
-  (the speed-up that reading fewer bytes allows); `of bound`: the first over the second;
-- `bound tok/s` = bandwidth / bytes per step (x batch) and `of bw`: decode tokens/s over it.
+- `prefill tok/s`: batch x prompt over the prefill time (eager run);
+- `byte bound`: dense's bytes per step over the policy's (the speed-up that reading fewer bytes
+  allows); `MB/step`; `bound tok/s` = bandwidth / bytes per step (x batch); `cache MiB`;
+- per mode (`eager`, `compiled`): decode tok/s, `vs last-recent` and `vs dense` (decode tok/s over
+  theirs in the same mode), `of bound` (`vs dense` over `byte bound`), `of bw` (decode tok/s over
+  `bound tok/s`).
 
-    nice python scripts/bench_policies.py                      # 1x4096, 4x4096, 1x16384, every policy
+Below each table: end-to-end time and prefill tok/s of dense (each mode) against `transformers`. At the
+end: one line per target of issue 23 (decode ratios per mode, the byte bound, end-to-end and prefill
+against `transformers`), met or missed, with the figure of each configuration it applies to.
+
+    nice python scripts/bench_policies.py                      # 1x2048, 1x4096, 4x4096, 1x16384, every policy
     nice python scripts/bench_policies.py --configs 1x4096     # one configuration
-    python scripts/bench_policies.py --quick                   # a smoke test (well under a minute)
+    nice python scripts/bench_policies.py --modes eager        # no compiled runs
+    nice python scripts/bench_policies.py --compiled-policies dense,last-recent,h2o   # fewer compiled ones
+    python scripts/bench_policies.py --quick                   # a smoke test (about a minute)
+
+`--quick`: SmolLM2-135M with 2 layers, batch 2 x 96 tokens, 6 new tokens, 64 slots, chunks of 32; the
+compiled mode for dense, last-recent and h2o only (compiling the decode step takes 10-20 s per policy on
+a CPU). `--modes compiled` replaces the former `--compile` flag.
 """
 
 from __future__ import annotations
@@ -31,6 +50,7 @@ import copy
 import inspect
 import json
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,30 +61,52 @@ import torch
 
 from litkv import GPT, Config, KVCacheConfig, generate
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
+from litkv.bench import hf_generate, load_hf, load_lit, prepare_weights
 from litkv.learned import EvictionGates
 
 POLICIES = (
-    "dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention", "learned"
+    "dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention", "learned",
+    "h2o-int8",
 )  # fmt: skip
-EXTRA_POLICIES = ("h2o-int4",)  # h2o with int4 storage (qh2o also weighs the quantisation error)
+# h2o with int8 (above) / int4 storage (qh2o also weighs the quantisation error)
+EXTRA_POLICIES = ("h2o-int4",)
+QUANTIZED = {"qh2o": ("qh2o", "int4"), "h2o-int4": ("h2o", "int4"), "h2o-int8": ("h2o", "int8")}
+MODES = ("eager", "compiled")
+HF = "hf-dynamic"  # the transformers row (eager)
 # name: (batch, prompt length, new tokens)
-CONFIGS = {"1x4096": (1, 4096, 128), "4x4096": (4, 4096, 64), "1x16384": (1, 16384, 32)}
-QUICK_CONFIGS = {"1x256": (1, 256, 8), "2x256": (2, 256, 8)}
+CONFIGS = {
+    "1x2048": (1, 2048, 64), "1x4096": (1, 4096, 128), "4x4096": (4, 4096, 64), "1x16384": (1, 16384, 32)
+}  # fmt: skip
+QUICK_CONFIGS = {"2x96": (2, 96, 6)}
+QUICK_LAYERS = 2
+QUICK_COMPILED = ("dense", "last-recent", "h2o")  # compiling every policy takes minutes
+WARMUP_TOKENS = 4  # new tokens of a compiled generation's untimed warm-up call
 
 
 @dataclass
 class PolicyRun:
-    """One policy's measurement in one configuration."""
+    """One (policy, mode) measurement in one configuration (`policy` HF: the transformers row)."""
 
     policy: str
+    mode: str  # "eager" or "compiled"
     batch: int
     prompt: int
     new_tokens: int
     prefill_s: float
+    decode_s: float  # the decode steps' own time, all of them
     decode_tok_s: float
     cache_bytes: int  # keys and values held by the caches (all layers, all rows; scales included)
     step_bytes: float  # bytes one decode step reads
-    bound_tok_s: float  # bandwidth / step_bytes x batch
+    bound_tok_s: float = 0.0  # bandwidth / step_bytes x batch
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.batch * self.prompt / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def e2e_s(self) -> float:
+        """End-to-end seconds: the prefill and every decode step."""
+        return self.prefill_s + self.decode_s
 
 
 def policy_config(name: str, args: argparse.Namespace, prompt: int, new: int, head_size: int) -> KVCacheConfig:
@@ -76,10 +118,10 @@ def policy_config(name: str, args: argparse.Namespace, prompt: int, new: int, he
         return KVCacheConfig("dense", cache_length=prompt + new, chunk_size=chunk, prefill_length=prompt)
     if name == "last-recent":
         return KVCacheConfig(name, cache_length=args.cache_length, chunk_size=chunk, options=dict(sinks=4))
-    if name in ("qh2o", "h2o-int4"):
-        policy = "h2o" if name == "h2o-int4" else name
+    if name in QUANTIZED:
+        policy, storage = QUANTIZED[name]
         return KVCacheConfig(
-            policy, cache_length=args.cache_length, chunk_size=chunk, storage="int4", quant_group_size=group
+            policy, cache_length=args.cache_length, chunk_size=chunk, storage=storage, quant_group_size=group
         )
     return KVCacheConfig(name, cache_length=args.cache_length, chunk_size=chunk)
 
@@ -177,56 +219,89 @@ def step_bytes_of(model: GPT, config: KVCacheConfig, batch: int, prompt: int, ne
     return cache_bytes, bytes_per_step(weight_bytes(model), per_slot, cached_tokens(config, prompt, new), batch)
 
 
+# -- tables and targets (pure functions of the runs) ----------------------------------------------
+
+Runs = dict[tuple[str, str], PolicyRun]  # (policy, mode) -> run, one configuration
+
+
+def by_key(runs: list[PolicyRun]) -> Runs:
+    return {(r.policy, r.mode): r for r in runs}
+
+
+def modes_of(runs: list[PolicyRun]) -> list[str]:
+    """The modes the runs have, in `MODES` order."""
+    return [m for m in MODES if any(r.mode == m for r in runs)]
+
+
 def _ratio(num: float, den: float) -> str:
-    return f"{num / den:.2f}x" if den > 0 else "-"
+    return f"{num / den:.2f}x" if den > 0 and num > 0 else "-"
+
+
+def _speed(runs: Runs, a: str, b: str, mode: str) -> float | None:
+    """Decode tok/s of `a` over `b`'s in `mode` (None where either did not run)."""
+    x, y = runs.get((a, mode)), runs.get((b, mode))
+    return x.decode_tok_s / y.decode_tok_s if x and y and y.decode_tok_s > 0 else None
+
+
+def byte_bound(runs: Runs, policy: str, mode: str) -> float | None:
+    """Dense's bytes per step over `policy`'s (None without both)."""
+    x, dense = runs.get((policy, mode)), runs.get(("dense", mode))
+    return dense.step_bytes / x.step_bytes if x and dense and x.step_bytes > 0 else None
+
+
+def of_bound(runs: Runs, policy: str, mode: str) -> float | None:
+    """`policy`'s speed-up over dense as a fraction of its byte bound."""
+    speed, bound = _speed(runs, policy, "dense", mode), byte_bound(runs, policy, mode)
+    return speed / bound if speed is not None and bound else None
+
+
+def _mode_cells(runs: Runs, policy: str, mode: str) -> list[str]:
+    """decode tok/s, vs last-recent, vs dense, of bound, of bw of `policy` in `mode` (`-` where unknown)."""
+    r = runs.get((policy, mode))
+    if r is None:
+        return ["-"] * 5
+    ref = "eager" if policy == HF else mode  # the transformers row against litkv's eager runs
+    recent, dense = runs.get(("last-recent", ref)), runs.get(("dense", ref))
+    speed = r.decode_tok_s / dense.decode_tok_s if dense else None
+    bound = dense.step_bytes / r.step_bytes if dense else None
+    return [
+        f"{r.decode_tok_s:.2f}",
+        _ratio(r.decode_tok_s, recent.decode_tok_s) if recent else "-",
+        f"{speed:.2f}x" if speed is not None else "-",
+        f"{speed / bound:.0%}" if speed is not None and bound else "-",
+        f"{r.decode_tok_s / r.bound_tok_s:.0%}" if r.bound_tok_s > 0 else "-",
+    ]
+
+
+def header(modes: list[str]) -> list[str]:
+    shared = ["policy", "prefill tok/s", "byte bound", "MB/step", "bound tok/s", "cache MiB"]
+    return shared + [c for m in modes for c in (f"{m} tok/s", "vs last-recent", "vs dense", "of bound", "of bw")]
 
 
 def table_rows(runs: list[PolicyRun]) -> list[list[str]]:
-    """Rows of one configuration's table; ratios against dense and last-recent of the same configuration."""
-    by_name = {r.policy: r for r in runs}
-    dense, recent = by_name.get("dense"), by_name.get("last-recent")
+    """Rows of one configuration's table, one per policy with its modes side by side (see `header`)."""
+    by, modes = by_key(runs), modes_of(runs)
+    dense = next((r for r in runs if r.policy == "dense"), None)
     rows = []
-    for r in runs:
-        speed = r.decode_tok_s / dense.decode_tok_s if dense else 0.0
-        byte_bound = dense.step_bytes / r.step_bytes if dense else 0.0
-        rows.append(
-            [
-                r.policy,
-                f"{r.prefill_s:.1f}",
-                f"{r.decode_tok_s:.2f}",
-                f"{speed:.2f}x" if dense else "-",
-                f"{byte_bound:.2f}x" if dense else "-",
-                f"{speed / byte_bound:.0%}" if dense else "-",
-                _ratio(r.decode_tok_s, recent.decode_tok_s) if recent else "-",
-                f"{r.step_bytes / 1e6:.0f}",
-                f"{r.bound_tok_s:.1f}",
-                f"{r.decode_tok_s / r.bound_tok_s:.0%}",
-                f"{r.cache_bytes / 2**20:.2f}",
-            ]
-        )
+    for policy in dict.fromkeys(r.policy for r in runs):
+        first = next(by[(policy, m)] for m in modes if (policy, m) in by)  # eager's prefill where it ran
+        shared = [
+            policy,
+            f"{first.prefill_tok_s:.0f}",
+            _ratio(dense.step_bytes, first.step_bytes) if dense else "-",
+            f"{first.step_bytes / 1e6:.0f}",
+            f"{first.bound_tok_s:.1f}",
+            f"{first.cache_bytes / 2**20:.2f}",
+        ]
+        rows.append(shared + [c for m in modes for c in _mode_cells(by, policy, m)])
     return rows
-
-
-HEADER = [
-    "policy",
-    "prefill s",
-    "decode tok/s",
-    "vs dense",
-    "byte bound",
-    "of bound",
-    "vs last-recent",
-    "MB/step",
-    "bound tok/s",
-    "of bw",
-    "cache MiB",
-]
 
 
 def format_table(runs: list[PolicyRun]) -> str:
     """Markdown table of one configuration (see the module docstring for the columns)."""
-    rows = table_rows(runs)
-    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(len(HEADER))]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=True)) + " |"]
+    head, rows = header(modes_of(runs)), table_rows(runs)
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
@@ -234,56 +309,175 @@ def format_table(runs: list[PolicyRun]) -> str:
     return "\n".join(lines)
 
 
-def summary(runs: list[PolicyRun]) -> list[str]:
-    """The issue's target ratios of one configuration (h2o vs last-recent, int4 vs float h2o)."""
-    by_name = {r.policy: r for r in runs}
+def e2e_ratio(runs: Runs, mode: str) -> float | None:
+    """transformers' end-to-end time over dense's in `mode` (> 1: dense is faster)."""
+    dense, hf = runs.get(("dense", mode)), runs.get((HF, "eager"))
+    return hf.e2e_s / dense.e2e_s if dense and hf and dense.e2e_s > 0 else None
+
+
+def prefill_ratio(runs: Runs, mode: str) -> float | None:
+    """Dense's prefill tok/s in `mode` over transformers'."""
+    dense, hf = runs.get(("dense", mode)), runs.get((HF, "eager"))
+    return dense.prefill_tok_s / hf.prefill_tok_s if dense and hf and hf.prefill_tok_s > 0 else None
+
+
+def e2e_lines(runs: list[PolicyRun]) -> list[str]:
+    """Per mode: end-to-end seconds and prefill tok/s of dense against transformers (none without both)."""
+    by = by_key(runs)
+    hf = by.get((HF, "eager"))
     out = []
-    pairs = [("h2o", "last-recent", 0.95), ("qh2o", "h2o", 0.9), ("h2o-int4", "h2o", 0.9)]
-    for a, b, target in pairs:
-        if a in by_name and b in by_name:
-            ratio = by_name[a].decode_tok_s / by_name[b].decode_tok_s
-            verdict = "met" if ratio >= target else "NOT met"
-            out.append(f"{a} / {b} decode: {ratio:.2f}x (target >= {target}x: {verdict})")
+    for mode in modes_of(runs):
+        dense, e2e, prefill = by.get(("dense", mode)), e2e_ratio(by, mode), prefill_ratio(by, mode)
+        if hf is None or dense is None or e2e is None or prefill is None:
+            continue
+        out.append(
+            f"end-to-end {dense.batch}x{dense.prompt}+{dense.new_tokens}: dense ({mode}) {dense.e2e_s:.2f} s, "
+            f"HF dynamic {hf.e2e_s:.2f} s: {e2e:.2f}x HF; prefill {dense.prefill_tok_s:.0f} vs "
+            f"{hf.prefill_tok_s:.0f} tok/s: {prefill:.2f}x HF"
+        )
     return out
+
+
+Figure = Callable[[Runs, str], "float | None"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of issue 23: `figure(runs of a configuration, mode) >= threshold`, in every
+    configuration of `batch` x `prompt` (None: any) run, or every configuration when none of them was."""
+
+    label: str
+    threshold: float
+    figure: Figure
+    batch: int | None = None
+    prompt: int | None = None
+    per_mode: bool = True  # False: the eager figure only (the prefill is not compiled)
+    percent: bool = False  # the figure is a fraction (of the byte bound), shown as a percentage
+
+
+def _vs(a: str, b: str) -> Figure:
+    return lambda runs, mode: _speed(runs, a, b, mode)
+
+
+def _bound_of(policy: str) -> Figure:
+    return lambda runs, mode: of_bound(runs, policy, mode)
+
+
+SCORING = (("h2o", 0.97), ("tova", 0.97), ("knorm", 0.97), ("keydiff", 0.97), ("snapkv", 0.90),
+           ("expected-attention", 0.85), ("learned", 0.95))  # fmt: skip
+TARGETS = (
+    *(Target(f"{p} >= {x:.2f}x last-recent", x, _vs(p, "last-recent")) for p, x in SCORING),
+    Target("int4 qh2o >= 0.95x float h2o", 0.95, _vs("qh2o", "h2o")),
+    Target("int8 h2o (h2o-int8) >= 0.97x float h2o", 0.97, _vs("h2o-int8", "h2o")),
+    Target("last-recent vs dense >= 95% of its byte bound", 0.95, _bound_of("last-recent"), percent=True),
+    Target("h2o vs dense >= 95% of its byte bound", 0.95, _bound_of("h2o"), percent=True),
+    Target("dense end-to-end (1x2048+64) >= 1.00x HF dynamic", 1.0, e2e_ratio, batch=1, prompt=2048),
+    Target("dense prefill tok/s (4096) >= HF dynamic's", 1.0, prefill_ratio, prompt=4096, per_mode=False),
+)
+
+
+@dataclass
+class TargetResult:
+    label: str
+    threshold: float
+    mode: str
+    figures: dict[str, float]  # configuration -> figure
+    note: str = ""  # where the named configuration was not run
+    percent: bool = False
+
+    @property
+    def met(self) -> bool | None:
+        """Every figure at or above the threshold (None: nothing measured)."""
+        return all(f >= self.threshold for f in self.figures.values()) if self.figures else None
+
+
+def evaluate_targets(results: dict[str, list[PolicyRun]], targets: tuple[Target, ...] = TARGETS) -> list[TargetResult]:
+    """Each target in each mode the runs have (the eager one only where `per_mode` is False)."""
+    out = []
+    modes = list(dict.fromkeys(m for runs in results.values() for m in modes_of(runs)))
+    for t in targets:
+        named = {
+            name: runs
+            for name, runs in results.items()
+            if runs
+            and (t.batch is None or runs[0].batch == t.batch)
+            and (t.prompt is None or runs[0].prompt == t.prompt)
+        }
+        note = "" if named or (t.batch is None and t.prompt is None) else "not run there; from every configuration"
+        chosen = named or results
+        for mode in modes if t.per_mode else modes[:1]:
+            figures = {name: t.figure(by_key(runs), mode) for name, runs in chosen.items()}
+            kept = {name: f for name, f in figures.items() if f is not None}
+            out.append(TargetResult(t.label, t.threshold, mode, kept, note, t.percent))
+    return out
+
+
+def format_targets(results: list[TargetResult]) -> list[str]:
+    """One line per target: per mode, met or missed with the figure of each configuration."""
+    lines: dict[str, list[str]] = {}
+    for r in results:
+        verdict = {True: "met", False: "missed", None: "not measured"}[r.met]
+        figures = ", ".join(f"{name} {f:.1%}" if r.percent else f"{name} {f:.3f}x" for name, f in r.figures.items())
+        lines.setdefault(r.label, []).append(f"{r.mode} {verdict}" + (f" ({figures})" if figures else ""))
+    notes = {r.label: r.note for r in results}
+    return [
+        f"{label}: " + "; ".join(parts) + (f" [{notes[label]}]" if notes[label] else "")
+        for label, parts in lines.items()
+    ]
+
+
+# -- options, models and the runs -----------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M", help="LitGPT config name (random weights)")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"comma-separated BATCHxPROMPT among {list(CONFIGS)} or any other BxT (default: all three)",
+        help=f"comma-separated BATCHxPROMPT among {list(CONFIGS)} or any other BxT (default: all of them)",
     )
     parser.add_argument("--new-tokens", type=int, default=None, help="override every configuration's new tokens")
     parser.add_argument("--cache-length", type=int, default=512)
     parser.add_argument("--chunk-size", type=int, default=256, help="prefill chunk size of the evicting policies")
-    parser.add_argument("--quant-group-size", type=int, default=64, help="int4 group size (<= head size)")
+    parser.add_argument("--quant-group-size", type=int, default=64, help="int4/int8 group size (<= head size)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"among {list(POLICIES + EXTRA_POLICIES)}")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated among eager, compiled (generate(..., compile=True) after one untimed warm-up "
+        "call with the same shapes); default both, side by side",
+    )
+    parser.add_argument(
+        "--compiled-policies",
+        default=None,
+        help=f"policies of the compiled mode (default: every one of --policies; --quick: {list(QUICK_COMPILED)})",
+    )
+    parser.add_argument("--no-hf", action="store_true", help="no transformers row")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (and for the bandwidth measurement)")
-    parser.add_argument("--compile", action="store_true", help="generate(..., compile=True), one warm-up call each")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the runs as JSON here")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the runs and targets as JSON here")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke test: 1x256 and 2x256, 8 new tokens, 64 slots, chunks 32, pythia-14m unless --model is given",
+        help=f"smoke test: {list(QUICK_CONFIGS)}, 64 slots, chunks of 32, {QUICK_LAYERS} layers unless --layers "
+        f"is given, compiled mode for {list(QUICK_COMPILED)} unless --compiled-policies is given",
     )
     args = parser.parse_args(argv)
     if args.quick:
         args.cache_length, args.chunk_size = 64, 32
-        if args.model == parser.get_default("model"):
-            args.model = "pythia-14m"
+        args.layers = QUICK_LAYERS if args.layers is None else args.layers
+        if args.compiled_policies is None:
+            args.compiled_policies = ",".join(p for p in QUICK_COMPILED if p in args.policies.split(","))
         if args.configs == parser.get_default("configs"):
             args.configs = ",".join(QUICK_CONFIGS)
     return args
 
 
-def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], list[str]]:
-    """The configurations `{name: (batch, prompt, new tokens)}` and policies asked for; ValueError naming
-    a bad one."""
+def _parse_configs(text: str, new_tokens: int | None) -> dict[str, tuple[int, int, int]]:
     configs = {}
-    for name in args.configs.split(","):
+    for name in text.split(","):
         known = {**CONFIGS, **QUICK_CONFIGS}
         if name in known:
             b, t, new = known[name]
@@ -292,58 +486,139 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], 
             if not (b_str.isdigit() and t_str.isdigit() and int(b_str) > 0 and int(t_str) > 0):
                 raise ValueError(f"--configs entries must be BATCHxPROMPT like 1x4096, got {name!r}")
             b, t, new = int(b_str), int(t_str), 64
-        configs[name] = (b, t, args.new_tokens if args.new_tokens is not None else new)
+        configs[name] = (b, t, new_tokens if new_tokens is not None else new)
         if configs[name][2] < 2:
             raise ValueError(f"--new-tokens must be >= 2 (a decode speed needs two steps), got {configs[name][2]}")
-    policies = args.policies.split(",")
+    return configs
+
+
+def _policies(text: str, option: str) -> list[str]:
+    policies = text.split(",") if text else []
     unknown = [p for p in policies if p not in POLICIES + EXTRA_POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES + EXTRA_POLICIES)}")
+        raise ValueError(f"{option}: unknown policies {unknown}; choose from {list(POLICIES + EXTRA_POLICIES)}")
+    return policies
+
+
+def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], dict[str, list[str]]]:
+    """The configurations `{name: (batch, prompt, new tokens)}` and the policies of each mode asked for
+    (`{mode: policies}`); ValueError naming a bad option."""
+    configs = _parse_configs(args.configs, args.new_tokens)
+    policies = _policies(args.policies, "--policies")
+    compiled = policies if args.compiled_policies is None else _policies(args.compiled_policies, "--compiled-policies")
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"--modes must be distinct entries among {list(MODES)}, got {args.modes!r}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if args.compile and "compile" not in inspect.signature(generate).parameters:
-        raise ValueError("--compile: litkv.generate has no compile option in this version")
-    return configs, policies
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
+    if "compiled" in modes and "compile" not in inspect.signature(generate).parameters:
+        raise ValueError("--modes compiled: litkv.generate has no compile option in this version")
+    plan = {m: compiled if m == "compiled" else policies for m in MODES if m in modes}
+    return configs, {m: p for m, p in plan.items() if p}
 
 
-def build_model(name: str, seed: int) -> GPT:
-    """Random weights, LM head tied to the embedding (SmolLM2 ties them; where the shapes differ, untied)."""
+def model_config(args: argparse.Namespace) -> Config:
+    return Config.from_name(args.model, **({} if args.layers is None else {"n_layer": args.layers}))
+
+
+def with_gates(model: GPT, seed: int) -> GPT:
+    """Random eviction gates for `learned` (its speed does not depend on what they learned)."""
     torch.manual_seed(seed)
-    model = GPT(Config.from_name(name)).eval()
-    if model.lm_head.weight.shape == model.transformer.wte.weight.shape:
-        model.lm_head.weight = model.transformer.wte.weight
-    c = model.config  # random eviction gates for `learned` (its speed does not depend on what they learned)
+    c = model.config
     gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, window=16, sinks=4)
     gates.weight.normal_()
     model.eviction_gates = gates
     return model
 
 
+def build_model(config: Config, seed: int) -> GPT:
+    """Random weights, LM head tied to the embedding (SmolLM2 ties them; where the shapes differ, untied)."""
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    if model.lm_head.weight.shape == model.transformer.wte.weight.shape:
+        model.lm_head.weight = model.transformer.wte.weight
+    return with_gates(model, seed)
+
+
+def load_models(args: argparse.Namespace, workdir: Path) -> tuple[GPT, torch.nn.Module | None, str]:
+    """(litkv model, the transformers twin on the same weights or None, why there is none)."""
+    config = model_config(args)
+    if args.no_hf:
+        return build_model(config, args.seed), None, "--no-hf"
+    try:
+        hf_dir, lit_dir = prepare_weights(config, args.seed, workdir)
+    except (ValueError, ImportError) as exc:  # not a Llama-family preset; no transformers
+        return build_model(config, args.seed), None, str(exc)
+    model = load_lit(config, lit_dir, GPT)
+    assert isinstance(model, GPT)
+    return with_gates(model, args.seed), load_hf(hf_dir), ""
+
+
+class _OnTokens:
+    """A transformers streamer that hands each new token to `on_tokens` (its first `put` is the prompt)."""
+
+    def __init__(self, on_tokens: Callable[[torch.Tensor], None]) -> None:
+        self.on_tokens, self.prompt_seen = on_tokens, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.on_tokens(value)
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+Generation = tuple[str, str, Runner]  # (policy, mode, runner)
+
+
+def generations(
+    model: GPT, hf_model: torch.nn.Module | None, prompts: torch.Tensor, new: int,
+    configs: dict[str, KVCacheConfig], plan: dict[str, list[str]],
+) -> list[Generation]:  # fmt: skip
+    """The runners of one configuration: each (mode, policy) of `plan` on its own model copy (compiled
+    ones after their warm-up call), then the transformers row."""
+    out: list[Generation] = []
+    for mode, policies in plan.items():
+        for policy, config in ((p, configs[p]) for p in policies):
+            m, options = policy_model(model), {"compile": True} if mode == "compiled" else {}
+            if options:
+                print(f"  compiling {policy} (warm-up call) ...", file=sys.stderr, flush=True)
+                generate(m, list(prompts), min(new, WARMUP_TOKENS), config, **options)
+
+            def run(on_tokens: Callable, m: GPT = m, config: KVCacheConfig = config, options: dict = options) -> None:
+                generate(m, list(prompts), new, config, on_tokens=on_tokens, **options)
+
+            out.append((policy, mode, run))
+    if hf_model is not None:
+        out.append((HF, "eager", lambda on_tokens: hf_generate(hf_model, prompts, new, _OnTokens(on_tokens))))
+    return out
+
+
 def run_config(
-    model: GPT, spec: tuple[int, int, int], policies: list[str], args: argparse.Namespace
-) -> list[PolicyRun]:
-    """Every policy on the same prompts of configuration `spec` = (batch, prompt, new tokens), interleaved
-    (`bound_tok_s` left 0: `with_bound` sets it)."""
+    model: GPT, hf_model: torch.nn.Module | None, spec: tuple[int, int, int], plan: dict[str, list[str]],
+    args: argparse.Namespace,
+) -> list[PolicyRun]:  # fmt: skip
+    """Every (mode, policy) of `plan` and the transformers row on the same prompts of configuration `spec` =
+    (batch, prompt, new tokens), interleaved (`bound_tok_s` left 0: `with_bound` sets it)."""
     b, t, new = spec
     prompts = torch.randint(0, model.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(args.seed))
-    configs = [policy_config(p, args, t, new, model.config.head_size) for p in policies]
-    models = [policy_model(model) for _ in policies]
-    options = {"compile": True} if args.compile else {}
-    if args.compile:  # one untimed warm-up call per policy with the timed call's shapes (compiles)
-        for m, config in zip(models, configs, strict=True):
-            generate(m, list(prompts), min(new, 4), config, **options)
-
-    def runner(m: GPT, config: KVCacheConfig) -> Runner:
-        return lambda on_tokens: generate(m, list(prompts), new, config, on_tokens=on_tokens, **options)
-
-    timings = interleaved([runner(m, c) for m, c in zip(models, configs, strict=True)])
+    policies = dict.fromkeys(p for ps in plan.values() for p in ps)
+    configs = {p: policy_config(p, args, t, new, model.config.head_size) for p in policies}
+    gens = generations(model, hf_model, prompts, new, configs, plan)
+    timings = interleaved([run for _, _, run in gens])
+    dense = policy_config("dense", args, t, new, model.config.head_size)  # transformers holds what dense holds
+    sizes = {p: step_bytes_of(model, c, b, t, new) for p, c in {**configs, HF: dense}.items()}
     runs = []
-    for policy, config, timing in zip(policies, configs, timings, strict=True):
+    for (policy, mode, _), timing in zip(gens, timings, strict=True):
         if not timing.steps:
-            raise RuntimeError(f"{policy} generated {len(timing.steps) + 1} tokens; a decode speed needs 2 or more")
-        cache_bytes, step = step_bytes_of(model, config, b, t, new)
-        tok_s = b * len(timing.steps) / sum(timing.steps)
-        runs.append(PolicyRun(policy, b, t, new, timing.prefill_s, tok_s, cache_bytes, step, 0.0))
+            raise RuntimeError(f"{policy} ({mode}) generated 1 token; a decode speed needs 2 or more")
+        cache_bytes, step = sizes[policy]
+        decode_s = sum(timing.steps)
+        tok_s = b * len(timing.steps) / decode_s
+        runs.append(PolicyRun(policy, mode, b, t, new, timing.prefill_s, decode_s, tok_s, cache_bytes, step))
     return runs
 
 
@@ -354,25 +629,29 @@ def with_bound(runs: list[PolicyRun], bandwidth: float) -> list[PolicyRun]:
     return runs
 
 
-def main(argv: list[str] | None = None) -> dict[str, list[PolicyRun]]:
-    args = parse_args(argv)
-    configs, policies = resolve(args)
-    torch.set_num_threads(args.threads)
-    model = build_model(args.model, args.seed)
-    gib = 2**28 if args.quick else 2**30
-    bandwidth = measure_bandwidth(gib, threads=args.threads)
-    bandwidths = {}
-    print(
-        f"{args.model} (random weights, tied LM head, float32, {model.lm_head.weight.device.type}, {args.threads} "
-        f"threads{', compiled' if args.compile else ''}): cache_length {args.cache_length} (dense: the whole "
-        f"sequence, one prefill chunk), prefill chunks of {min(args.chunk_size, args.cache_length)}; "
-        f"weights {weight_bytes(model) / 1e6:.0f} MB; memory bandwidth before the runs {bandwidth / 1e9:.1f} GB/s "
-        f"(sum of {gib // 2**20} MiB, best of 5)"
-    )
-    results = {}
+def _allow_recompiles(n: int) -> None:
+    """Every policy copy (and shape) compiles the decode step anew: raise dynamo's recompile limits."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), n))
+
+
+def run_json(r: PolicyRun) -> dict:
+    return {**asdict(r), "prefill_tok_s": r.prefill_tok_s, "e2e_s": r.e2e_s}
+
+
+def measure(
+    model: GPT, hf_model: torch.nn.Module | None, configs: dict[str, tuple[int, int, int]],
+    plan: dict[str, list[str]], args: argparse.Namespace, bandwidth: float, gib: int,
+) -> tuple[dict[str, list[PolicyRun]], dict[str, float]]:  # fmt: skip
+    """Each configuration in turn, its table and end-to-end lines printed as it ends."""
+    results, bandwidths = {}, {}
     for name, spec in configs.items():
-        print(f"{name}: {len(policies)} policies, interleaved ...", file=sys.stderr, flush=True)
-        runs = run_config(model, spec, policies, args)
+        what = ", ".join(f"{len(p)} {m}" for m, p in plan.items())
+        print(f"{name}: {what} generations, interleaved ...", file=sys.stderr, flush=True)
+        runs = run_config(model, hf_model, spec, plan, args)
         after = measure_bandwidth(gib, threads=args.threads)
         bandwidths[name] = max(bandwidth, after)  # best of the measurements before and after the config
         results[name] = with_bound(runs, bandwidths[name])
@@ -383,11 +662,44 @@ def main(argv: list[str] | None = None) -> dict[str, list[PolicyRun]]:
             "(best of the measurements before and after):\n"
         )
         print(format_table(results[name]))
-        for line in summary(results[name]):
+        for line in e2e_lines(results[name]):
             print(line)
         sys.stdout.flush()
+    return results, bandwidths
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[PolicyRun]]:
+    args = parse_args(argv)
+    configs, plan = resolve(args)
+    torch.set_num_threads(args.threads)
+    if "compiled" in plan:
+        _allow_recompiles(4 * len(plan["compiled"]) * len(configs) + 8)
+    gib = 2**28 if args.quick else 2**30
+    with tempfile.TemporaryDirectory() as tmp:
+        model, hf_model, no_hf = load_models(args, Path(tmp))
+        bandwidth = measure_bandwidth(gib, threads=args.threads)
+        print(
+            f"{args.model}{'' if args.layers is None else f' ({model.config.n_layer} layers)'} (random weights, "
+            f"tied LM head, float32, {model.lm_head.weight.device.type}, {args.threads} threads, modes {list(plan)}): "
+            f"cache_length {args.cache_length} (dense: the whole sequence, one prefill chunk), prefill chunks of "
+            f"{min(args.chunk_size, args.cache_length)}; weights {weight_bytes(model) / 1e6:.0f} MB; memory "
+            f"bandwidth before the runs {bandwidth / 1e9:.1f} GB/s (sum of {gib // 2**20} MiB, best of 5); "
+            + (f"no transformers row ({no_hf})" if no_hf else "transformers row: hf-dynamic on the same weights")
+        )
+        results, bandwidths = measure(model, hf_model, configs, plan, args, bandwidth, gib)
+    targets = evaluate_targets(results)
+    summary = format_targets(targets)
+    print("\nTargets (issue 23):")
+    for line in summary:
+        print(f"- {line}")
     if args.json_out is not None:
-        out = {"bandwidth": bandwidths, "configs": {k: [asdict(r) for r in v] for k, v in results.items()}}
+        out = {
+            "bandwidth": bandwidths,
+            "plan": plan,
+            "configs": {k: [run_json(r) for r in v] for k, v in results.items()},
+            "targets": [{**asdict(t), "met": t.met} for t in targets],
+            "summary": summary,
+        }
         args.json_out.write_text(json.dumps(out, indent=2))
     return results
 

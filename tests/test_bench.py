@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -108,33 +110,132 @@ def test_bench_refuses_unknown_peer() -> None:
 # -- scripts/bench_policies.py --------------------------------------------------------------------
 
 
-def test_bench_policies_quick_rows_and_byte_bound(capsys: pytest.CaptureFixture) -> None:
+def test_bench_policies_quick_rows_and_byte_bound(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     module = _load_bench_policies()
     argv = ["--quick", "--configs", "1x80", "--new-tokens", "3", "--policies", "dense,last-recent,h2o,qh2o"]
-    runs = module.main(argv)["1x80"]
+    runs = module.main([*argv, "--modes", "eager", "--json-out", str(tmp_path / "out.json")])["1x80"]
     out = capsys.readouterr().out
-    assert [r.policy for r in runs] == ["dense", "last-recent", "h2o", "qh2o"]
-    dense, recent, h2o, qh2o = runs
+    assert [(r.policy, r.mode) for r in runs] == [
+        *((p, "eager") for p in ("dense", "last-recent", "h2o", "qh2o")),
+        ("hf-dynamic", "eager"),  # transformers on the same weights
+    ]
+    dense, recent, h2o, qh2o, hf = runs
     # dense reads 80 + 1.5 cached tokens per step, the others their 64 slots; int4 reads fewer bytes
     assert dense.step_bytes > recent.step_bytes == h2o.step_bytes > qh2o.step_bytes
     assert dense.cache_bytes / (80 + 3) == recent.cache_bytes / 64
-    assert "h2o / last-recent decode:" in out and "qh2o / h2o decode:" in out
-    assert f"{dense.step_bytes / h2o.step_bytes:.2f}x" in out.splitlines()[-4]  # h2o's byte bound
+    assert (hf.step_bytes, hf.cache_bytes) == (dense.step_bytes, dense.cache_bytes)
+    h2o_row = next(line for line in out.splitlines() if line.startswith("| h2o "))
+    assert f"{dense.step_bytes / h2o.step_bytes:.2f}x" in h2o_row  # h2o's byte bound
+    assert "end-to-end 1x80+3: dense (eager)" in out
+    assert "- h2o >= 0.97x last-recent: eager " in out and "- int4 qh2o >= 0.95x float h2o: eager " in out
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert [r["policy"] for r in saved["configs"]["1x80"]][-1] == "hf-dynamic"
+    assert saved["plan"] == {"eager": ["dense", "last-recent", "h2o", "qh2o"]}
+    assert {t["label"] for t in saved["targets"]} == {t.label for t in module.TARGETS}
 
 
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
         (["--configs", "1x"], "BATCHxPROMPT like 1x4096, got '1x'"),
-        (["--policies", "dense,lru"], "unknown policies ['lru']"),
+        (["--policies", "dense,lru"], "--policies: unknown policies ['lru']"),
+        (["--compiled-policies", "h3o"], "--compiled-policies: unknown policies ['h3o']"),
+        (["--modes", "eager,jit"], "--modes must be distinct entries among ['eager', 'compiled'], got 'eager,jit'"),
         (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--layers", "0"], "--layers must be >= 1, got 0"),
         (["--new-tokens", "1"], "--new-tokens must be >= 2"),
     ],
 )
 def test_bench_policies_refuses_bad_options(argv: list[str], named: str) -> None:
     module = _load_bench_policies()
-    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(named)):
         module.resolve(module.parse_args(argv))
+
+
+def test_bench_policies_plan_of_modes() -> None:
+    module = _load_bench_policies()
+    _, plan = module.resolve(module.parse_args(["--policies", "dense,h2o,h2o-int8"]))
+    assert plan == {"eager": ["dense", "h2o", "h2o-int8"], "compiled": ["dense", "h2o", "h2o-int8"]}
+    _, plan = module.resolve(module.parse_args(["--quick", "--policies", "dense,h2o,tova"]))
+    assert plan == {"eager": ["dense", "h2o", "tova"], "compiled": ["dense", "h2o"]}  # quick compiles few
+    _, plan = module.resolve(module.parse_args(["--modes", "compiled", "--compiled-policies", "h2o"]))
+    assert plan == {"compiled": ["h2o"]}
+
+
+def _run(policy: str, mode: str, tok_s: float, step_mb: float, **extra):
+    module = sys.modules["bench_policies"]
+    spec = dict(batch=1, prompt=2048, new_tokens=64, prefill_s=2.0, decode_s=63 / tok_s)
+    spec.update(extra)
+    return module.PolicyRun(policy, mode, decode_tok_s=tok_s, cache_bytes=2**20, step_bytes=step_mb * 1e6, **spec)
+
+
+def _synthetic_config(**hf_extra) -> list:
+    """dense and h2o in both modes, last-recent eager only, the transformers row; bound 100 tok/s at 500 MB."""
+    runs = [
+        _run("dense", "eager", 10.0, 500),
+        _run("last-recent", "eager", 12.0, 400),
+        _run("h2o", "eager", 11.4, 400),
+        _run("dense", "compiled", 20.0, 500),
+        _run("h2o", "compiled", 19.0, 400),
+        _run("hf-dynamic", "eager", 9.0, 500, **hf_extra),
+    ]
+    for r in runs:
+        r.bound_tok_s = 5e10 / r.step_bytes
+    return runs
+
+
+def test_bench_policies_table_puts_modes_side_by_side() -> None:
+    module = _load_bench_policies()
+    rows = {row[0]: row for row in module.table_rows(_synthetic_config())}
+    head = module.header(["eager", "compiled"])
+    assert len(head) == 16 and all(len(row) == 16 for row in rows.values())
+    assert head[6::5] == ["eager tok/s", "compiled tok/s"] and head[7] == head[12] == "vs last-recent"
+    # policy, prefill tok/s, byte bound, MB/step, bound tok/s, cache MiB
+    assert rows["h2o"][:6] == ["h2o", "1024", "1.25x", "400", "125.0", "1.00"]
+    # eager: 11.4 tok/s, 0.95x last-recent, 1.14x dense = 91% of the 1.25x bound, 9% of 125 tok/s
+    assert rows["h2o"][6:11] == ["11.40", "0.95x", "1.14x", "91%", "9%"]
+    assert rows["h2o"][11:] == ["19.00", "-", "0.95x", "76%", "15%"]  # no compiled last-recent
+    assert rows["last-recent"][11:] == ["-"] * 5
+    assert rows["hf-dynamic"][6:9] == ["9.00", "0.75x", "0.90x"] and rows["hf-dynamic"][11:] == ["-"] * 5
+    table = module.format_table(_synthetic_config()).splitlines()
+    assert len(table) == 2 + 4 and {line.count("|") for line in table} == {17}
+
+
+def test_bench_policies_e2e_lines_against_transformers() -> None:
+    module = _load_bench_policies()
+    runs = _synthetic_config(prefill_s=4.0)  # transformers: 512 prefill tok/s, 4 + 7 s end to end
+    lines = module.e2e_lines(runs)
+    assert lines[0] == (
+        "end-to-end 1x2048+64: dense (eager) 8.30 s, HF dynamic 11.00 s: 1.33x HF; prefill 1024 vs 512 tok/s: 2.00x HF"
+    )
+    assert lines[1].startswith("end-to-end 1x2048+64: dense (compiled) 5.15 s, HF dynamic 11.00 s: 2.14x HF")
+    assert module.e2e_lines([r for r in runs if r.policy != "hf-dynamic"]) == []
+
+
+def test_bench_policies_targets_met_and_missed() -> None:
+    module = _load_bench_policies()
+    other = [module.PolicyRun(**{**vars(r), "prompt": 4096}) for r in _synthetic_config(prefill_s=1.0)]
+    results = module.evaluate_targets({"1x2048": _synthetic_config(), "1x4096": other})
+    lines = {line.split(":")[0]: line for line in module.format_targets(results)}
+    assert len(lines) == len(module.TARGETS)
+    # h2o / last-recent = 0.95 in both configurations; no compiled last-recent
+    assert lines["h2o >= 0.97x last-recent"] == (
+        "h2o >= 0.97x last-recent: eager missed (1x2048 0.950x, 1x4096 0.950x); compiled not measured"
+    )
+    assert lines["int8 h2o (h2o-int8) >= 0.97x float h2o"].endswith("eager not measured; compiled not measured")
+    assert (
+        "last-recent vs dense >= 95% of its byte bound: eager met (1x2048 96.0%, 1x4096 96.0%)"
+        in lines["last-recent vs dense >= 95% of its byte bound"]
+    )
+    # end-to-end at 1x2048 only (dense 8.3 s, transformers 9 s), prefill at 4096 only (2048 vs 4096 tok/s)
+    e2e = lines["dense end-to-end (1x2048+64) >= 1.00x HF dynamic"]
+    assert e2e.startswith("dense end-to-end (1x2048+64) >= 1.00x HF dynamic: eager met (1x2048 1.084x); compiled")
+    prefill = lines["dense prefill tok/s (4096) >= HF dynamic's"]
+    assert prefill == "dense prefill tok/s (4096) >= HF dynamic's: eager missed (1x4096 0.500x)"
+    # a named configuration that was not run: every configuration counts, and the line says so
+    only = module.format_targets(module.evaluate_targets({"1x2048": _synthetic_config()}))
+    assert any(line.endswith("[not run there; from every configuration]") for line in only if "prefill" in line)
+    assert all(r.met is None for r in module.evaluate_targets({}))
 
 
 def test_bench_policies_interleaves_steps_and_propagates_errors() -> None:
