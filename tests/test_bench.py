@@ -26,6 +26,12 @@ def _load_bench_policies():
     return module
 
 
+def _load_report():
+    """`scripts/policy_report.py`, the report functions of bench_policies (imported by it)."""
+    _load_bench_policies()
+    return sys.modules["policy_report"]
+
+
 # -- litkv.bandwidth ------------------------------------------------------------------------------
 
 
@@ -111,6 +117,7 @@ def test_bench_refuses_unknown_peer() -> None:
 
 
 def test_bench_policies_quick_rows_and_byte_bound(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    report = _load_report()
     module = _load_bench_policies()
     argv = ["--quick", "--configs", "1x80", "--new-tokens", "3", "--policies", "dense,last-recent,h2o,qh2o"]
     runs = module.main([*argv, "--modes", "eager", "--json-out", str(tmp_path / "out.json")])["1x80"]
@@ -131,7 +138,7 @@ def test_bench_policies_quick_rows_and_byte_bound(capsys: pytest.CaptureFixture,
     saved = json.loads((tmp_path / "out.json").read_text())
     assert [r["policy"] for r in saved["configs"]["1x80"]][-1] == "hf-dynamic"
     assert saved["plan"] == {"eager": ["dense", "last-recent", "h2o", "qh2o"]}
-    assert {t["label"] for t in saved["targets"]} == {t.label for t in module.TARGETS}
+    assert {t["label"] for t in saved["targets"]} == {t.label for t in report.TARGETS}
 
 
 @pytest.mark.parametrize(
@@ -163,10 +170,10 @@ def test_bench_policies_plan_of_modes() -> None:
 
 
 def _run(policy: str, mode: str, tok_s: float, step_mb: float, **extra):
-    module = sys.modules["bench_policies"]
+    report = _load_report()
     spec = dict(batch=1, prompt=2048, new_tokens=64, prefill_s=2.0, decode_s=63 / tok_s)
     spec.update(extra)
-    return module.PolicyRun(policy, mode, decode_tok_s=tok_s, cache_bytes=2**20, step_bytes=step_mb * 1e6, **spec)
+    return report.PolicyRun(policy, mode, decode_tok_s=tok_s, cache_bytes=2**20, step_bytes=step_mb * 1e6, **spec)
 
 
 def _synthetic_config(**hf_extra) -> list:
@@ -185,9 +192,10 @@ def _synthetic_config(**hf_extra) -> list:
 
 
 def test_bench_policies_table_puts_modes_side_by_side() -> None:
-    module = _load_bench_policies()
-    rows = {row[0]: row for row in module.table_rows(_synthetic_config())}
-    head = module.header(["eager", "compiled"])
+    report = _load_report()
+    _load_bench_policies()
+    rows = {row[0]: row for row in report.table_rows(_synthetic_config())}
+    head = report.header(["eager", "compiled"])
     assert len(head) == 16 and all(len(row) == 16 for row in rows.values())
     assert head[6::5] == ["eager tok/s", "compiled tok/s"] and head[7] == head[12] == "vs last-recent"
     # policy, prefill tok/s, byte bound, MB/step, bound tok/s, cache MiB
@@ -197,27 +205,29 @@ def test_bench_policies_table_puts_modes_side_by_side() -> None:
     assert rows["h2o"][11:] == ["19.00", "-", "0.95x", "76%", "15%"]  # no compiled last-recent
     assert rows["last-recent"][11:] == ["-"] * 5
     assert rows["hf-dynamic"][6:9] == ["9.00", "0.75x", "0.90x"] and rows["hf-dynamic"][11:] == ["-"] * 5
-    table = module.format_table(_synthetic_config()).splitlines()
+    table = report.format_table(_synthetic_config()).splitlines()
     assert len(table) == 2 + 4 and {line.count("|") for line in table} == {17}
 
 
 def test_bench_policies_e2e_lines_against_transformers() -> None:
-    module = _load_bench_policies()
+    report = _load_report()
+    _load_bench_policies()
     runs = _synthetic_config(prefill_s=4.0)  # transformers: 512 prefill tok/s, 4 + 7 s end to end
-    lines = module.e2e_lines(runs)
+    lines = report.e2e_lines(runs)
     assert lines[0] == (
         "end-to-end 1x2048+64: dense (eager) 8.30 s, HF dynamic 11.00 s: 1.33x HF; prefill 1024 vs 512 tok/s: 2.00x HF"
     )
     assert lines[1].startswith("end-to-end 1x2048+64: dense (compiled) 5.15 s, HF dynamic 11.00 s: 2.14x HF")
-    assert module.e2e_lines([r for r in runs if r.policy != "hf-dynamic"]) == []
+    assert report.e2e_lines([r for r in runs if r.policy != "hf-dynamic"]) == []
 
 
 def test_bench_policies_targets_met_and_missed() -> None:
-    module = _load_bench_policies()
-    other = [module.PolicyRun(**{**vars(r), "prompt": 4096}) for r in _synthetic_config(prefill_s=1.0)]
-    results = module.evaluate_targets({"1x2048": _synthetic_config(), "1x4096": other})
-    lines = {line.split(":")[0]: line for line in module.format_targets(results)}
-    assert len(lines) == len(module.TARGETS)
+    report = _load_report()
+    _load_bench_policies()
+    other = [report.PolicyRun(**{**vars(r), "prompt": 4096}) for r in _synthetic_config(prefill_s=1.0)]
+    results = report.evaluate_targets({"1x2048": _synthetic_config(), "1x4096": other})
+    lines = {line.split(":")[0]: line for line in report.format_targets(results)}
+    assert len(lines) == len(report.TARGETS)
     # h2o / last-recent = 0.95 in both configurations; no compiled last-recent
     assert lines["h2o >= 0.97x last-recent"] == (
         "h2o >= 0.97x last-recent: eager missed (1x2048 0.950x, 1x4096 0.950x); compiled not measured"
@@ -233,9 +243,9 @@ def test_bench_policies_targets_met_and_missed() -> None:
     prefill = lines["dense prefill tok/s (4096) >= HF dynamic's"]
     assert prefill == "dense prefill tok/s (4096) >= HF dynamic's: eager missed (1x4096 0.500x)"
     # a named configuration that was not run: every configuration counts, and the line says so
-    only = module.format_targets(module.evaluate_targets({"1x2048": _synthetic_config()}))
+    only = report.format_targets(report.evaluate_targets({"1x2048": _synthetic_config()}))
     assert any(line.endswith("[not run there; from every configuration]") for line in only if "prefill" in line)
-    assert all(r.met is None for r in module.evaluate_targets({}))
+    assert all(r.met is None for r in report.evaluate_targets({}))
 
 
 def test_bench_policies_interleaves_steps_and_propagates_errors() -> None:
