@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into, needs_functional
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 from litkv.validation import require_int
 
@@ -69,7 +69,7 @@ class LayerCache(Protocol):
 
     def attend_inputs(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]: ...
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None: ...
 
@@ -111,6 +111,35 @@ class Candidates:
     def num_new(self) -> int:
         """`T`."""
         return self.new_keys.shape[2]
+
+
+class _PackedCandidates(Candidates):
+    """Candidates whose `keys` and `values` arrive as a storage's packed slots (`PackedSlots`) and are
+    unpacked on first read: a policy that never reads them costs no unpacking."""
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        return self._unpacked()[0]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | PackedSlots | None) -> None:
+        self._keys = value
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        return self._unpacked()[1]
+
+    @values.setter
+    def values(self, value: torch.Tensor | PackedSlots | None) -> None:
+        self._values = value
+
+    def _unpacked(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        packed = [x for x in (self._keys, self._values) if isinstance(x, PackedSlots)]
+        if packed:  # one object holds both
+            keys, values = packed[0].unpack()
+            self._keys = keys if isinstance(self._keys, PackedSlots) else self._keys
+            self._values = values if isinstance(self._values, PackedSlots) else self._values
+        return self._keys, self._values
 
 
 @dataclass
@@ -320,7 +349,7 @@ class KVCache(ABC):
 
     def attend_inputs(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
         """What the new queries attend to: cached tokens plus the new ones.
 
         Three named paths, by what the call allows, invisible to policies: `_attend_direct` while a
@@ -339,7 +368,9 @@ class KVCache(ABC):
                 sets `needs_queries`.
 
         Returns:
-            keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`.
+            keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`; a staged
+            call of a storage with `read_staged_packed` (int8/int4) gives its `PackedSlots` as both keys
+            and values, which `attention.attend` reads without unpacking.
         """
         self._check_inputs(keys, values, input_pos)
         if self.needs_queries and queries is None:
@@ -362,15 +393,20 @@ class KVCache(ABC):
         new_pos: torch.Tensor,
         input_pos: torch.Tensor,
         queries: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode step: the token waits in the room after the slots; attend a view of slots + room."""
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
+        """A decode step: the token waits in the room after the slots; attend a view of slots + room.
+
+        A storage whose format attention reads directly (`read_staged_packed`: quantised codes) hands
+        over its packed slots as keys and values; the record unpacks them only if a policy reads them."""
         length, t = self.cache_length, keys.shape[2]
         self.storage.stage(keys, values)
-        all_keys, all_values = self.storage.read_staged(t)
+        packed = self.storage.read_staged_packed(t)
+        all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
         self._pos_buffer[:, :, length : length + t] = new_pos
         positions = self._pos_buffer[:, :, : length + t]
         # the record's positions are a copy: the slots' positions change before `after_write` reads it
-        candidates = Candidates(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
+        record = Candidates if packed is None else _PackedCandidates
+        candidates = record(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
         self._pending = _Pending(False, 0, candidates, True)
         return all_keys, all_values, positions
 
