@@ -1,5 +1,8 @@
 """Attention of `T` new queries over `S` keys (cache slots + new tokens), masks built from positions.
 
+Quantised slots (`QuantizedSlots`, from a decode step of an int8/int4 cache) go to
+`litkv.quant_attention`, which attends their codes without dequantising them.
+
 Grouped-query attention never materialises expanded keys/values: the query heads of each KV group
 are folded into the query axis, `(B, G, q_per_kv * T, hs)`. When a cache asks for them, the softmax
 weights summed over the call's queries and over each group's query heads come back as
@@ -10,6 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from litkv.kvcache.quantized import QuantizedSlots
+from litkv.quant_attention import quant_attend
 
 __all__ = ["attend", "build_mask", "masked_sdpa", "WEIGHTS_BLOCK_ELEMENTS"]
 
@@ -42,8 +48,8 @@ def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = No
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | QuantizedSlots,
+    v: torch.Tensor | QuantizedSlots,
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
@@ -54,7 +60,8 @@ def attend(
 
     Args:
         q: `(B, n_head, T, hs)`.
-        k: `(B, G, S, hs)`.
+        k: `(B, G, S, hs)`, or quantised slots holding keys and values (`QuantizedSlots`, then `v` is the
+            same object): attended from their codes (`litkv.quant_attention`), never dequantised.
         v: `(B, G, S, hv)`.
         mask: `(B, G, T, S)` or `(B, 1, T, S)` bool, True where attention is allowed. A mask shared by
             all KV groups lets a multi-token call use SDPA's grouped-query kernel.
@@ -66,6 +73,10 @@ def attend(
     Returns:
         `y` `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 (or `None`).
     """
+    if isinstance(k, QuantizedSlots) or isinstance(v, QuantizedSlots):
+        if v is not k:
+            raise ValueError(f"quantised slots hold keys and values together: v must be k, got {type(v).__name__}")
+        return quant_attend(q, k, mask, scale, softcap, need_weights, query_valid)
     b, n_head, t, hs = q.shape
     g, s = k.shape[1], k.shape[2]
     q_per_kv = n_head // g

@@ -21,14 +21,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from litkv.kvcache.candidates import (
+    Candidates,
+    PackedCandidates,
+    Placement,
+    drop_lowest,
+    pair_drops,
+    placement_of,
+    staged_placement,
+)
 from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, load_into, needs_functional
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 from litkv.validation import require_int
 
@@ -70,148 +79,11 @@ class LayerCache(Protocol):
 
     def attend_inputs(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]: ...
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None: ...
 
     def nbytes(self) -> int: ...
-
-
-@dataclass
-class Candidates:
-    """The `L` cached tokens, then the `T` new tokens of a call, per (row, KV head).
-
-    Attributes:
-        positions: `(B, G, L + T)` int64 token positions; `-1` for empty slots and pads.
-        keys: `(B, G, L + T, key_size)` keys as the queries saw them (after RoPE; dequantised), or
-            `None` while the cache is filling (nothing to choose then).
-        values: `(B, G, L + T, value_size)`, or `None` while filling.
-        new_keys: `(B, G, T, key_size)` keys of the new tokens as computed (what storage receives; with
-            quantised storage the queries saw them rounded, as in `keys`).
-        new_values: `(B, G, T, value_size)`.
-        query_pos: `(B, T)` int64 positions of the call's queries, `-1` for pads.
-        attn_weights: `(B, G, L + T)` float32 softmax weights summed over the call's (non-pad) queries
-            and each KV group's query heads; `None` unless the class sets `needs_attn_weights`.
-        queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
-            `needs_queries`.
-        scratch: the call's scratch space: a policy keeps here what `score`/`select_drop` computed and
-            `after_write` needs (instead of a memo on the cache object); gone after the call.
-    """
-
-    positions: torch.Tensor
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
-    new_keys: torch.Tensor
-    new_values: torch.Tensor
-    query_pos: torch.Tensor
-    attn_weights: torch.Tensor | None = None
-    queries: torch.Tensor | None = None
-    scratch: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def num_new(self) -> int:
-        """`T`."""
-        return self.new_keys.shape[2]
-
-
-@dataclass
-class Placement:
-    """Where a call's new tokens went: the slot pairing, computed once per call.
-
-    Attributes:
-        dest: `(B, G, T)` slot indices; `src`: `(B, G, T)` new-token indices; `valid`: `(B, G, T)`
-            bool. New token `src[j]` went into slot `dest[j]` where `valid[j]`.
-        source: `(B, G, L)` int64, for each slot the index of the candidate (`0..L+T-1`) it holds now
-            (`source >= L`: the slot received a new token in this call).
-    """
-
-    dest: torch.Tensor
-    src: torch.Tensor
-    valid: torch.Tensor
-    source: torch.Tensor
-
-    def layer(self, i: int) -> Placement:
-        """Layer `i` of a placement built for `n` layers at once (fields `(n, B, G, ...)`)."""
-        source = self.source[i] if self.source.numel() else self.source
-        return Placement(self.dest[i], self.src[i], self.valid[i], source)
-
-    def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
-        """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
-        return per_candidate.gather(2, self.source)
-
-
-def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """The `k` candidates with the lowest scores, equal scores broken by position (the older goes first).
-
-    The tie-break makes the choice a function of the tokens, not of the slots they happen to sit in,
-    so a row evicts the same tokens alone and in a batch (exact ties are common: RoPE keeps a key's
-    norm, so one token id at two positions has two keys of one norm). One `topk` over an int64 key:
-    the float32 score's order-preserving bit pattern, then the position.
-
-    Args:
-        scores: `(..., N)` float32 (may hold +-inf; no NaN), e.g. `(B, G, N)`.
-        positions: `(..., N)` int64 token positions in `[-1, 2^31)`.
-        k: how many to drop.
-
-    Returns:
-        `(..., k)` int64 candidate indices.
-    """
-    if k == 1:  # a decode step: the lowest score, then the oldest among equal ones (four ops, no int64 key)
-        lowest = scores == scores.amin(dim=-1, keepdim=True)
-        top = torch.iinfo(torch.long).max
-        return torch.where(lowest, positions, top).argmin(dim=-1, keepdim=True)
-    bits = scores.contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    key = ordered * (1 << 32) + (positions + 1)
-    return torch.topk(key, k, dim=-1, largest=False, sorted=False).indices
-
-
-def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pair the slots freed by `drop` with the new tokens that survive.
-
-    Args:
-        drop: `(B, G, T)` distinct indices into the `L + T` candidates (slots first, then new tokens).
-        cache_length: `L`.
-
-    Returns:
-        `dest` `(B, G, T)` slot indices, `src` `(B, G, T)` new-token indices, `valid` `(B, G, T)` bool:
-        new token `src[j]` goes into slot `dest[j]` where `valid[j]`.
-    """
-    b, g, t = drop.shape
-    if t == 1:  # decode step: the dropped slot takes the new token, unless the new token is dropped
-        return drop.clamp(max=cache_length - 1), torch.zeros_like(drop), drop < cache_length
-    is_drop = torch.zeros(b, g, cache_length + t, dtype=torch.bool, device=drop.device)
-    is_drop.scatter_(2, drop, True)
-    freed = is_drop[..., :cache_length].to(torch.int8)
-    kept_new = (~is_drop[..., cache_length:]).to(torch.int8)
-    dest = torch.sort(freed, dim=2, descending=True, stable=True).indices[..., :t]
-    src = torch.sort(kept_new, dim=2, descending=True, stable=True).indices
-    valid = torch.arange(t, device=drop.device) < kept_new.sum(dim=2, keepdim=True)
-    return dest, src, valid
-
-
-def staged_placement(drop: torch.Tensor, cache_length: int, with_source: bool = True) -> Placement:
-    """The `Placement` of a one-token call whose token waits in the room (slot `L`).
-
-    Args:
-        drop: `(..., 1)` dropped candidate indices in `[0, L]` (`L`: the new token itself); leading dims
-            `(B, G)`, or `(n, B, G)` for `n` layers at once.
-        cache_length: `L`.
-        with_source: also build `Placement.source` (only policies with per-slot state read it).
-    """
-    dest = drop.clamp(max=cache_length - 1)  # the freed slot, where the token is kept
-    kept = drop < cache_length
-    src = torch.zeros_like(dest)
-    if with_source:
-        return _placement(dest, src, kept, cache_length)
-    return Placement(dest, src, kept, dest.new_empty(0))  # `source` left empty: nothing reads it
-
-
-def _placement(dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, cache_length: int) -> Placement:
-    """The `Placement` of `dest`, `src`, `valid` `(..., T)` (leading dims `(B, G)`, or `(n, B, G)` for `n` layers)."""
-    source = torch.arange(cache_length, device=dest.device).expand(*dest.shape[:-1], cache_length)
-    source = source.scatter(-1, dest, torch.where(valid, cache_length + src, dest))
-    return Placement(dest, src, valid, source)
 
 
 @dataclass
@@ -351,7 +223,7 @@ class KVCache(ABC):
 
     def attend_inputs(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
         """What the new queries attend to: cached tokens plus the new ones.
 
         Three named paths, by what the call allows, invisible to policies: `_attend_direct` while a
@@ -370,7 +242,9 @@ class KVCache(ABC):
                 sets `needs_queries`.
 
         Returns:
-            keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`.
+            keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`; a staged
+            call of a storage with `read_staged_packed` (int8/int4) gives its `PackedSlots` as both keys
+            and values, which `attention.attend` reads without unpacking.
         """
         self.settle()
         self._check_inputs(keys, values, input_pos)
@@ -394,15 +268,20 @@ class KVCache(ABC):
         new_pos: torch.Tensor,
         input_pos: torch.Tensor,
         queries: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode step: the token waits in the room after the slots; attend a view of slots + room."""
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
+        """A decode step: the token waits in the room after the slots; attend a view of slots + room.
+
+        A storage whose format attention reads directly (`read_staged_packed`: quantised codes) hands
+        over its packed slots as keys and values; the record unpacks them only if a policy reads them."""
         length, t = self.cache_length, keys.shape[2]
         self.storage.stage(keys, values)
-        all_keys, all_values = self.storage.read_staged(t)
+        packed = self.storage.read_staged_packed(t)
+        all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
         self._pos_buffer[:, :, length : length + t] = new_pos
         positions = self._pos_buffer[:, :, : length + t]
         # the record's positions are a copy: the slots' positions change before `after_write` reads it
-        candidates = Candidates(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
+        record = Candidates if packed is None else PackedCandidates
+        candidates = record(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
         self._pending = _Pending(False, 0, candidates, True)
         return all_keys, all_values, positions
 
@@ -481,7 +360,7 @@ class KVCache(ABC):
         if not self.static_shapes:
             self.advance(t)
         if self._keeps_state():
-            self.after_write(_placement(dest, src, valid, length), cand)
+            self.after_write(placement_of(dest, src, valid, length), cand)
         self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
 
     def _evict_staged(self, cand: Candidates) -> None:
@@ -543,7 +422,7 @@ class KVCache(ABC):
             cand.attn_weights = torch.cat((slot_part, attn_weights[..., start:]), dim=2)
         slots = torch.arange(start, start + t, device=self.positions.device)
         slots = slots.expand(*self.positions.shape[:2], t)
-        placement = _placement(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
+        placement = placement_of(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
         self.after_write(placement, cand)
 
     def end_prefill(self) -> None:

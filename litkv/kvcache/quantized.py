@@ -10,21 +10,36 @@ high nibble (so that unpacking is two contiguous halves, not an interleave).
 Scales and offsets are bfloat16 for bfloat16 models, float16 otherwise (values beyond float16's
 range, about 65,504, need a bfloat16 model).
 
-Slots are dequantised to the model dtype when read. The new tokens of a call are attended exactly as
-they will be read back (`as_stored`), so results do not depend on chunk boundaries or padding.
+Reads (`read_prefix`, `read_staged`) dequantise to the model dtype (computed in float32, float64 for
+float64 models). A decode step does not: `read_staged_packed` hands attention the codes, scales and
+offsets as stored (`QuantizedSlots`, views of the buffers), and `litkv.quant_attention` attends them
+directly (the scales and offsets are applied to the products per group, never to every slot);
+`Candidates.keys`/`values` are dequantised from them only when a policy reads them. The new tokens of
+a call are attended exactly as they will be read back (`as_stored`, or staged and read from the
+codes), so results do not depend on chunk boundaries or padding.
 Quantisation is not differentiable: gradients do not flow into tokens once they are stored; through
 the new tokens of a call they pass straight through the rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, scatter_slots
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, scatter_slots
 from litkv.kvcache.storage_kinds import register_storage
 from litkv.validation import require_int
 
-__all__ = ["QuantizedStorage", "QuantizedTensor", "dequantize", "quantize", "round_trip_error"]
+__all__ = [
+    "QuantizedSlots",
+    "QuantizedStorage",
+    "QuantizedTensor",
+    "dequantize",
+    "quantize",
+    "round_trip_error",
+    "unpack_codes",
+]
 
 QuantizedTensor = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, offsets
 
@@ -66,11 +81,11 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dty
         codes `(..., D)` uint8 for 8 bits or `(..., D // 2)` uint8 for 4 bits (two per byte), scales
         and offsets `(..., D // group_size)` in `scale_dtype`.
     """
-    return _quantize_op(x.detach(), bits, group_size, scale_dtype)
+    op = _quantize_op if torch.compiler.is_compiling() else _quantize_eager  # eager: no custom-op dispatch cost
+    return op(x.detach(), bits, group_size, scale_dtype)
 
 
-@torch.library.custom_op("litkv::quantize", mutates_args=())
-def _quantize_op(
+def _quantize_eager(
     x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes, scale, offset = _codes(x.float().unflatten(-1, (-1, group_size)), bits, scale_dtype)
@@ -79,6 +94,9 @@ def _quantize_op(
         half = codes.shape[-1] // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)
     return codes, scale, offset
+
+
+_quantize_op = torch.library.custom_op("litkv::quantize", _quantize_eager, mutates_args=())
 
 
 @_quantize_op.register_fake
@@ -94,23 +112,31 @@ def _quantize_shape(
 def dequantize(q: QuantizedTensor, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize`: `(..., D)` in `dtype` (one opaque op under `torch.compile`, like `quantize`)."""
     codes, scale, offset = q
-    return _dequantize_op(codes, scale, offset, bits, group_size, dtype)
+    op = _dequantize_op if torch.compiler.is_compiling() else _dequantize_eager
+    return op(codes, scale, offset, bits, group_size, dtype)
 
 
-@torch.library.custom_op("litkv::dequantize", mutates_args=())
-def _dequantize_op(
+def unpack_codes(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Codes `(..., D * bits / 8)` uint8 as numbers `(..., D)` in `dtype` (int4: both nibbles, in element order)."""
+    if bits == 8:
+        return codes.to(dtype)
+    half = codes.shape[-1]  # unpacked straight into the float buffer: no unpacked uint8 copy
+    x = torch.empty(*codes.shape[:-1], 2 * half, dtype=dtype, device=codes.device)
+    x[..., :half] = codes & 0x0F
+    x[..., half:] = codes >> 4
+    return x
+
+
+def _dequantize_eager(
     codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    if bits == 4:  # unpacked straight into the float buffer: no unpacked uint8 copy
-        half = codes.shape[-1]
-        x = torch.empty(*codes.shape[:-1], 2 * half, dtype=torch.float32, device=codes.device)
-        x[..., :half] = codes & 0x0F
-        x[..., half:] = codes >> 4
-    else:
-        x = codes.float()
+    x = unpack_codes(codes, bits, torch.promote_types(dtype, torch.float32))  # float64 models: exact
     groups = x.unflatten(-1, (-1, group_size))
-    groups.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
+    groups.mul_(scale.to(x.dtype)[..., None]).add_(offset.to(x.dtype)[..., None])
     return x.to(dtype)
+
+
+_dequantize_op = torch.library.custom_op("litkv::dequantize", _dequantize_eager, mutates_args=())
 
 
 @_dequantize_op.register_fake
@@ -127,6 +153,34 @@ def round_trip_error(x: torch.Tensor, bits: int, group_size: int, scale_dtype: t
     codes, scale, offset = _codes(groups, bits, scale_dtype)
     restored = codes.mul_(scale.float()[..., None]).add_(offset.float()[..., None])
     return (groups - restored).square().flatten(-2).mean(dim=-1)
+
+
+@dataclass(frozen=True)
+class QuantizedSlots(PackedSlots):
+    """Quantised slots as stored, for attention over the codes (`litkv.quant_attention.quant_attend`).
+
+    Attributes:
+        codes: `(B, G, S, 2, D * bits / 8)` uint8 (index 0 of the fourth axis: key, 1: value).
+        scales, offsets: `(B, G, S, 2, D / group_size)` float16 or bfloat16.
+        bits: 8 or 4; group_size: numbers per group; dtype: the model dtype (of `unpack()`).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bits: int
+    group_size: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """`(B, G, S, D)`, the shape of the keys (and of the values)."""
+        return torch.Size((*self.codes.shape[:3], self.codes.shape[-1] * 8 // self.bits))
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised keys and values, each `(B, G, S, D)` in `dtype`."""
+        both = dequantize((self.codes, self.scales, self.offsets), self.bits, self.group_size, self.dtype)
+        return both[:, :, :, 0], both[:, :, :, 1]
 
 
 class QuantizedStorage(KVStorage):
@@ -169,6 +223,12 @@ class QuantizedStorage(KVStorage):
     def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         both = self._dequantize((self.codes[:, :, :end], self.scales[:, :, :end], self.offsets[:, :, :end]))
         return both[:, :, :, 0], both[:, :, :, 1]
+
+    def read_staged_packed(self, num_new: int) -> QuantizedSlots:
+        """The slots and the `num_new` staged tokens as stored (views, no copy): `(B, G, L + num_new, 2, *)`."""
+        end = self.cache_length + num_new
+        parts = (buffer[:, :, :end] for buffer in self._buffers())
+        return QuantizedSlots(*parts, bits=self.bits, group_size=self.group, dtype=self.dtype)
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         end = start + keys.shape[2]

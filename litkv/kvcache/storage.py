@@ -12,7 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROOM", "CacheShape", "FloatStorage", "KVStorage", "load_into", "needs_functional", "scatter_slots"]
+__all__ = [
+    "ROOM",
+    "CacheShape",
+    "FloatStorage",
+    "KVStorage",
+    "PackedSlots",
+    "load_into",
+    "needs_functional",
+    "scatter_slots",
+]
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,22 @@ def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor
 ROOM = 1
 
 
+class PackedSlots:
+    """Slots in a storage's own format, handed to an attention kernel that reads that format directly
+    (`litkv.quant_attention` for `QuantizedStorage`), so that a decode step does not convert every slot.
+
+    `shape` is that of the keys, `(B, G, S, key_size)`; `unpack()` gives the keys and values in the model
+    dtype, `(B, G, S, key_size)` and `(B, G, S, value_size)`, for whoever needs them as tensors.
+    """
+
+    @property
+    def shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
 class KVStorage:
     """Interface of a slot storage. `FloatStorage` is the plain one; quantised ones follow it.
 
@@ -125,6 +150,11 @@ class KVStorage:
     def read_staged(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots then the `num_new` staged tokens, as stored: `(B, G, L + num_new, *)`."""
         return self.read_prefix(self.cache_length + num_new)
+
+    def read_staged_packed(self, num_new: int) -> PackedSlots | None:
+        """What `read_staged` returns, still packed, for a storage whose format an attention kernel reads
+        directly; `None` (the default): attention gets `read_staged`'s tensors."""
+        return None
 
     def commit_staged(self, target: torch.Tensor) -> None:
         """Move the staged token (room slot `L`) into slot `target` `(B, G, 1)` of each (row, head), in

@@ -1,0 +1,187 @@
+"""What a policy sees of a call (`Candidates`) and where the call's new tokens go (`Placement`): the
+records passed between `KVCache` and its policy, and the choosing and pairing helpers they share
+(`drop_lowest`, `pair_drops`, `staged_placement`). Re-exported by `litkv.kvcache.base`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from litkv.kvcache.storage import PackedSlots
+
+__all__ = [
+    "Candidates",
+    "PackedCandidates",
+    "Placement",
+    "drop_lowest",
+    "pair_drops",
+    "placement_of",
+    "staged_placement",
+]
+
+
+@dataclass
+class Candidates:
+    """The `L` cached tokens, then the `T` new tokens of a call, per (row, KV head).
+
+    Attributes:
+        positions: `(B, G, L + T)` int64 token positions; `-1` for empty slots and pads.
+        keys: `(B, G, L + T, key_size)` keys as the queries saw them (after RoPE; dequantised), or
+            `None` while the cache is filling (nothing to choose then).
+        values: `(B, G, L + T, value_size)`, or `None` while filling.
+        new_keys: `(B, G, T, key_size)` keys of the new tokens as computed (what storage receives; with
+            quantised storage the queries saw them rounded, as in `keys`).
+        new_values: `(B, G, T, value_size)`.
+        query_pos: `(B, T)` int64 positions of the call's queries, `-1` for pads.
+        attn_weights: `(B, G, L + T)` float32 softmax weights summed over the call's (non-pad) queries
+            and each KV group's query heads; `None` unless the class sets `needs_attn_weights`.
+        queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
+            `needs_queries`.
+        scratch: the call's scratch space: a policy keeps here what `score`/`select_drop` computed and
+            `after_write` needs (instead of a memo on the cache object); gone after the call.
+    """
+
+    positions: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    query_pos: torch.Tensor
+    attn_weights: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    scratch: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_new(self) -> int:
+        """`T`."""
+        return self.new_keys.shape[2]
+
+
+class PackedCandidates(Candidates):
+    """Candidates whose `keys` and `values` arrive as a storage's packed slots (`PackedSlots`) and are
+    unpacked on first read: a policy that never reads them costs no unpacking."""
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        return self._unpacked()[0]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | PackedSlots | None) -> None:
+        self._keys = value
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        return self._unpacked()[1]
+
+    @values.setter
+    def values(self, value: torch.Tensor | PackedSlots | None) -> None:
+        self._values = value
+
+    def _unpacked(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        packed = [x for x in (self._keys, self._values) if isinstance(x, PackedSlots)]
+        if packed:  # one object holds both
+            keys, values = packed[0].unpack()
+            self._keys = keys if isinstance(self._keys, PackedSlots) else self._keys
+            self._values = values if isinstance(self._values, PackedSlots) else self._values
+        return self._keys, self._values
+
+
+@dataclass
+class Placement:
+    """Where a call's new tokens went: the slot pairing, computed once per call.
+
+    Attributes:
+        dest: `(B, G, T)` slot indices; `src`: `(B, G, T)` new-token indices; `valid`: `(B, G, T)`
+            bool. New token `src[j]` went into slot `dest[j]` where `valid[j]`.
+        source: `(B, G, L)` int64, for each slot the index of the candidate (`0..L+T-1`) it holds now
+            (`source >= L`: the slot received a new token in this call).
+    """
+
+    dest: torch.Tensor
+    src: torch.Tensor
+    valid: torch.Tensor
+    source: torch.Tensor
+
+    def layer(self, i: int) -> Placement:
+        """Layer `i` of a placement built for `n` layers at once (fields `(n, B, G, ...)`)."""
+        source = self.source[i] if self.source.numel() else self.source
+        return Placement(self.dest[i], self.src[i], self.valid[i], source)
+
+    def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
+        """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
+        return per_candidate.gather(2, self.source)
+
+
+def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` candidates with the lowest scores, equal scores broken by position (the older goes first).
+
+    The tie-break makes the choice a function of the tokens, not of the slots they happen to sit in,
+    so a row evicts the same tokens alone and in a batch (exact ties are common: RoPE keeps a key's
+    norm, so one token id at two positions has two keys of one norm). One `topk` over an int64 key:
+    the float32 score's order-preserving bit pattern, then the position.
+
+    Args:
+        scores: `(..., N)` float32 (may hold +-inf; no NaN), e.g. `(B, G, N)`.
+        positions: `(..., N)` int64 token positions in `[-1, 2^31)`.
+        k: how many to drop.
+
+    Returns:
+        `(..., k)` int64 candidate indices.
+    """
+    if k == 1:  # a decode step: the lowest score, then the oldest among equal ones (four ops, no int64 key)
+        lowest = scores == scores.amin(dim=-1, keepdim=True)
+        top = torch.iinfo(torch.long).max
+        return torch.where(lowest, positions, top).argmin(dim=-1, keepdim=True)
+    bits = scores.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    key = ordered * (1 << 32) + (positions + 1)
+    return torch.topk(key, k, dim=-1, largest=False, sorted=False).indices
+
+
+def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pair the slots freed by `drop` with the new tokens that survive.
+
+    Args:
+        drop: `(B, G, T)` distinct indices into the `L + T` candidates (slots first, then new tokens).
+        cache_length: `L`.
+
+    Returns:
+        `dest` `(B, G, T)` slot indices, `src` `(B, G, T)` new-token indices, `valid` `(B, G, T)` bool:
+        new token `src[j]` goes into slot `dest[j]` where `valid[j]`.
+    """
+    b, g, t = drop.shape
+    if t == 1:  # decode step: the dropped slot takes the new token, unless the new token is dropped
+        return drop.clamp(max=cache_length - 1), torch.zeros_like(drop), drop < cache_length
+    is_drop = torch.zeros(b, g, cache_length + t, dtype=torch.bool, device=drop.device)
+    is_drop.scatter_(2, drop, True)
+    freed = is_drop[..., :cache_length].to(torch.int8)
+    kept_new = (~is_drop[..., cache_length:]).to(torch.int8)
+    dest = torch.sort(freed, dim=2, descending=True, stable=True).indices[..., :t]
+    src = torch.sort(kept_new, dim=2, descending=True, stable=True).indices
+    valid = torch.arange(t, device=drop.device) < kept_new.sum(dim=2, keepdim=True)
+    return dest, src, valid
+
+
+def staged_placement(drop: torch.Tensor, cache_length: int, with_source: bool = True) -> Placement:
+    """The `Placement` of a one-token call whose token waits in the room (slot `L`).
+
+    Args:
+        drop: `(..., 1)` dropped candidate indices in `[0, L]` (`L`: the new token itself); leading dims
+            `(B, G)`, or `(n, B, G)` for `n` layers at once.
+        cache_length: `L`.
+        with_source: also build `Placement.source` (only policies with per-slot state read it).
+    """
+    dest = drop.clamp(max=cache_length - 1)  # the freed slot, where the token is kept
+    kept = drop < cache_length
+    src = torch.zeros_like(dest)
+    if with_source:
+        return placement_of(dest, src, kept, cache_length)
+    return Placement(dest, src, kept, dest.new_empty(0))  # `source` left empty: nothing reads it
+
+
+def placement_of(dest: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, cache_length: int) -> Placement:
+    """The `Placement` of `dest`, `src`, `valid` `(..., T)` (leading dims `(B, G)`, or `(n, B, G)` for `n` layers)."""
+    source = torch.arange(cache_length, device=dest.device).expand(*dest.shape[:-1], cache_length)
+    source = source.scatter(-1, dest, torch.where(valid, cache_length + src, dest))
+    return Placement(dest, src, valid, source)
