@@ -10,6 +10,7 @@ account), so that old tokens are not favoured merely for having been seen by mor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -94,6 +95,19 @@ class H2OKVCache(ScoreKVCache):
             value = F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
             candidates.scratch["h2o.accumulated"] = value
         return value  # type: ignore[return-value]
+
+    @classmethod
+    def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """Every layer's accumulated attention in two operations over the stacked `(n_layers, B, G, .)`
+        sums and weights (each layer's part kept in its record, as `accumulated` would compute it)."""
+        if not all(type(c) is H2OKVCache and not c.normalize for c in caches):
+            return super().deferred_scores(caches, records)
+        sums = torch.stack([c.attn_sums for c in caches])  # type: ignore[attr-defined]
+        weights = torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
+        accumulated = F.pad(sums, (0, 1)) + weights
+        for record, part in zip(records, accumulated, strict=True):
+            record.scratch["h2o.accumulated"] = part
+        return accumulated
 
     def counts(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` queries that could attend to each candidate since it entered the cache."""
