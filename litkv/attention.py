@@ -142,11 +142,14 @@ def _attend_eager(
         end = min(start + block, t)
         n = end - start
         q_block = qg[:, :, :, start:end].reshape(b, g, q_per_kv * n, hs)
-        scores = torch.matmul(q_block, keys_t).to(score_dtype).mul_(scale).view(b, g, q_per_kv, n, s)
+        scores = torch.matmul(q_block, keys_t)
+        scores = (scores if scores.dtype == score_dtype else scores.to(score_dtype)).mul_(scale)
+        scores = scores.view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         probs = torch.softmax(torch.where(mask[:, :, None, start:end], scores, float("-inf")), dim=-1)
-        out = torch.matmul(probs.view(b, g, q_per_kv * n, s).to(v.dtype), v)
+        flat = probs.view(b, g, q_per_kv * n, s)
+        out = torch.matmul(flat if flat.dtype == v.dtype else flat.to(v.dtype), v)
         outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
         if need_weights:
             part = _weight_sum(probs.detach(), None if query_valid is None else query_valid[:, start:end])
@@ -158,6 +161,9 @@ def _weight_sum(probs: torch.Tensor, query_valid: torch.Tensor | None) -> torch.
     """`probs` `(B, G, q_per_kv, n, S)` summed over the group's heads and the valid queries
     (`query_valid` `(B, n)`) -> `(B, G, S)` float32."""
     per_query = probs.sum(dim=2)  # (B, G, n, S)
+    if per_query.shape[2] == 1:  # one query (a decode step): no sum over the queries
+        summed = per_query[:, :, 0].float()
+        return summed if query_valid is None else torch.where(query_valid[:, None, :], summed, 0.0)
     if query_valid is not None:
-        per_query = per_query * query_valid[:, None, :, None]
+        per_query = torch.where(query_valid[:, None, :, None], per_query, 0.0)
     return per_query.sum(dim=2, dtype=torch.float32)
