@@ -12,6 +12,12 @@ key `k` is `exp(k.R mu / sqrt(d) + k^T R Sigma R^T k / (2 d))` (the covariance t
 averaged over the KV group's query heads and, with `use_vnorm`, turned into `(score + epsilon) ||v||`.
 The lowest are evicted; the `n_sink` first tokens and the `recent` newest are never evicted.
 
+Cost of a call: the statistics are updated with the call's queries only (float64, `O(H D^2)`); `R` is
+applied to the keys (`R^T k`, elementwise) instead of building `D x D` matrices, and the covariance term is
+one symmetric quadratic form per candidate and query head (`quadratic_forms`), run in the keys' precision
+(float32 at least; float64 keys stay float64). That term is `O(N D^2)` per head and step by nature: `R`
+moves with the newest position, so it cannot be carried per slot.
+
 The RoPE table comes from the model: the class sets `needs_rope`, so `GPT.set_kv_caches` calls `bind_rope`.
 The scale is `1/sqrt(head_size)` (the model's own may differ, e.g. Gemma's). No attention weights are
 needed: the layer keeps the fast attention path.
@@ -85,16 +91,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`R x` (`R^T x` with `inverse`) along the last dim of `x` `(..., D)` for the RoPE-shaped matrix `R` of
     `cos`, `sin` (`(..., n)`, broadcast to `x`; halves equal, as RoPE tables): `R x = cos x + sin rotate_half(x)`
     on the first `n` dims (a rotation when `cos^2 + sin^2 = 1`, else a mean of rotations); dims `n..D` are left
-    as they are. `rotate_half(x)` is `x` rolled by `n/2` with the first half negated: the sign goes on `sin`."""
+    as they are. `rotate_half(x)` is `x` rolled by `n/2` with its first half negated, so the sign is taken as
+    given on the sines: `sin_signed` is `sin` with its first half negated."""
     n, half = cos.shape[-1], cos.shape[-1] // 2
-    sign = -1.0 if inverse else 1.0
-    signed = torch.cat((-sign * sin[..., :half], sign * sin[..., half:]), dim=-1)
     head = x[..., :n]
-    turned = torch.addcmul(head * cos, head.roll(half, dims=-1), signed)
+    turned = torch.addcmul(head * cos, head.roll(half, dims=-1), sin_signed, value=-1 if inverse else 1)
     return turned if n == x.shape[-1] else torch.cat((turned, x[..., n:]), dim=-1)
 
 
@@ -142,32 +147,37 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         self.stats: Stats | None = None  # set at the first call
         self._rope: BoundRope | None = None
         self._future: tuple[torch.Tensor, torch.Tensor] = (torch.ones(0), torch.zeros(0))  # set by bind_rope
+        self._sign = torch.ones(0)  # (n_elem,) -1 on the first half: set by bind_rope
 
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
         """The model's RoPE: `table(n)` gives its cos and sin tables `(N, n_elem[, k])`, `N >= n` and covering
         every position of the calls the model runs (`GPT._rope_table`; `column` picks the last dim when the
-        model has per-layer tables). Also precomputes the mean
-        cos and sin of the offsets `1..n_future_positions` (the average rotation is built from them)."""
+        model has per-layer tables). Also precomputes the mean cos and sin of the offsets `1..n_future_positions`
+        (the average rotation is built from them)."""
         self._rope = BoundRope(table, n_elem, column)
+        self._sign = torch.ones(n_elem, dtype=torch.float64, device=table(1)[0].device)
+        self._sign[: n_elem // 2] = -1.0
         future = torch.arange(1, self.options.n_future_positions + 1)
         cos, sin = self._cos_sin(future, needed=self.options.n_future_positions + 1)
         self._future = (cos.mean(dim=0), sin.mean(dim=0))
 
     def _cos_sin(self, positions: torch.Tensor, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0). No host read: the
-        model's table covers the positions of the call it runs (`needed` more may be asked for)."""
+        """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0), the sines with their first
+        half negated (as `rotate` takes them). No host read: the model's table covers the positions of the call it
+        runs (`needed` more may be asked for)."""
         if self._rope is None:
             raise RuntimeError(
                 "ExpectedAttentionKVCache needs the model's RoPE table: attach the caches with GPT.set_kv_caches "
                 "(or call cache.bind_rope(table, n_elem))"
             )
         cos, sin = self._rope.at(positions, needed)
-        return cos.double(), sin.double()
+        return cos.double(), sin.double() * self._sign
 
     def future_cos_sin(self, newest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `(B, n_elem)` float64 of the mean RoPE rotation `R` of the positions `newest + 1 .. newest +
         n_future_positions` per row (`newest` `(B,)`): with angles linear in the position, `cos((p + k) t)`
-        averaged over `k` is `cos(p t) mean_k cos(k t) - sin(p t) mean_k sin(k t)` (and `sin` alike)."""
+        averaged over `k` is `cos(p t) mean_k cos(k t) - sin(p t) mean_k sin(k t)` (and `sin` alike; the sines
+        with their first half negated, as `_cos_sin` gives them: the signs cancel in the products of two)."""
         cos_p, sin_p = self._cos_sin(newest)  # (B, n)
         cos_k, sin_k = self._future
         return cos_p * cos_k - sin_p * sin_k, sin_p * cos_k + cos_p * sin_k
