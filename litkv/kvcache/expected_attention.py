@@ -99,7 +99,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, inverse
     given on the sines: `sin_signed` is `sin` with its first half negated."""
     n, half = cos.shape[-1], cos.shape[-1] // 2
     head = x[..., :n]
-    turned = torch.addcmul(head * cos, head.roll(half, dims=-1), sin_signed, value=-1 if inverse else 1)
+    turned = (head * cos).addcmul_(head.roll(half, dims=-1), sin_signed, value=-1 if inverse else 1)
     return turned if n == x.shape[-1] else torch.cat((turned, x[..., n:]), dim=-1)
 
 
@@ -118,7 +118,9 @@ def quadratic_forms(keys_t: torch.Tensor, matrices: torch.Tensor, blocks: int = 
         if hi < d:
             rows = torch.cat((rows, 2 * matrices[..., lo:hi, hi:]), dim=-1)
         products = rows.reshape(b, g, per * (hi - lo), d - lo) @ keys_t[:, :, lo:]  # (B, G, P (hi - lo), N)
-        part = (products.view(b, g, per, hi - lo, -1) * keys_t[:, :, None, lo:hi]).sum(dim=3)
+        part = (
+            products.view(b, g, per, hi - lo, -1).mul_(keys_t[:, :, None, lo:hi]).sum(dim=3)
+        )  # in place: no new buffer
         out = part if out is None else out + part
     if out is None:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -221,7 +223,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         mean = s1 / total
         if not self.options.use_covariance:
             return mean, None
-        cov = torch.addcmul(s2 * (scale / total[..., None]), mean[..., :, None], mean[..., None, :], value=-scale)
+        cov = (s2 * (scale / total[..., None])).addcmul_(mean[..., :, None], mean[..., None, :], value=-scale)
         return mean, cov
 
     def future_keys(self, keys: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
