@@ -13,6 +13,7 @@ from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.attention import attend, build_mask
 from litkv.generate import pad_prompts
 from litkv.kvcache import CacheShape, get_kv_cache_class
+from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.expected_attention import ExpectedAttentionKVCache
 from litkv.kvcache.snapkv import SnapKVKVCache
 
@@ -172,22 +173,26 @@ class BruteExpectedAttention(BruteForce):
 
 
 def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk: int, storage: str,
-                             options: dict[str, object], seed: int) -> None:  # fmt: skip
-    """Same chunked run through the cache (float32) and the brute force (float64); kept positions equal."""
+                             options: dict[str, object], seed: int, dtype: torch.dtype = torch.float32,
+                             score_rtol: float | None = None) -> None:  # fmt: skip
+    """Same chunked run through the cache (`dtype`) and the brute force (float64); kept positions equal and, with
+    `score_rtol`, the scores of every evicting call within `score_rtol` of the brute force's (relative to the
+    largest)."""
     n = 3 * L + 9
     config = KVCacheConfig(policy, cache_length=L, chunk_size=chunk, prefill_length=5, storage=storage,
                            quant_group_size=8, options=options)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, n, HS, generator=gen).float() for h in (N_HEAD, G, G))
+    q, k, v = (torch.randn(B, h, n, HS, generator=gen).to(dtype) for h in (N_HEAD, G, G))
     pos = torch.arange(n).expand(B, n).clone()
     pos[1] = torch.arange(n) - PADS
     pos[1, :PADS] = -1
-    cache = get_kv_cache_class(policy)(config, CacheShape(B, G, L, HS, HS), None, torch.float32)
+    cache = get_kv_cache_class(policy)(config, CacheShape(B, G, L, HS, HS), None, dtype)
     seen_k, seen_v = cache.storage.as_stored(k, v)  # what queries and policy see (int4: rounded per token)
     oracle = oracle_class(config, q.double(), seen_k.double(), seen_v.double(), pos)
     if cache.needs_rope:  # the cache gets the queries after RoPE, the oracle keeps them before
         cache.bind_rope(rope_table, ROPE_N)
-        q = rotated(q.double(), pos).float()
+        q = rotated(q.double(), pos).to(dtype)
+    got, want = _record_scores(cache, oracle)
     evicting = 0
     for start, end in config.chunk_bounds(n):
         ps = pos[:, start:end]
@@ -197,6 +202,9 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
                       query_valid=ps >= 0)  # fmt: skip
         cache.evict_and_store(w)
         oracle.step(start, end)
+        if score_rtol is not None and got:
+            _check_scores(got.pop(), want, pos, score_rtol, PER_KV if policy == "expected-attention" else 1)
+        want.clear()
         for b in range(B):
             for g in range(G):
                 held = sorted(p for p in cache.positions[b, g].tolist() if p >= 0)
@@ -204,6 +212,45 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
                 assert held == oracle.kept(b, g), where
         evicting += int(all(len(oracle.state[b][g]) == L for b in range(B) for g in range(G)))
     assert evicting >= n // (2 * chunk)  # the cache was full (and evicting) most of the time
+
+
+def _record_scores(cache: KVCache, oracle: BruteForce) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
+    """Hooks recording the cache's `score()` (scores `(B, G, L + T)` and positions of each evicting call) and
+    the brute force's scores (`{(row, head): {sequence index: score}}` of the last step)."""
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+    want: dict[tuple[int, int], dict[int, float]] = {}
+    score, oracle_scores = cache.score, oracle.scores
+
+    def record(candidates: Candidates) -> torch.Tensor:
+        out = score(candidates)
+        got.append((out.double(), candidates.positions.clone()))
+        return out
+
+    def record_oracle(b: int, g: int, held: list[int], new: list[int], call_scores: bool) -> dict[int, float]:
+        want[b, g] = out = oracle_scores(b, g, held, new, call_scores)
+        return out
+
+    cache.score, oracle.scores = record, record_oracle  # type: ignore[method-assign]
+    return got, want
+
+
+def _check_scores(got: tuple[torch.Tensor, torch.Tensor], want: dict, pos: torch.Tensor, rtol: float,
+                  per: int) -> None:  # fmt: skip
+    """The cache's scores of a call (`got`) against the brute force's (`want`, `per` times the cache's)."""
+    scores, positions = got
+    for (b, g), expected in want.items():
+        if not expected:  # the brute force scores only the rows that evict
+            continue
+        index = {int(pos[b, j]): j for j in expected}
+        mine = [
+            (float(s) * per, expected[index[int(p)]])
+            for s, p in zip(scores[b, g], positions[b, g], strict=True)
+            if p >= 0
+        ]
+        assert len(mine) == len(expected), f"row {b} head {g}: scored {len(mine)} tokens, expected {len(expected)}"
+        top = max(abs(w) for _, w in mine)
+        error = max(abs(m - w) for m, w in mine) / top
+        assert error <= rtol, f"row {b} head {g}: scores off by {error:.1e} (relative to the largest, {top:.3g})"
 
 
 @pytest.mark.parametrize(
@@ -232,6 +279,26 @@ def test_snapkv_matches_brute_force(chunk: int, storage: str, options: dict[str,
 )
 def test_expected_attention_matches_brute_force(chunk: int, storage: str, options: dict[str, object]) -> None:
     _run_against_brute_force("expected-attention", BruteExpectedAttention, chunk, storage, options, seed=chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "policy, options",
+    [
+        ("snapkv", {}),
+        ("snapkv", dict(kernel=3, sinks=2, recent=3)),
+        ("expected-attention", {}),
+        ("expected-attention", dict(n_stats=8, n_sink=2, recent=3, n_future_positions=5, epsilon=0.1)),
+        ("expected-attention", dict(use_covariance=False)),
+    ],
+)
+def test_decode_step_scores_match_float64(policy: str, options: dict[str, object], dtype: torch.dtype) -> None:
+    """Decode steps (one token per call, the cache full): the fast path's scores of every candidate are the
+    brute force's float64 ones up to float32 rounding (snapkv's attention and expected-attention's products with
+    float32 keys run in float32; expected-attention with float64 keys in float64), and the kept sets are equal."""
+    oracle = BruteSnapKV if policy == "snapkv" else BruteExpectedAttention
+    rtol = 1e-10 if dtype == torch.float64 and policy == "expected-attention" else 1e-5
+    _run_against_brute_force(policy, oracle, 1, "float", options, seed=5, dtype=dtype, score_rtol=rtol)
 
 
 def test_expected_attention_without_rope_is_a_clear_error() -> None:

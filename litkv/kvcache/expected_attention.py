@@ -12,6 +12,12 @@ key `k` is `exp(k.R mu / sqrt(d) + k^T R Sigma R^T k / (2 d))` (the covariance t
 averaged over the KV group's query heads and, with `use_vnorm`, turned into `(score + epsilon) ||v||`.
 The lowest are evicted; the `n_sink` first tokens and the `recent` newest are never evicted.
 
+Cost of a call: the statistics are updated with the call's queries only (float64, `O(H D^2)`); `R` is
+applied to the keys (`R^T k`, elementwise) instead of building `D x D` matrices, and the covariance term is
+one symmetric quadratic form per candidate and query head (`quadratic_forms`), run in the keys' precision
+(float32 at least; float64 keys stay float64). That term is `O(N D^2)` per head and step by nature: `R`
+moves with the newest position, so it cannot be carried per slot.
+
 The RoPE table comes from the model: the class sets `needs_rope`, so `GPT.set_kv_caches` calls `bind_rope`.
 The scale is `1/sqrt(head_size)` (the model's own may differ, e.g. Gemma's). No attention weights are
 needed: the layer keeps the fast attention path.
@@ -34,7 +40,7 @@ from litkv.rope import BoundRope, RopeTable
 if TYPE_CHECKING:
     from litkv.config import KVCacheConfig
 
-__all__ = ["ExpectedAttentionKVCache", "ExpectedAttentionOptions", "average_rotation", "rotate_half"]
+__all__ = ["ExpectedAttentionKVCache", "ExpectedAttentionOptions", "quadratic_forms", "rotate", "rotate_half"]
 
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -85,18 +91,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def average_rotation(cos: torch.Tensor, sin: torch.Tensor, size: int) -> torch.Tensor:
-    """`(..., size, size)` mean RoPE rotation matrix from the mean `cos`, `sin` `(..., n)` over the future
-    positions (rotation is linear in them); dims `n..size` are not rotated."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`R x` (`R^T x` with `inverse`) along the last dim of `x` `(..., D)` for the RoPE-shaped matrix `R` of
+    `cos`, `sin` (`(..., n)`, broadcast to `x`; halves equal, as RoPE tables): `R x = cos x + sin rotate_half(x)`
+    on the first `n` dims (a rotation when `cos^2 + sin^2 = 1`, else a mean of rotations); dims `n..D` are left
+    as they are. `rotate_half(x)` is `x` rolled by `n/2` with its first half negated, so the sign is taken as
+    given on the sines: `sin_signed` is `sin` with its first half negated."""
     n, half = cos.shape[-1], cos.shape[-1] // 2
-    eye = torch.eye(size, dtype=cos.dtype, device=cos.device)
-    perm = torch.zeros(size, size, dtype=cos.dtype, device=cos.device)
-    perm[half:n, :half] = torch.eye(half, dtype=cos.dtype, device=cos.device)
-    perm[:half, half:n] = -torch.eye(half, dtype=cos.dtype, device=cos.device)
-    pad = cos.new_ones(*cos.shape[:-1], size - n)
-    c = torch.cat((cos, pad), dim=-1)
-    s = torch.cat((sin, torch.zeros_like(pad)), dim=-1)
-    return c[..., :, None] * eye + s[..., :, None] * perm
+    head = x[..., :n]
+    turned = (head * cos).addcmul_(head.roll(half, dims=-1), sin_signed, value=-1 if inverse else 1)
+    return turned if n == x.shape[-1] else torch.cat((turned, x[..., n:]), dim=-1)
+
+
+def quadratic_forms(keys_t: torch.Tensor, matrices: torch.Tensor, blocks: int = 2) -> torch.Tensor:
+    """`k^T C k` of every key under every matrix of its KV group: keys_t `(B, G, D, N)` (the keys transposed),
+    matrices `(B, G, P, D, D)` symmetric -> `(B, G, P, N)`.
+
+    Only the upper triangle is multiplied, by block rows (`blocks` of them; off-diagonal blocks doubled): block
+    row `[lo, hi)` is one matrix product over the dims `lo..D`, so the products cost `(blocks + 1) / (2 blocks)`
+    of the full `C k` (a quarter less with 2 blocks; smaller blocks multiply less efficiently)."""
+    b, g, per, d, _ = matrices.shape
+    out: torch.Tensor | None = None
+    for i in range(blocks):
+        lo, hi = d * i // blocks, d * (i + 1) // blocks
+        rows = matrices[..., lo:hi, lo:hi]
+        if hi < d:
+            rows = torch.cat((rows, 2 * matrices[..., lo:hi, hi:]), dim=-1)
+        products = rows.reshape(b, g, per * (hi - lo), d - lo) @ keys_t[:, :, lo:]  # (B, G, P (hi - lo), N)
+        part = (
+            products.view(b, g, per, hi - lo, -1).mul_(keys_t[:, :, None, lo:hi]).sum(dim=3)
+        )  # in place: no new buffer
+        out = part if out is None else out + part
+    if out is None:
+        raise ValueError(f"blocks must be >= 1, got {blocks}")
+    return out
 
 
 @register_kv_cache("expected-attention")
@@ -121,85 +149,110 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         self.stats: Stats | None = None  # set at the first call
         self._rope: BoundRope | None = None
         self._future: tuple[torch.Tensor, torch.Tensor] = (torch.ones(0), torch.zeros(0))  # set by bind_rope
+        self._sign = torch.ones(0)  # (n_elem,) -1 on the first half: set by bind_rope
 
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
         """The model's RoPE: `table(n)` gives its cos and sin tables `(N, n_elem[, k])`, `N >= n` and covering
         every position of the calls the model runs (`GPT._rope_table`; `column` picks the last dim when the
-        model has per-layer tables). Also precomputes the mean
-        cos and sin of the offsets `1..n_future_positions` (the average rotation is built from them)."""
+        model has per-layer tables). Also precomputes the mean cos and sin of the offsets `1..n_future_positions`
+        (the average rotation is built from them)."""
         self._rope = BoundRope(table, n_elem, column)
+        self._sign = torch.ones(n_elem, dtype=torch.float64, device=table(1)[0].device)
+        self._sign[: n_elem // 2] = -1.0
         future = torch.arange(1, self.options.n_future_positions + 1)
         cos, sin = self._cos_sin(future, needed=self.options.n_future_positions + 1)
         self._future = (cos.mean(dim=0), sin.mean(dim=0))
 
     def _cos_sin(self, positions: torch.Tensor, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0). No host read: the
-        model's table covers the positions of the call it runs (`needed` more may be asked for)."""
+        """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0), the sines with their first
+        half negated (as `rotate` takes them). No host read: the model's table covers the positions of the call it
+        runs (`needed` more may be asked for)."""
         if self._rope is None:
             raise RuntimeError(
                 "ExpectedAttentionKVCache needs the model's RoPE table: attach the caches with GPT.set_kv_caches "
                 "(or call cache.bind_rope(table, n_elem))"
             )
         cos, sin = self._rope.at(positions, needed)
-        return cos.double(), sin.double()
+        return cos.double(), sin.double() * self._sign
 
-    def future_rotation(self, newest: torch.Tensor, size: int) -> torch.Tensor:
-        """`(B, size, size)` mean RoPE rotation of the positions `newest + 1 .. newest + n_future_positions`
-        per row (`newest` `(B,)`): with angles linear in the position, `cos((p + k) t)` averaged over `k` is
-        `cos(p t) mean_k cos(k t) - sin(p t) mean_k sin(k t)` (and `sin` alike)."""
+    def future_cos_sin(self, newest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `(B, n_elem)` float64 of the mean RoPE rotation `R` of the positions `newest + 1 .. newest +
+        n_future_positions` per row (`newest` `(B,)`): with angles linear in the position, `cos((p + k) t)`
+        averaged over `k` is `cos(p t) mean_k cos(k t) - sin(p t) mean_k sin(k t)` (and `sin` alike; the sines
+        with their first half negated, as `_cos_sin` gives them: the signs cancel in the products of two)."""
         cos_p, sin_p = self._cos_sin(newest)  # (B, n)
         cos_k, sin_k = self._future
-        cos = cos_p * cos_k - sin_p * sin_k
-        sin = sin_p * cos_k + cos_p * sin_k
-        return average_rotation(cos, sin, size)
+        return cos_p * cos_k - sin_p * sin_k, sin_p * cos_k + cos_p * sin_k
 
     def pre_rope(self, queries: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """`(B, H, T, D)` float64 queries rotated back to position 0 (the rotated dims only)."""
-        q = queries.detach().double()
         cos, sin = self._cos_sin(query_pos)  # (B, T, n)
-        n = cos.shape[-1]
-        rot = q[..., :n] * cos[:, None] - rotate_half(q[..., :n]) * sin[:, None]
-        return torch.cat((rot, q[..., n:]), dim=-1)
+        return rotate(queries.detach().double(), cos[:, None], sin[:, None], inverse=True)
 
     def updated_stats(self, queries: torch.Tensor, query_pos: torch.Tensor) -> Stats:
         """The statistics after the non-pad queries at positions `>= n_sink` of a call, the newest weighing most."""
         o = self.options
         q = self.pre_rope(queries, query_pos)
         valid = query_pos >= o.n_sink  # (B, T)
-        decay = 1.0 if o.n_stats is None else 1.0 - 1.0 / o.n_stats
-        later = valid.flip(1).cumsum(1).flip(1) - valid.long()  # counted queries after each one
-        w = torch.where(valid, decay ** later.double(), 0.0)[:, None, :].expand(q.shape[:3])  # (B, H, T)
-        # without covariance an empty tensor: row state is a tuple of tensors
-        empty = q.new_zeros(*q.shape[:2], 0, 0)
-        outer = torch.einsum("bht,bhtd,bhte->bhde", w, q, q) if o.use_covariance else empty
-        new = (w.sum(dim=2), torch.einsum("bht,bhtd->bhd", w, q), outer)
+        if o.n_stats is None:
+            w, shrink = valid.double(), None
+        else:
+            decay = 1.0 - 1.0 / o.n_stats
+            later = valid.flip(1).cumsum(1).flip(1) - valid.long()  # counted queries after each one
+            w = torch.where(valid, decay ** later.double(), 0.0)  # (B, T)
+            shrink = decay ** valid.sum(dim=1).double()  # (B,) weight left to the older queries
+        weighted = q * w[:, None, :, None]  # (B, H, T, D)
         if self.stats is None:
-            return new
-        shrink = decay ** valid.sum(dim=1).double()  # (B,) weight left to the older queries
-        merged = (x + shrink.view(-1, *[1] * (x.dim() - 1)) * old for x, old in zip(new, self.stats, strict=True))
-        return tuple(merged)  # type: ignore[return-value]
+            outer = weighted.transpose(-1, -2) @ q if o.use_covariance else q.new_zeros(*q.shape[:2], 0, 0)
+            # without covariance an empty tensor: row state is a tuple of tensors
+            return w.sum(dim=1, keepdim=True).expand(q.shape[:2]).contiguous(), weighted.sum(dim=2), outer
+        s0, s1, s2 = self.stats if shrink is None else (x * shrink.view(-1, *[1] * (x.dim() - 1)) for x in self.stats)
+        if o.use_covariance:
+            s2 = (
+                (s2 + weighted.transpose(-1, -2) @ q)
+                if q.shape[2] > 1
+                else torch.addcmul(s2, weighted[..., 0, :, None], q)
+            )
+        return s0 + w.sum(dim=1, keepdim=True), s1 + weighted.sum(dim=2), s2
+
+    def moments(self, stats: Stats, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float64 mean `mu` `(B, H, D)` and `scale` times the covariance `Sigma` `(B, H, D, D)` (`None` without
+        `use_covariance`) of the queries so far, from `stats`."""
+        s0, s1, s2 = stats
+        total = s0.clamp(min=1e-300)[..., None]  # (B, H, 1)
+        mean = s1 / total
+        if not self.options.use_covariance:
+            return mean, None
+        cov = (s2 * (scale / total[..., None])).addcmul_(mean[..., :, None], mean[..., None, :], value=-scale)
+        return mean, cov
+
+    def future_keys(self, keys: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """`(B, G, D, N)` keys `(B, G, N, D)` seen from the future queries, transposed: `R^T k` with `R` the mean
+        rotation after `newest` `(B,)` (so that `(R q).k = q.(R^T k)`), in the keys' precision (float32 at least)."""
+        dtype = torch.promote_types(keys.dtype, torch.float32)
+        cos, sin = (x.to(dtype)[:, None, None] for x in self.future_cos_sin(newest))  # (B, 1, 1, n)
+        return rotate(keys.detach().to(dtype), cos, sin, inverse=True).transpose(-1, -2).contiguous()
 
     def expected(self, stats: Stats, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """`(B, G, N)` scores of keys/values `(B, G, N, D)` at `pos` `(B, G, N)` under `stats`."""
+        """`(B, G, N)` scores of keys/values `(B, G, N, D)` at `pos` `(B, G, N)` under `stats`.
+
+        The statistics are float64; the products with the keys run in the keys' precision (float32 at least),
+        with the future rotation on the keys (`future_keys`) and the covariance term as one symmetric quadratic
+        form per key and query head (`quadratic_forms`)."""
         o = self.options
-        s0, s1, s2 = stats
-        k = keys.detach().double()
-        b, g, n, d = k.shape
-        total = s0.clamp(min=1e-300)  # (B, H)
-        mean = s1 / total[..., None]
-        rot = self.future_rotation(pos.flatten(1).max(dim=1).values, d)[:, None]  # (B, 1, D, D)
-        mu = (rot @ mean[..., None])[..., 0]  # (B, H, D)
-        logits = torch.einsum("bgqd,bgnd->bgqn", mu.view(b, g, -1, d), k) / d**0.5
-        if o.use_covariance:
-            cov = s2 / total[..., None, None] - mean[..., :, None] * mean[..., None, :]
-            cov = rot @ cov @ rot.transpose(-1, -2)
-            quad = torch.einsum("bgnd,bgqde,bgne->bgqn", k, cov.view(b, g, -1, d, d), k)
-            logits = logits + quad / (2 * d)
+        b, g, n, d = keys.shape
+        keys_t = self.future_keys(keys, pos.flatten(1).max(dim=1).values)  # (B, G, D, N)
+        mean, cov = self.moments(stats, 1 / (2 * d))
+        per = mean.shape[1] // g
+        logits = (mean / d**0.5).to(keys_t.dtype).view(b, g, per, d) @ keys_t  # (B, G, P, N)
+        if cov is not None:
+            logits = logits + quadratic_forms(keys_t, cov.to(keys_t.dtype).view(b, g, per, d, d))
         hidden = (pos < o.n_sink)[:, :, None]  # sinks (kept anyway), empty slots and pads
         expected = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1).nan_to_num(0.0).mean(dim=2)
-        if o.use_vnorm:
-            expected = (expected + o.epsilon) * values.detach().double().norm(dim=-1)
-        return expected
+        if not o.use_vnorm:
+            return expected
+        norms = values.detach().to(keys_t.dtype).norm(dim=-1)
+        return (expected + o.epsilon) * norms if o.epsilon else expected * norms
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` expected attention of each candidate (times `||v||` with `use_vnorm`)."""

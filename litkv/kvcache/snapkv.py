@@ -75,6 +75,8 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch
     `(B, T)`, key_pos `(B, G, N)` -> `(B, G, N)` float32 (0 for rows without a non-pad query)."""
     b, h, t, d = queries.shape
     g = keys.shape[1]
+    if t == 1:
+        return _one_query_attention(queries, keys, query_pos, key_pos)
     valid = query_pos >= 0
     in_window = valid & (valid.flip(1).cumsum(1).flip(1) <= window)  # (B, T)
     order = torch.arange(t, device=query_pos.device).expand(b, t)
@@ -86,6 +88,19 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch
     weights = torch.softmax(logits.masked_fill(~allowed[:, :, None], float("-inf")), dim=-1)
     weights = weights.nan_to_num(0.0).sum(dim=(2, 3))
     return weights / in_window.sum(dim=1).clamp(min=1)[:, None, None]
+
+
+def _one_query_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor,
+                         key_pos: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`window_attention` of a one-query call (a decode step; the window is the query unless it is a pad):
+    queries `(B, H, 1, D)`, keys `(B, G, N, D)`, query_pos `(B, 1)`, key_pos `(B, G, N)` -> `(B, G, N)` float32."""
+    b, h, _, d = queries.shape
+    g = keys.shape[1]
+    q = queries.detach().float().view(b, g, h // g, d)
+    logits = (q @ keys.detach().float().transpose(-1, -2)) * d**-0.5  # (B, G, P, N)
+    allowed = (key_pos >= 0) & (key_pos <= query_pos[:, :, None])  # (B, G, N); a pad query (-1) sees nothing
+    weights = torch.softmax(torch.where(allowed[:, :, None], logits, float("-inf")), dim=-1)
+    return weights.nan_to_num(0.0).sum(dim=2)
 
 
 def update_window(
