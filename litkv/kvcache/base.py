@@ -402,6 +402,16 @@ class KVCache(ABC):
         """Whether a decode step's eviction waits for `KVCaches.flush` (or `settle`)."""
         return self._deferred is not None
 
+    @staticmethod
+    def store_deferred(caches: Sequence[KVCache], records: Sequence[Candidates], drops: torch.Tensor) -> None:
+        """Write the drops chosen for several layers at once (`drops` `(n_layers, B, G, 1)`, one per
+        `records`, taken with `take_deferred`): one placement for all of them, then each layer's
+        `store_staged`. For an `evict_deferred` that selects over the stacked layers."""
+        first = caches[0]
+        placement = staged_placement(drops, first.cache_length, first._keeps_state())
+        for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
+            cache.store_staged(placement.layer(i), record)
+
     @classmethod
     def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
         """Finish the deferred decode-step evictions of `caches` (layers of this class, in layer order).

@@ -42,6 +42,9 @@ class H2OOptions(ScoreOptions):
         check_bool("normalize_scores", self.normalize_scores)
 
 
+_ACCUMULATED = "h2o.accumulated"  # the call's scratch key of the accumulated attention per candidate
+
+
 def query_counts(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     """How many of a call's queries can attend to each key (causally, by position).
 
@@ -90,10 +93,10 @@ class H2OKVCache(ScoreKVCache):
 
         Computed once per call (`score` and `after_write` both read it; kept in the call's scratch space).
         """
-        value = candidates.scratch.get("h2o.accumulated")
+        value = candidates.scratch.get(_ACCUMULATED)
         if value is None:
             value = F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
-            candidates.scratch["h2o.accumulated"] = value
+            candidates.scratch[_ACCUMULATED] = value
         return value  # type: ignore[return-value]
 
     @classmethod
@@ -106,7 +109,7 @@ class H2OKVCache(ScoreKVCache):
         weights = torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
         accumulated = F.pad(sums, (0, 1)) + weights
         for record, part in zip(records, accumulated, strict=True):
-            record.scratch["h2o.accumulated"] = part
+            record.scratch[_ACCUMULATED] = part
         return accumulated
 
     def counts(self, candidates: Candidates) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache, staged_placement
+from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.options import LastRecentOptions, PolicyOptions
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import OneShot
@@ -55,9 +55,7 @@ class LastRecentKVCache(OneShot):
             return
         records = [cache.take_deferred() for cache in caches]
         drops = first._oldest(torch.stack([r.positions for r in records]), 1)  # (n, B, G, 1)
-        placement = staged_placement(drops, first.cache_length, first._keeps_state())
-        for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
-            cache.store_staged(placement.layer(i), record)
+        cls.store_deferred(caches, records, drops)
 
     def _oldest(self, positions: torch.Tensor, k: int) -> torch.Tensor:
         """`(..., k)` indices of the `k` oldest of `positions` `(..., N)` outside the sinks (the first of

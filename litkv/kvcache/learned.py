@@ -109,6 +109,19 @@ def _pre_rope(
     return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
 
 
+_NEW = "learned.new"  # the call's scratch key of the new tokens' gate logits
+
+
+def _gate_new_keys(gates: EvictionGates, rope: BoundRope, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`(B, H, T)` float32 logits of gate layer 0 for new keys `(B, H, T, D)` (after RoPE) at positions
+    `pos` `(B, T)`: rotated back to position 0 in the keys' precision (float64 models: one token id at two
+    positions gets one float32 logit, so the tie is broken by position in `drop_lowest`, not by rounding)."""
+    keys = keys.detach()
+    keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
+    keys_pre = _pre_rope(keys, rope.at(pos), rope.at(torch.zeros_like(pos[:, :1])))
+    return gates.logits(0, keys_pre).to(torch.float32)
+
+
 class _AllSlots:
     """A journal that records every slot of a call: threshold mode empties slots it does not overwrite."""
 
@@ -195,17 +208,11 @@ class LearnedKVCache(ScoreKVCache):
     def new_logits(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, T)` float32 gate logits of the call's new tokens (computed once per call, from
         `candidates.new_keys` as computed, rotated back to position 0; pads get a meaningless value)."""
-        value = candidates.scratch.get("learned.new")
+        value = candidates.scratch.get(_NEW)
         if value is None:
             gates, rope = self._bound()
-            keys = candidates.new_keys.detach()
-            keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-            pos = candidates.query_pos  # (B, T)
-            # in the keys' precision (float64 models: one token id at two positions gets one float32 logit,
-            # so the tie is broken by position in `drop_lowest`, not by rounding)
-            keys_pre = _pre_rope(keys, rope.at(pos), rope.at(torch.zeros_like(pos[:, :1])))
-            value = gates.logits(0, keys_pre).to(torch.float32)
-            candidates.scratch["learned.new"] = value
+            value = _gate_new_keys(gates, rope, candidates.new_keys, candidates.query_pos)
+            candidates.scratch[_NEW] = value
         return value  # type: ignore[return-value]
 
     @classmethod
@@ -215,17 +222,14 @@ class LearnedKVCache(ScoreKVCache):
         one pass (per element the same operations as one layer alone)."""
         rope = caches[0]._bound()[1]
         if all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in caches):
-            keys = torch.cat([r.new_keys.detach() for r in records], dim=1)
-            keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-            pos = records[0].query_pos
-            keys_pre = _pre_rope(keys, rope.at(pos), rope.at(torch.zeros_like(pos[:, :1])))
             gates = [c._bound()[0] for c in caches]  # type: ignore[attr-defined]
             stacked = EvictionGates(
                 torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1), 0, 0
             )
-            logits = stacked.logits(0, keys_pre).to(torch.float32)
+            keys = torch.cat([r.new_keys for r in records], dim=1)
+            logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)
             for record, part in zip(records, logits.chunk(len(caches), dim=1), strict=True):
-                record.scratch["learned.new"] = part
+                record.scratch[_NEW] = part
         return super().deferred_scores(caches, records)
 
     def score(self, candidates: Candidates) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache, drop_lowest, staged_placement
+from litkv.kvcache.base import Candidates, KVCache, drop_lowest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
 
@@ -211,9 +211,7 @@ class ScoreKVCache(OneShot):
         scores = cls.deferred_scores(caches, records)
         positions = torch.stack([r.positions for r in records])
         drops = first.lowest(scores, positions, 1)  # (n, B, G, 1)
-        placement = staged_placement(drops, first.cache_length, first._keeps_state())
-        for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
-            cache.store_staged(placement.layer(i), record)
+        cls.store_deferred(caches, records, drops)
 
     @classmethod
     def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
