@@ -100,7 +100,7 @@ def test_store_is_bounded_by_bytes_lru(model: GPT) -> None:
     _, prompts = _prompts(seed=3)
     probe = PrefixCache(10**9)
     generate(model, prompts[1:2], 1, cfg, prefix_cache=probe)
-    one = max(s.nbytes() for s in probe._memory._states.values())
+    one = max(s.nbytes() for s in probe._store.memory.states())
     store = PrefixCache(2 * one)
     generate(model, prompts[1:2], 1, cfg, prefix_cache=store)
     assert len(store) == 2 and store.nbytes() <= 2 * one
