@@ -144,8 +144,7 @@ def _open(path: Path, with_tensors: bool) -> tuple[dict[str, str], dict[str, tor
             tensors = {name: f.get_tensor(name) for name in f.keys()} if with_tensors else {}  # noqa: SIM118
     except Exception as err:  # safetensors raises its own error types for truncated or garbled files
         raise ValueError(
-            f"cache state file {str(path)!r} is not a readable safetensors file (truncated or corrupt): "
-            f"{one_line(err)}"
+            f"cache state file {str(path)!r} is not a readable safetensors file (truncated or corrupt): {one_line(err)}"
         ) from None
     return header, tensors
 

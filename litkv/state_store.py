@@ -31,7 +31,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,7 +330,7 @@ class StateStore:
         if self._write(path, lambda: state.save(path, extra_metadata={PROOF_KEY: proof})):
             self._trim_disk()
 
-    def _write(self, path: Path, write: Any) -> bool:
+    def _write(self, path: Path, write: Callable[[], object]) -> bool:
         """Run `write()`; False (memory only from now on, one warning) when the directory cannot be written."""
         try:
             write()

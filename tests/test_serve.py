@@ -74,7 +74,9 @@ def test_turns_equal_chat_from_memory_disk_and_recomputed(model_and_tok: tuple, 
     assert memory.store.hits["memory"] == len(turns) - 1
     assert len(list(tmp_path.glob("*.safetensors"))) == len(turns)
 
-    recomputed = Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV))  # keeps nothing but the reply ids it generated
+    recomputed = Engine(
+        model, tok, KV, StateStore(0, model=model, kv_cache=KV)
+    )  # keeps nothing but the reply ids it generated
     assert converse(recomputed, turns, temperature=0.0)[0] == chat
 
     # a fresh store on the same directory (a restart): the last turn's state comes from disk
@@ -91,7 +93,9 @@ def test_sampled_turn_same_from_store_and_recomputed(model_and_tok: tuple) -> No
     stored, _ = converse(Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], **kw)
     recomputed, _ = converse(Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV)), TURNS[:4], **kw)
     assert stored == recomputed
-    other, _ = converse(Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], temperature=0.9, seed=8)
+    other, _ = converse(
+        Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], temperature=0.9, seed=8
+    )
     assert other != stored
 
 

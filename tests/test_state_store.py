@@ -30,7 +30,7 @@ from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.state import CacheState, restore
 from litkv.state_file import digest
-from litkv.state_store import PROOF_KEY, EntryCheck
+from litkv.state_store import PROOF_KEY
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = ["The quick brown fox", "What is the passkey?", "Remember it.", "the lazy dog"]

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from litkv.config import KVCacheConfig
+from litkv.fingerprint import model_fingerprint
 from litkv.generate import sample
 from litkv.model import GPT
 from litkv.serve.store import StateStore
-from litkv.fingerprint import model_fingerprint
 from litkv.state import restore, snapshot
 
 if TYPE_CHECKING:
