@@ -283,7 +283,7 @@ class StateStore:
             if not path.exists():  # removed by another process (or with the directory) meanwhile: a miss
                 return None
             log.warning("%s: ignoring and removing %s: %s", self.name, path, err)
-            path.unlink(missing_ok=True)
+            _remove(path)
             return None
         with contextlib.suppress(OSError):  # removed by another process meanwhile; the state read is complete
             os.utime(path)
@@ -375,7 +375,7 @@ class StateStore:
         except (ValueError, OSError) as err:
             if path.exists():
                 log.warning("%s: ignoring and removing %s: %s", self.name, path, err)
-                path.unlink(missing_ok=True)
+                _remove(path)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)
@@ -389,8 +389,7 @@ class StateStore:
             self._notes.pop(key, None)
         path = self._path(key, NOTE_SUFFIX)
         if path is not None:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+            _remove(path)
 
     def _remember(self, key: str, note: dict[str, Any]) -> None:
         self._notes[key] = note
@@ -423,9 +422,14 @@ class StateStore:
         for _, size, f in files:
             if total <= self.disk_bytes_bound:
                 break
-            with contextlib.suppress(OSError):
-                f.unlink(missing_ok=True)
+            _remove(f)
             total -= size
+
+
+def _remove(path: Path) -> None:
+    """Remove `path` if it is there and the directory lets us (read-only: it stays, a miss all the same)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _covered(state: CacheState) -> int:

@@ -67,12 +67,15 @@ def _key_after(engine: Engine, messages: list[tuple[str, str]], n: int) -> str:
 
 
 def _fails_to_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every write through litkv.atomic fails as on a full disk (ENOSPC)."""
+    """Every write of a state file or a note fails as `litkv.atomic` fails on a full disk (ENOSPC)."""
+    import litkv.state_file
+    import litkv.state_store
 
-    def full(tmp: Path) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+    def full(path: Path, *args: object) -> None:
+        raise atomic.FileWriteError(errno.ENOSPC, f"cannot write {str(path)!r}: No space left on device")
 
-    monkeypatch.setattr(atomic, "_create_file", full)
+    monkeypatch.setattr(litkv.state_file, "write_atomic", full)
+    monkeypatch.setattr(litkv.state_store, "write_text_atomic", full)
 
 
 # -- degrades, never fails ------------------------------------------------------------------------
