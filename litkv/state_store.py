@@ -41,7 +41,8 @@ import torch
 from litkv.atomic import remove_stale_temp_files, temp_files, write_text_atomic
 from litkv.config import KVCacheConfig
 from litkv.fingerprint import model_fingerprint
-from litkv.model import GPT
+from litkv.kvcache.storage import CacheShape
+from litkv.model import GPT, kv_cache_configs
 from litkv.state import CacheState
 from litkv.state_file import read_state_header
 
@@ -150,11 +151,7 @@ class EntryCheck:
         is allocated.
         """
         dtype = model.lm_head.weight.dtype if dtype is None else dtype
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a policy's warnings were given when the run's caches were built
-            caches = model.build_kv_caches(kv_cache, batch_size, device=torch.device("meta"), dtype=dtype)
-        configs = [cache.config for cache in caches]
-        shapes = [cache.shape for cache in caches]
+        configs, shapes = _built_caches(model, kv_cache, batch_size, dtype)
         return cls(
             fingerprint=model_fingerprint(model),
             configs=tuple(_json_form(dataclasses.asdict(cfg)) for cfg in configs),  # type: ignore[misc]
@@ -180,6 +177,23 @@ class EntryCheck:
             if problem:
                 return problem
         return None
+
+
+def _built_caches(
+    model: GPT, kv_cache: KVCacheConfig | Sequence[KVCacheConfig], batch_size: int, dtype: torch.dtype
+) -> tuple[list[KVCacheConfig], list[CacheShape]]:
+    """The configs and shapes of the caches `model.build_kv_caches` makes, built on the meta device (a
+    custom policy that cannot be built there: the configs as given, the shapes the model gives them)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a policy's warnings were given when the run's caches were built
+            caches = model.build_kv_caches(kv_cache, batch_size, device=torch.device("meta"), dtype=dtype)
+        return [cache.config for cache in caches], [cache.shape for cache in caches]  # type: ignore[misc]
+    except (RuntimeError, NotImplementedError):
+        configs = kv_cache_configs(kv_cache) or [kv_cache] * model.config.n_layer  # type: ignore[list-item]
+        c = model.config
+        shapes = [CacheShape(batch_size, c.n_query_groups, k.cache_length, c.head_size, c.head_size) for k in configs]
+        return configs, shapes
 
 
 class StateStore:

@@ -30,7 +30,7 @@ from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.state import CacheState, restore
 from litkv.state_file import digest
-from litkv.state_store import PROOF_KEY
+from litkv.state_store import PROOF_KEY, EntryCheck
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = ["The quick brown fox", "What is the passkey?", "Remember it.", "the lazy dog"]
@@ -280,3 +280,25 @@ def test_forged_reply_ids_dropped_and_recomputed(
         (directory / f"{key}.json").write_text(json.dumps({"key": key, "note": {"reply_ids": forged}}))
         "".join(engine.run(TurnRequest([*messages, ("user", TURNS[1])], 8, temperature=0.0), result))
         assert result.reply_ids == expected.reply_ids and result.prompt_tokens == expected.prompt_tokens
+
+
+def test_entry_check_of_a_policy_that_cannot_be_built_on_the_meta_device(model_and_tok: tuple) -> None:
+    """`EntryCheck.of` sizes the caches on the meta device; a custom policy whose constructor reads a
+    value (impossible there) gets the check of its configs as given, equal to the built caches'."""
+    from litkv import KVCache, register_kv_cache
+    from litkv.kvcache.h2o import H2OKVCache
+
+    class HostReadKVCache(H2OKVCache):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            self.first = int(self.positions.flatten()[0])  # a host read: fails on the meta device
+
+    register_kv_cache("test-host-read")(HostReadKVCache)
+    model, _ = model_and_tok
+    cfg = KVCacheConfig(policy="test-host-read", cache_length=16)
+    check = EntryCheck.of(model, cfg)
+    built = model.build_kv_caches(cfg, 1)
+    assert all(isinstance(c, KVCache) for c in built)
+    assert check == EntryCheck.of(model, cfg)
+    assert [s["cache_length"] for s in check.shapes] == [c.shape.cache_length for c in built] == [16, 16]
+    assert [c["policy"] for c in check.configs] == ["test-host-read"] * 2
