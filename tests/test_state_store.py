@@ -282,11 +282,16 @@ def test_forged_reply_ids_dropped_and_recomputed(
         assert result.reply_ids == expected.reply_ids and result.prompt_tokens == expected.prompt_tokens
 
 
-def test_entry_check_of_a_policy_that_cannot_be_built_on_the_meta_device(model_and_tok: tuple) -> None:
+def test_entry_check_of_a_policy_that_cannot_be_built_on_the_meta_device(
+    model_and_tok: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`EntryCheck.of` sizes the caches on the meta device; a custom policy whose constructor reads a
     value (impossible there) gets the check of its configs as given, equal to the built caches'."""
     from litkv import KVCache, register_kv_cache
+    from litkv.kvcache import registry
     from litkv.kvcache.h2o import H2OKVCache
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration is undone after
 
     class HostReadKVCache(H2OKVCache):
         def __init__(self, *args: object) -> None:
