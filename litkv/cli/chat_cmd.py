@@ -34,7 +34,8 @@ from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_
 from litkv.config import KVCacheConfig
 from litkv.generate import check_sampling, sample
 from litkv.model import GPT
-from litkv.state import CacheState, keep_undo_log, restore, snapshot, truncate
+from litkv.state import CacheState, restore, snapshot
+from litkv.undo import keep_undo_log, truncate
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from litkv.config import KVCacheConfig
+from litkv.fingerprint import model_fingerprint
 from litkv.generate import sample
 from litkv.model import GPT
 from litkv.serve.store import StateStore
-from litkv.state import model_fingerprint, restore, snapshot
+from litkv.state import restore, snapshot
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
