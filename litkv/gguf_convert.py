@@ -15,6 +15,7 @@ through `litkv.atomic.save_dir_atomic`, so it appears whole or not at all.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -172,9 +173,8 @@ def _check_tensors(reader: Any, config: Config, source: str) -> None:
     """ValueError naming the tensor for an unexpected or missing tensor, a wrong shape or a type that
     `gguf` cannot dequantize."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits
 
-    supported = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    supported = [t for t in GGMLQuantizationType if _dequantizable(t)]
     expected = expected_shapes(config)
     present = set()
     for tensor in reader.tensors:
@@ -191,6 +191,23 @@ def _check_tensors(reader: Any, config: Config, source: str) -> None:
     missing = sorted(set(expected) - present - {"output.weight"})
     if missing:
         raise ValueError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+
+
+@functools.cache
+def _dequantizable(qtype: Any) -> bool:
+    """Whether `gguf.quants.dequantize` reads type `qtype` to floats (tried on one block of zeros)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return True
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        values = dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return values.dtype == np.float32
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
