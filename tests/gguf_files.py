@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import regex
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -198,3 +199,34 @@ def dequantizable_types() -> tuple[str, ...]:
             continue
         names.append(qtype.name)
     return tuple(names)
+
+
+def llama_cpp_split(text: str, patterns: list[str]) -> list[str]:
+    """llama.cpp's `unicode_regex_split`: each regex splits every piece into its matches and the gaps between."""
+    pieces = [text]
+    for pattern in patterns:
+        out = []
+        for piece in pieces:
+            at = 0
+            for match in regex.finditer(pattern, piece):
+                out += [piece[at : match.start()], match.group()]
+                at = match.end()
+            out.append(piece[at:])
+        pieces = [p for p in out if p]
+    return pieces
+
+
+# llama.cpp's llama-vocab.cpp regexes for each pre-tokenizer type (copied verbatim).
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMA_CPP_REGEXES = {
+    "gpt2": [_GPT2_RE],
+    "smollm": [r"\p{N}", _GPT2_RE],
+    "llama-bpe": [
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],  # fmt: skip
+    "qwen2": [
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ],  # fmt: skip
+}

@@ -10,10 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import regex
 import torch
 import yaml
-from gguf_files import SPECIALS, TinyGGUF, dequantizable_types, train_bpe, write_gguf
+from gguf_files import (
+    LLAMA_CPP_REGEXES,
+    SPECIALS,
+    TinyGGUF,
+    dequantizable_types,
+    llama_cpp_split,
+    train_bpe,
+    write_gguf,
+)
 from tokenizers import Tokenizer
 
 from litkv.__main__ import main
@@ -161,37 +168,6 @@ def test_tokenizer_ids_equal_transformers_gguf_tokenizer(tmp_path: Path, arch: s
     assert (ours.bos_id, ours.eos_id, ours.use_bos) == (1, 2, False)
 
 
-def _llama_cpp_split(text: str, patterns: list[str]) -> list[str]:
-    """llama.cpp's `unicode_regex_split`: each regex splits every piece into its matches and the gaps between."""
-    pieces = [text]
-    for pattern in patterns:
-        out = []
-        for piece in pieces:
-            at = 0
-            for match in regex.finditer(pattern, piece):
-                out += [piece[at : match.start()], match.group()]
-                at = match.end()
-            out.append(piece[at:])
-        pieces = [p for p in out if p]
-    return pieces
-
-
-# llama.cpp's llama-vocab.cpp regexes for each pre-tokenizer type (copied verbatim).
-_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-LLAMA_CPP_REGEXES = {
-    "gpt2": [_GPT2_RE],
-    "smollm": [r"\p{N}", _GPT2_RE],
-    "llama-bpe": [
-        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ],  # fmt: skip
-    "qwen2": [
-        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ],  # fmt: skip
-}
-
-
 def _byte_chars(text: str) -> str:
     """GPT-2's byte -> printable character mapping of `text`'s UTF-8 bytes."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -213,7 +189,7 @@ def test_pre_tokenizer_splits_as_llama_cpp(pre: str) -> None:
     tokenizer = Tokenizer.from_str(tokenizer_files(meta, 512, "test")["tokenizer.json"])
     for text in [*TEXTS, "x" * 3 + "1234567" + " 89\n\n\n  \n q'S Q'LL", "é" + unicodedata.normalize("NFD", "é")]:
         normalized = unicodedata.normalize("NFC", text) if pre == "qwen2" else text
-        expected = [_byte_chars(p) for p in _llama_cpp_split(normalized, LLAMA_CPP_REGEXES[pre])]
+        expected = [_byte_chars(p) for p in llama_cpp_split(normalized, LLAMA_CPP_REGEXES[pre])]
         if tokenizer.normalizer is not None:
             text = tokenizer.normalizer.normalize_str(text)
         assert [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)] == expected, (pre, text)
