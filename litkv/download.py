@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from litkv.atomic import write_atomic
-from litkv.gguf_convert import convert_gguf
 
 __all__ = [
     "MODELS",
@@ -177,6 +176,8 @@ def obtain_checkpoint(package: GGUFPackage, out_dir: Path) -> str:
         return "already there"
     if out_dir.exists():
         raise ValueError(f"{out_dir} exists but is not a complete checkpoint; remove it and run the download again")
+    from litkv.gguf_convert import convert_gguf  # torch and litgpt: only when there is work to do
+
     source = gguf_file(package)
     convert_gguf(source, out_dir)
     return f"converted from {source}"
