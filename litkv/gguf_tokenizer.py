@@ -114,7 +114,9 @@ def check_tokenizer_metadata(meta: Mapping[str, Any], vocab_rows: int, source: s
         token_id = _field(meta, key, int, source)
         if token_id is not None and not 0 <= token_id < len(tokens):
             raise ValueError(f"{source}: {key} = {token_id} is not a token id (0..{len(tokens) - 1})")
-    _pre_tokenizer(meta, source)
+    pre = _field(meta, "tokenizer.ggml.pre", str, source)
+    if pre not in (None, "default", *PRE_TOKENIZERS):
+        raise ValueError(f"{source}: unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(PRE_TOKENIZERS)}")
 
 
 def _added_tokens(tokens: Sequence[str], types: Sequence[int] | None) -> list[dict[str, Any]]:

@@ -246,6 +246,7 @@ BAD_FILES = {
     ),
     "shape mismatch": (lambda p: _bad(p, TinyGGUF(n_layer=1, kv_heads_in_metadata=1)), "shape"),
     "missing tokenizer data": (lambda p: _bad(p, TinyGGUF(n_layer=1, tokenizer=False)), "tokenizer"),
+    "unsupported pre-tokenizer": (lambda p: _bad(p, TinyGGUF(n_layer=1, pre="bogus")), "tokenizer.ggml.pre 'bogus'"),
 }
 
 
