@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _main(argv: Sequence[str] | None) -> None:
     from jsonargparse import CLI
 
-    from litkv.validation import one_line
+    from litkv.core.validation import one_line
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:

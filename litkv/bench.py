@@ -163,7 +163,7 @@ class _Warmup:
 
 
 def _litkv_compile_available() -> bool:
-    from litkv import generate
+    from litkv.generate import generate
 
     return "compile" in inspect.signature(generate).parameters
 
@@ -171,7 +171,9 @@ def _litkv_compile_available() -> bool:
 def _time_litkv(
     model_name: str, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool, warmups: list[_Warmup]
 ) -> Timed:
-    from litkv import GPT, KVCacheConfig, generate
+    from litkv.config import KVCacheConfig
+    from litkv.generate import generate
+    from litkv.model import GPT
 
     if compile and not _litkv_compile_available():
         raise PeerUnavailable("not available: litkv.generate has no compile option in this version")
@@ -461,8 +463,8 @@ def _step_bytes(model: str, prompt_len: int, new: int) -> float:
     """Bytes a decode step reads halfway through the decode (float32 weights, LM head tied to the embedding)."""
     from litgpt.config import Config
 
-    from litkv import GPT
     from litkv.bandwidth import weight_bytes
+    from litkv.model import GPT
 
     config = Config.from_name(model)
     with torch.device("meta"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from litkv.cli.common import PRECISIONS
 from litkv.convert import convert_hf_checkpoint
+from litkv.runtime import precision_dtype
 
 __all__ = ["convert"]
 
@@ -20,8 +20,6 @@ def convert(hf_dir: Path, out_dir: Path, model_name: str | None = None, precisio
             preset, else a config built from config.json (Llama, Mistral, Qwen2, Qwen3).
         precision: Convert the weights to "32-true", "bf16-true", "16-true" or "64-true"; default: keep.
     """
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    dtype = None if precision is None else PRECISIONS[precision]
+    dtype = None if precision is None else precision_dtype(precision)
     out = convert_hf_checkpoint(hf_dir, out_dir, model_name=model_name, dtype=dtype)
     print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))

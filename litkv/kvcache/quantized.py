@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from litkv.core.validation import require_int
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, scatter_slots
 from litkv.kvcache.storage_kinds import register_storage
-from litkv.validation import require_int
 
 __all__ = [
     "QuantizedSlots",
