@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "finetune": "litkv.finetune.cli:finetune",
     "convert": "litkv.cli.convert_cmd:convert",
     "evaluate": "litkv.cli.evaluate_cmd:evaluate",
-    "bench": "litkv.bench:bench",
+    "bench": "litkv.cli.bench_cmd:bench",
     "chat": "litkv.cli.chat_cmd:chat",
     "serve": "litkv.cli.serve_cmd:serve",
 }
