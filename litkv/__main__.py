@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "finetune": "litkv.finetune.cli:finetune",
     "convert": "litkv.cli.convert_cmd:convert",
     "evaluate": "litkv.cli.evaluate_cmd:evaluate",
-    "bench": "litkv.bench:bench",
+    "bench": "litkv.cli.bench_cmd:bench",
     "chat": "litkv.cli.chat_cmd:chat",
     "serve": "litkv.cli.serve_cmd:serve",
     "download": "litkv.cli.download_cmd:download",
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _main(argv: Sequence[str] | None) -> None:
     from jsonargparse import CLI
 
-    from litkv.validation import one_line
+    from litkv.core.validation import one_line
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:

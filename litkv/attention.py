@@ -1,7 +1,7 @@
 """Attention of `T` new queries over `S` keys (cache slots + new tokens), masks built from positions.
 
-Quantised slots (`QuantizedSlots`, from a decode step of an int8/int4 cache) go to
-`litkv.quant_attention`, which attends their codes without dequantising them.
+Packed slots (`PackedSlots`: a storage's own format, e.g. an int8/int4 cache's codes on a decode step)
+are attended by their own kernel (`PackedSlots.attend`), never converted here.
 
 Grouped-query attention never materialises expanded keys/values: the query heads of each KV group
 are folded into the query axis, `(B, G, q_per_kv * T, hs)`. When a cache asks for them, the softmax
@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from litkv.kvcache.quantized import QuantizedSlots
-from litkv.quant_attention import quant_attend
+from litkv.kvcache.storage import PackedSlots
 
 __all__ = ["attend", "build_mask", "masked_sdpa", "WEIGHTS_BLOCK_ELEMENTS"]
 
@@ -48,8 +47,8 @@ def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = No
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor | QuantizedSlots,
-    v: torch.Tensor | QuantizedSlots,
+    k: torch.Tensor | PackedSlots,
+    v: torch.Tensor | PackedSlots,
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
@@ -60,8 +59,8 @@ def attend(
 
     Args:
         q: `(B, n_head, T, hs)`.
-        k: `(B, G, S, hs)`, or quantised slots holding keys and values (`QuantizedSlots`, then `v` is the
-            same object): attended from their codes (`litkv.quant_attention`), never dequantised.
+        k: `(B, G, S, hs)`, or packed slots holding keys and values (`PackedSlots`, then `v` is the same
+            object): attended by their own kernel (`k.attend`; int8/int4 codes are never dequantised).
         v: `(B, G, S, hv)`.
         mask: `(B, G, T, S)` or `(B, 1, T, S)` bool, True where attention is allowed. A mask shared by
             all KV groups lets a multi-token call use SDPA's grouped-query kernel.
@@ -73,10 +72,10 @@ def attend(
     Returns:
         `y` `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 (or `None`).
     """
-    if isinstance(k, QuantizedSlots) or isinstance(v, QuantizedSlots):
+    if isinstance(k, PackedSlots) or isinstance(v, PackedSlots):
         if v is not k:
-            raise ValueError(f"quantised slots hold keys and values together: v must be k, got {type(v).__name__}")
-        return quant_attend(q, k, mask, scale, softcap, need_weights, query_valid)
+            raise ValueError(f"packed slots hold keys and values together: v must be k, got {type(v).__name__}")
+        return k.attend(q, mask, scale, softcap, need_weights, query_valid)
     b, n_head, t, hs = q.shape
     g, s = k.shape[1], k.shape[2]
     q_per_kv = n_head // g

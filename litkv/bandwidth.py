@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from litkv.validation import require_int
+from litkv.core.validation import require_int
 
 __all__ = [
     "bound_tokens_per_s",

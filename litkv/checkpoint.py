@@ -52,6 +52,7 @@ __all__ = [
     "safe_torch_load",
     "save_dir_atomic",
     "save_file_atomic",
+    "save_gates",
     "save_state_dict_atomic",
 ]
 
@@ -70,9 +71,7 @@ _OPTIONAL_INTS = ("padded_vocab_size", "n_query_groups", "head_size", "intermedi
 
 def default_checkpoint_dir() -> Path:
     """The small model shipped with the package: `litkv/assets/default`."""
-    import litkv
-
-    return Path(litkv.__file__).parent / "assets" / "default"
+    return Path(__file__).resolve().parent / "assets" / "default"
 
 
 def check_checkpoint_dir(checkpoint_dir: str | Path, weights: bool = True, tokenizer: bool = True) -> Path:
@@ -330,6 +329,14 @@ def load_model(
         model = model.to(dtype=dtype)
     model.eviction_gates = _load_gates(path, config, model.lm_head.weight.device)
     return model.eval()
+
+
+def save_gates(gates: EvictionGates, path: str | Path) -> Path:
+    """Write eviction gates atomically to a safetensors file (`GATES_FILE` in a checkpoint directory)."""
+    from safetensors.torch import save_file
+
+    tensors, metadata = gates.file_contents()
+    return write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def _load_gates(path: Path, config: Config, device: torch.device) -> EvictionGates | None:

@@ -9,10 +9,10 @@ from contextlib import contextmanager
 import torch
 
 from litkv.config import KVCacheConfig
+from litkv.core.validation import is_int, is_number, require_int
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.prefix import PrefixCache
 from litkv.runner import ChunkPlan, run_chunks
-from litkv.validation import is_int, is_number, require_int
 
 __all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
 

@@ -18,13 +18,13 @@ from litgpt.model import GPT as LitGPT
 
 from litkv.attention import attend, build_mask
 from litkv.config import Config, KVCacheConfig
+from litkv.core.rope import apply_rope, yarn_mscale
+from litkv.core.validation import require_int
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates
 from litkv.learned.soft import SoftEviction
-from litkv.rope import apply_rope, yarn_mscale
-from litkv.validation import require_int
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
 

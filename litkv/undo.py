@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from litkv.core.validation import require_int
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
 from litkv.model import GPT
-from litkv.validation import require_int
 
 __all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of", "writing_mode"]
 

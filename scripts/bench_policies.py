@@ -2,7 +2,7 @@
 bound and Hugging Face `transformers`, SmolLM2-135M architecture.
 
 Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU, written once in both
-formats by `litkv.bench.prepare_weights` so that the `transformers` row (`hf-dynamic`:
+formats by `litkv.peers.prepare_weights` so that the `transformers` row (`hf-dynamic`:
 `LlamaForCausalLM`, its default `DynamicCache`, not compiled) runs on the same weights; a preset that
 is not Llama-family (or `--no-hf`) runs without it. For each configuration (batch x prompt length)
 every (mode, policy) generation runs `litkv.generate` on the same prompts (greedy) with streamed steps
@@ -61,8 +61,8 @@ import torch
 
 from litkv import GPT, Config, KVCacheConfig, generate
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
-from litkv.bench import hf_generate, load_hf, load_lit, prepare_weights
 from litkv.learned import EvictionGates
+from litkv.peers import hf_generate, load_hf, load_lit, prepare_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside its report module
 from policy_report import HF, MODES, PolicyRun, e2e_lines, evaluate_targets, format_table, format_targets  # noqa: E402

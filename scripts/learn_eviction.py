@@ -37,7 +37,7 @@ from litkv.checkpoint import default_checkpoint_dir
 from litkv.cli.evaluate_cmd import evaluate
 from litkv.config import KVCacheConfig
 from litkv.finetune.cli import finetune
-from litkv.learned.run import LOG_FILE
+from litkv.finetune.learn_eviction import LOG_FILE
 
 HEURISTICS = ["last-recent", "h2o", "tova", "knorm", "keydiff", "snapkv"]
 TARGETS = {64: 0.95, 128: 0.99}

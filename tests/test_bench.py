@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from litkv import bench
+from litkv import peers
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth, weight_bytes
-from litkv.bench import BenchResult, format_table
+from litkv.cli import bench_cmd
+from litkv.cli.bench_cmd import format_table
+from litkv.peers import BenchResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +76,7 @@ def test_bandwidth_helpers_refuse_bad_values(call, named: str) -> None:
         call()
 
 
-# -- litkv.bench ----------------------------------------------------------------------------------
+# -- litkv bench ----------------------------------------------------------------------------------
 
 
 def _result(peer: str, tok_s: float, tokens: list[int], **extra) -> BenchResult:
@@ -96,21 +98,21 @@ def test_table_shows_bound_fraction_and_unavailable_peer() -> None:
 
 
 def test_litkv_compile_reports_not_available(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(bench, "_litkv_compile_available", lambda: False)
-    r = bench.run_peer("litkv-compile", "SmolLM2-135M", tmp_path, tmp_path, 16, 4, 16, 0)
+    monkeypatch.setattr(peers, "_litkv_compile_available", lambda: False)
+    r = peers.run_peer("litkv-compile", "SmolLM2-135M", tmp_path, tmp_path, 16, 4, 16, 0)
     assert not r.available and r.note.startswith("not available") and r.decode_tok_s == 0.0
 
 
 def test_compile_seconds_subtract_the_same_work() -> None:
-    warm = bench._Warmup([0.0, 30.0, 31.0, 32.0])  # prefill + 2 steps took 32 s in the warm-up call
-    assert bench._compile_seconds([warm], prefill=5.0, step=0.5) == pytest.approx(32.0 - 6.0)
-    assert bench._compile_seconds([], prefill=5.0, step=0.5) is None
+    warm = peers._Warmup([0.0, 30.0, 31.0, 32.0])  # prefill + 2 steps took 32 s in the warm-up call
+    assert peers._compile_seconds([warm], prefill=5.0, step=0.5) == pytest.approx(32.0 - 6.0)
+    assert peers._compile_seconds([], prefill=5.0, step=0.5) is None
 
 
 def test_bench_refuses_unknown_peer() -> None:
     with pytest.raises(ValueError, match="peers must be among .* got 'vllm'"):
-        bench._resolve_peers(["vllm"], quick=False)
-    assert bench._resolve_peers(None, quick=True) == ["litkv", "hf", "litgpt"]
+        bench_cmd._resolve_peers(["vllm"], quick=False)
+    assert bench_cmd._resolve_peers(None, quick=True) == ["litkv", "hf", "litgpt"]
 
 
 # -- scripts/bench_policies.py --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncate
-from litkv.checkpoint import load_model
+from litkv.checkpoint import load_model, save_gates
 from litkv.kvcache.learned import NO_GATES, LearnedKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
@@ -253,7 +253,7 @@ def test_gates_saved_next_to_the_weights_load_with_the_model_and_give_the_same_t
     directory.mkdir()
     for f in ckpt.iterdir():
         (directory / f.name).write_bytes(f.read_bytes())
-    gates.save(directory / GATES_FILE)
+    save_gates(gates, directory / GATES_FILE)
     loaded = load_model(directory)
     got = loaded.eviction_gates
     assert got is not None and (got.window, got.sinks) == (3, 1)
@@ -283,8 +283,8 @@ def _with_gates_file(ckpt: Path, tmp_path: Path, write: Callable[[Path], None]) 
         (lambda p: p.write_bytes(b"\x00\x01 not safetensors at all"), "not a readable safetensors file"),
         (lambda p: p.write_bytes(b""), "not a readable safetensors file"),
         (lambda p: save_file({"weight": torch.zeros(2, 2, 8), "other": torch.zeros(1)}, str(p)), "not an eviction"),
-        (lambda p: EvictionGates.create(3, 2, 8, 4, 2).save(p), "the gates are for (n_layer, n_query_groups"),
-        (lambda p: EvictionGates.create(2, 2, 16, 4, 2).save(p), "the model has (2, 2, 8)"),
+        (lambda p: save_gates(EvictionGates.create(3, 2, 8, 4, 2), p), "the gates are for (n_layer, n_query_groups"),
+        (lambda p: save_gates(EvictionGates.create(2, 2, 16, 4, 2), p), "the model has (2, 2, 8)"),
     ],
     ids=["garbage", "empty", "other-tensors", "n_layer", "head_size"],
 )

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from helpers import _reference_rope, band_mask, float64_model, random_gpt, random_tokens, reference_forward, tiny_config
 
+from litkv.finetune.gates import GateTrainArgs, evictable, train_gates
 from litkv.learned import EvictionGates, SoftEviction, soft_eviction
 from litkv.learned.soft import soft_bias
-from litkv.learned.train import GateTrainArgs, evictable, train_gates
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 

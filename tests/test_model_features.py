@@ -185,7 +185,7 @@ def _keep_first_mask(cache_length: int) -> MaskFn:
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Registrations in a test are undone afterwards."""
-    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+    monkeypatch.setattr(registry_module, "_REGISTRY", registry_module._REGISTRY.copy())
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""`litkv.quant_attention`: attention over int8/int4 codes equals dequantising then `attention.attend`.
+"""`litkv.kvcache.quant_attention`: attention over int8/int4 codes equals dequantising then `attention.attend`.
 
 Tolerances (as in the module docstring): 1e-10 in float64; `atol=1e-5, rtol=1e-4` in float32.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import litkv.quant_attention as qa
+import litkv.kvcache.quant_attention as qa
 from litkv import KVCacheConfig
 from litkv.attention import attend, build_mask
 from litkv.kvcache.base import CacheShape

@@ -12,7 +12,7 @@ import torch
 from helpers import random_gates
 from litgpt.utils import save_config
 
-from litkv.checkpoint import save_state_dict_atomic
+from litkv.checkpoint import save_gates, save_state_dict_atomic
 from litkv.config import Config
 from litkv.learned.gate import GATES_FILE
 from litkv.model import GPT
@@ -81,5 +81,5 @@ def make_tiny_checkpoint(
     save_state_dict_atomic(out_dir / name, model.state_dict())
     train_tiny_tokenizer(out_dir)
     if gates_seed is not None:
-        random_gates(config, gates_seed).save(out_dir / GATES_FILE)
+        save_gates(random_gates(config, gates_seed), out_dir / GATES_FILE)
     return model.eval()

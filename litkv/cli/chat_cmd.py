@@ -30,10 +30,11 @@ import torch
 
 from litkv.atomic import remove_stale_temp_files
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
-from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
 from litkv.generate import check_sampling, sample
 from litkv.model import GPT
+from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.state import CacheState, restore, snapshot
 from litkv.undo import keep_undo_log, truncate
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from litkv.cli.common import PRECISIONS
+from litkv.runtime import precision_dtype
 
 __all__ = ["DTYPES", "convert"]
 
@@ -36,8 +36,7 @@ def convert(
         dtype: The weights' dtype: "float32", "bfloat16" or "float16". Default: float32 for a GGUF
             file (its weights are dequantized), the stored dtype for a Hugging Face directory.
     """
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    precision_as_dtype = None if precision is None else precision_dtype(precision)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if precision is not None and dtype is not None:
@@ -51,6 +50,6 @@ def convert(
     else:
         from litkv.convert import convert_hf_checkpoint
 
-        torch_dtype = PRECISIONS[precision] if precision is not None else DTYPES.get(dtype or "")
+        torch_dtype = precision_as_dtype if precision_as_dtype is not None else DTYPES.get(dtype or "")
         out = convert_hf_checkpoint(source, out_dir, model_name=model_name, dtype=torch_dtype)
     print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from litkv.atomic import write_atomic, write_text_atomic
-from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
-from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.cli.common import resolve_checkpoint_dir
 from litkv.cli.ruler_report import run_ruler
 from litkv.config import KVCacheConfig
 from litkv.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
 from litkv.kvcache.registry import known_policies
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
+from litkv.runtime import load_for_inference
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 
@@ -110,10 +111,7 @@ def evaluate(
         "policies": _resolve_policies(policies),
         "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),
     }
-    apply_num_threads(num_threads)
-    dev = resolve_device(device)
-    dtype = resolve_dtype(precision, dev)
-    model = load_model(ckpt, device=dev, dtype=dtype)
+    model, dev = load_for_inference(ckpt, precision, device, num_threads)
     tokenizer = load_tokenizer(ckpt)
     task = RecallTask.from_checkpoint(ckpt, tokenizer) if (ckpt / RECALL_FILE).is_file() else None
     if window is None:
@@ -151,7 +149,7 @@ def evaluate(
         checkpoint_dir=str(ckpt), text_file=str(text_path), window=window, num_windows=num_windows,
         recall_depths=depths, recall_cases=recall_cases, recall_examples=len(examples),
         multikey_cases=multikey_cases, multikey_keys=multikey_keys, decode_tokens=decode_tokens,
-        batch_size=batch_size, seed=seed, device=str(dev), dtype=str(dtype).removeprefix("torch."),
+        batch_size=batch_size, seed=seed, device=str(dev), dtype=str(model.lm_head.weight.dtype).removeprefix("torch."),
         num_threads=torch.get_num_threads(), policy_options=policy_options or {},
         kv_cache_template=_template_dict(kv_cache), elapsed_s=round(elapsed, 1),
     )  # fmt: skip

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import torch
 
-from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
-from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
+from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
 from litkv.generate import check_sampling
 from litkv.generate import generate as generate_tokens
 from litkv.prefix import PrefixCache
+from litkv.runtime import load_for_inference
 
 __all__ = ["generate", "DEFAULT_PROMPT"]
 
@@ -70,9 +71,7 @@ def generate(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
-    apply_num_threads(num_threads)
-    dev = resolve_device(device)
-    model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
+    model, dev = load_for_inference(ckpt, precision, device, num_threads)
     tokenizer = load_tokenizer(ckpt)
     encoded = [tokenizer.encode(text, device=dev).long() for text in texts]
     for i, ids in enumerate(encoded):

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from litkv.checkpoint import load_model, load_tokenizer, save_file_atomic
-from litkv.cli.common import apply_num_threads, resolve_device, resolve_dtype
+from litkv.checkpoint import load_tokenizer, save_file_atomic
 from litkv.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.recall import RECALL_FILE, RecallFormat
 from litkv.ruler import NiahFormat, generate_samples, resolve_tasks, word_list
+from litkv.runtime import load_for_inference
 
 __all__ = ["NEAR_ZERO", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
 
@@ -35,9 +35,7 @@ def run_ruler(
     kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads.
     """
     names = resolve_tasks(tasks)
-    apply_num_threads(settings["num_threads"])
-    dev = resolve_device(settings["device"])
-    model = load_model(ckpt, device=dev, dtype=resolve_dtype(settings["precision"], dev))
+    model, _ = load_for_inference(ckpt, settings["precision"], settings["device"], settings["num_threads"])
     tokenizer = load_tokenizer(ckpt)
     recall = RecallFormat.load(ckpt / RECALL_FILE) if (ckpt / RECALL_FILE).is_file() else None
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)

@@ -6,9 +6,10 @@ import logging
 from pathlib import Path
 
 from litkv.checkpoint import check_checkpoint_dir
-from litkv.cli.common import resolve_checkpoint_dir, resolve_device
+from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
-from litkv.validation import require_int
+from litkv.core.validation import require_int
+from litkv.runtime import resolve_device
 
 __all__ = ["serve"]
 

@@ -24,7 +24,10 @@ from litkv.checkpoint import (
     remove_stale_temp_files,
 )
 from litkv.config import KVCacheConfig
+from litkv.core.validation import require_int
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
+from litkv.finetune.gates import GateTrainArgs
+from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
 from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
 from litkv.finetune.state import (
@@ -37,19 +40,17 @@ from litkv.finetune.state import (
     save_checkpoint,
     yaml_safe,
 )
-from litkv.learned.run import learn_eviction as run_learn_eviction
-from litkv.learned.train import GateTrainArgs
 from litkv.model import GPT
-from litkv.validation import require_int
+from litkv.runtime import precision_dtype
 
-__all__ = ["FinetuneArgs", "finetune", "run", "MODES", "PRECISIONS"]
+__all__ = ["FinetuneArgs", "finetune", "run", "MODES", "TRAINING_PRECISIONS"]
 
 #: `--mode` values (checked explicitly: jsonargparse's error for a `Literal` does not list the choices).
 MODES = ("lora", "full")
 
-#: Supported `--precision` values and the parameter dtype they train in. Mixed precision is not
+#: Supported `--precision` values (their dtypes: `litkv.runtime.PRECISIONS`). Mixed precision is not
 #: supported: the KV caches hold the parameters' dtype, which autocast would not produce.
-PRECISIONS = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+TRAINING_PRECISIONS = ("32-true", "bf16-true", "16-true")
 
 _DEFAULT_DATA = DataArgs()
 _DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512, chunk_size=128)
@@ -78,11 +79,11 @@ class FinetuneArgs:
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {list(PRECISIONS)}, got {self.precision!r} (mixed precision is not "
-                "supported: the KV caches hold keys and values in the parameters' dtype)"
-            )
+        precision_dtype(
+            self.precision,
+            TRAINING_PRECISIONS,
+            " (mixed precision is not supported: the KV caches hold keys and values in the parameters' dtype)",
+        )
         require_int("devices", self.devices, 1)
         if self.data.path is None:
             raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
@@ -256,7 +257,7 @@ def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[
 
 def _build_model(fabric: Fabric, args: FinetuneArgs) -> GPT:
     """The base model on this process's device, adapters applied, trained weights restored on resume."""
-    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=PRECISIONS[args.precision])
+    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=precision_dtype(args.precision))
     if args.mode == "lora":
         apply_lora(model, args.lora)
         mark_only_lora_as_trainable(model)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from litkv.core.validation import require_int
 from litkv.finetune.recall_data import check_shares, load_recall_task, mix_recall_rows
 from litkv.recall import RECALL_FILE
-from litkv.validation import require_int
 
 __all__ = [
     "IGNORE_INDEX",

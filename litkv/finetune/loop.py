@@ -20,11 +20,11 @@ from lightning.fabric import Fabric
 from tqdm.auto import tqdm
 
 from litkv.config import KVCacheConfig
+from litkv.core.validation import require_int
 from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
 from litkv.gradient import chunked_loss_backward
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
-from litkv.validation import require_int
 
 __all__ = [
     "TrainArgs",

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from litkv.validation import is_number, require_int
+from litkv.core.validation import is_number, require_int
 
 __all__ = [
     "LORA_TARGETS",

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from litkv.core.validation import is_number
 from litkv.recall import RecallFormat, RecallTask, encode_plain
-from litkv.validation import is_number
 
 __all__ = ["check_shares", "copy_row", "load_recall_task", "mix_recall_rows", "recall_row"]
 

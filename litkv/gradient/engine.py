@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from litkv.config import KVCacheConfig
+from litkv.core.validation import is_number
 from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
-from litkv.validation import is_number
 
 __all__ = ["chunked_loss_backward", "IGNORE_INDEX"]
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from litkv.core.validation import require_int
 from litkv.kvcache.candidates import (
     Candidates,
     PackedCandidates,
@@ -39,7 +40,6 @@ from litkv.kvcache.candidates import (
 from litkv.kvcache.options import NoOptions, PolicyOptions
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, load_into, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
-from litkv.validation import require_int
 
 if TYPE_CHECKING:
     from litkv.learned.gate import EvictionGates

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from litkv.core.validation import require_int
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.options import PolicyOptions, check_int, parse_options
 from litkv.kvcache.registry import get_kv_cache_class
 from litkv.kvcache.storage_kinds import check_storage_name
-from litkv.validation import require_int
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ChunkPlan", "KVCacheConfig"]
 

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from litkv.core.rope import BoundRope, RopeTable
 from litkv.kvcache.base import Candidates, Placement
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
-from litkv.rope import BoundRope, RopeTable
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["ExpectedAttentionKVCache", "ExpectedAttentionOptions", "quadratic_forms", "rotate", "rotate_half"]
 
@@ -142,7 +142,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     row_state: ClassVar[tuple[str, ...]] = ("stats",)
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self.sinks = self.options.protected_sinks()

@@ -24,7 +24,7 @@ from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["H2OKVCache", "H2OOptions", "query_counts"]
 
@@ -76,7 +76,7 @@ class H2OKVCache(ScoreKVCache):
     slot_state: ClassVar[tuple[str, ...]] = ("attn_sums", "query_counts")
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self.normalize = self.options.normalize_scores

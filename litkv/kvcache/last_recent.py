@@ -18,7 +18,7 @@ from litkv.kvcache.score import OneShot
 from litkv.kvcache.storage import CacheShape
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["LastRecentKVCache"]
 
@@ -32,7 +32,7 @@ class LastRecentKVCache(OneShot):
     heads_share_positions: ClassVar[bool] = True
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self._init_one_shot()

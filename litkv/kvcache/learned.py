@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from litkv.core.rope import BoundRope, RopeTable
 from litkv.kvcache.base import Candidates, KVCache, Placement
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates, unrotate_keys
-from litkv.rope import BoundRope, RopeTable
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["LearnedKVCache", "LearnedOptions", "NO_GATES"]
 
@@ -148,7 +148,7 @@ class LearnedKVCache(ScoreKVCache):
     slot_state: ClassVar[tuple[str, ...]] = ("logits",)
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self.sinks = 0 if self.options.sinks is None else self.options.sinks

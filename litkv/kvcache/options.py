@@ -2,6 +2,8 @@
 
 `KVCacheConfig.options` (a mapping; `--kv_cache.<option>` on the command line, `options:` in YAML) is
 turned into the policy's `Options` instance by `parse_options`; the cache gets it as `self.options`.
+The checks of single values (`check_int`, `check_float`, `check_bool`) are `litkv.core.validation`'s,
+handed on here for the policies' `Options.check`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
+
+from litkv.core.validation import check_bool, check_float, check_int
 
 __all__ = [
     "MODES",
@@ -25,28 +29,6 @@ __all__ = [
 ]
 
 MODES = ("continuous", "one-shot")
-
-
-def check_int(name: str, value: object, minimum: int) -> None:
-    """Raise TypeError unless `value` is an int (not a bool), ValueError if it is below `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def check_float(name: str, value: object, minimum: float | None = None, maximum: float | None = None) -> None:
-    """Raise TypeError unless `value` is a finite real number, ValueError outside `[minimum, maximum]`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        raise TypeError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
-
-
-def check_bool(name: str, value: object) -> None:
-    """Raise TypeError unless `value` is a bool."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_mode(mode: object, budget: object, cache_length: int, protected: int) -> None:

@@ -34,7 +34,7 @@ from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.storage import CacheShape
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["QuantizedH2OKVCache", "QH2OOptions"]
 
@@ -67,7 +67,7 @@ class QuantizedH2OKVCache(H2OKVCache):
     slot_state: ClassVar[tuple[str, ...]] = ("attn_sums", "query_counts", "quant_errors")
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         if config.storage == "float":
             warnings.warn(

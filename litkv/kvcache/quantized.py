@@ -12,7 +12,7 @@ range, about 65,504, need a bfloat16 model).
 
 Reads (`read_prefix`, `read_staged`) dequantise to the model dtype (computed in float32, float64 for
 float64 models). A decode step does not: `read_staged_packed` hands attention the codes, scales and
-offsets as stored (`QuantizedSlots`, views of the buffers), and `litkv.quant_attention` attends them
+offsets as stored (`QuantizedSlots`, views of the buffers), and `litkv.kvcache.quant_attention` attends them
 directly (the scales and offsets are applied to the products per group, never to every slot);
 `Candidates.keys`/`values` are dequantised from them only when a policy reads them. The new tokens of
 a call are attended exactly as they will be read back (`as_stored`, or staged and read from the
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from litkv.core.validation import require_int
+from litkv.kvcache.quant_attention import quant_attend
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, scatter_slots
 from litkv.kvcache.storage_kinds import register_storage
-from litkv.validation import require_int
 
 __all__ = [
     "QuantizedSlots",
@@ -157,7 +158,7 @@ def round_trip_error(x: torch.Tensor, bits: int, group_size: int, scale_dtype: t
 
 @dataclass(frozen=True)
 class QuantizedSlots(PackedSlots):
-    """Quantised slots as stored, for attention over the codes (`litkv.quant_attention.quant_attend`).
+    """Quantised slots as stored, attended from their codes (`attend`: `litkv.kvcache.quant_attention`).
 
     Attributes:
         codes: `(B, G, S, 2, D * bits / 8)` uint8 (index 0 of the fourth axis: key, 1: value).
@@ -181,6 +182,18 @@ class QuantizedSlots(PackedSlots):
         """Dequantised keys and values, each `(B, G, S, D)` in `dtype`."""
         both = dequantize((self.codes, self.scales, self.offsets), self.bits, self.group_size, self.dtype)
         return both[:, :, :, 0], both[:, :, :, 1]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        need_weights: bool,
+        query_valid: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention over the codes, never dequantised (`quant_attend`; shapes as `PackedSlots.attend`)."""
+        return quant_attend(q, self, mask, scale, softcap, need_weights, query_valid)
 
 
 class QuantizedStorage(KVStorage):

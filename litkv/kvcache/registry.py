@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from litkv.core.names import NameRegistry
 from litkv.kvcache.base import KVCache
 
 __all__ = [
@@ -17,7 +18,6 @@ __all__ = [
     "check_policy_loadable",
 ]
 
-_REGISTRY: dict[str, type[KVCache]] = {}
 # Modules whose classes register the built-in policies; imported on the first lookup.
 _BUILTIN_MODULES = (
     "litkv.kvcache.dense",
@@ -31,7 +31,7 @@ _BUILTIN_MODULES = (
     "litkv.kvcache.expected_attention",
     "litkv.kvcache.learned",
 )
-_builtins_loaded = False
+_REGISTRY: NameRegistry[type[KVCache]] = NameRegistry("policy", _BUILTIN_MODULES, forbidden=":")
 
 
 def register_kv_cache(name: str) -> Callable[[type[KVCache]], type[KVCache]]:
@@ -40,39 +40,31 @@ def register_kv_cache(name: str) -> Callable[[type[KVCache]], type[KVCache]]:
     Registering another class under a name that is taken is a ValueError (re-importing the same
     module replaces its own classes).
     """
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"policy name must be a non-empty string without ':', got {name!r}")
 
-    def decorator(cls: type[KVCache]) -> type[KVCache]:
+    def check(cls: object) -> None:
         if not (isinstance(cls, type) and issubclass(cls, KVCache)):
             raise TypeError(f"register_kv_cache({name!r}) expects a KVCache subclass, got {cls!r}")
-        taken = _REGISTRY.get(name)
-        if taken is not None and _qualified(taken) != _qualified(cls):
-            raise ValueError(f"policy name {name!r} is already registered for {_qualified(taken)}")
-        _REGISTRY[name] = cls
-        return cls
 
-    return decorator
+    return _REGISTRY.register(name, check)
 
 
 def known_policies() -> list[str]:
     """Names usable as `KVCacheConfig.policy`, sorted."""
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def check_policy_name(name: str) -> None:
     """Raise ValueError naming the known policies if `name` is neither known nor a `module:Class` path."""
-    _load_builtins()
-    if ":" not in name and name not in _REGISTRY:
+    if ":" not in name and _REGISTRY.get(name) is None:
         raise ValueError(f"unknown KV cache policy {name!r}; known policies: {', '.join(known_policies())}")
 
 
 def get_kv_cache_class(name: str) -> type[KVCache]:
     """The class for a policy name or a `"package.module:Class"` path."""
     check_policy_name(name)
-    if name in _REGISTRY:
-        return _REGISTRY[name]
+    cls = _REGISTRY.get(name)
+    if cls is not None:
+        return cls
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -97,8 +89,7 @@ def check_policy_loadable(name: object, source: str) -> None:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"{source}: the policy name must be a non-empty string, got {name!r:.80}")
-    _load_builtins()
-    if name in _REGISTRY:
+    if _REGISTRY.get(name) is not None:
         return
     hint = "import the module that defines it, or register it with litkv.kvcache.register_kv_cache, before loading"
     if ":" not in name:
@@ -113,15 +104,3 @@ def check_policy_loadable(name: object, source: str) -> None:
     cls = vars(module).get(attr)  # a plain lookup: no module __getattr__ is called
     if not (isinstance(cls, type) and issubclass(cls, KVCache)):
         raise ValueError(f"{source} names policy {name!r}: {attr!r} in {module_name!r} is not a KVCache subclass")
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"

@@ -35,7 +35,7 @@ from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["OneShot", "ScoreKVCache", "compact_slots", "compress_all"]
 
@@ -131,7 +131,7 @@ class ScoreKVCache(OneShot):
     Options: ClassVar[type[PolicyOptions]] = ScoreOptions
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         if not isinstance(self.options, ScoreOptions):

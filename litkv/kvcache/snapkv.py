@@ -33,7 +33,7 @@ from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import CacheShape
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "update_window", "window_attention"]
 
@@ -145,7 +145,7 @@ class SnapKVKVCache(ScoreKVCache):
     row_state: ClassVar[tuple[str, ...]] = ("window",)
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self.best = torch.zeros_like(self.positions, dtype=torch.float32)

@@ -7,11 +7,11 @@ registers when it is imported).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 
+from litkv.core.names import NameRegistry
 from litkv.kvcache.storage import CacheShape, FloatStorage, KVStorage
 
 __all__ = [
@@ -26,9 +26,8 @@ __all__ = [
 # (shape, device, dtype, quant_group_size) -> storage
 StorageFactory = Callable[[CacheShape, "torch.device | None", torch.dtype, int], KVStorage]
 
-_STORAGES: dict[str, StorageFactory] = {}
 _BUILTIN_MODULES = ("litkv.kvcache.quantized",)
-_builtins_loaded = False
+_STORAGES: NameRegistry[StorageFactory] = NameRegistry("storage", _BUILTIN_MODULES)
 
 #: The built-in formats (`known_storages()` lists registered ones too).
 STORAGE_KINDS = ("float", "int8", "int4")
@@ -36,17 +35,7 @@ STORAGE_KINDS = ("float", "int8", "int4")
 
 def register_storage(name: str) -> Callable[[StorageFactory], StorageFactory]:
     """Decorator: make `factory(shape, device, dtype, quant_group_size) -> KVStorage` the format `name`."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"storage name must be a non-empty string, got {name!r}")
-
-    def decorator(factory: StorageFactory) -> StorageFactory:
-        taken = _STORAGES.get(name)
-        if taken is not None and taken.__qualname__ != factory.__qualname__:
-            raise ValueError(f"storage name {name!r} is already registered for {taken.__qualname__}")
-        _STORAGES[name] = factory
-        return factory
-
-    return decorator
+    return _STORAGES.register(name)
 
 
 @register_storage("float")
@@ -56,28 +45,23 @@ def _float(shape: CacheShape, device: torch.device | None, dtype: torch.dtype, g
 
 def known_storages() -> list[str]:
     """Names usable as `KVCacheConfig.storage`, sorted."""
-    _load_builtins()
-    return sorted(_STORAGES)
+    return _STORAGES.names()
 
 
 def check_storage_name(name: object) -> None:
     """ValueError naming the known formats unless `name` is a registered storage format."""
-    _load_builtins()
-    if not isinstance(name, str) or name not in _STORAGES:
-        raise ValueError(f"storage must be one of {known_storages()}, got {name!r}")
+    _factory(name)
 
 
 def make_storage(
     kind: str, shape: CacheShape, device: torch.device | None, dtype: torch.dtype, group_size: int
 ) -> KVStorage:
     """Build the storage named by `KVCacheConfig.storage`."""
-    check_storage_name(kind)
-    return _STORAGES[kind](shape, device, dtype, group_size)
+    return _factory(kind)(shape, device, dtype, group_size)
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
+def _factory(name: object) -> StorageFactory:
+    factory = _STORAGES.get(name)
+    if factory is None:
+        raise ValueError(f"storage must be one of {known_storages()}, got {name!r}")
+    return factory

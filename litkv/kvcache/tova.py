@@ -27,7 +27,7 @@ from litkv.kvcache.snapkv import update_window, window_attention
 from litkv.kvcache.storage import CacheShape
 
 if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
+    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["TOVAKVCache", "TOVAOptions"]
 
@@ -56,7 +56,7 @@ class TOVAKVCache(ScoreKVCache):
     row_state: ClassVar[tuple[str, ...]] = ("last_query",)
 
     def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
         self.needs_queries = self.one_shot  # type: ignore[misc]  # the prompt's last query, one-shot only

@@ -1,5 +1,5 @@
-"""Learned eviction: trainable per-(layer, KV head) gates, their soft training-time attention, and
-the training recipe (`litkv finetune --learn_eviction true`; see docs/learned.md)."""
+"""Learned eviction: trainable per-(layer, KV head) gates and their soft training-time attention (the
+training recipe, `litkv finetune --learn_eviction true`, is `litkv.finetune.gates`; see docs/learned.md)."""
 
 from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
 from litkv.learned.soft import SoftEviction, soft_eviction

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from litkv.rope import apply_rope
+from litkv.core.rope import apply_rope
 
 __all__ = ["GATES_FILE", "EvictionGates", "unrotate_keys"]
 
@@ -118,19 +118,16 @@ class EvictionGates:
                 f"the model has {expected}"
             )
 
-    def save(self, path: str | Path) -> Path:
-        """Write the gates atomically to a safetensors file (tensors + window/sinks in the metadata)."""
-        from safetensors.torch import save_file
-
-        from litkv.atomic import write_atomic
-
+    def file_contents(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The tensors and the metadata of the gates' safetensors file (what `load` reads back; written by
+        `litkv.checkpoint.save_gates`)."""
         tensors = {"weight": self.weight.detach().float().cpu().contiguous(), "bias": self.bias.detach().float().cpu()}
-        meta = {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
-        return write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        return tensors, {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
 
     @classmethod
     def load(cls, path: str | Path) -> EvictionGates:
-        """Read gates written by `save` (safetensors only; ValueError naming the file on anything else)."""
+        """Read gates written by `litkv.checkpoint.save_gates` (safetensors only; ValueError naming the file
+        on anything else)."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)

@@ -207,7 +207,7 @@ class LitKVAPI(ls.LitAPI):
 
     def setup(self, device: str) -> None:
         from litkv.checkpoint import load_model, load_tokenizer
-        from litkv.cli.common import apply_num_threads, resolve_device, resolve_dtype
+        from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
 
         _worker_logging(self.opts.log_level)
         apply_num_threads(self.opts.num_threads)

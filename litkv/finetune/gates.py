@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from litkv.core.validation import require_int
 from litkv.learned.gate import EvictionGates, unrotate_keys
 from litkv.learned.soft import SoftEviction, soft_eviction
-from litkv.validation import require_int
 
 __all__ = ["METHODS", "GateTrainArgs", "StepLog", "train_gates"]
 

@@ -13,11 +13,11 @@ import yaml
 from tqdm.auto import tqdm
 
 from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
-from litkv.checkpoint import find_weights_file, load_model, load_tokenizer
+from litkv.checkpoint import find_weights_file, load_model, load_tokenizer, save_gates
 from litkv.finetune.data import DataArgs, load_examples, split_examples
+from litkv.finetune.gates import GateTrainArgs, StepLog, train_gates
 from litkv.finetune.state import COPIED_FILES, recall_task_files, yaml_safe
 from litkv.learned.gate import GATES_FILE, EvictionGates
-from litkv.learned.train import GateTrainArgs, StepLog, train_gates
 
 __all__ = ["LOG_FILE", "learn_eviction"]
 
@@ -57,7 +57,7 @@ def _write(base_dir: Path, gates: EvictionGates, logs: list[StepLog], settings: 
     for name in (weights.name, *COPIED_FILES, *recall_task_files(base_dir)):
         if (base_dir / name).is_file():
             write_atomic(tmp / name, partial(shutil.copyfile, base_dir / name))
-    gates.save(tmp / GATES_FILE)
+    save_gates(gates, tmp / GATES_FILE)
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["step", "loss", "fit", "keep", "target"])

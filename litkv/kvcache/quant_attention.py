@@ -29,19 +29,32 @@ compiled decode steps compute what eager ones do.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from litkv.kvcache.quantized import QuantizedSlots
-
-__all__ = ["quant_attend"]
+__all__ = ["CodeSlots", "quant_attend"]
 
 # Largest number of score elements held at once (as `attention.WEIGHTS_BLOCK_ELEMENTS`).
 BLOCK_ELEMENTS = 1 << 24
 
 
+class CodeSlots(Protocol):
+    """What the kernel reads of quantised slots (`litkv.kvcache.quantized.QuantizedSlots`)."""
+
+    codes: torch.Tensor  # (B, G, S, 2, D * bits / 8) uint8; index 0 of the fourth axis: key, 1: value
+    scales: torch.Tensor  # (B, G, S, 2, D / group_size)
+    offsets: torch.Tensor  # (B, G, S, 2, D / group_size)
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+
 def quant_attend(
     q: torch.Tensor,
-    slots: QuantizedSlots,
+    slots: CodeSlots,
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
@@ -75,7 +88,7 @@ def quant_attend(
     return y, weights if need_weights else None
 
 
-def _check(q: torch.Tensor, slots: QuantizedSlots, mask: torch.Tensor, query_valid: torch.Tensor | None) -> None:
+def _check(q: torch.Tensor, slots: CodeSlots, mask: torch.Tensor, query_valid: torch.Tensor | None) -> None:
     """Raise ValueError naming the expected and actual shapes when the inputs do not fit together."""
     b, g, s, d = slots.shape
     if q.dim() != 4 or q.shape[0] != b or q.shape[1] % g != 0 or q.shape[3] != d:
