@@ -18,4 +18,3 @@ def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
     from litkv.download import known_checkpoint_dir
 
     return known_checkpoint_dir(checkpoint_dir) or Path(checkpoint_dir)
-
