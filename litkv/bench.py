@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from litkv.atomic import save_dir_atomic, write_atomic, write_special_file, write_text_atomic
+from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ _BASELINE_MB: list[float] = []
 
 def _reset_peak_rss() -> None:
     """Reset the kernel's resident-set high-water mark of this process (Linux); remember the RSS."""
-    write_special_file("/proc/self/clear_refs", "5")
+    write_text_atomic("/proc/self/clear_refs", "5")  # a kernel file: written in place
     _BASELINE_MB.append(_status_mb("VmRSS"))
 
 

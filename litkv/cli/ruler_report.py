@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from litkv.checkpoint import load_model, load_tokenizer, save_file_atomic
+from litkv.atomic import write_atomic
+from litkv.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import apply_num_threads, resolve_device, resolve_dtype
 from litkv.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.recall import RECALL_FILE, RecallFormat
@@ -80,7 +81,7 @@ def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) 
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {**info, "results": [r.to_dict() for r in results]}
     json_path = out_dir / "ruler.json"
-    save_file_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+    write_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
     try:
         plot_ruler(results, out_dir / "ruler.png")
     except ImportError:
@@ -150,7 +151,7 @@ def plot_ruler(results: Sequence[RulerResult], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.supxlabel("cache budget (slots per layer and KV head)", fontsize=9)
     fig.tight_layout()
-    save_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
 
