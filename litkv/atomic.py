@@ -136,10 +136,10 @@ def _make_parent(path: Path) -> None:
 
 def _kind(mode: int) -> str:
     """The name of a file type (for one-line refusals)."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
-        if test(mode):
-            return name
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+             stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}  # fmt: skip
+    if stat.S_IFMT(mode) in kinds:
+        return kinds[stat.S_IFMT(mode)]
     return "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 

@@ -106,7 +106,7 @@ def test_directories_are_refused_and_dir_writes_follow_links(tmp_path: Path) -> 
 
 
 def test_dev_stdout_is_written_through_to_a_pipe_and_a_redirected_file(tmp_path: Path) -> None:
-    code = "print('before', flush=True); from litkv.atomic import write_text_atomic; write_text_atomic('/dev/stdout', 'J')"
+    code = "print('before', flush=True); import litkv.atomic as a; a.write_text_atomic('/dev/stdout', 'J')"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert piped.returncode == 0 and piped.stdout == "before\nJ", piped.stderr
@@ -167,7 +167,8 @@ def test_chat_save_onto_a_device_a_link_and_a_directory(tmp_path: Path) -> None:
     real.write_bytes(b"stale")
     (tmp_path / "link.safetensors").symlink_to(real.name)
     (tmp_path / "dir").mkdir()
-    lines = ["And it came to pass", f"/save {full}", f"/save {tmp_path / 'link.safetensors'}", f"/save {tmp_path / 'dir'}"]
+    saves = (full, tmp_path / "link.safetensors", tmp_path / "dir")
+    lines = ["And it came to pass", *(f"/save {path}" for path in saves)]
     cmd = [sys.executable, "-m", "litkv", "chat", "--kv_cache", "h2o", "--kv_cache.cache_length", "64"]
     cmd += ["--temperature", "0", "--num_threads", "1", "--max_new_tokens", "4"]
     done = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300, cwd=REPO)
