@@ -106,7 +106,11 @@ def test_directories_are_refused_and_dir_writes_follow_links(tmp_path: Path) -> 
 
 
 def test_dev_stdout_is_written_through_to_a_pipe_and_a_redirected_file(tmp_path: Path) -> None:
-    code = "print('before', flush=True); import litkv.atomic as a; a.write_text_atomic('/dev/stdout', 'J')"
+    """`--json_out /dev/stdout`: a link to `/proc/self/fd/1` (made here, so that a broken build can only
+    replace this link, never the machine's own /dev/stdout), written through to a pipe or a file."""
+    stdout = tmp_path / "stdout"
+    stdout.symlink_to("/proc/self/fd/1")
+    code = f"print('before', flush=True); import litkv.atomic as a; a.write_text_atomic({str(stdout)!r}, 'J')"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert piped.returncode == 0 and piped.stdout == "before\nJ", piped.stderr
@@ -114,6 +118,7 @@ def test_dev_stdout_is_written_through_to_a_pipe_and_a_redirected_file(tmp_path:
     with out.open("w") as f:
         done = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, env=env, timeout=60)
     assert done.returncode == 0 and out.read_text() == "before\nJ", done.stderr
+    assert os.readlink(stdout) == "/proc/self/fd/1"
 
 
 NOBODY_SCRIPT = """
