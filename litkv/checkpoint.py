@@ -333,8 +333,10 @@ def load_model(
 def _load_gates(path: Path, config: Config, device: torch.device) -> EvictionGates | None:
     """The eviction gates in `path / GATES_FILE` on `device`, checked against `config`; `None` without the file."""
     gates_file = path / GATES_FILE
-    if not gates_file.is_file():
+    if not gates_file.exists():
         return None
+    if not gates_file.is_file():
+        raise ValueError(f"{str(gates_file)!r} must be an eviction-gates safetensors file, got a directory or device")
     gates = EvictionGates.load(gates_file)
     gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
     return gates.to(device)

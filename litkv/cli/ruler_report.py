@@ -16,6 +16,7 @@ from litkv.cli.common import apply_num_threads, resolve_device, resolve_dtype
 from litkv.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.recall import RECALL_FILE, RecallFormat
 from litkv.ruler import NiahFormat, generate_samples, resolve_tasks, word_list
+from litkv.validation import require_file
 
 __all__ = ["NEAR_ZERO", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
 
@@ -44,8 +45,9 @@ def run_ruler(
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)
     if not 64 <= length <= model.config.block_size:
         raise ValueError(f"the RULER length must be in [64, {model.config.block_size}] (the model's), got {length}")
-    text_path = Path(settings["text_file"] or ckpt / "heldout.txt")
-    if not text_path.is_file():
+    if settings["text_file"] is not None:
+        text_path = require_file("--text_file", settings["text_file"])
+    elif not (text_path := ckpt / "heldout.txt").is_file():
         raise FileNotFoundError(f"no word list source {str(text_path)!r}: pass --text_file (any English text)")
     words = word_list(text_path.read_text(encoding="utf-8"))
     niah = NiahFormat.from_recall(recall) if recall else NiahFormat()

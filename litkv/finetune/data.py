@@ -20,7 +20,7 @@ import torch
 
 from litkv.finetune.recall_data import check_shares, load_recall_task, mix_recall_rows
 from litkv.recall import RECALL_FILE
-from litkv.validation import require_int
+from litkv.validation import require_file, require_int
 
 __all__ = [
     "IGNORE_INDEX",
@@ -105,8 +105,7 @@ def load_examples(
     """
     if args.path is None:
         raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
-    if not args.path.is_file():
-        raise FileNotFoundError(f"data file {str(args.path)!r} does not exist")
+    require_file("--data.path", args.path)
     if args.is_json:
         return _json_examples(args, tokenizer)
     examples = _text_examples(args, tokenizer)
