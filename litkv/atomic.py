@@ -147,7 +147,7 @@ def _links_into_proc(path: Path) -> bool:
     """Whether `path` is, or is a chain of symlinks that reaches, a file under /proc (`/dev/stdout` ->
     `/proc/self/fd/1`: a link to an open file, which must be written through, never renamed over)."""
     for _ in range(40):
-        if str(path).startswith("/proc/"):
+        if str(path).startswith("/proc/") or os.path.realpath(path.parent).startswith("/proc/"):  # /dev/fd/1
             return True
         if not path.is_symlink():
             return False

@@ -111,13 +111,14 @@ def test_dev_stdout_is_written_through_to_a_pipe_and_a_redirected_file(tmp_path:
     stdout = tmp_path / "stdout"
     stdout.symlink_to("/proc/self/fd/1")
     code = f"print('before', flush=True); import litkv.atomic as a; a.write_text_atomic({str(stdout)!r}, 'J')"
+    code += "; a.write_text_atomic('/dev/fd/1', 'K')"  # a link inside /proc: never replaceable, written through
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert piped.returncode == 0 and piped.stdout == "before\nJ", piped.stderr
+    assert piped.returncode == 0 and piped.stdout == "before\nJK", piped.stderr
     out = tmp_path / "out.txt"
     with out.open("w") as f:
         done = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, env=env, timeout=60)
-    assert done.returncode == 0 and out.read_text() == "before\nJ", done.stderr
+    assert done.returncode == 0 and out.read_text() == "before\nJK", done.stderr
     assert os.readlink(stdout) == "/proc/self/fd/1"
 
 

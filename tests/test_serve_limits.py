@@ -210,6 +210,7 @@ def test_finish_reason_is_length_when_max_tokens_cut_the_reply(server: tuple) ->
         ({"seed": -(1 << 63) - 1}, "seed", "64 bits"),
         ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages", "lone surrogate"),
         ({"stop": ["\udfff"]}, "stop", "lone surrogate"),
+        ({"stream": True, "messages": [{"role": "user", "content": "\ud83d"}]}, "messages", "lone surrogate"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
         ({"logprobs": True}, "logprobs", "not supported"),
         ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
