@@ -124,3 +124,15 @@ def test_generate_with_a_negative_threshold_and_the_checkpoint_last(tmp_path: Pa
           "--max_new_tokens", "2", "--num_threads", "1", str(ckpt)])  # fmt: skip
     captured = capsys.readouterr()
     assert "cache: learned" in captured.err + captured.out, captured
+
+
+def test_a_nan_loss_stops_finetuning(tmp_path: Path) -> None:
+    """A learning rate of 1e38 makes the second step's loss NaN: the run stops there, no final/."""
+    from test_finetune import CACHE, SEQ, cli, make_checkpoint
+
+    base = make_checkpoint(tmp_path / "base")
+    text = write_text(tmp_path / "t.txt", 120)
+    with pytest.raises(ValueError, match=r"^training stopped at step 2: the loss is nan; nothing more was saved"):
+        cli(base, "--data.path", text, "--data.seq_length", SEQ, *CACHE, "--train.max_steps", "4",
+            "--train.global_batch_size", "2", "--train.lr", "1e38", "--out_dir", tmp_path / "out")  # fmt: skip
+    assert not (tmp_path / "out" / "final").exists()
