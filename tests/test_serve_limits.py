@@ -254,6 +254,7 @@ def test_serve_options_are_checked_at_start(ckpt: Path, capsys: pytest.CaptureFi
         (["--timeout", "-1"], "--timeout must be a number of seconds > 0, got -1.0"),
         (["--body_timeout", "0"], "--body_timeout must be a number of seconds > 0"),
         (["--api_key", ""], "--api_key must not be empty"),
+        (["--seed", str(1 << 64)], "--seed must be an int in [-9223372036854775808, 18446744073709551615]"),
     ):
         with pytest.raises(SystemExit) as exc:
             main(["serve", str(ckpt), *args])

@@ -83,6 +83,7 @@ def serve(
     if default_max_tokens > max_tokens:
         raise ValueError(f"default_max_tokens ({default_max_tokens}) must be <= max_tokens ({max_tokens})")
     _check_serving_options(host, api_key, top_k, timeout, body_timeout)
+    require_int("--seed", seed, -(1 << 63), (1 << 64) - 1, note=" (64 bits)")
     dev = resolve_device(device)
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
