@@ -72,6 +72,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     positional: list[str] = []
     if len(argv) >= 2 and argv[0] in CHECKPOINT_POSITIONAL and not argv[1].startswith("-"):
         positional = ["--checkpoint_dir", argv.pop(1)]  # goes last, so that no --config overrides it
+    elif argv and argv[0] in CHECKPOINT_POSITIONAL and _stray_last(argv):
+        positional = ["--checkpoint_dir", argv.pop()]  # `litkv generate --prompt hi DIR`
     out: list[str] = []
     prompts: list[str] = []
     prompt_at: int | None = None
@@ -95,6 +97,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             )
         if name in FLAGS and value is None and (i == len(argv) or argv[i].startswith("-")):
             value = "true"
+        if value is None and i < len(argv) and _is_negative_number(argv[i]):
+            value, i = argv[i], i + 1  # `--kv_cache.threshold -1e30`: argparse takes -1e30 for an option
         if name in ("--kv_cache", "--prompt") and value is None and i < len(argv):
             value, i = argv[i], i + 1
         if name == "--prompt" and value is not None:
@@ -110,6 +114,30 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
         # surrogate pairs that jsonargparse's YAML loader refuses.
         out[prompt_at:prompt_at] = ["--prompt", json.dumps(prompts, ensure_ascii=False)]
     return out + positional
+
+
+def _is_negative_number(token: str) -> bool:
+    """Whether `token` is a negative number (`-1e30`, `-inf`, `-.5`) rather than an option."""
+    if not token.startswith("-") or token.startswith("--"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _stray_last(argv: Sequence[str]) -> bool:
+    """Whether the last token of `argv` (command first) stands where an option was expected: a checkpoint
+    directory given after the options. `--name value` pairs, `--name=value` and bare `FLAGS` are options."""
+    i = 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-"):
+            return token != "--" and i == len(argv) - 1
+        bare_flag = _option_name(token)[0] in FLAGS and (i + 1 == len(argv) or argv[i + 1] not in ("true", "false"))
+        i += 1 if "=" in token or bare_flag or not token.startswith("--") else 2
+    return False
 
 
 def _policy_option_name(name: str) -> str:

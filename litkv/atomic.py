@@ -16,6 +16,12 @@ fails for lack of space or permission (ENOSPC, EDQUOT, EFBIG, EACCES, EPERM, ERO
 it as one line). A process killed mid-write leaves only a temporary name behind: it never ends in a
 data suffix, so no reader takes it for data, and `remove_stale_temp_files` (called when a directory
 is next opened by a litkv writer) removes those whose writing process is gone.
+
+What is at the target decides how it is written (`resolve_target`), so a write never replaces what it
+must not: a symlink is followed and its target written atomically (the link stays); a character device
+or FIFO (`/dev/null`, a pipe), an open file reached through /proc (`--json_out /dev/stdout`) and a
+kernel file under /proc or /sys are written through in place; a block device, a socket and a directory
+are refused with one line. `write_atomic` and `save_dir_atomic` share one error tail (`_guarded`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -35,11 +42,11 @@ __all__ = [
     "FileWriteError",
     "is_temp_name",
     "remove_stale_temp_files",
+    "resolve_target",
     "save_dir_atomic",
     "temp_files",
     "write_atomic",
     "write_bytes_atomic",
-    "write_special_file",
     "write_text_atomic",
 ]
 
@@ -116,7 +123,7 @@ def _fsync(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _make_parent(path: Path, file: bool = True) -> None:
+def _make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -125,40 +132,122 @@ def _make_parent(path: Path, file: bool = True) -> None:
         raise _clear_error(path, err) from err
     if not path.parent.is_dir():
         raise NotADirectoryError(f"cannot write {str(path)!r}: {str(path.parent)!r} is not a directory")
-    if file and path.is_dir():
+
+
+def _kind(mode: int) -> str:
+    """The name of a file type (for one-line refusals)."""
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+             stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}  # fmt: skip
+    if stat.S_IFMT(mode) in kinds:
+        return kinds[stat.S_IFMT(mode)]
+    return "a regular file" if stat.S_ISREG(mode) else "a special file"
+
+
+def _links_into_proc(path: Path) -> bool:
+    """Whether `path` is, or is a chain of symlinks that reaches, a file under /proc (`/dev/stdout` ->
+    `/proc/self/fd/1`: a link to an open file, which must be written through, never renamed over)."""
+    for _ in range(40):
+        if str(path).startswith("/proc/") or os.path.realpath(path.parent).startswith("/proc/"):  # /dev/fd/1
+            return True
+        if not path.is_symlink():
+            return False
+        path = Path(os.path.normpath(path.parent / os.readlink(path)))
+    return False
+
+
+def resolve_target(path: str | Path, directory: bool = False) -> tuple[Path, bool]:
+    """Where a write of `path` lands, and whether it is written in place (`True`) or replaced by a rename.
+
+    A symlink is followed (the link stays, its target gets the new content); a character device or FIFO
+    (`/dev/null`, a pipe), an open file reached through /proc (`/dev/stdout`) and a kernel file under
+    /proc or /sys are written through, in place; a block device or socket is refused, and so is a
+    directory for a file (a file for a directory, when `directory`): never replaced.
+
+    Raises:
+        IsADirectoryError / NotADirectoryError / FileWriteError (EINVAL): a target that must not be replaced.
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # a new file (or a dangling link: create its target)
+        return (Path(os.path.realpath(path)) if path.is_symlink() else path), False
+    except OSError as err:
+        raise _clear_error(path, err) from err
+    if directory:
+        if not stat.S_ISDIR(mode):
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot write directory {str(path)!r}: it is {_kind(mode)}")
+        return Path(os.path.realpath(path)), False
+    if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, f"cannot write {str(path)!r}: it is a directory")
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode) or _links_into_proc(path) or str(path).startswith("/sys/"):
+        return path, True
+    if not stat.S_ISREG(mode):
+        raise FileWriteError(errno.EINVAL, f"cannot write {str(path)!r}: it is {_kind(mode)}; litkv never replaces one")
+    return (Path(os.path.realpath(path)) if path.is_symlink() else path), False
+
+
+def _guarded(path: Path, body: Callable[[], None], cleanup: Callable[[], None]) -> None:
+    """Run `body`; on any error run `cleanup` and raise the error (as `FileWriteError` naming `path` for
+    a space/permission error). The one error tail of every write."""
+    try:
+        body()
+    except BaseException as err:
+        cleanup()
+        clear = _clear_error(path, err)
+        if clear is err:
+            raise
+        raise clear from err
 
 
 def write_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
     """Write `path` atomically: `write_fn(tmp)` writes the content to the temporary file `tmp` (next to
     `path`), which is then fsynced and renamed over `path`; the directory is fsynced too.
 
+    A symlink `path` is written at its target (atomically there; the link is kept). A character device,
+    FIFO or /proc, /sys file is written through in place (`write_fn` fills a private temporary file
+    first); a block device, socket or directory is refused (`resolve_target`). Returns the path written.
+
     Raises:
         FileWriteError: no space, no permission or a read-only file system (naming `path`).
         NotADirectoryError / IsADirectoryError: the parent is not a directory / `path` is one.
         Anything `write_fn` raises; in every case the temporary file is gone and `path` is unchanged.
     """
-    path = Path(path)
+    path, in_place = resolve_target(path)
+    if in_place:
+        _guarded(path, lambda: _write_through(path, write_fn), lambda: None)
+        return path
     _make_parent(path)
     try:
         tmp = _temp_sibling(path, _create_file)
     except OSError as err:
         raise _clear_error(path, err) from err
-    try:
+
+    def body() -> None:
         mode = stat.S_IMODE(tmp.stat().st_mode)  # 0o666 & ~umask
         write_fn(tmp)
         if stat.S_IMODE(tmp.stat().st_mode) != mode:  # e.g. safetensors writes its files with 0o600
             os.chmod(tmp, mode)
         _fsync(tmp)
         os.replace(tmp, path)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)
-        clear = _clear_error(path, err)
-        if clear is err:
-            raise
-        raise clear from err
+
+    _guarded(path, body, lambda: tmp.unlink(missing_ok=True))
     _fsync(path.parent, directory=True)
     return path
+
+
+def _write_through(path: Path, write_fn: Callable[[Path], None]) -> None:
+    """`write_fn` into a private temporary file, then its bytes into the device/FIFO/kernel file `path`
+    (opened without creating or truncating anything: the node itself is never replaced)."""
+    with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as scratch:
+        tmp = Path(scratch) / path.name
+        write_fn(tmp)
+        append = os.O_APPEND if stat.S_ISREG(os.stat(path).st_mode) else 0  # a redirected stdout: after its text
+        fd = os.open(path, os.O_WRONLY | append)
+        with open(tmp, "rb") as src, os.fdopen(fd, "wb", buffering=0) as dst:
+            while block := src.read(1 << 20):
+                view = memoryview(block)
+                while view:
+                    view = view[dst.write(view) :]
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
@@ -171,36 +260,24 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def write_special_file(path: str | Path, text: str) -> None:
-    """Write `text` to a kernel interface file (`/proc/...`) in place: such files are not data and
-    cannot be replaced by a rename. Anything else is refused (use `write_atomic`)."""
-    path = Path(path)
-    if not str(path).startswith(("/proc/", "/sys/")):
-        raise ValueError(f"write_special_file writes /proc or /sys files only, got {str(path)!r}")
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def save_dir_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
     """Write directory `path` atomically: `write_fn(tmp_dir)` fills a temporary directory next to it
-    (with `write_atomic` for each file), which is then renamed to `path` (an existing `path` is replaced).
+    (with `write_atomic` for each file), which is then renamed to `path` (an existing directory `path`
+    is replaced; a symlink to a directory is followed; anything else at `path` is refused).
 
     On any error the temporary directory is removed and an existing `path` is kept, so an incomplete
     directory is never found under the name `path`.
     """
-    path = Path(path)
-    _make_parent(path, file=False)
+    path, _ = resolve_target(path, directory=True)
+    _make_parent(path)
     tmp = _temp_sibling(path, lambda p: p.mkdir(mode=0o777))
-    try:
+
+    def body() -> None:
         write_fn(tmp)
         _fsync(tmp, directory=True)
         _replace_dir(tmp, path)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        clear = _clear_error(path, err)
-        if clear is err:
-            raise
-        raise clear from err
+
+    _guarded(path, body, lambda: shutil.rmtree(tmp, ignore_errors=True))
     _fsync(path.parent, directory=True)
     return path
 

@@ -9,8 +9,8 @@ containers of them) is refused. YAML is read with `yaml.safe_load` only.
 Every file that cannot be used (truncated, corrupt, wrong type, wrong dtype, NaN/inf weights, an
 inconsistent config) raises a ValueError that names the file and what is wrong.
 
-Writes go through `litkv.atomic` (re-exported here: `save_file_atomic`, `save_dir_atomic`,
-`remove_stale_temp_files`, `is_temp_name`, `TMP_PREFIX`): a file or a whole directory is written under
+Writes go through `litkv.atomic` (`write_atomic`, `save_dir_atomic`; `remove_stale_temp_files`,
+`is_temp_name` and `TMP_PREFIX` are re-exported here): a file or a whole directory is written under
 a temporary name in the target's directory and renamed into place when complete, so a process killed
 mid-write leaves only temporary names behind, never taken for a checkpoint.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from litkv.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, save_dir_atomic, write_atomic
+from litkv.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
 from litkv.config import Config
 from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.model import GPT
@@ -50,8 +50,6 @@ __all__ = [
     "load_tokenizer",
     "remove_stale_temp_files",
     "safe_torch_load",
-    "save_dir_atomic",
-    "save_file_atomic",
     "save_gates",
     "save_state_dict_atomic",
 ]
@@ -342,8 +340,10 @@ def save_gates(gates: EvictionGates, path: str | Path) -> Path:
 def _load_gates(path: Path, config: Config, device: torch.device) -> EvictionGates | None:
     """The eviction gates in `path / GATES_FILE` on `device`, checked against `config`; `None` without the file."""
     gates_file = path / GATES_FILE
-    if not gates_file.is_file():
+    if not gates_file.exists():
         return None
+    if not gates_file.is_file():
+        raise ValueError(f"{str(gates_file)!r} must be an eviction-gates safetensors file, got a directory or device")
     gates = EvictionGates.load(gates_file)
     gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
     return gates.to(device)
@@ -423,10 +423,6 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
 
 
 # -- atomic writes (litkv.atomic) -------------------------------------------------------------------
-
-
-#: The name earlier versions of this module had for `litkv.atomic.write_atomic`.
-save_file_atomic = write_atomic
 
 
 def save_state_dict_atomic(path: str | Path, state_dict: Mapping[str, torch.Tensor]) -> Path:

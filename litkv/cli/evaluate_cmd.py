@@ -20,6 +20,7 @@ from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.cli.ruler_report import run_ruler
 from litkv.config import KVCacheConfig
+from litkv.core.validation import require_file, require_int
 from litkv.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
 from litkv.kvcache.registry import known_policies
 from litkv.recall import RECALL_FILE, RecallTask, encode_plain
@@ -95,6 +96,7 @@ def evaluate(
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     if tasks is not None:
+        require_int("--task_samples", task_samples, 1)
         ruler_settings = {
             "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
             "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
@@ -203,10 +205,7 @@ def _resolve_policies(policies: list[str] | str | None) -> list[str]:
 
 def _text_path(ckpt: Path, text_file: Path | None, task: RecallTask | None) -> Path:
     if text_file is not None:
-        path = Path(text_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"text file {str(path)!r} does not exist")
-        return path
+        return require_file("--text_file", text_file)
     path = ckpt / (task.fmt.filler_file if task else "heldout.txt")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint directory {str(ckpt)!r} has no {path.name}: pass --text_file")

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from litkv.checkpoint import load_tokenizer, save_file_atomic
+from litkv.atomic import write_atomic
+from litkv.checkpoint import load_tokenizer
+from litkv.core.validation import require_file
 from litkv.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.recall import RECALL_FILE, RecallFormat
 from litkv.ruler import NiahFormat, generate_samples, resolve_tasks, word_list
@@ -41,8 +43,9 @@ def run_ruler(
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)
     if not 64 <= length <= model.config.block_size:
         raise ValueError(f"the RULER length must be in [64, {model.config.block_size}] (the model's), got {length}")
-    text_path = Path(settings["text_file"] or ckpt / "heldout.txt")
-    if not text_path.is_file():
+    if settings["text_file"] is not None:
+        text_path = require_file("--text_file", settings["text_file"])
+    elif not (text_path := ckpt / "heldout.txt").is_file():
         raise FileNotFoundError(f"no word list source {str(text_path)!r}: pass --text_file (any English text)")
     words = word_list(text_path.read_text(encoding="utf-8"))
     niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
@@ -78,7 +81,7 @@ def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) 
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {**info, "results": [r.to_dict() for r in results]}
     json_path = out_dir / "ruler.json"
-    save_file_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+    write_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
     try:
         plot_ruler(results, out_dir / "ruler.png")
     except ImportError:
@@ -148,7 +151,7 @@ def plot_ruler(results: Sequence[RulerResult], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.supxlabel("cache budget (slots per layer and KV head)", fontsize=9)
     fig.tight_layout()
-    save_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
 

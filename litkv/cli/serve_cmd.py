@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from pathlib import Path
 
 from litkv.checkpoint import check_checkpoint_dir
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
-from litkv.core.validation import require_int
+from litkv.core.validation import is_number, require_int
 from litkv.runtime import resolve_device
 
 __all__ = ["serve"]
 
 _DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=256)  # never mutated
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(
@@ -36,6 +39,7 @@ def serve(
     device: str | None = None,
     num_threads: int | None = None,
     timeout: float = 600.0,
+    body_timeout: float = 30.0,
 ) -> None:
     """Serve a checkpoint over the OpenAI chat API; each conversation's cache state is kept and reused.
 
@@ -65,6 +69,7 @@ def serve(
         device: "cpu", "cuda", ... Default: CUDA if available.
         num_threads: CPU threads for torch. Default: torch's choice.
         timeout: Seconds a request may wait and run.
+        body_timeout: Seconds a request's body may take to arrive (a slower one gets 408).
     """
     from litkv.serve.api import ServeOptions, build_server, drain_on_sigterm
 
@@ -80,15 +85,38 @@ def serve(
         require_int(name, value, low)
     if default_max_tokens > max_tokens:
         raise ValueError(f"default_max_tokens ({default_max_tokens}) must be <= max_tokens ({max_tokens})")
+    _check_serving_options(host, api_key, top_k, timeout, body_timeout)
+    require_int("--seed", seed, -(1 << 63), (1 << 64) - 1, note=" (64 bits)")
     dev = resolve_device(device)
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-        top_k=top_k, stop_at_newline=stop_at_newline, seed=seed, api_key=api_key, num_threads=num_threads,
+        body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, seed=seed, api_key=api_key,
+        num_threads=num_threads,
     )  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = build_server(opts, timeout=timeout)
     assert opts.cancel_dir is not None  # build_server made it
     drain_on_sigterm(server, opts.cancel_dir, limit_s=timeout)
     server.run(host=host, port=port, generate_client_file=False, num_api_servers=1)
+
+
+def _check_serving_options(
+    host: str, api_key: str | None, top_k: int | None, timeout: float, body_timeout: float
+) -> None:
+    """ValueError (one line) for an option that cannot work; a warning line on stderr for a server open to
+    the network without an API key."""
+    if top_k is not None:
+        require_int("--top_k", top_k, 1, note=" (--top_k null samples from every token)")
+    for name, value in (("timeout", timeout), ("body_timeout", body_timeout)):
+        if not is_number(value) or not 0 < value < math.inf:
+            raise ValueError(f"--{name} must be a number of seconds > 0, got {value!r}")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api_key must not be empty (leave it out to serve without a key)")
+    if api_key is None and host not in LOOPBACK:
+        print(
+            f"warning: --host {host} serves other machines without an API key: anyone who can reach it may "
+            "use it (set --api_key)",
+            file=sys.stderr,
+        )

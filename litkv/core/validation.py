@@ -6,7 +6,9 @@ for an int (`True` is not a batch size).
 
 from __future__ import annotations
 
-__all__ = ["check_bool", "check_float", "check_int", "is_int", "is_number", "one_line", "require_int"]
+from pathlib import Path
+
+__all__ = ["check_bool", "check_float", "check_int", "is_int", "is_number", "one_line", "require_file", "require_int"]
 
 
 def is_int(value: object) -> bool:
@@ -55,6 +57,18 @@ def check_bool(name: str, value: object) -> None:
     """TypeError unless `value` is a bool."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def require_file(option: str, path: str | Path) -> Path:
+    """`path` if it is a file; else FileNotFoundError (missing) or ValueError (a directory or another
+    kind), naming the option the user passed it with."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"{option} {str(path)!r} does not exist")
+    kind = "a directory" if path.is_dir() else "not a regular file"
+    raise ValueError(f"{option} {str(path)!r} is {kind}; it must be a file")
 
 
 def one_line(err: BaseException) -> str:

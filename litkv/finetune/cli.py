@@ -187,6 +187,16 @@ def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> No
             f"learn_eviction={learn_eviction!r}, kv_cache.policy={args.kv_cache.policy!r} (the other policies "
             "are fine-tuned through the cache without --learn_eviction)"
         )
+    if args.resume is not None:
+        raise ValueError(
+            f"--resume does not apply to --learn_eviction true (gates are trained afresh), got --resume {args.resume}"
+        )
+    protected = learn.window + learn.sinks
+    if protected >= args.data.seq_length:
+        raise ValueError(
+            f"--learn.window + --learn.sinks ({learn.window} + {learn.sinks}) must be < --data.seq_length "
+            f"({args.data.seq_length}): no token would be outside the window for the gates to learn on"
+        )
     device = "cuda" if torch.cuda.is_available() else None
     path = run_learn_eviction(args.checkpoint_dir, args.data, learn, args.out_dir, device)
     tqdm.write(f"saved {path}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from litkv.core.validation import require_int
+from litkv.core.validation import require_file, require_int
 from litkv.finetune.recall_data import check_shares, load_recall_task, mix_recall_rows
 from litkv.recall import RECALL_FILE
 
@@ -105,8 +105,7 @@ def load_examples(
     """
     if args.path is None:
         raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
-    if not args.path.is_file():
-        raise FileNotFoundError(f"data file {str(args.path)!r} does not exist")
+    require_file("--data.path", args.path)
     if args.is_json:
         return _json_examples(args, tokenizer)
     examples = _text_examples(args, tokenizer)

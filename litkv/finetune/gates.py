@@ -147,6 +147,11 @@ def train_gates(
             loss, fit, keep = _distill_loss(model, gates, ids, targets, args, target, temperature)
         else:
             loss, fit, keep = _regress_loss(model, gates, ids, args)
+        if not torch.isfinite(loss):
+            raise ValueError(
+                f"gate training stopped at step {step}: the loss is {float(loss.detach())} (fit {fit}, keep {keep}); "
+                "nothing was saved (try a smaller --learn.lr, or check --learn.window against --data.seq_length)"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

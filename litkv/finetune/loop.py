@@ -253,6 +253,11 @@ def fit(run: TrainingRun) -> None:
     while run.step < train.max_steps:
         start = time.perf_counter()
         loss, tokens = _train_step(run, params)
+        if not math.isfinite(loss):  # the same all-reduced value on every process: all stop together
+            raise ValueError(
+                f"training stopped at step {run.step + 1}: the loss is {loss}; nothing more was saved "
+                "(try a smaller --train.lr or --train.max_norm)"
+            )
         window_seconds += time.perf_counter() - start
         run.step += 1
         window_tokens += tokens

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import yaml
 
-from litkv.atomic import write_atomic, write_text_atomic
+from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
@@ -33,7 +33,6 @@ from litkv.checkpoint import (
     is_temp_name,
     load_state_dict,
     safe_torch_load,
-    save_dir_atomic,
     save_state_dict_atomic,
 )
 from litkv.finetune.lora import lora_state_dict, merged_state_dict

@@ -140,7 +140,7 @@ class EvictionGates:
                         f"{str(path)!r} is not an eviction-gates file: expected format {_FORMAT!r} with tensors "
                         f"['bias', 'weight'], got format {meta.get('format')!r} with {sorted(keys)}"
                     )
-                weight, bias = f.get_tensor("weight").float(), f.get_tensor("bias").float()
+                weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{str(path)!r} is not a readable safetensors file: {err}") from err
         try:
@@ -149,6 +149,12 @@ class EvictionGates:
             raise ValueError(
                 f"{str(path)!r}: metadata needs integer 'window' and 'sinks', got {json.dumps(meta)}"
             ) from err
+        if not (weight.is_floating_point() and bias.is_floating_point()):
+            raise ValueError(
+                f"{str(path)!r}: the gates must be floating-point tensors, got weight {weight.dtype} "
+                f"and bias {bias.dtype}"
+            )
+        weight, bias = weight.float(), bias.float()
         if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
             raise ValueError(f"{str(path)!r}: the gates hold NaN or inf")
         return cls(weight, bias, window, sinks)

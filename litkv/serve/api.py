@@ -9,6 +9,7 @@ next decode step and stores nothing for that turn.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -19,23 +20,24 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import litserve as ls
 from fastapi import BackgroundTasks, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from litserve.specs.openai import ChatCompletionRequest, OpenAISpec
+from litserve.utils import LitAPIStatus
+from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
 from litkv.config import KVCacheConfig
 from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages
+from litkv.serve.fields import NO_OP, unsupported_field
+from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
 from litkv.serve.store import StateStore
 
 __all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
-
-DRAINING = "DRAINING"  # marker file in the run directory: refuse new requests
-INFLIGHT = "inflight-"  # one marker file per chat request in flight
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class ServeOptions:
     default_max_tokens: int = 128
     max_prompt_tokens: int = 8192
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0
     top_k: int | None = 50
     stop_at_newline: bool = True
     seed: int = 1234
@@ -64,37 +67,73 @@ class ServeOptions:
     log_level: str = "INFO"
 
 
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not a boolean ({str(value).lower()})")  # noqa: TRY004 (pydantic's error)
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_not_bool)]
+Integer = Annotated[int, BeforeValidator(_not_bool)]
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+
 class ChatRequest(ChatCompletionRequest):
-    """OpenAI's chat completion body, with the `seed` field LitServe's model leaves out."""
+    """OpenAI's chat completion body, with the `seed` field LitServe's model leaves out; numbers are not
+    booleans (nor booleans numbers), and unknown fields are kept so that they can be refused by name."""
 
-    seed: int | None = None
+    model_config = ConfigDict(extra="allow")
 
-
-def error_body(message: str, code: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    kind = "authentication_error" if code == "invalid_api_key" else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    seed: Integer | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
+    n: Integer | None = 1
+    temperature: Number | None = 0.7
+    top_p: Number | None = 1.0
+    presence_penalty: Number | None = 0.0
+    frequency_penalty: Number | None = 0.0
+    stream: StrictBool | None = False
+    tools: Any = None  # not implemented: any value but an empty one is refused by name (litkv.serve.fields)
+    tool_choice: Any = None
+    response_format: Any = None
+    reasoning_effort: Any = None
 
 
 def _http_error(err: RequestError) -> HTTPException:
     return HTTPException(err.status, detail=error_body(str(err), err.code, err.param))
 
 
+def _valid_unicode(text: str, where: str) -> str:
+    """`text`, or RequestError for a lone surrogate (JSON's `\\ud800`: not a character, no token)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(
+            f"{where} is not valid Unicode: a lone surrogate {text[err.start]!r} at character {err.start}",
+            param=where.split("[")[0].split(".")[0],
+        ) from None
+    return text
+
+
 def _message_text(content: Any, index: int) -> str:
     if isinstance(content, str):
-        return content
+        return _valid_unicode(content, f"messages[{index}].content")
     if isinstance(content, list):
         parts = []
         for part in content:
             if getattr(part, "type", None) != "text":
                 raise RequestError(f"messages[{index}].content: only text parts are supported", param="messages")
             parts.append(part.text)
-        return "".join(parts)
+        return _valid_unicode("".join(parts), f"messages[{index}].content")
     raise RequestError(f"messages[{index}].content must be a string", param="messages")
 
 
 def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnRequest:
-    """The checked turn of a request; RequestError (a 4xx) for anything out of bounds."""
+    """The checked turn of a request; RequestError (a 4xx) for anything out of bounds or not implemented."""
+    given = {name: getattr(request, name) for name in request.model_fields_set if name in NO_OP}
+    field = unsupported_field({**given, **(request.model_extra or {})})
+    if field is not None:
+        raise RequestError(f"{field!r} is not supported by this server; leave it out", param=field)
     if request.model not in (None, "", opts.model_name):
         raise RequestError(
             f"model {request.model!r} does not exist; this server serves {opts.model_name!r}",
@@ -122,7 +161,10 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop must be a non-empty string or a list of at most 4 of them", param="stop")
+    stop = [_valid_unicode(s, "stop") for s in stop]
     seed = getattr(request, "seed", None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise RequestError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits), got {seed}", param="seed")
     return TurnRequest(
         messages,
         max_tokens,
@@ -186,16 +228,35 @@ class LitKVSpec(OpenAISpec):
         request.metadata = {**(request.metadata or {}), "litkv_id": uuid.uuid4().hex}
         return await super().chat_completion(request, background_tasks)
 
+    async def non_streaming_completion(self, request: ChatCompletionRequest, generator_list: list) -> Any:
+        reasons: dict[str, str] = {}
+        response = await super().non_streaming_completion(request, [_finish_reason(g, reasons) for g in generator_list])
+        for choice in response.choices:
+            choice.finish_reason = reasons.get("finish_reason", "stop")
+        return response
+
     async def streaming_completion(self, request: ChatCompletionRequest, pipe_responses: list) -> Any:
         finished = False
+        reasons: dict[str, str] = {}
         try:
-            async for chunk in super().streaming_completion(request, pipe_responses):
+            pipes = [_finish_reason(p, reasons) for p in pipe_responses]
+            async for chunk in super().streaming_completion(request, pipes):
+                if reasons.get("finish_reason", "stop") != "stop":  # LitServe's last chunk says "stop"
+                    chunk = chunk.replace('"finish_reason":"stop"', f'"finish_reason":"{reasons["finish_reason"]}"')
                 yield chunk
             finished = True
         finally:
             if not finished and self.opts.cancel_dir is not None:
                 (Path(self.opts.cancel_dir) / request.metadata["litkv_id"]).touch()
                 log.info("client went away: turn %s cancelled", request.metadata["litkv_id"])
+
+
+async def _finish_reason(pipe: Any, seen: dict[str, str]) -> Any:
+    """Pass a worker's outputs on, noting the `finish_reason` of the turn's last one in `seen`."""
+    async for response, status in pipe:
+        if status != LitAPIStatus.ERROR and isinstance(response, str) and '"finish_reason"' in response:
+            seen["finish_reason"] = json.loads(response).get("finish_reason") or "stop"
+        yield response, status
 
 
 class LitKVAPI(ls.LitAPI):
@@ -265,6 +326,7 @@ class LitKVAPI(ls.LitAPI):
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": result.prompt_tokens + completion,
+            "finish_reason": result.finish_reason,
         }
 
 
@@ -277,50 +339,6 @@ def _worker_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
         root.addHandler(handler)
         root.propagate = False  # LitServe's own handlers would print each line twice
-
-
-class _Guard:
-    """ASGI middleware: API key (``Authorization: Bearer KEY`` or ``X-API-Key``) on /v1 paths, and the
-    body size limit (by Content-Length), both answered with OpenAI-style error bodies; while the server
-    drains (SIGTERM), new /v1 requests get 503; each chat request in flight has a marker file in `run_dir`."""
-
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, run_dir: Path | None = None) -> None:
-        self.app = app
-        self.run_dir = run_dir
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refusal = self._refusal(scope.get("path", ""), headers)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            return
-        marker = None
-        if self.run_dir is not None and scope.get("path", "").startswith("/v1/chat"):
-            marker = Path(self.run_dir) / f"{INFLIGHT}{uuid.uuid4().hex}"
-            marker.touch()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if marker is not None:
-                marker.unlink(missing_ok=True)
-
-    def _refusal(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
-        if self.run_dir is not None and path.startswith("/v1") and (Path(self.run_dir) / DRAINING).exists():
-            return JSONResponse(error_body("the server is shutting down", "server_shutting_down"), status_code=503)
-        if self.api_key is not None and path.startswith("/v1"):
-            given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if given != self.api_key:
-                return JSONResponse(error_body("invalid or missing API key", "invalid_api_key"), status_code=401)
-        length = headers.get("content-length", "0")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
-            message = f"the request body must be at most {self.max_body_bytes} bytes"
-            return JSONResponse(error_body(message, "request_too_large"), status_code=413)
-        return None
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> JSONResponse:
@@ -352,7 +370,17 @@ def build_server(opts: ServeOptions, timeout: float = 600.0) -> ls.LitServer:
         devices=1,
         workers_per_device=1,
         timeout=timeout,
-        middlewares=[(_Guard, {"api_key": opts.api_key, "max_body_bytes": opts.max_body_bytes})],
+        middlewares=[
+            (
+                Guard,
+                {
+                    "api_key": opts.api_key,
+                    "max_body_bytes": opts.max_body_bytes,
+                    "run_dir": opts.cancel_dir,
+                    "body_timeout": opts.body_timeout,
+                },
+            )
+        ],  # fmt: skip
     )
     server.app.add_exception_handler(HTTPException, _http_exception)
     server.app.add_exception_handler(RequestValidationError, _validation_error)
