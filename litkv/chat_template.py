@@ -28,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from litkv.recall import encode_plain
+
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
@@ -57,15 +59,6 @@ class Format(Protocol):
         """Segments of `messages`; `replies[i]`: the token ids of assistant message `i` when known (else
         `None`); `first`: the conversation starts at position 0 (BOS); a generation prompt at the end."""
         ...
-
-
-def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
-    """`text`'s ids with no special token added (special tokens written in the text are kept)."""
-    if not text:
-        return []
-    if tokenizer.backend == "huggingface":
-        return list(tokenizer.processor.encode(text, add_special_tokens=False).ids)
-    return list(tokenizer.processor.encode(text))
 
 
 class RawFormat:
@@ -104,13 +97,12 @@ class ChatTemplate:
 
     def __init__(self, source: str, path: Path, bos_token: str | None = None, eos_token: str | None = None) -> None:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.source = source
         self.path = Path(path)
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _sandbox()
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson
@@ -222,7 +214,7 @@ class TemplateFormat:
         return out
 
     def _add_text(self, out: list[Segment], text: str) -> None:
-        ids = encode_text(self.tokenizer, text)
+        ids = encode_plain(self.tokenizer, text) if text else []
         if ids:
             out.append(Segment(tuple(ids), False))
 
@@ -276,6 +268,18 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _sandbox() -> Any:
+    """transformers' environment (`ImmutableSandboxedEnvironment`, `trim_blocks`, `lstrip_blocks`), except
+    that reaching for an unsafe attribute fails at once (jinja's sandbox would render it as empty text)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+            raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} object is unsafe")
+
+    return Sandbox(trim_blocks=True, lstrip_blocks=True)
 
 
 def _raise_exception(message: str) -> None:
