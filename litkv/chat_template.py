@@ -136,7 +136,9 @@ class ChatTemplate:
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             if "default" not in named:
-                raise ValueError(f"{path}: chat_template is a list without a 'default' template: {sorted(map(str, named))}")
+                raise ValueError(
+                    f"{path}: chat_template is a list without a 'default' template: {sorted(map(str, named))}"
+                )
             source = named["default"]
         jinja = Path(checkpoint_dir) / "chat_template.jinja"
         if source is None and jinja.is_file():

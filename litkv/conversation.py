@@ -95,26 +95,65 @@ class Conversation:
         if not keep_prefix:
             self.prefix = None
 
-    def adopt(self, messages: Sequence[Message], replies: Replies, prefix: Sequence[int] = ()) -> bool:
-        """Take the caches as they are (restored from a state) as holding `prefix` then `messages`, which
-        end with a reply; False (nothing changed) when their tokens are not as many as the caches saw."""
-        segments = self._through_last_reply(self.plan(messages, replies, prefix, add_generation_prompt=False))
+    def adopt(self, messages: Sequence[Message], replies: Replies) -> bool:
+        """Take the caches as they are (restored from a state) as holding `messages`, which end with a
+        reply; False (nothing changed) when their tokens are not as many as the caches saw."""
+        segments = self._through_last_reply(self.plan(messages, replies, add_generation_prompt=False))
         if sum(len(s.ids) for s in segments) != self.next_pos:
             return False
-        self.prefix = Segment(tuple(prefix), False) if prefix else None
-        self.messages, self.replies, self.fed = list(messages), [None if r is None else list(r) for r in replies], segments
+        self.prefix = None
+        self._set_messages(messages, replies)
+        self.fed = segments
         return True
 
-    def load(self, fed: list[Segment], messages: Sequence[Message], replies: Replies, prefix: bool) -> None:
-        """Take the caches as they are (restored from a file) as holding `fed` (whose first segment is a
-        prefix without messages when `prefix`) for `messages`."""
-        if sum(len(s.ids) for s in fed) != self.next_pos:
-            raise ValueError(f"the segments hold {sum(len(s.ids) for s in fed)} tokens, the caches {self.next_pos}")
+    def _set_messages(self, messages: Sequence[Message], replies: Replies) -> None:
+        self.messages, self.replies = list(messages), [None if r is None else list(r) for r in replies]
+
+    def layout(self) -> dict[str, object]:
+        """What a file needs besides the token history to resume the conversation (JSON data)."""
+        return {
+            "format": self.format.name,
+            "prefix": self.prefix is not None,
+            "segments": [[len(seg.ids), seg.reply] for seg in self.fed],
+            "messages": [list(m) for m in self.messages],
+        }
+
+    def resume(self, history: list[int], layout: dict[str, object] | None) -> None:
+        """Take the caches as they are (restored from a file) as holding `history`, laid out as `layout`
+        (from `layout()`); `None`: one prefix without messages (the conversation goes on after it).
+
+        Raises:
+            ValueError/TypeError: the layout does not cover the history or does not match its messages.
+        """
+        if len(history) != self.next_pos:
+            raise ValueError(f"the history has {len(history)} tokens, the caches saw {self.next_pos}")
+        if layout is None:
+            layout = {"prefix": bool(history), "segments": [[len(history), False]] if history else [], "messages": []}
+        segments, messages, prefix = layout["segments"], layout["messages"], layout["prefix"]
+        if not isinstance(segments, list) or not isinstance(messages, list) or type(prefix) is not bool:
+            raise TypeError("a layout's segments and messages are lists, its prefix a bool")
+        fed, at = [], 0
+        for n, reply in segments:
+            if type(n) is not int or n < 0 or type(reply) is not bool:
+                raise TypeError("a segment is [length, reply]")
+            fed.append(Segment(tuple(history[at : at + n]), reply))
+            at += n
+        msgs = [(str(role), str(content)) for role, content in messages]
+        if at != len(history) or (prefix and (not fed or fed[0].reply)):
+            raise ValueError(f"the layout's segments cover {at} tokens of {len(history)}")
+        reply_ids = iter([list(s.ids) for s in fed if s.reply])
+        if sum(s.reply for s in fed) != sum(role == "assistant" for role, _ in msgs):
+            raise ValueError("a layout has one reply segment per assistant message")
         self.prefix = fed[0] if prefix else None
-        self.messages, self.replies, self.fed = list(messages), [None if r is None else list(r) for r in replies], list(fed)
+        self._set_messages(msgs, [next(reply_ids) if role == "assistant" else None for role, _ in msgs])
+        self.fed = fed
 
     def plan(
-        self, messages: Sequence[Message], replies: Replies, prefix: Sequence[int] = (), add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        replies: Replies,
+        prefix: Sequence[int] = (),
+        add_generation_prompt: bool = True,
     ) -> list[Segment]:
         """Every segment of the conversation `prefix` + `messages` (a generation prompt at the end)."""
         head = [Segment(tuple(prefix), False)] if prefix else []
@@ -165,7 +204,7 @@ class Conversation:
             self.fed.append(seg)
         if hidden is None:
             raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
-        self.messages, self.replies = list(messages), [None if r is None else list(r) for r in replies]
+        self._set_messages(messages, replies)
         return hidden
 
     def _run(self, seg: Segment) -> torch.Tensor:

@@ -190,9 +190,7 @@ def chat_turns(session: ChatSession, turns: list[str]) -> list[list[int]]:
     return [session.turn(t, 12, greedy, io.StringIO(), stop_at_newline=False) for t in turns]
 
 
-def test_uninterrupted_resumed_and_served_conversations_give_the_same_tokens(
-    ckpt: Path, model, tmp_path: Path
-) -> None:
+def test_uninterrupted_resumed_and_served_conversations_give_the_same_tokens(ckpt: Path, model, tmp_path: Path) -> None:
     tok = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tok)
     whole_session = ChatSession(model, tok, KV, fmt=fmt)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from litkv.atomic import remove_stale_temp_files
-from litkv.chat_template import Format, Message, RawFormat, Segment, load_format
+from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import apply_num_threads, resolve_checkpoint_dir, resolve_device, resolve_dtype
 from litkv.config import KVCacheConfig
@@ -164,16 +164,9 @@ class ChatSession:
         path = Path(path)
         if path.is_dir():
             raise ValueError(f"cannot save to {str(path)!r}: it is a directory; give a file name")
-        conv = self.conversation
-        history = conv.history
+        history = self.history
         state = snapshot(self.model, device="cpu", token_ids=[history])
-        data = {
-            "turns": self.turns,
-            "format": conv.format.name,
-            "prefix": conv.prefix is not None,
-            "segments": [[len(seg.ids), seg.reply] for seg in conv.fed],
-            "messages": [list(m) for m in conv.messages],
-        }
+        data = {"turns": self.turns, **self.conversation.layout()}
         state.save(path, extra_metadata={CHAT_METADATA: json.dumps(data)})
         return f"saved {len(history)} tokens to {path} ({state.nbytes() / 2**20:.2f} MiB of state)"
 
@@ -185,14 +178,17 @@ class ChatSession:
         if state.batch_size != 1:
             raise ValueError(f"{path} holds {state.batch_size} rows; a chat session has one")
         history = list(state.token_ids[0]) if state.token_ids else []
-        layout = _read_layout(path, history)
+        layout = _read_layout(path)
         restore(self.model, state)
         self.conversation.kv_cache = state.configs[0]
-        self.conversation.load(*layout)
+        try:
+            self.conversation.resume(history, layout)
+        except (TypeError, ValueError):
+            message = f"{path}: its conversation data is invalid; its tokens are kept, /undo starts here"
+            warnings.warn(message, stacklevel=2)
+            self.conversation.resume(history, None)
         self.loaded_turns = len(self.turns)
-        return (
-            f"loaded {len(history)} tokens ({self.loaded_turns} turns) from {path} (policy {self.kv_cache.policy})"
-        )
+        return f"loaded {len(history)} tokens ({self.loaded_turns} turns) from {path} (policy {self.kv_cache.policy})"
 
     def stats(self) -> str:
         caches = self.model.kv_caches
@@ -228,44 +224,16 @@ def _read_turns(path: Path, history: int) -> list[int]:
     return turns
 
 
-Layout = tuple[list[Segment], list[Message], list[list[int] | None], bool]
-
-
-def _read_layout(path: Path, history: list[int]) -> Layout:
-    """The conversation a session file holds: (segments over `history`, messages, reply ids, prefix?).
-    A file without it (a `snapshot(...).save`, an earlier litkv) or with an inconsistent one (a warning)
-    is one prefix segment without messages: the chat goes on after its tokens."""
-    plain: Layout = ([Segment(tuple(history), False)] if history else [], [], [], bool(history))
+def _read_layout(path: Path) -> dict[str, object] | None:
+    """The conversation layout a session file holds (`Conversation.layout`), or `None` without one."""
     raw = _chat_metadata(path)
     if raw is None:
-        return plain
+        return None
     try:
         data = json.loads(raw)
-        layout = _layout(history, data["segments"], data["messages"], data["prefix"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        warnings.warn(f"{path}: its conversation data is invalid ({raw[:80]!r}); /undo starts from here", stacklevel=2)
-        return plain
-    return layout
-
-
-def _layout(history: list[int], segments: object, messages: object, prefix: object) -> Layout:
-    """ValueError/TypeError unless the stored layout covers `history` and matches the messages."""
-    if not isinstance(segments, list) or not isinstance(messages, list) or type(prefix) is not bool:
-        raise TypeError("segments and messages must be lists, prefix a bool")
-    fed, at = [], 0
-    for n, reply in segments:
-        if type(n) is not int or n < 0 or type(reply) is not bool:
-            raise TypeError("a segment is [length, reply]")
-        fed.append(Segment(tuple(history[at : at + n]), reply))
-        at += n
-    msgs = [(str(r), str(c)) for r, c in messages]
-    if at != len(history) or (prefix and (not fed or fed[0].reply)):
-        raise ValueError("the segments do not cover the history")
-    reply_ids = [list(s.ids) for s in fed if s.reply]
-    if len(reply_ids) != sum(r == "assistant" for r, _ in msgs):
-        raise ValueError("one reply segment per assistant message")
-    queue = iter(reply_ids)
-    return fed, msgs, [next(queue) if r == "assistant" else None for r, _ in msgs], prefix
+    except json.JSONDecodeError:
+        data = None
+    return data if isinstance(data, dict) else {"invalid": raw[:80]}
 
 
 class _TextStream:

@@ -87,7 +87,8 @@ def serve(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-        top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template, seed=seed, api_key=api_key, num_threads=num_threads,
+        top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template, seed=seed, api_key=api_key,
+        num_threads=num_threads,
     )  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = build_server(opts, timeout=timeout)

@@ -157,7 +157,9 @@ class Engine:
 
     def _replies(self, keys: list[str], messages: Sequence[Message]) -> list[list[int] | None]:
         """The stored token ids of each assistant message generated here (else `None`)."""
-        return [self.store.reply_ids(keys[i + 1]) if role == "assistant" else None for i, (role, _) in enumerate(messages)]
+        return [
+            self.store.reply_ids(keys[i + 1]) if role == "assistant" else None for i, (role, _) in enumerate(messages)
+        ]
 
     def _restore_longest(self, keys: list[str], messages: Sequence[Message], replies: list[list[int] | None]) -> int:
         """Restore the longest stored prefix ending with an assistant message; how many messages it covers."""
