@@ -33,10 +33,27 @@ from litkv.recall import encode_plain
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "Format", "Message", "RawFormat", "Segment", "TemplateFormat", "load_format"]
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "Format",
+    "Message",
+    "RawFormat",
+    "Segment",
+    "TemplateFormat",
+    "load_format",
+]
 
 Message = tuple[str, str]
 Replies = Sequence[Sequence[int] | None]
+
+
+class ChatTemplateError(ValueError):
+    """A template that fails on a conversation: the message names the file, `reason` does not."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,7 @@ class ChatTemplate:
                 eos_token=self.eos_token or "",
             )
         except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError) as err:
-            raise ValueError(f"{self.path}: the chat template failed: {_one_line(err)}") from None
+            raise ChatTemplateError(self.path, f"the chat template failed: {_one_line(err)}") from None
 
     @classmethod
     def load(cls, checkpoint_dir: Path) -> ChatTemplate | None:
@@ -200,9 +217,10 @@ class TemplateFormat:
         for i, marker in markers.items():
             at = text.find(marker, start)
             if at < 0 or text.count(marker) != 1:
-                raise ValueError(
-                    f"{self.template.path}: the chat template does not write assistant message {i} once and "
-                    "verbatim; litkv cannot keep its reply's tokens (use --chat_template false)"
+                raise ChatTemplateError(
+                    self.template.path,
+                    f"the chat template does not write assistant message {i} once and verbatim; litkv cannot "
+                    "keep its reply's tokens (use --chat_template false)",
                 )
             self._add_text(out, text[start:at])
             reply = tuple(int(t) for t in replies[i])  # type: ignore[union-attr]

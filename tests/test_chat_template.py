@@ -311,3 +311,21 @@ def test_chat_command_uses_the_template(ckpt: Path, model, monkeypatch: pytest.M
     main(["chat", str(ckpt), *kv, "--kv_cache.prefill_length", "16", "--temperature", "0", "--max_new_tokens", "8"])
     out = capsys.readouterr().out
     assert out.startswith(shown.getvalue()) and f"tokens seen: {session.next_pos} " in out.splitlines()[-1]
+
+
+def test_server_answers_a_template_refusal_with_a_400_that_names_no_server_path(ckpt: Path, model) -> None:
+    from litkv.serve.engine import RequestError, count_prompt_tokens
+
+    source = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}"
+    template = ChatTemplate(source + SMOLLM2_TEMPLATE, ckpt / "tokenizer_config.json")
+    fmt = TemplateFormat(template, load_tokenizer(ckpt))
+    assert count_prompt_tokens(fmt, [("user", "hi")]) > 0
+    engine = Engine(model, load_tokenizer(ckpt), KV, StateStore(0), fmt=fmt)
+    messages = [("system", "be brief"), ("user", "hi")]
+    for refuse in (
+        lambda: count_prompt_tokens(fmt, messages),
+        lambda: list(engine.run(TurnRequest(messages, 4), TurnResult())),
+    ):
+        with pytest.raises(RequestError) as err:
+            refuse()
+        assert err.value.status == 400 and "no system messages" in str(err.value) and str(ckpt) not in str(err.value)

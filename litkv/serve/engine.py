@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.chat_template import Format, Message, RawFormat, TemplateFormat
+from litkv.chat_template import ChatTemplateError, Format, Message, RawFormat, TemplateFormat
 from litkv.config import KVCacheConfig
 from litkv.conversation import Conversation, Pending
 from litkv.generate import sample
@@ -201,7 +201,10 @@ class Engine:
         replies = self._replies(keys, req.messages)
         self._restore_longest(keys, req.messages, replies)
         conv = self.conversation
-        pending = conv.prepare(req.messages, replies)
+        try:
+            pending = conv.prepare(req.messages, replies)
+        except ChatTemplateError as err:  # the chat template refuses this conversation
+            raise RequestError(err.reason, param="messages") from None
         result.reused_tokens = 0 if pending.restart else conv.next_pos
         result.prompt_tokens = result.reused_tokens + pending.num_tokens
         self._check_room(pending, req.max_tokens)
@@ -256,7 +259,11 @@ class Engine:
 def count_prompt_tokens(fmt: Format, messages: Sequence[Message]) -> int:
     """Tokens of a request's messages in `fmt` with the generation prompt (assistant replies re-tokenised
     from their text: an estimate for limits, made before the stored reply ids are looked up)."""
-    return sum(len(s.ids) for s in fmt.segments(messages, [None] * len(messages), True, True))
+    try:
+        segments = fmt.segments(messages, [None] * len(messages), True, True)
+    except ChatTemplateError as err:  # the chat template refuses this conversation (raise_exception, ...)
+        raise RequestError(err.reason, param="messages") from None
+    return sum(len(s.ids) for s in segments)
 
 
 class _StopScanner:
