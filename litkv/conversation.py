@@ -200,7 +200,8 @@ class Conversation:
             self.reset(keep_prefix=True)
         hidden = None
         for seg in pending.segments:
-            hidden = self._run(seg)
+            if seg.ids:  # an empty reply (cut at once) holds no token
+                hidden = self._run(seg)
             self.fed.append(seg)
         if hidden is None:
             raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")

@@ -366,3 +366,31 @@ def test_real_smollm2_template_and_tokenizer_equal_transformers(tmp_path: Path) 
     messages = conversations[2]
     reply = hf.encode(messages[1][1], add_special_tokens=False) + [EOT]
     assert flat(fmt.segments(messages, [None, reply, None], True, True)) == hf_ids(hf, messages, True)
+
+
+def test_empty_and_interrupted_replies_undo_and_recompute(ckpt: Path, model) -> None:
+    """A reply cut at once (no token) and one cut short stay turns of their own: /undo removes exactly
+    one turn, and a conversation recomputed from its messages (another format first) feeds the same."""
+    tok = load_tokenizer(ckpt)
+    fmt = load_format(ckpt, tok)
+    session = ChatSession(model, tok, KV, fmt=fmt)
+    assert session.turn(USER[0], 0, greedy, io.StringIO()) == []
+    session.turn(USER[1], 2, greedy, io.StringIO(), stop_at_newline=False)
+    history, turns = session.history, session.turns
+    assert len(turns) == 2 and sum(turns) == len(history) == session.next_pos
+    session.turn(USER[2], 3, greedy, io.StringIO(), stop_at_newline=False)
+    assert session.undo().startswith("rolled back") and session.history == history and session.turns == turns
+    again = ChatSession(model, tok, KV, fmt=RawFormat(tok))
+    again.conversation.fed = [again.conversation.plan([("user", "x")], [None])[0]]  # holds other tokens
+    pending = again.conversation.prepare(
+        session.conversation.messages + [("user", USER[2])], session.conversation.replies + [None]
+    )
+    assert pending.restart
+    again.conversation.format = fmt
+    pending = again.conversation.prepare(
+        session.conversation.messages + [("user", USER[2])], session.conversation.replies + [None]
+    )
+    assert pending.restart and flat(pending.segments)[: len(history)] == history
+    with pytest.warns(UserWarning, match="recomputing"):
+        again.conversation.feed(pending, [], [])
+    assert again.next_pos == len(flat(pending.segments))
