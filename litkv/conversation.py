@@ -129,7 +129,7 @@ class Conversation:
             raise ValueError(f"the history has {len(history)} tokens, the caches saw {self.next_pos}")
         if layout is None:
             layout = {"prefix": bool(history), "segments": [[len(history), False]] if history else [], "messages": []}
-        segments, messages, prefix = layout["segments"], layout["messages"], layout["prefix"]
+        segments, messages, prefix = layout.get("segments"), layout.get("messages"), layout.get("prefix")
         if not isinstance(segments, list) or not isinstance(messages, list) or type(prefix) is not bool:
             raise TypeError("a layout's segments and messages are lists, its prefix a bool")
         fed, at = [], 0

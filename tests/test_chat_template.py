@@ -394,3 +394,34 @@ def test_empty_and_interrupted_replies_undo_and_recompute(ckpt: Path, model) -> 
     with pytest.warns(UserWarning, match="recomputing"):
         again.conversation.feed(pending, [], [])
     assert again.next_pos == len(flat(pending.segments))
+
+
+@pytest.mark.parametrize("metadata", [None, {"turns": "earlier litkv"}, {"segments": [[3, True]], "messages": []}])
+def test_session_file_without_a_valid_layout_resumes_as_a_prefix(
+    ckpt: Path, model, tmp_path: Path, metadata: dict | None
+) -> None:
+    """A plain `snapshot(...).save`, an earlier litkv's file (turn sizes only) and a broken layout (a
+    warning) all resume: the tokens are kept as a prefix, the next turn goes on after them."""
+    import warnings as w
+
+    from litkv.cli.chat_cmd import CHAT_METADATA
+    from litkv.state import CacheState
+
+    tok = load_tokenizer(ckpt)
+    saved = ChatSession(model, tok, KV, fmt=RawFormat(tok))
+    chat_turns(saved, USER[:1])
+    path = tmp_path / "s.safetensors"
+    saved.save(path)
+    state = CacheState.load(path)
+    state.save(path, extra_metadata=None if metadata is None else {CHAT_METADATA: json.dumps(metadata)})
+    resumed = ChatSession(model, tok, KV, fmt=RawFormat(tok))
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        resumed.load(path)
+    assert bool(caught) == ("segments" in (metadata or {}))
+    assert resumed.history == saved.history and resumed.turns == [] and resumed.undo() == "nothing to undo"
+    reply = chat_turns(resumed, USER[1:2])[0]
+    assert resumed.history[: len(saved.history)] == saved.history and len(resumed.turns) == 1
+    whole = ChatSession(model, tok, KV, fmt=RawFormat(tok))
+    chat_turns(whole, USER[:1])
+    assert chat_turns(whole, USER[1:2])[0] == reply  # raw text: the same tokens as uninterrupted

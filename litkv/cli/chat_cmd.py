@@ -233,6 +233,8 @@ def _read_layout(path: Path) -> dict[str, object] | None:
         data = json.loads(raw)
     except json.JSONDecodeError:
         data = None
+    if isinstance(data, dict) and "segments" not in data and "turns" in data:
+        return None  # an earlier litkv's file: turn sizes only; its tokens are a prefix
     return data if isinstance(data, dict) else {"invalid": raw[:80]}
 
 
