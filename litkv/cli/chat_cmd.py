@@ -1,14 +1,18 @@
 """`litkv chat`: an interactive session on a checkpoint, through any KV cache policy.
 
-Each turn appends the user's text and the reply to the caches: the history is never prefilled again,
-and with an evicting policy the conversation can run past the model's context length. Commands:
+The conversation itself (its messages in the checkpoint's chat template or as raw text, feeding through
+the chunk runner, the reply loop) is `litkv.conversation.Conversation`, shared with `litkv serve`; this
+module is the terminal around it. Each turn appends the user's message and the reply to the caches: the
+history is never prefilled again, and with an evicting policy the conversation can run past the
+model's context length. Commands:
 `/undo` (roll back the last turn), `/save FILE`, `/load FILE`, `/reset`, `/stats`, `/help`, `/quit`.
 Replies stream; Ctrl-C stops a reply (the part already produced stays in the session as a turn);
 Ctrl-D (end of input) exits. Input may come from a terminal or a pipe.
 
 `--session FILE` loads the session at start (when the file exists) and saves it, atomically, after
 every completed turn and every command that changes it, so a crash loses at most the turn in progress.
-The file holds the turn boundaries (`/undo` works after a resume). While a chat runs, its session file
+The file holds the conversation (messages, turn boundaries: `/undo` works after a resume) and keeps its
+cache settings (other `--kv_cache` settings are one warning line). While a chat runs, its session file
 is locked (`.FILE.lock` next to it): a second chat on the same file is refused; the lock of a process
 that died is free again. SIGTERM and SIGHUP end the chat cleanly: a reply in progress stops at the
 next token, the session is saved, the process exits with status 0. No path, command or signal ends
