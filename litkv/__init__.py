@@ -6,7 +6,8 @@ from litkv.gradient import chunked_loss_backward
 from litkv.kvcache import KVCache, register_kv_cache
 from litkv.model import GPT
 from litkv.prefix import PrefixCache
-from litkv.state import CacheState, keep_undo_log, restore, snapshot, truncate
+from litkv.state import CacheState, restore, snapshot
+from litkv.undo import keep_undo_log, truncate
 
 __all__ = [
     "CacheState",

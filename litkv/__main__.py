@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "bench": "litkv.bench:bench",
     "chat": "litkv.cli.chat_cmd:chat",
     "serve": "litkv.cli.serve_cmd:serve",
+    "download": "litkv.cli.download_cmd:download",
 }
 
 # Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).

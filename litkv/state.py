@@ -6,10 +6,12 @@ position of each row (`GPT.last_pos`). On it are built:
 
 - `snapshot(model)` / `restore(model, state)`: copy out and back in, bitwise;
 - `CacheState.select(rows)` / `CacheState.cat(states)`: fork rows, merge rows of different lengths;
-- `CacheState.save(path)` / `CacheState.load(path)`: safetensors + JSON metadata (format version,
-  model fingerprint, cache configs, token ids, checksum); nothing is unpickled;
-- `keep_undo_log(model, depth)` and `truncate(model, n)` (in `litkv.undo`): roll back the last `n`
-  tokens of each row (exact for dense caches; for others exact within the undo log of `depth` calls).
+- `CacheState.save(path)` / `CacheState.load(path)`: the file format of `litkv.state_file`
+  (safetensors + JSON metadata with the model fingerprint of `litkv.fingerprint` and a checksum);
+  nothing is unpickled.
+
+Rolling back (`keep_undo_log`, `truncate`) is `litkv.undo`; the stores of states by key are
+`litkv.state_store`.
 
 A custom policy that declares its state (`slot_state`, `row_state`) gets all of this. See docs/state.md.
 """
@@ -17,39 +19,25 @@ A custom policy that declares its state (`slot_state`, `row_state`) gets all of 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import warnings
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from litkv.config import KVCacheConfig
+from litkv.fingerprint import model_fingerprint
 from litkv.kvcache.base import KVCache
-from litkv.kvcache.registry import check_policy_loadable
 from litkv.kvcache.storage import CacheShape
 from litkv.model import GPT
 from litkv.state_checks import check_token_ids, validate_state
-from litkv.undo import UndoLog, attached_caches, keep_undo_log, truncate, undo_log_of, writing_mode
+from litkv.state_file import one_line, read_state_file, write_state_file
+from litkv.undo import attached_caches, undo_log_of, writing_mode
 
-__all__ = [
-    "CacheState",
-    "LayerState",
-    "StateLRU",
-    "UndoLog",
-    "keep_undo_log",
-    "model_fingerprint",
-    "restore",
-    "snapshot",
-    "truncate",
-]
+__all__ = ["CacheState", "LayerState", "restore", "snapshot"]
 
-FORMAT = "litkv-cache-state"
-FORMAT_VERSION = 1
 TensorFn = Callable[[str, torch.Tensor], torch.Tensor]  # (name, tensor) -> tensor
 _TRIMMABLE = ("positions", "storage.")  # slot tensors whose unwritten tail is known (-1 / zeros)
 
@@ -210,45 +198,27 @@ class CacheState:
 
     def save(self, path: str | Path, extra_metadata: dict[str, str] | None = None) -> None:
         """Write the state to one safetensors file (tensors + JSON metadata with a checksum), atomically
-        (`litkv.atomic.write_atomic`). `extra_metadata`: more string entries of the file's safetensors
-        metadata, for the writer's own use (read back with `safe_open(...).metadata()`; not checksummed)."""
-        from safetensors.torch import save_file
-
-        from litkv.atomic import write_atomic
-
-        tensors, meta = _to_file(self)
-        meta["digest"] = _digest(meta, tensors)
-        extra = dict(extra_metadata or {})
-        if "litkv" in extra or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-            raise ValueError(f"extra_metadata must map str to str and not use the key 'litkv', got {extra!r:.200}")
-        metadata = {**extra, "litkv": json.dumps(meta, sort_keys=True)}
-        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        (`litkv.state_file.write_state_file`). `extra_metadata`: more string entries of the file's
+        safetensors metadata, for the writer's own use (read back with `safe_open(...).metadata()`; not
+        checksummed)."""
+        write_state_file(path, self, extra_metadata)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> CacheState:
-        """Read a state written by `save` (safetensors only: nothing is unpickled).
+        """Read a state written by `save` (safetensors only: nothing is unpickled), checked for meaning.
 
         Raises:
             FileNotFoundError: no such file.
             ValueError: `path` is a directory.
             ValueError: one line, for a file that is not a litkv cache state, has another format version,
-                is truncated, or was modified (checksum mismatch).
+                is truncated, was modified (checksum mismatch), or holds a state no cache could be in.
         """
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"cache state path {str(path)!r} is a directory, not a cache state file")
-        if not path.is_file():
-            raise FileNotFoundError(f"cache state file {str(path)!r} does not exist")
-        tensors, meta = _read_file(path)
-        expected = meta.pop("digest", None)
-        if expected != _digest(meta, tensors):
-            raise ValueError(f"cache state file {str(path)!r} is corrupt or was modified (checksum mismatch)")
-        _check_policies_loadable(meta, f"cache state file {str(path)!r}")
+        tensors, meta = read_state_file(path)
         try:
             state = _from_file(tensors, meta)
             validate_state(state)
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"cache state file {str(path)!r} has invalid metadata: {_one_line(err)}") from None
+            raise ValueError(f"cache state file {str(path)!r} has invalid metadata: {one_line(err)}") from None
         return state if device is None else state.to(device)
 
 
@@ -268,126 +238,6 @@ def _check_same(a: CacheState, b: CacheState, what: str) -> None:
         raise ValueError(f"{what} was taken from another model (fingerprint {b.fingerprint} != {a.fingerprint})")
     if a.configs != b.configs or a.dtype != b.dtype:
         raise ValueError(f"{what} has other cache configs or dtype ({b.configs[0]}, {b.dtype}) than the first state")
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-# -- memory of states ------------------------------------------------------------------------------
-
-
-class StateLRU:
-    """Cache states by key, at most `max_bytes` bytes of tensors (`CacheState.nbytes`) in all; the least
-    recently used go first (the memory of the prefix store and of the server's conversation store).
-
-    Attributes:
-        nbytes: bytes of the states held.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._states: OrderedDict[str, CacheState] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._states
-
-    def get(self, key: str) -> CacheState | None:
-        """The state under `key`, marked most recently used; `None` when there is none."""
-        state = self._states.get(key)
-        if state is not None:
-            self._states.move_to_end(key)
-        return state
-
-    def put(self, key: str, state: CacheState) -> bool:
-        """Keep `state` under `key` (replacing what was there), then drop the least recently used states
-        until the total fits. Returns False, keeping nothing, for a state larger than `max_bytes`."""
-        old = self._states.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes()
-        size = state.nbytes()
-        if size > self.max_bytes:
-            return False
-        self._states[key] = state
-        self.nbytes += size
-        while self.nbytes > self.max_bytes:
-            _, dropped = self._states.popitem(last=False)
-            self.nbytes -= dropped.nbytes()
-        return True
-
-    def clear(self) -> None:
-        """Forget every state."""
-        self._states.clear()
-        self.nbytes = 0
-
-
-# -- model fingerprint ----------------------------------------------------------------------------
-
-_WEIGHT_HASHES: weakref.WeakKeyDictionary[GPT, tuple[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
-
-
-_K = 1024  # a parameter's digest works on rows of this many elements
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# odd 64-bit multipliers (golden ratio and another odd constant, as signed int64)
-_MUL, _ADD = -7046029254386353131, 7155164730210238489
-
-
-def _parameter_digest(p: torch.Tensor) -> torch.Tensor:
-    """`()` int64: sum over the elements of `bits_i * m_i` mod 2^64, with `m_i` an odd multiplier per position.
-
-    Computed where the parameter lives (no copy to the host; integer arithmetic, so the same value on
-    every device and in any reduction order). Any change to any single element changes it: its bit
-    pattern changes by `d != 0`, the sum by `d * m_i`, and an odd `m_i` is invertible mod 2^64. The
-    multiplier of position `i = r * K + k` is `col[k] * row[r]`, a product of two odd numbers.
-    """
-    flat = p.detach().contiguous().reshape(-1)
-    bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
-    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % _K)).view(-1, _K)
-    col = _odd(torch.arange(_K, dtype=torch.int64, device=flat.device), 0)
-    row = _odd(torch.arange(bits.shape[0], dtype=torch.int64, device=flat.device), 1)
-    return ((bits * col).sum(dim=1) * row).sum()
-
-
-def _odd(index: torch.Tensor, salt: int) -> torch.Tensor:
-    """An odd int64 per index (a multiplicative hash of it, wrapping mod 2^64)."""
-    return (index * _MUL + (_ADD + salt)).bitwise_or_(1)
-
-
-def model_fingerprint(model: GPT) -> dict[str, str]:
-    """`{"model_config": sha256 of the config, "weights": sha256 of names, shapes, dtypes and each
-    parameter's `_parameter_digest` (every element counts)}`, plus `"eviction_gates"` (sha256 of the
-    gates' tensors, window and sinks) when the model has gates.
-
-    Memoised until a parameter changes (version counter or storage); a model with inference tensors
-    (built under `torch.inference_mode`, no version counter) is hashed at every call.
-    """
-    cfg = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in ("name", "hf_config")}
-    config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
-    params = list(model.named_parameters())
-    versions = tuple(-1 if p.is_inference() else p._version for _, p in params) + tuple(p.data_ptr() for _, p in params)
-    cached = _WEIGHT_HASHES.get(model)
-    if cached is None or cached[0] != versions or -1 in versions:
-        h = hashlib.sha256()
-        with torch.no_grad():
-            digests = torch.stack([_parameter_digest(p).cpu() for _, p in params]) if params else torch.zeros(0)
-        for (name, p), digest in zip(params, digests.tolist(), strict=True):
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{digest};".encode())
-        cached = (versions, h.hexdigest())
-        _WEIGHT_HASHES[model] = cached
-    out = {"model_config": config_hash, "weights": cached[1]}
-    gates = model.eviction_gates  # the `learned` policy's scores depend on them
-    if gates is not None:
-        h = hashlib.sha256(f"{tuple(gates.weight.shape)}:{gates.window}:{gates.sinks};".encode())
-        for tensor in (gates.weight, gates.bias):
-            h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        out["eviction_gates"] = h.hexdigest()
-    return out
 
 
 # -- snapshot / restore ---------------------------------------------------------------------------
@@ -430,7 +280,7 @@ def snapshot(
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as err:
-            raise ValueError(f"snapshot device {device!r} is not a torch device: {_one_line(err)}") from None
+            raise ValueError(f"snapshot device {device!r} is not a torch device: {one_line(err)}") from None
     layers = [_layer_snapshot(cache, device) for cache in caches]
     last_pos = None if model.last_pos is None else model.last_pos.to(device, copy=True)
     return CacheState(layers, last_pos, model_fingerprint(model), caches[0].dtype, token_ids)
@@ -492,89 +342,13 @@ def restore(model: GPT, state: CacheState) -> list[KVCache]:
 # -- files ----------------------------------------------------------------------------------------
 
 
-def _to_file(state: CacheState) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    tensors: dict[str, torch.Tensor] = {}
-    layers = []
-    for i, layer in enumerate(state.layers):
-        for name, t in layer.tensors.items():
-            tensors[f"layer.{i}.{name}"] = t.detach().cpu().contiguous()
-        layers.append(
-            {
-                "config": dataclasses.asdict(layer.config),
-                "shape": dataclasses.asdict(layer.shape),
-                "num_filled": layer.num_filled,
-                "length": layer.length,
-            }
-        )
-    for name in ("last_pos", "last_hidden"):
-        value = getattr(state, name)
-        if value is not None:
-            tensors[name] = value.detach().cpu().contiguous()
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "fingerprint": state.fingerprint,
-        "dtype": str(state.dtype).removeprefix("torch."),
-        "layers": layers,
-        "token_ids": state.token_ids,
-    }
-    return tensors, meta
-
-
-def _digest(meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            header = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    except Exception as err:  # safetensors raises its own error types for truncated or garbled files
-        raise ValueError(
-            f"cache state file {str(path)!r} is not a readable safetensors file (truncated or corrupt): "
-            f"{_one_line(err)}"
-        ) from None
-    try:
-        meta = json.loads(header["litkv"])
-    except (KeyError, json.JSONDecodeError):
-        raise ValueError(f"{str(path)!r} is a safetensors file but not a litkv cache state (no metadata)") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{str(path)!r} is not a litkv cache state (format {meta.get('format')!r})")
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(
-            f"cache state file {str(path)!r} has format version {meta.get('version')!r}; this litkv reads "
-            f"version {FORMAT_VERSION}"
-        )
-    return tensors, meta
-
-
-def _check_policies_loadable(meta: dict[str, object], source: str) -> None:
-    """ValueError unless every policy the metadata names is loadable without an import (before any
-    `KVCacheConfig` is built from it: building one resolves its policy)."""
-    layers = meta.get("layers")
-    if not isinstance(layers, list):
-        raise ValueError(f"{source} has invalid metadata: 'layers' must be a list")
-    for i, entry in enumerate(layers):
-        config = entry.get("config") if isinstance(entry, dict) else None
-        if not isinstance(config, dict):
-            raise ValueError(f"{source} has invalid metadata: layer {i} has no config")
-        check_policy_loadable(config.get("policy"), f"{source} (layer {i})")
-
-
-def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> CacheState:
+def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> CacheState:
+    """The state described by a file's metadata (`litkv.state_file.encode`) and its tensors."""
     dtype = getattr(torch, str(meta["dtype"]))
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {meta['dtype']!r}")
     layers = []
-    for i, entry in enumerate(meta["layers"]):  # type: ignore[union-attr]
+    for i, entry in enumerate(meta["layers"]):
         prefix = f"layer.{i}."
         layer_tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         config = KVCacheConfig(**entry["config"])

@@ -13,7 +13,7 @@ import torch
 
 from litkv.bandwidth import measure_bandwidth
 from litkv.checkpoint import load_model
-from litkv.state import _WEIGHT_HASHES, model_fingerprint
+from litkv.fingerprint import _WEIGHT_HASHES, model_fingerprint
 
 
 def main() -> None:

@@ -206,7 +206,8 @@ def test_uninterrupted_resumed_and_served_conversations_give_the_same_tokens(ckp
     assert chat_turns(resumed, USER[2:]) == whole[2:]
     assert resumed.history == whole_session.history
 
-    for store in (StateStore(1 << 30, tmp_path / "states"), StateStore(0)):
+    stores = [StateStore(1 << 30, tmp_path / "states", model=model, kv_cache=KV)]
+    for store in [*stores, StateStore(0, model=model, kv_cache=KV)]:
         engine = Engine(model, tok, KV, store, fmt=fmt)
         messages: list[tuple[str, str]] = []
         served = []
@@ -220,7 +221,7 @@ def test_uninterrupted_resumed_and_served_conversations_give_the_same_tokens(ckp
         assert served == whole
         assert engine.conversation.history == whole_session.history[: engine.next_pos]
     # a restart on the same directory: the last turn restores the third turn's state from disk
-    engine = Engine(model, tok, KV, StateStore(1 << 30, tmp_path / "states"), fmt=fmt)
+    engine = Engine(model, tok, KV, StateStore(1 << 30, tmp_path / "states", model=model, kv_cache=KV), fmt=fmt)
     result = TurnResult()
     "".join(engine.run(TurnRequest(messages[:-1], 12, temperature=0.0), result))
     assert engine.store.hits["disk"] == 1 and result.reused_tokens > 0 and result.reply_ids == whole[-1]
@@ -320,7 +321,7 @@ def test_server_answers_a_template_refusal_with_a_400_that_names_no_server_path(
     template = ChatTemplate(source + SMOLLM2_TEMPLATE, ckpt / "tokenizer_config.json")
     fmt = TemplateFormat(template, load_tokenizer(ckpt))
     assert count_prompt_tokens(fmt, [("user", "hi")]) > 0
-    engine = Engine(model, load_tokenizer(ckpt), KV, StateStore(0), fmt=fmt)
+    engine = Engine(model, load_tokenizer(ckpt), KV, StateStore(0, model=model, kv_cache=KV), fmt=fmt)
     messages = [("system", "be brief"), ("user", "hi")]
     for refuse in (
         lambda: count_prompt_tokens(fmt, messages),

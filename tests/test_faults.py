@@ -29,6 +29,7 @@ from litkv.atomic import is_temp_name
 from litkv.cli.chat_cmd import _read_turns
 from litkv.finetune.state import check_resume_dir
 from litkv.state import CacheState
+from litkv.state_store import PROOF_KEY
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -326,4 +327,4 @@ def test_concurrent_processes_share_a_prefix_store(server: ForkServer, ckpt: Pat
     for f in files:
         CacheState.load(f)
         with safe_open(str(f), framework="pt", device="cpu") as handle:
-            assert json.loads((handle.metadata() or {})["litkv_prefix"])["key"] == f.name.removesuffix(".safetensors")
+            assert json.loads((handle.metadata() or {})[PROOF_KEY])["key"] == f.name.removesuffix(".safetensors")

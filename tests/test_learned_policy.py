@@ -343,7 +343,7 @@ def test_states_and_prefix_seeds_know_the_gates() -> None:
     """A `learned` state restores only into a model with the same gates; the prefix store's seed (the
     fingerprint) changes with the gates; a state of another policy ignores them."""
     from litkv import restore
-    from litkv.state import model_fingerprint
+    from litkv.fingerprint import model_fingerprint
 
     model = attach_random_gates(random_gpt(tiny_config("pythia-14m"), seed=3), seed=4)
     prompt = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(5))

@@ -100,7 +100,7 @@ def test_store_is_bounded_by_bytes_lru(model: GPT) -> None:
     _, prompts = _prompts(seed=3)
     probe = PrefixCache(10**9)
     generate(model, prompts[1:2], 1, cfg, prefix_cache=probe)
-    one = max(s.nbytes() for s in probe._memory._states.values())
+    one = max(s.nbytes() for s in probe._store.memory.states())
     store = PrefixCache(2 * one)
     generate(model, prompts[1:2], 1, cfg, prefix_cache=store)
     assert len(store) == 2 and store.nbytes() <= 2 * one
@@ -209,6 +209,41 @@ def test_an_entry_proves_its_key(model: GPT, tmp_path: Path, caplog: pytest.LogC
     again = PrefixCache(10**9, tmp_path / "s")  # recomputed and written again under its own key
     assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=again)[0].tolist() == expected
     assert again.reused_tokens == 32
+
+
+def test_an_entry_of_other_caches_with_a_forged_proof_is_refused(
+    model: GPT, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state of a tova run (valid file, same model and tokens) put under the h2o run's key with a proof
+    forged to match (key and tokens): refused from its header because its caches are not the run's, so
+    the h2o run restores the shorter prefix and its output is that of a cold h2o run."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    h2o, tova = _config("h2o"), _config("tova")
+    _, prompts = _prompts(seed=6)
+    expected = _alone(model, prompts[:1], h2o)[0]
+    _disk_store(model, tmp_path / "h2o", h2o, prompts[0])
+    _disk_store(model, tmp_path / "tova", tova, prompts[0])
+
+    def covers(f: Path) -> int:
+        with safe_open(str(f), framework="pt") as opened:
+            return json.loads(opened.metadata()["litkv_entry"])["tokens"]
+
+    longest = {d: max((tmp_path / d).glob("*.safetensors"), key=covers) for d in ("h2o", "tova")}
+    with safe_open(str(longest["tova"]), framework="pt") as f:
+        header = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    proof = json.dumps({"key": longest["h2o"].stem, "tokens": 32})
+    header.update(litkv_entry=proof, litkv_prefix=proof)  # the proof, under this and the earlier metadata key
+    save_file(tensors, str(longest["h2o"]), metadata=header)
+    store = PrefixCache(10**9, tmp_path / "h2o")
+    with caplog.at_level(logging.WARNING):
+        assert generate(model, [prompts[0]], NEW, h2o, prefix_cache=store)[0].tolist() == expected
+    assert "layer 0 config.policy is tova, expected h2o" in caplog.text
+    assert store.hits == 1 and store.reused_tokens == 24
 
 
 def test_an_entry_removed_by_another_process_is_a_miss(

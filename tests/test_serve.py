@@ -68,17 +68,19 @@ def test_turns_equal_chat_from_memory_disk_and_recomputed(model_and_tok: tuple, 
     session = ChatSession(model, tok, KV)
     chat = [session.turn(t, 10, lambda logits: sample(logits, 0.0), io.StringIO()) for t in turns]
 
-    memory = Engine(model, tok, KV, StateStore(1 << 30, tmp_path))
+    memory = Engine(model, tok, KV, StateStore(1 << 30, tmp_path, model=model, kv_cache=KV))
     from_memory, messages = converse(memory, turns, temperature=0.0)
     assert from_memory == chat
     assert memory.store.hits["memory"] == len(turns) - 1
     assert len(list(tmp_path.glob("*.safetensors"))) == len(turns)
 
-    recomputed = Engine(model, tok, KV, StateStore(0))  # keeps nothing but the reply ids it generated
+    recomputed = Engine(
+        model, tok, KV, StateStore(0, model=model, kv_cache=KV)
+    )  # keeps nothing but the reply ids it generated
     assert converse(recomputed, turns, temperature=0.0)[0] == chat
 
     # a fresh store on the same directory (a restart): the last turn's state comes from disk
-    disk = Engine(model, tok, KV, StateStore(1 << 30, tmp_path))
+    disk = Engine(model, tok, KV, StateStore(1 << 30, tmp_path, model=model, kv_cache=KV))
     result = TurnResult()
     "".join(disk.run(TurnRequest(messages[:-1], 10, temperature=0.0), result))
     assert disk.store.hits == {"memory": 0, "disk": 1}
@@ -88,19 +90,21 @@ def test_turns_equal_chat_from_memory_disk_and_recomputed(model_and_tok: tuple, 
 def test_sampled_turn_same_from_store_and_recomputed(model_and_tok: tuple) -> None:
     model, tok = model_and_tok
     kw = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
-    stored, _ = converse(Engine(model, tok, KV, StateStore(1 << 30)), TURNS[:4], **kw)
-    recomputed, _ = converse(Engine(model, tok, KV, StateStore(0)), TURNS[:4], **kw)
+    stored, _ = converse(Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], **kw)
+    recomputed, _ = converse(Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV)), TURNS[:4], **kw)
     assert stored == recomputed
-    other, _ = converse(Engine(model, tok, KV, StateStore(1 << 30)), TURNS[:4], temperature=0.9, seed=8)
+    other, _ = converse(
+        Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], temperature=0.9, seed=8
+    )
     assert other != stored
 
 
 def test_store_is_byte_bounded(model_and_tok: tuple) -> None:
     model, tok = model_and_tok
-    engine = Engine(model, tok, KV, StateStore(1 << 30))
+    engine = Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV))
     converse(engine, TURNS[:1])
     one = engine.store.nbytes
-    bounded = Engine(model, tok, KV, StateStore(3 * one))
+    bounded = Engine(model, tok, KV, StateStore(3 * one, model=model, kv_cache=KV))
     for i in range(5):
         converse(bounded, [f"{TURNS[i]} {i}"])
         assert bounded.store.nbytes <= 3 * one
@@ -109,7 +113,7 @@ def test_store_is_byte_bounded(model_and_tok: tuple) -> None:
 
 def test_cancelled_turn_stores_nothing(model_and_tok: tuple) -> None:
     model, tok = model_and_tok
-    engine = Engine(model, tok, KV, StateStore(1 << 30), stop_at_newline=False)
+    engine = Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV), stop_at_newline=False)
     steps = iter(range(100))
     result = TurnResult()
     list(engine.run(TurnRequest([("user", TURNS[0])], 20), result, cancelled=lambda: next(steps) >= 3))
@@ -309,7 +313,7 @@ def test_real_server_with_openai_client(ckpt: Path, model_and_tok: tuple, tmp_pa
     import openai
 
     model, tok = model_and_tok
-    solo = Engine(model, tok, KV, StateStore(0), stop_at_newline=False)
+    solo = Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV), stop_at_newline=False)
     expected = converse(solo, TURNS, max_tokens=6, temperature=0.8, seed=3)[1]
     expected_text = [c for r, c in expected if r == "assistant"]
     log = tmp_path / "server.log"

@@ -40,7 +40,8 @@ from litkv.config import KVCacheConfig
 from litkv.conversation import Conversation, Pick
 from litkv.generate import check_sampling, sample
 from litkv.model import GPT
-from litkv.state import CacheState, restore, snapshot, truncate
+from litkv.state import CacheState, restore, snapshot
+from litkv.undo import truncate
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer

@@ -50,8 +50,10 @@ def serve(
         port: TCP port.
         api_key: When set, /v1 requests need ``Authorization: Bearer KEY`` (else 401).
         model_name: The model id of /v1/models and of requests. Default: the checkpoint directory's name.
-        state_bytes: Bytes of conversation states kept in memory (least recently used go first).
-        state_dir: Also write every state here (atomically) and read it back after eviction or a restart.
+        state_bytes: Bytes of conversation states kept in memory, and of files in ``state_dir`` (least
+            recently used go first).
+        state_dir: Also write every state here (atomically) and read it back after eviction or a restart;
+            an entry is used only if it proves its key, this model and this cache config.
         max_tokens: Largest ``max_tokens`` a request may ask for.
         default_max_tokens: ``max_tokens`` of a request that gives none.
         max_prompt_tokens: Most tokens a request's messages may have.

@@ -216,7 +216,13 @@ class LitKVAPI(ls.LitAPI):
         apply_num_threads(self.opts.num_threads)
         dev = resolve_device(self.opts.device)
         model = load_model(self.opts.checkpoint_dir, device=dev, dtype=resolve_dtype(self.opts.dtype, dev))
-        store = StateStore(self.opts.state_bytes, self.opts.state_dir)
+        store = StateStore(
+            self.opts.state_bytes,
+            self.opts.state_dir,
+            model=model,
+            kv_cache=self.opts.kv_cache,
+            max_prompt_tokens=self.opts.max_prompt_tokens,
+        )
         tokenizer = load_tokenizer(self.opts.checkpoint_dir)
         self.engine = Engine(
             model,

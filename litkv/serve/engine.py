@@ -27,10 +27,11 @@ import torch
 from litkv.chat_template import ChatTemplateError, Format, Message, RawFormat, TemplateFormat
 from litkv.config import KVCacheConfig
 from litkv.conversation import Conversation, Pending
+from litkv.fingerprint import model_fingerprint
 from litkv.generate import sample
 from litkv.model import GPT
 from litkv.serve.store import StateStore
-from litkv.state import model_fingerprint, restore, snapshot
+from litkv.state import restore, snapshot
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer

@@ -1,25 +1,30 @@
-"""Conversation states of `litkv serve`: a byte-bounded LRU in memory, optionally written through to a directory.
+"""Conversation states of `litkv serve`: the one state store (`litkv.state_store`) with the server's checks.
 
 A state is keyed by the digest of a conversation prefix that ends with an assistant message (see
-`litkv.serve.engine.message_keys`). Next to each state the store keeps the exact token ids of that
-assistant reply (a few bytes per token, in a separate count-bounded LRU and in a JSON file beside the
-state file), so that a conversation whose state was evicted is recomputed from the very tokens that
-were generated, not from a re-tokenisation of the reply's text.
+`litkv.serve.engine.message_keys`; the digest's root is the model fingerprint and the cache config).
+Next to each state the store keeps the exact token ids of that assistant reply (a note of the state
+store: a count-bounded LRU in memory and `<key>.json` beside `<key>.safetensors`), so that a
+conversation whose state was evicted is recomputed from the very tokens that were generated, not from
+a re-tokenisation of the reply's text.
 
-Files: `<key>.safetensors` (the `CacheState` file format) and `<key>.json` (`{"reply_ids": [...]}`),
-both written atomically (`_save_atomic`).
+What is read back is checked against the server's own model and caches, never trusted by its name: a
+state restores only if it proves its key and was taken from this model's weights with exactly this
+cache configuration and shape (`EntryCheck`, from the file's header, before a tensor is read or a
+cache allocated); stored reply ids are used only if each is in the vocabulary and a reply fits the
+prompt budget. Anything else is a miss with a logged warning: the turn recomputes it. A directory that
+cannot be written warns once and the store goes on in memory; the files are trimmed to the bound.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
-from litkv.atomic import write_text_atomic
-from litkv.state import CacheState, StateLRU
+from litkv.config import KVCacheConfig
+from litkv.model import GPT
+from litkv.state import CacheState
+from litkv.state_store import EntryCheck
+from litkv.state_store import StateStore as _Store
 
 __all__ = ["StateStore"]
 
@@ -33,85 +38,83 @@ class StateStore:
         max_bytes: bytes of state tensors kept in memory (least recently used ones go first).
         directory: where every stored state is also written (read back on a memory miss, e.g. after a
             restart). `None`: memory only.
+        model: the server's model: entries must have been taken from its weights, and reply ids must
+            be in its vocabulary.
+        kv_cache: the server's cache config: entries must hold exactly these caches (batch of one).
+        max_prompt_tokens: most tokens a stored reply may have (`None`: no bound).
+        disk_bytes: most bytes of files in `directory` (default: `max_bytes`, as the prefix store).
         max_replies: reply token lists kept in memory (each is small).
     """
 
-    def __init__(self, max_bytes: int, directory: Path | None = None, max_replies: int = 65536) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"state_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.directory = None if directory is None else Path(directory)
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_replies = max_replies
-        self._states = StateLRU(max_bytes)
-        self._replies: OrderedDict[str, list[int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = {"memory": 0, "disk": 0}
+    def __init__(
+        self,
+        max_bytes: int,
+        directory: Path | None = None,
+        *,
+        model: GPT,
+        kv_cache: KVCacheConfig,
+        max_prompt_tokens: int | None = None,
+        disk_bytes: int | None = None,
+        max_replies: int = 65536,
+    ) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"state_bytes must be an int >= 0, got {max_bytes!r}")
+        self._store = _Store(max_bytes, directory, disk_bytes, max_replies, name="state store")
+        self.check = EntryCheck.of(model, kv_cache)
+        self.vocab_size = model.config.padded_vocab_size
+        self.max_prompt_tokens = max_prompt_tokens
+
+    @property
+    def directory(self) -> Path | None:
+        return self._store.directory
+
+    @property
+    def hits(self) -> dict[str, int]:
+        """States found in `"memory"` and on `"disk"`."""
+        return self._store.hits
 
     @property
     def nbytes(self) -> int:
         """Bytes of the states held in memory."""
-        return self._states.nbytes
+        return self._store.nbytes
+
+    def disk_bytes(self) -> int:
+        """Bytes of the files in the directory (0 without one)."""
+        return self._store.disk_bytes()
 
     def __len__(self) -> int:
-        return len(self._states)
-
-    def _path(self, key: str, suffix: str) -> Path:
-        assert self.directory is not None
-        return self.directory / f"{key}{suffix}"
+        return len(self._store)
 
     def put(self, key: str, state: CacheState, reply_ids: list[int]) -> None:
         """Keep `state` (a CPU copy) and the reply's token ids under `key`."""
-        with self._lock:
-            self._remember_reply(key, reply_ids)
-            self._states.put(key, state)
-        if self.directory is not None:
-            state.save(self._path(key, ".safetensors"))  # atomic (litkv.atomic)
-            write_text_atomic(self._path(key, ".json"), json.dumps({"reply_ids": list(reply_ids)}))
-
-    def _remember_reply(self, key: str, reply_ids: list[int]) -> None:
-        self._replies[key] = list(reply_ids)
-        self._replies.move_to_end(key)
-        while len(self._replies) > self.max_replies:
-            self._replies.popitem(last=False)
+        self._store.put_note(key, {"reply_ids": [int(i) for i in reply_ids]})
+        self._store.put(key, state)
 
     def get(self, key: str) -> CacheState | None:
-        """The state under `key` from memory, else from the directory; `None` when there is none."""
-        with self._lock:
-            state = self._states.get(key)
-            if state is not None:
-                self.hits["memory"] += 1
-                return state
-        if self.directory is None or not self._path(key, ".safetensors").is_file():
-            return None
-        try:
-            state = CacheState.load(self._path(key, ".safetensors"))
-        except (ValueError, FileNotFoundError) as err:
-            log.warning("ignoring state file for %s: %s", key[:12], err)
-            return None
-        with self._lock:
-            self._states.put(key, state)
-            self.hits["disk"] += 1
-        return state
+        """The state under `key` from memory, else from the directory when it passes the server's
+        checks; `None` when there is none."""
+        return self._store.get(key, self.check)
 
     def reply_ids(self, key: str) -> list[int] | None:
-        """The exact token ids of the assistant reply that ends the prefix `key`, when known."""
-        with self._lock:
-            ids = self._replies.get(key)
-            if ids is not None:
-                self._replies.move_to_end(key)
-                return list(ids)
-        if self.directory is None or not self._path(key, ".json").is_file():
+        """The exact token ids of the assistant reply that ends the prefix `key`, when known and valid
+        (every id in the vocabulary, at most `max_prompt_tokens` of them); else `None` (recompute)."""
+        note = self._store.note(key)
+        if note is None:
             return None
-        try:
-            ids = json.loads(self._path(key, ".json").read_text())["reply_ids"]
-        except (ValueError, KeyError, TypeError, OSError) as err:
-            log.warning("ignoring reply file for %s: %s", key[:12], err)
+        ids = note.get("reply_ids")
+        problem = self._reply_problem(ids)
+        if problem:
+            log.warning("state store: dropping the stored reply ids of %s: %s", key[:12], problem)
+            self._store.drop_note(key)
             return None
-        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-            log.warning("ignoring reply file for %s: not a list of token ids", key[:12])
-            return None
-        with self._lock:
-            self._remember_reply(key, ids)
-        return list(ids)
+        return list(ids)  # type: ignore[arg-type]
+
+    def _reply_problem(self, ids: object) -> str | None:
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            return "not a list of token ids"
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            return f"{len(ids)} ids, more than the prompt budget of {self.max_prompt_tokens}"
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            return f"id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+        return None
