@@ -98,7 +98,7 @@ def generate(
     stop = tuple(sorted(fmt.stop_ids))
     stream = _Stream(tokenizer, model, echo=len(texts) == 1, stop=stop)
     if stream.echo:
-        print(texts[0], end="", flush=True)
+        print(texts[0], end="" if isinstance(fmt, RawFormat) else "\n", flush=True)  # a reply is its own message
     generator = torch.Generator(device=dev).manual_seed(seed)
     store = None if prompt_cache is None else PrefixCache(PROMPT_CACHE_BYTES, prompt_cache)
     stream.start()
