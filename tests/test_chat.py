@@ -336,3 +336,23 @@ def test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so(tmp_path: Pa
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert "[reply stopped] the turn so far is kept and saved" in err and "turns: 1" in out
     assert _saved_turns(session) == 1
+
+
+def test_session_with_other_cache_settings_says_so_and_goes_on_with_the_files(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 32 item 7: `--session F` given other --kv_cache settings than F's: one warning line naming
+    both, and the chat goes on with the file's cache (its state was computed with it); the same
+    settings again, or none given, say nothing."""
+    session = tmp_path / "s.safetensors"
+    _chat(monkeypatch, capsys, [TURNS[0]], "--session", str(session))
+    other = ["--kv_cache.policy", "dense", "--kv_cache.cache_length", "512", "--session", str(session)]
+    out, err = _chat(monkeypatch, capsys, ["/stats"], *other)
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "h2o/64 slots" in warnings[0] and "dense/512 slots" in warnings[0], err
+    assert "cache: h2o" in out[0] and "of 64 per layer" in out[0]
+    _, err = _chat(monkeypatch, capsys, ["/stats"], "--session", str(session))
+    assert "warning" not in err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/stats\n"))
+    main(["chat", "--num_threads", "1", "--session", str(session)])  # no --kv_cache at all
+    assert "warning" not in capsys.readouterr().err

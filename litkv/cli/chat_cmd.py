@@ -1,14 +1,18 @@
 """`litkv chat`: an interactive session on a checkpoint, through any KV cache policy.
 
-Each turn appends the user's text and the reply to the caches: the history is never prefilled again,
-and with an evicting policy the conversation can run past the model's context length. Commands:
+The conversation itself (its messages in the checkpoint's chat template or as raw text, feeding through
+the chunk runner, the reply loop) is `litkv.conversation.Conversation`, shared with `litkv serve`; this
+module is the terminal around it. Each turn appends the user's message and the reply to the caches: the
+history is never prefilled again, and with an evicting policy the conversation can run past the
+model's context length. Commands:
 `/undo` (roll back the last turn), `/save FILE`, `/load FILE`, `/reset`, `/stats`, `/help`, `/quit`.
 Replies stream; Ctrl-C stops a reply (the part already produced stays in the session as a turn);
 Ctrl-D (end of input) exits. Input may come from a terminal or a pipe.
 
 `--session FILE` loads the session at start (when the file exists) and saves it, atomically, after
 every completed turn and every command that changes it, so a crash loses at most the turn in progress.
-The file holds the turn boundaries (`/undo` works after a resume). While a chat runs, its session file
+The file holds the conversation (messages, turn boundaries: `/undo` works after a resume) and keeps its
+cache settings (other `--kv_cache` settings are one warning line). While a chat runs, its session file
 is locked (`.FILE.lock` next to it): a second chat on the same file is refused; the lock of a process
 that died is free again. SIGTERM and SIGHUP end the chat cleanly: a reply in progress stops at the
 next token, the session is saved, the process exits with status 0. No path, command or signal ends
@@ -21,7 +25,7 @@ import json
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -29,21 +33,21 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from litkv.atomic import remove_stale_temp_files
+from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
+from litkv.conversation import Conversation, Pick
 from litkv.generate import check_sampling, sample
 from litkv.model import GPT
 from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.state import CacheState, restore, snapshot
-from litkv.undo import keep_undo_log, truncate
+from litkv.undo import truncate
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
 __all__ = ["ChatSession", "chat"]
-
-Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (B, V) -> next tokens (B,)
 
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
 #: Safetensors metadata key of a session file's chat data: `{"turns": [tokens of each turn]}` as JSON.
@@ -55,8 +59,8 @@ HELP = (
 
 
 class ChatSession:
-    """The state of a conversation: the model's attached caches (batch of one), the token history, the
-    token count of each turn (for `/undo`) and an undo log deep enough for `undo_depth` calls.
+    """The chat's side of a conversation (`litkv.conversation.Conversation`, batch of one): the turn as
+    the terminal runs it, `/undo` (turn boundaries), `/save`, `/load`, `/stats`.
 
     Args:
         model: the GPT (caches are attached to it for the session's life).
@@ -64,94 +68,89 @@ class ChatSession:
         kv_cache: the cache config of every layer.
         undo_depth: calls (prefill chunks and decode steps) the undo log keeps; `/undo` of a turn
             with an evicting policy needs the turn's calls in it.
+        fmt: how messages become tokens (default: raw text, `RawFormat`).
     """
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, kv_cache: KVCacheConfig, undo_depth: int = 1024) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        kv_cache: KVCacheConfig,
+        undo_depth: int = 1024,
+        fmt: Format | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.kv_cache = kv_cache
         self.undo_depth = undo_depth
-        self.history: list[int] = []
-        self.turns: list[int] = []
+        self.conversation = Conversation(model, fmt or RawFormat(tokenizer), kv_cache, undo_depth)
         self.loaded_turns = 0  # turns restored from a file: their undo history is not in the log
         self.interrupted = False
-        self.reset()
+
+    @property
+    def kv_cache(self) -> KVCacheConfig:
+        return self.conversation.kv_cache
 
     @property
     def next_pos(self) -> int:
-        last = self.model.last_pos
-        return 0 if last is None else int(last[0]) + 1
+        return self.conversation.next_pos
+
+    @property
+    def history(self) -> list[int]:
+        return self.conversation.history
+
+    @property
+    def turns(self) -> list[int]:
+        """Tokens of each turn (the user's segment and the reply)."""
+        return self.conversation.turn_sizes()
 
     def reset(self) -> None:
         """Empty caches, history and turns."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. qh2o choosing its storage: said once at start
-            self.model.set_kv_caches(self.model.build_kv_caches(self.kv_cache, 1))
-        keep_undo_log(self.model, self.undo_depth)
-        self.history, self.turns, self.loaded_turns = [], [], 0
+        self.conversation.reset()
+        self.loaded_turns = 0
 
     # -- a turn ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def turn(self, text: str, max_new_tokens: int, pick: Pick, out: TextIO, stop_at_newline: bool = True) -> list[int]:
-        """Append `text` (and a newline) to the session and stream the reply to `out`.
+        """Append the user's `text` to the session (in the conversation's format) and stream the reply to `out`.
 
         Returns:
             The reply's token ids (all of them are in the caches when this returns).
         """
-        ids = self.tokenizer.encode(text + "\n", bos=None if not self.history else False).tolist()
-        if not ids:
-            return []
-        self._check_room(len(ids) + max_new_tokens)
-        hidden = self._feed(ids)
+        conv = self.conversation
+        messages, replies = [*conv.messages, ("user", text)], [*conv.replies, None]
+        pending = conv.prepare(messages, replies)
+        conv.check_room(pending, max_new_tokens)
+        hidden = conv.feed(pending, messages, replies)
         reply: list[int] = []
         stream = _TextStream(self.tokenizer, out)
-        eos = self.tokenizer.eos_id
-        while not self.interrupted and len(reply) < max_new_tokens:
-            token = int(pick(self.model.logits(hidden[:, -1]))[0])
-            reply.append(token)
-            hidden = self._feed([token])
-            stream.add(token)
-            if token == eos or (stop_at_newline and "\n" in self.tokenizer.decode(torch.tensor([token]))):
+        tokens = conv.reply(hidden, max_new_tokens, pick)
+        while not self.interrupted:
+            token = next(tokens, None)
+            if token is None:
                 break
+            reply.append(token)
+            stream.add(token)
+            if stop_at_newline and "\n" in self.tokenizer.decode(torch.tensor([token])):
+                break
+        tokens.close()
         stream.finish()
-        self.turns.append(len(ids) + len(reply))
+        shown = reply[:-1] if reply and reply[-1] in conv.format.stop_ids else reply
+        conv.end_reply(self.tokenizer.decode(torch.tensor(shown, dtype=torch.long)) if shown else "")
         return reply
-
-    def _feed(self, ids: list[int]) -> torch.Tensor:
-        """Run `ids` through the caches in chunks; hidden states `(1, T, n_embd)` of the last chunk."""
-        step = self.kv_cache.chunk_length
-        hidden = None
-        for s in range(0, len(ids), step):
-            part = torch.tensor([ids[s : s + step]], device=self.model.lm_head.weight.device)
-            start = self.next_pos
-            pos = torch.arange(start, start + part.shape[1], device=part.device)[None]
-            hidden = self.model(part, pos, lm_head=False)
-            self.history.extend(ids[s : s + step])
-        return hidden
-
-    def _check_room(self, needed: int) -> None:
-        for cache in self.model.kv_caches:
-            limit = type(cache).max_tokens(cache.config)
-            if limit is not None and cache.num_filled + needed > limit:
-                raise ValueError(
-                    f"the {cache.config.policy} cache is full: {cache.num_filled} of {limit} slots used, this turn "
-                    f"may need {needed} more; /undo, /reset, or restart with an evicting policy (--kv_cache h2o)"
-                )
 
     # -- commands -------------------------------------------------------------------------------
 
     def undo(self) -> str:
-        if not self.turns:
+        turns = self.turns
+        if not turns:
             return "nothing to undo"
-        n = self.turns[-1]
+        n = turns[-1]
         try:
             truncate(self.model, n)
         except ValueError as err:
             raise ValueError(self._undo_error(n)) from err
-        self.turns.pop()
-        self.loaded_turns = min(self.loaded_turns, len(self.turns))
-        del self.history[len(self.history) - n :]
+        self.conversation.drop_last_turn()
+        self.loaded_turns = min(self.loaded_turns, len(turns) - 1)
         return f"rolled back the last turn ({n} tokens)"
 
     def _undo_error(self, n: int) -> str:
@@ -167,13 +166,15 @@ class ChatSession:
         )
 
     def save(self, path: Path) -> str:
-        """Write the session (caches, token history, turn boundaries) to `path`, atomically."""
+        """Write the session (caches, token history, messages and their segments) to `path`, atomically."""
         path = Path(path)
         if path.is_dir():
             raise ValueError(f"cannot save to {str(path)!r}: it is a directory; give a file name")
-        state = snapshot(self.model, device="cpu", token_ids=[list(self.history)])
-        state.save(path, extra_metadata={CHAT_METADATA: json.dumps({"turns": self.turns})})
-        return f"saved {len(self.history)} tokens to {path} ({state.nbytes() / 2**20:.2f} MiB of state)"
+        history = self.history
+        state = snapshot(self.model, device="cpu", token_ids=[history])
+        data = {"turns": self.turns, **self.conversation.layout()}
+        state.save(path, extra_metadata={CHAT_METADATA: json.dumps(data)})
+        return f"saved {len(history)} tokens to {path} ({state.nbytes() / 2**20:.2f} MiB of state)"
 
     def load(self, path: Path) -> str:
         path = Path(path)
@@ -183,11 +184,17 @@ class ChatSession:
         if state.batch_size != 1:
             raise ValueError(f"{path} holds {state.batch_size} rows; a chat session has one")
         history = list(state.token_ids[0]) if state.token_ids else []
-        turns = _read_turns(path, len(history))
+        layout = _read_layout(path)
         restore(self.model, state)
-        self.kv_cache = state.configs[0]
-        self.history, self.turns, self.loaded_turns = history, turns, len(turns)
-        return f"loaded {len(self.history)} tokens ({len(turns)} turns) from {path} (policy {self.kv_cache.policy})"
+        self.conversation.kv_cache = state.configs[0]
+        try:
+            self.conversation.resume(history, layout)
+        except (TypeError, ValueError):
+            message = f"{path}: its conversation data is invalid; its tokens are kept, /undo starts here"
+            warnings.warn(message, stacklevel=2)
+            self.conversation.resume(history, None)
+        self.loaded_turns = len(self.turns)
+        return f"loaded {len(history)} tokens ({self.loaded_turns} turns) from {path} (policy {self.kv_cache.policy})"
 
     def stats(self) -> str:
         caches = self.model.kv_caches
@@ -200,23 +207,41 @@ class ChatSession:
         )
 
 
-def _read_turns(path: Path, history: int) -> list[int]:
-    """The turn boundaries stored in a session file; `[]` (with a warning) when absent or inconsistent."""
+def _chat_metadata(path: Path) -> str | None:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        raw = (f.metadata() or {}).get(CHAT_METADATA)
+        return (f.metadata() or {}).get(CHAT_METADATA)
+
+
+def _read_turns(path: Path, history: int) -> list[int]:
+    """The turn sizes stored in a session file; `[]` (with a warning) when absent or inconsistent."""
+    raw = _chat_metadata(path)
     if raw is None:
         return []  # saved by `snapshot(...).save` or an earlier litkv: no turns to undo
     try:
         turns = json.loads(raw)["turns"]
     except (json.JSONDecodeError, KeyError, TypeError):
         turns = None
-    valid = isinstance(turns, list) and all(type(t) is int and t >= 1 for t in turns) and sum(turns) == history
+    valid = isinstance(turns, list) and all(type(t) is int and t >= 1 for t in turns) and sum(turns) <= history
     if not valid:
         warnings.warn(f"{path}: its turn boundaries are invalid ({raw[:80]!r}); /undo starts from here", stacklevel=2)
         return []
     return turns
+
+
+def _read_layout(path: Path) -> dict[str, object] | None:
+    """The conversation layout a session file holds (`Conversation.layout`), or `None` without one."""
+    raw = _chat_metadata(path)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and "segments" not in data and "turns" in data:
+        return None  # an earlier litkv's file: turn sizes only; its tokens are a prefix
+    return data if isinstance(data, dict) else {"invalid": raw[:80]}
 
 
 class _TextStream:
@@ -391,7 +416,8 @@ def chat(
     top_p: float | None = None,
     seed: int = 1234,
     session: Path | None = None,
-    stop_at_newline: bool = True,
+    stop_at_newline: bool | None = None,
+    chat_template: bool | None = None,
     undo_depth: int = 1024,
     precision: str | None = None,
     device: str | None = None,
@@ -408,9 +434,14 @@ def chat(
         top_k: Sample among the k most likely tokens only.
         top_p: Nucleus sampling threshold in (0, 1].
         seed: Random seed of the sampler.
-        session: A session file: loaded at start when it exists (its cache config wins), saved after every
-            turn and command that changes it; locked while the chat runs.
-        stop_at_newline: End a reply at its first newline (else at end-of-text or max_new_tokens).
+        session: A session file: loaded at start when it exists, saved after every turn and command that
+            changes it; locked while the chat runs. Its cache settings win: given other --kv_cache
+            settings, the chat says so in one line and goes on with the file's.
+        stop_at_newline: End a reply at its first newline (else at end-of-text, the chat template's
+            end-of-turn token or max_new_tokens). Default: true for raw text, false with a chat template.
+        chat_template: Format the conversation with the checkpoint's chat template (system message,
+            turns, generation prompt; tokenizer_config.json's ``chat_template``): true, false (raw text:
+            base models, the shipped model), or unset: when the checkpoint has one.
         undo_depth: Calls (prefill chunks and decode steps) the undo log keeps for /undo.
         precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
@@ -420,7 +451,9 @@ def chat(
     path = _session_path(session)
     try:
         with _session_lock(path):
-            state = _start(checkpoint_dir, kv_cache, path, undo_depth, precision, device, num_threads)
+            state = _start(checkpoint_dir, kv_cache, chat_template, path, undo_depth, precision, device, num_threads)
+            if stop_at_newline is None:
+                stop_at_newline = state.conversation.format.name == "raw"
             generator = torch.Generator(device=state.model.lm_head.weight.device).manual_seed(seed)
 
             def pick(logits: torch.Tensor) -> torch.Tensor:
@@ -436,21 +469,37 @@ def chat(
 def _start(
     checkpoint_dir: Path | None,
     kv_cache: KVCacheConfig,
+    chat_template: bool | None,
     session: Path | None,
     undo_depth: int,
     precision: str | None,
     device: str | None,
     num_threads: int | None,
 ) -> ChatSession:
-    """Load the model, the tokenizer and the session file."""
+    """Load the model, the tokenizer, its chat format and the session file."""
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     apply_num_threads(num_threads)
+    tokenizer = load_tokenizer(ckpt)
+    fmt = load_format(ckpt, tokenizer, chat_template)
     dev = resolve_device(device)
     model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
-    state = ChatSession(model, load_tokenizer(ckpt), kv_cache, undo_depth)
+    state = ChatSession(model, tokenizer, kv_cache, undo_depth, fmt)
     if session is not None and session.is_file():
         print(state.load(session), file=sys.stderr)
+        if kv_cache != _DEFAULT_KV_CACHE and kv_cache != state.kv_cache:
+            print(
+                f"warning: --session {session} was saved with a {_describe(state.kv_cache)} cache; it goes on with "
+                f"that, not the given {_describe(kv_cache)} (a session's cache cannot change; /reset starts over "
+                "with the file's settings, another --session file with yours)",
+                file=sys.stderr,
+            )
     return state
+
+
+def _describe(cfg: KVCacheConfig) -> str:
+    """A cache config in a few words (what differs between two sessions' settings)."""
+    options = f", {cfg.options}" if cfg.options else ""
+    return f"{cfg.policy}/{cfg.cache_length} slots/{cfg.storage} storage/chunk {cfg.chunk_length}{options}"
 
 
 def _run(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
@@ -15,6 +17,9 @@ from litkv.generate import check_sampling
 from litkv.generate import generate as generate_tokens
 from litkv.prefix import PrefixCache
 from litkv.runtime import load_for_inference
+
+if TYPE_CHECKING:
+    from litgpt.tokenizer import Tokenizer
 
 __all__ = ["generate", "DEFAULT_PROMPT"]
 
@@ -38,6 +43,7 @@ def generate(
     num_threads: int | None = None,
     prompt_cache: Path | None = None,
     compile: bool = False,
+    chat_template: bool | None = None,
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -64,6 +70,9 @@ def generate(
             state after their common blocks of chunk_size tokens instead of computing it again.
         compile: Run the decode steps through torch.compile (static shapes; the first call compiles,
             a minute or more for a 30-layer model on a CPU; worth it for long generations).
+        chat_template: Send each prompt as a user message in the checkpoint's chat template (with the
+            generation prompt; the reply ends at the template's end-of-turn token or EOS): true, false
+            (raw text: base models, the shipped model), or unset: when the checkpoint has one.
 
     Returns:
         The new tokens of each prompt.
@@ -73,7 +82,8 @@ def generate(
     texts = _read_prompts(prompt, prompt_file)
     model, dev = load_for_inference(ckpt, precision, device, num_threads)
     tokenizer = load_tokenizer(ckpt)
-    encoded = [tokenizer.encode(text, device=dev).long() for text in texts]
+    fmt = load_format(ckpt, tokenizer, chat_template)
+    encoded = [_encode(fmt, tokenizer, text, dev) for text in texts]
     for i, ids in enumerate(encoded):
         if ids.numel() == 0:
             raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
@@ -84,11 +94,11 @@ def generate(
             f"({model.config.block_size}); quality may degrade",
             file=sys.stderr,
         )
-    stream = _Stream(tokenizer, model, echo=len(texts) == 1)
+    stop = tuple(sorted(fmt.stop_ids))
+    stream = _Stream(tokenizer, model, echo=len(texts) == 1, stop=stop)
     if stream.echo:
-        print(texts[0], end="", flush=True)
+        print(texts[0], end="" if isinstance(fmt, RawFormat) else "\n", flush=True)  # a reply is its own message
     generator = torch.Generator(device=dev).manual_seed(seed)
-    stop = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
     store = None if prompt_cache is None else PrefixCache(PROMPT_CACHE_BYTES, prompt_cache)
     stream.start()
     outputs = generate_tokens(
@@ -119,6 +129,14 @@ def generate(
     return outputs
 
 
+def _encode(fmt: Format, tokenizer: Tokenizer, text: str, device: torch.device) -> torch.Tensor:
+    """A prompt's ids `(T,)`: raw text (BOS per the tokenizer), or one user message in the chat template."""
+    if isinstance(fmt, RawFormat):
+        return tokenizer.encode(text, device=device).long()
+    ids = [t for seg in fmt.segments([("user", text)], [None], True, True) for t in seg.ids]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
 def _read_prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
     """The prompts of the batch: `--prompt` values, or the content of `--prompt_file`, or the default."""
     if prompt is not None and prompt_file is not None:
@@ -140,8 +158,9 @@ def _read_prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[st
 class _Stream:
     """`on_tokens` callback: prints the new text of a single prompt, times prefill and decode."""
 
-    def __init__(self, tokenizer, model: torch.nn.Module, echo: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, model: torch.nn.Module, echo: bool, stop: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stop = stop
         self.model = model
         self.echo = echo
         self.ids: list[int] = []
@@ -166,8 +185,7 @@ class _Stream:
         self.steps += 1
         if not self.echo:
             return
-        eos = self.tokenizer.eos_id
-        if self.ids and eos is not None and self.ids[-1] == eos:
+        if self.ids and self.ids[-1] in self.stop:
             return
         self.ids.append(values[0])
         self._print(final=False)

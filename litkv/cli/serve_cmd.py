@@ -33,7 +33,8 @@ def serve(
     max_prompt_tokens: int = 8192,
     max_body_bytes: int = 1 << 20,
     top_k: int | None = 50,
-    stop_at_newline: bool = True,
+    stop_at_newline: bool | None = None,
+    chat_template: bool | None = None,
     seed: int = 1234,
     precision: str | None = None,
     device: str | None = None,
@@ -63,7 +64,10 @@ def serve(
         max_prompt_tokens: Most tokens a request's messages may have.
         max_body_bytes: Largest request body.
         top_k: Sample among the k most likely tokens only (as ``litkv chat``).
-        stop_at_newline: End a reply at its first newline (as ``litkv chat``).
+        stop_at_newline: End a reply at its first newline (as ``litkv chat``). Default: true for raw
+            text, false with a chat template (a reply then ends at the template's end-of-turn token).
+        chat_template: Format conversations with the checkpoint's chat template: true, false (raw text,
+            as ``litkv chat --chat_template false``), or unset: when the checkpoint has one.
         seed: Sampler seed of a request without ``seed``.
         precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
@@ -88,12 +92,13 @@ def serve(
     _check_serving_options(host, api_key, top_k, timeout, body_timeout)
     require_int("--seed", seed, -(1 << 63), (1 << 64) - 1, note=" (64 bits)")
     dev = resolve_device(device)
+    _check_chat_template(ckpt, chat_template)
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
-        body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, seed=seed, api_key=api_key,
-        num_threads=num_threads,
+        body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template,
+        seed=seed, api_key=api_key, num_threads=num_threads,
     )  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = build_server(opts, timeout=timeout)
@@ -120,3 +125,11 @@ def _check_serving_options(
             "use it (set --api_key)",
             file=sys.stderr,
         )
+
+
+def _check_chat_template(ckpt: Path, chat_template: bool | None) -> None:
+    """The checkpoint's chat template, checked at start (compiles; present when asked for)."""
+    from litkv.chat_template import load_format
+    from litkv.checkpoint import load_tokenizer
+
+    load_format(ckpt, load_tokenizer(ckpt), chat_template)

@@ -32,7 +32,7 @@ from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
 from litkv.config import KVCacheConfig
-from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages
+from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages, count_prompt_tokens
 from litkv.serve.fields import NO_OP, unsupported_field
 from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
 from litkv.serve.store import StateStore
@@ -59,7 +59,8 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0
     top_k: int | None = 50
-    stop_at_newline: bool = True
+    stop_at_newline: bool | None = None
+    chat_template: bool | None = None
     seed: int = 1234
     api_key: str | None = None
     num_threads: int | None = None
@@ -183,7 +184,7 @@ class LitKVSpec(OpenAISpec):
     def __init__(self, opts: ServeOptions) -> None:
         super().__init__()
         self.opts = opts
-        self._tokenizer = None
+        self._format = None
         self._limit = opts.kv_cache.policy_class.max_tokens(opts.kv_cache)
 
     def pre_setup(self, lit_api: ls.LitAPI) -> None:
@@ -195,12 +196,13 @@ class LitKVSpec(OpenAISpec):
         return {"object": "list", "data": [card]}
 
     def _count_tokens(self, turn: TurnRequest) -> int:
-        if self._tokenizer is None:
+        if self._format is None:
+            from litkv.chat_template import load_format
             from litkv.checkpoint import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.opts.checkpoint_dir)
-        tok = self._tokenizer
-        return sum(len(tok.encode(c + "\n", bos=None if i == 0 else False)) for i, (_, c) in enumerate(turn.messages))
+            tokenizer = load_tokenizer(self.opts.checkpoint_dir)
+            self._format = load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template)
+        return count_prompt_tokens(self._format, turn.messages)
 
     def check(self, request: ChatCompletionRequest) -> TurnRequest:
         turn = parse_request(request, self.opts)
@@ -267,6 +269,7 @@ class LitKVAPI(ls.LitAPI):
         self.opts = opts
 
     def setup(self, device: str) -> None:
+        from litkv.chat_template import load_format
         from litkv.checkpoint import load_model, load_tokenizer
         from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
 
@@ -281,14 +284,16 @@ class LitKVAPI(ls.LitAPI):
             kv_cache=self.opts.kv_cache,
             max_prompt_tokens=self.opts.max_prompt_tokens,
         )
+        tokenizer = load_tokenizer(self.opts.checkpoint_dir)
         self.engine = Engine(
             model,
-            load_tokenizer(self.opts.checkpoint_dir),
+            tokenizer,
             self.opts.kv_cache,
             store,
             self.opts.top_k,
             self.opts.stop_at_newline,
             self.opts.seed,
+            load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template),
         )
 
     def decode_request(self, request: ChatCompletionRequest, **kwargs: Any) -> TurnRequest:

@@ -1,9 +1,11 @@
 """The conversation engine of `litkv serve`: messages in, reply text out, through stored cache states.
 
-A conversation is a list of `(role, content)` messages. Each message is one segment of tokens, as in
-`litkv chat`: a `system`/`user` message is `content + "\\n"` (BOS only at the very start), fed in
-chunks of `chunk_size` from the segment's first token; an `assistant` message is the reply's exact
-token ids (all of them, the stop token included), fed one token per call, as decode fed them.
+A conversation is a list of `(role, content)` messages, made into tokens and fed by the conversation
+engine that `litkv chat` uses too (`litkv.conversation`): with the checkpoint's chat template when it
+has one (`litkv.chat_template`), else each message is `content + "\\n"` (BOS only at the very start).
+Prompt text is fed in chunks from its segment's first token; an assistant message generated here is the
+reply's exact token ids (all of them, the stop token included), fed one token per call, as decode fed
+them; one the server never produced is its text, tokenized.
 
 A request's messages are matched against stored states at message boundaries: the longest prefix
 that ends with an assistant message and has a state is restored, and only the messages after it are
@@ -16,14 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from litkv.chat_template import ChatTemplateError, Format, Message, RawFormat, TemplateFormat
 from litkv.config import KVCacheConfig
+from litkv.conversation import Conversation, Pending
 from litkv.fingerprint import model_fingerprint
 from litkv.generate import sample
 from litkv.model import GPT
@@ -33,10 +36,9 @@ from litkv.state import restore, snapshot
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
-__all__ = ["ROLES", "Engine", "RequestError", "TurnRequest", "TurnResult", "message_keys"]
+__all__ = ["ROLES", "Engine", "RequestError", "TurnRequest", "TurnResult", "count_prompt_tokens", "message_keys"]
 
 ROLES = ("system", "user", "assistant")
-Message = tuple[str, str]
 
 
 class RequestError(ValueError):
@@ -98,7 +100,8 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 
 class Engine:
-    """Runs turns of conversations on one model (batch of one), restoring and storing cache states.
+    """Runs turns of conversations on one model (batch of one), restoring and storing cache states; the
+    conversation itself (formatting, feeding, the reply loop) is a `litkv.conversation.Conversation`.
 
     Args:
         model: the GPT.
@@ -106,8 +109,9 @@ class Engine:
         kv_cache: the cache config of every layer.
         store: where conversation states live.
         top_k: sample among the k most likely tokens (as `litkv chat`'s `--top_k`).
-        stop_at_newline: end a reply at its first newline (as `litkv chat`).
+        stop_at_newline: end a reply at its first newline (as `litkv chat`); default: only for raw text.
         default_seed: sampler seed of a request without `seed`.
+        fmt: how messages become tokens (`litkv.chat_template.load_format`); default raw text.
     """
 
     def __init__(
@@ -117,30 +121,31 @@ class Engine:
         kv_cache: KVCacheConfig,
         store: StateStore,
         top_k: int | None = 50,
-        stop_at_newline: bool = True,
+        stop_at_newline: bool | None = None,
         default_seed: int = 1234,
+        fmt: Format | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.store = store
         self.top_k = top_k
-        self.stop_at_newline = stop_at_newline
+        self.format = fmt or RawFormat(tokenizer)
+        self.stop_at_newline = self.format.name == "raw" if stop_at_newline is None else stop_at_newline
         self.default_seed = default_seed
-        fingerprint = json.dumps([model_fingerprint(model), repr(kv_cache)], sort_keys=True)
-        self.root = hashlib.sha256(fingerprint.encode()).hexdigest()
+        self.conversation = Conversation(model, self.format, kv_cache)
+        identity = [model_fingerprint(model), repr(kv_cache)]
+        if isinstance(self.format, TemplateFormat):  # another format: other tokens, other states
+            identity.append(self.format.template.source)
+        self.root = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
         self.limit = kv_cache.policy_class.max_tokens(kv_cache)
         self.device = model.lm_head.weight.device
 
     # -- tokens ---------------------------------------------------------------------------------
 
-    def encode(self, content: str, first: bool) -> list[int]:
-        """A system/user segment's ids, as `litkv chat` encodes a line."""
-        return self.tokenizer.encode(content + "\n", bos=None if first else False).tolist()
-
     def count_prompt_tokens(self, messages: Sequence[Message]) -> int:
         """Tokens of the whole conversation (assistant replies re-tokenised: an estimate for limits)."""
-        return sum(len(self.encode(content, i == 0)) for i, (_, content) in enumerate(messages))
+        return count_prompt_tokens(self.format, messages)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
@@ -149,29 +154,18 @@ class Engine:
 
     @property
     def next_pos(self) -> int:
-        last = self.model.last_pos
-        return 0 if last is None else int(last[0]) + 1
+        return self.conversation.next_pos
 
-    def _fresh(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.model.set_kv_caches(self.model.build_kv_caches(self.kv_cache, 1))
+    def _replies(self, keys: list[str], messages: Sequence[Message]) -> list[list[int] | None]:
+        """The stored token ids of each assistant message generated here (else `None`)."""
+        return [
+            self.store.reply_ids(keys[i + 1]) if role == "assistant" else None for i, (role, _) in enumerate(messages)
+        ]
 
-    def _feed(self, ids: list[int], step: int) -> torch.Tensor:
-        """Run `ids` through the caches in calls of `step` tokens; hidden states of the last call."""
-        hidden = None
-        for s in range(0, len(ids), step):
-            part = torch.tensor([ids[s : s + step]], device=self.device)
-            start = self.next_pos
-            pos = torch.arange(start, start + part.shape[1], device=self.device)[None]
-            hidden = self.model(part, pos, lm_head=False)
-        assert hidden is not None
-        return hidden
-
-    def _restore_longest(self, keys: list[str], messages: Sequence[Message]) -> int:
+    def _restore_longest(self, keys: list[str], messages: Sequence[Message], replies: list[list[int] | None]) -> int:
         """Restore the longest stored prefix ending with an assistant message; how many messages it covers."""
         for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1][0] != "assistant":
+            if messages[k - 1][0] != "assistant" or replies[k - 1] is None:
                 continue
             state = self.store.get(keys[k])
             if state is None:
@@ -180,28 +174,16 @@ class Engine:
                 restore(self.model, state)
             except ValueError:  # taken from another model: never restored
                 continue
-            return k
-        self._fresh()
+            if self.conversation.adopt(messages[:k], replies[:k]):
+                return k
+        self.conversation.reset()
         return 0
 
-    def _segments(self, keys: list[str], messages: Sequence[Message], start: int) -> list[tuple[list[int], int]]:
-        """(ids, call size) of each message from `start` on."""
-        segments = []
-        for i in range(start, len(messages)):
-            role, content = messages[i]
-            if role == "assistant":
-                ids = self.store.reply_ids(keys[i + 1])
-                if ids is None:  # never generated here: its text, as a reply would end
-                    ids = self.tokenizer.encode(content + "\n", bos=False).tolist()
-                segments.append((ids, 1))
-            else:
-                segments.append((self.encode(content, i == 0), self.kv_cache.chunk_length))
-        return segments
-
-    def _check_room(self, needed: int) -> None:
+    def _check_room(self, pending: Pending, max_tokens: int) -> None:
         if self.limit is None:
             return
-        filled = max(int(c.num_filled) for c in self.model.kv_caches)
+        filled = 0 if pending.restart else max(int(c.num_filled) for c in self.model.kv_caches)
+        needed = pending.num_tokens + max_tokens
         if filled + needed > self.limit:
             raise RequestError(
                 f"the conversation needs {filled + needed} tokens, more than the {self.kv_cache.policy} cache's "
@@ -212,52 +194,77 @@ class Engine:
 
     # -- a turn ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, req: TurnRequest, result: TurnResult, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Run a turn; yields the reply's text as it comes and fills `result`. The state after the reply
         is stored only when the turn ends normally (not when `cancelled()` turns true)."""
         check_messages(req.messages)
         keys = message_keys(self.root, req.messages)
-        start = self._restore_longest(keys, req.messages)
-        segments = self._segments(keys, req.messages, start)
-        new_tokens = sum(len(ids) for ids, _ in segments)
-        result.reused_tokens = self.next_pos
-        result.prompt_tokens = result.reused_tokens + new_tokens
-        self._check_room(new_tokens + req.max_tokens)
-        hidden = None
-        for ids, step in segments:
-            hidden = self._feed(ids, step)
-        assert hidden is not None
+        replies = self._replies(keys, req.messages)
+        self._restore_longest(keys, req.messages, replies)
+        conv = self.conversation
+        try:
+            pending = conv.prepare(req.messages, replies)
+        except ChatTemplateError as err:  # the chat template refuses this conversation
+            raise RequestError(err.reason, param="messages") from None
+        result.reused_tokens = 0 if pending.restart else conv.next_pos
+        result.prompt_tokens = result.reused_tokens + pending.num_tokens
+        self._check_room(pending, req.max_tokens)
+        hidden = conv.feed(pending, req.messages, replies)
+        if (yield from self._reply(hidden, req, result, cancelled)):
+            self._store(keys[-1], result)
+
+    def _reply(
+        self, hidden: torch.Tensor, req: TurnRequest, result: TurnResult, cancelled: Callable[[], bool]
+    ) -> Generator[str, None, bool]:
+        """The reply loop after `hidden` `(1, T, n_embd)`: yields text, fills `result`; False when cancelled."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.default_seed if req.seed is None else req.seed)
         stream = _StopScanner(req.stop + (["\n"] if self.stop_at_newline else []))
-        eos = self.tokenizer.eos_id
-        while len(result.reply_ids) < req.max_tokens:
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return sample(logits, req.temperature, self.top_k, req.top_p, generator)
+
+        tokens = self.conversation.reply(hidden, req.max_tokens, pick)
+        ended = False
+        while not ended:
             if cancelled():
-                return
-            logits = self.model.logits(hidden[:, -1])
-            token = int(sample(logits, req.temperature, self.top_k, req.top_p, generator)[0])
+                tokens.close()
+                self.conversation.end_reply(self._decode(result.reply_ids))
+                return False
+            token = next(tokens, None)
+            if token is None:
+                break
             result.reply_ids.append(token)
-            hidden = self._feed([token], 1)
-            shown = result.reply_ids[:-1] if token == eos else result.reply_ids
-            delta, done = stream.update(self._decode(shown), final=token == eos)
+            stop = token in self.format.stop_ids
+            delta, done = stream.update(self._decode(result.reply_ids[:-1] if stop else result.reply_ids), final=stop)
             if delta:
                 yield delta
-            if done or token == eos:
-                break
-        else:
+            ended = done or stop
+        if not ended:
             result.finish_reason = "length"
             delta, _ = stream.update(self._decode(result.reply_ids), final=True)
             if delta:
                 yield delta
+        tokens.close()
         result.content = stream.content
-        self._store(keys[-1], req.messages, result)
+        self.conversation.end_reply(result.content)
+        return True
 
-    def _store(self, last_key: str, messages: Sequence[Message], result: TurnResult) -> None:
+    def _store(self, last_key: str, result: TurnResult) -> None:
         key = message_keys(last_key, [("assistant", result.content)])[-1]
         state = snapshot(self.model, device="cpu")
         self.store.put(key, state, result.reply_ids)
         result.stored = True
+
+
+def count_prompt_tokens(fmt: Format, messages: Sequence[Message]) -> int:
+    """Tokens of a request's messages in `fmt` with the generation prompt (assistant replies re-tokenised
+    from their text: an estimate for limits, made before the stored reply ids are looked up)."""
+    try:
+        segments = fmt.segments(messages, [None] * len(messages), True, True)
+    except ChatTemplateError as err:  # the chat template refuses this conversation (raise_exception, ...)
+        raise RequestError(err.reason, param="messages") from None
+    return sum(len(s.ids) for s in segments)
 
 
 class _StopScanner:

@@ -1,0 +1,269 @@
+"""The conversation engine of `litkv chat` and `litkv serve`: one conversation on a model's caches.
+
+A `Conversation` owns the messages, the segments already fed (`chat_template.Segment`: what the caches
+hold, in order), the feeding and the reply loop. A turn is planned from the whole conversation
+(`plan`: the format renders every message, replies kept as their token ids), and only what the caches
+do not hold yet is fed (`pending`); if the caches hold something else (another format, a template whose
+earlier turns render differently), the conversation is recomputed from an empty cache, with a warning.
+
+Feeding goes through the chunk runner (`litkv.runner.run_chunks`): a prompt segment is cut from its own
+first token (the first segment of a conversation by `prefill_length`, then `chunk_size`; later segments
+by `chunk_size`), a reply one token per call, as decoding fed it. So a conversation's tokens are the same
+whether it ran uninterrupted, was saved and resumed (`litkv chat --session`) or restored from a stored
+state and the rest recomputed (`litkv serve`).
+
+`reply` is the decode loop, a generator of token ids (each is in the caches when it is yielded); it
+ends at a stop token of the format (EOS, the template's end-of-turn token) or `max_new_tokens`, and the
+caller may stop it earlier (a newline, a stop string, Ctrl-C, a client gone); `end_reply` then records
+the reply as a turn.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from litkv.chat_template import Format, Message, Replies, Segment
+from litkv.config import KVCacheConfig
+from litkv.model import GPT
+from litkv.runner import ChunkPlan, run_chunks
+from litkv.undo import keep_undo_log
+
+__all__ = ["Conversation", "Pending", "Pick"]
+
+Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (1, V) -> next token (1,)
+
+
+@dataclass
+class Pending:
+    """The segments a turn still has to feed; `restart`: from an empty cache (the caches hold other tokens)."""
+
+    segments: list[Segment]
+    restart: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+
+class Conversation:
+    """One conversation (batch of one) on `model`'s caches.
+
+    Args:
+        model: the GPT (caches are attached to it by `reset`).
+        fmt: how messages become tokens (`chat_template.load_format`).
+        kv_cache: the cache config of every layer.
+        undo_depth: when set, an undo log of this many calls is kept (`litkv.undo.truncate`).
+    """
+
+    def __init__(self, model: GPT, fmt: Format, kv_cache: KVCacheConfig, undo_depth: int | None = None) -> None:
+        self.model = model
+        self.undo_depth = undo_depth
+        self.format = fmt
+        self.kv_cache = kv_cache
+        self.device = model.lm_head.weight.device
+        self.messages: list[Message] = []
+        self.replies: list[list[int] | None] = []
+        self.fed: list[Segment] = []
+        self.prefix: Segment | None = None  # tokens of a state without messages (kept before them)
+        self._reply: list[int] = []
+        self.reset()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def next_pos(self) -> int:
+        last = self.model.last_pos
+        return 0 if last is None else int(last[0]) + 1
+
+    @property
+    def history(self) -> list[int]:
+        """Every token the caches have seen, in order."""
+        return [t for seg in self.fed for t in seg.ids]
+
+    def reset(self, keep_prefix: bool = False) -> None:
+        """Empty caches; forget the messages (and the prefix unless `keep_prefix`)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. qh2o choosing its storage: said once at start
+            self.model.set_kv_caches(self.model.build_kv_caches(self.kv_cache, 1))
+        if self.undo_depth is not None:
+            keep_undo_log(self.model, self.undo_depth)
+        self.messages, self.replies, self.fed, self._reply = [], [], [], []
+        if not keep_prefix:
+            self.prefix = None
+
+    def adopt(self, messages: Sequence[Message], replies: Replies) -> bool:
+        """Take the caches as they are (restored from a state) as holding `messages`, which end with a
+        reply; False (nothing changed) when their tokens are not as many as the caches saw."""
+        segments = self._through_last_reply(self.plan(messages, replies, add_generation_prompt=False))
+        if sum(len(s.ids) for s in segments) != self.next_pos:
+            return False
+        self.prefix = None
+        self._set_messages(messages, replies)
+        self.fed = segments
+        return True
+
+    def _set_messages(self, messages: Sequence[Message], replies: Replies) -> None:
+        self.messages, self.replies = list(messages), [None if r is None else list(r) for r in replies]
+
+    def layout(self) -> dict[str, object]:
+        """What a file needs besides the token history to resume the conversation (JSON data)."""
+        return {
+            "format": self.format.name,
+            "prefix": self.prefix is not None,
+            "segments": [[len(seg.ids), seg.reply] for seg in self.fed],
+            "messages": [list(m) for m in self.messages],
+        }
+
+    def resume(self, history: list[int], layout: dict[str, object] | None) -> None:
+        """Take the caches as they are (restored from a file) as holding `history`, laid out as `layout`
+        (from `layout()`); `None`: one prefix without messages (the conversation goes on after it).
+
+        Raises:
+            ValueError/TypeError: the layout does not cover the history or does not match its messages.
+        """
+        if len(history) != self.next_pos:
+            raise ValueError(f"the history has {len(history)} tokens, the caches saw {self.next_pos}")
+        if layout is None:
+            layout = {"prefix": bool(history), "segments": [[len(history), False]] if history else [], "messages": []}
+        segments, messages, prefix = layout.get("segments"), layout.get("messages"), layout.get("prefix")
+        if not isinstance(segments, list) or not isinstance(messages, list) or type(prefix) is not bool:
+            raise TypeError("a layout's segments and messages are lists, its prefix a bool")
+        fed, at = [], 0
+        for n, reply in segments:
+            if type(n) is not int or n < 0 or type(reply) is not bool:
+                raise TypeError("a segment is [length, reply]")
+            fed.append(Segment(tuple(history[at : at + n]), reply))
+            at += n
+        msgs = [(str(role), str(content)) for role, content in messages]
+        if at != len(history) or (prefix and (not fed or fed[0].reply)):
+            raise ValueError(f"the layout's segments cover {at} tokens of {len(history)}")
+        reply_ids = iter([list(s.ids) for s in fed if s.reply])
+        if sum(s.reply for s in fed) != sum(role == "assistant" for role, _ in msgs):
+            raise ValueError("a layout has one reply segment per assistant message")
+        self.prefix = fed[0] if prefix else None
+        self._set_messages(msgs, [next(reply_ids) if role == "assistant" else None for role, _ in msgs])
+        self.fed = fed
+
+    def plan(
+        self,
+        messages: Sequence[Message],
+        replies: Replies,
+        prefix: Sequence[int] = (),
+        add_generation_prompt: bool = True,
+    ) -> list[Segment]:
+        """Every segment of the conversation `prefix` + `messages` (a generation prompt at the end)."""
+        head = [Segment(tuple(prefix), False)] if prefix else []
+        return head + self.format.segments(messages, replies, not prefix, add_generation_prompt)
+
+    @staticmethod
+    def _through_last_reply(segments: list[Segment]) -> list[Segment]:
+        replies = [i for i, s in enumerate(segments) if s.reply]
+        return segments[: replies[-1] + 1] if replies else segments
+
+    def prepare(self, messages: Sequence[Message], replies: Replies) -> Pending:
+        """What feeding `messages` (a generation prompt at the end) needs: the segments the caches do not
+        hold yet, or, when the caches hold something else, all of them from an empty cache."""
+        prefix = self.prefix.ids if self.prefix is not None else ()
+        segments = self.plan(messages, replies, prefix)
+        if segments[: len(self.fed)] == self.fed:
+            return Pending(segments[len(self.fed) :], restart=False)
+        return Pending(segments, restart=True)
+
+    def check_room(self, pending: Pending, extra: int) -> None:
+        """ValueError when a lossless cache cannot take `pending` and `extra` more tokens."""
+        needed = pending.num_tokens + extra
+        for cache in self.model.kv_caches:
+            limit = type(cache).max_tokens(cache.config)
+            filled = 0 if pending.restart else cache.num_filled
+            if limit is not None and filled + needed > limit:
+                raise ValueError(
+                    f"the {cache.config.policy} cache is full: {filled} of {limit} slots used, this turn "
+                    f"may need {needed} more; /undo, /reset, or restart with an evicting policy (--kv_cache h2o)"
+                )
+
+    # -- feeding ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def feed(self, pending: Pending, messages: Sequence[Message], replies: Replies) -> torch.Tensor:
+        """Run `pending` through the caches (the conversation is then `messages`); hidden states
+        `(1, 1, n_embd)` of the last token."""
+        if pending.restart:
+            warnings.warn(
+                f"the conversation's earlier tokens differ from what the cache holds (format {self.format.name}); "
+                "recomputing it from the start",
+                stacklevel=2,
+            )
+            self.reset(keep_prefix=True)
+        hidden = None
+        for seg in pending.segments:
+            if seg.ids:  # an empty reply (cut at once) holds no token
+                hidden = self._run(seg)
+            self.fed.append(seg)
+        if hidden is None:
+            raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
+        self._set_messages(messages, replies)
+        return hidden
+
+    def _run(self, seg: Segment) -> torch.Tensor:
+        n = len(seg.ids)
+        if seg.reply:
+            plan = ChunkPlan(1, 1)
+        elif self.next_pos == 0:
+            plan = ChunkPlan.of(self.kv_cache)
+        else:
+            plan = ChunkPlan(self.kv_cache.chunk_length, self.kv_cache.chunk_length)
+        idx = torch.tensor([seg.ids], dtype=torch.long, device=self.device)
+        start = self.next_pos
+        pos = torch.arange(start, start + n, device=self.device)[None]
+        return run_chunks(self.model, idx, pos, plan, lm_head=False, last_only=True)
+
+    # -- the reply ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def reply(self, hidden: torch.Tensor, max_new_tokens: int, pick: Pick) -> Iterator[int]:
+        """Sample and feed up to `max_new_tokens` tokens after `hidden` `(1, T, n_embd)`; yields each
+        token once it is in the caches; ends after a stop token of the format. `end_reply` records it."""
+        self._reply = []
+        start = self.next_pos
+        for i in range(max_new_tokens):
+            token = int(pick(self.model.logits(hidden[:, -1]))[0])
+            pos = torch.tensor([[start + i]], device=self.device)
+            hidden = self.model(torch.tensor([[token]], device=self.device), pos, lm_head=False)
+            self._reply.append(token)
+            yield token
+            if token in self.format.stop_ids:
+                return
+
+    def end_reply(self, content: str) -> list[int]:
+        """Record the reply produced since `reply` (its tokens are in the caches) as the assistant
+        message `content`; returns its ids."""
+        ids, self._reply = self._reply, []
+        self.fed.append(Segment(tuple(ids), True))
+        self.messages.append(("assistant", content))
+        self.replies.append(list(ids))
+        return ids
+
+    # -- turns (for undo) -------------------------------------------------------------------------
+
+    def turn_sizes(self) -> list[int]:
+        """Tokens of each turn: the segments after one reply up to and including the next."""
+        sizes, run = [], 0
+        for seg in self.fed[1:] if self.prefix is not None else self.fed:
+            run += len(seg.ids)
+            if seg.reply:
+                sizes.append(run)
+                run = 0
+        return sizes
+
+    def drop_last_turn(self) -> None:
+        """Forget the last turn's segments and messages (the caller rolls the caches back)."""
+        before = [i for i, s in enumerate(self.fed) if s.reply][:-1]
+        cut = before[-1] + 1 if before else (1 if self.prefix is not None else 0)
+        self.fed = self.fed[:cut]
+        assistants = [i for i, (role, _) in enumerate(self.messages) if role == "assistant"]
+        keep = assistants[-2] + 1 if len(assistants) >= 2 else 0
+        self.messages, self.replies = self.messages[:keep], self.replies[:keep]
