@@ -193,4 +193,5 @@ def download_model(name: str) -> tuple[Path, str]:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
     path = cache_dir(name)
+    gguf_file(MODELS[name])  # the GGUF itself too (kept once): the real-model tests and checks read it
     return path, obtain_checkpoint(MODELS[name], path)

