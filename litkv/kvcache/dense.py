@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache
+from litkv.kvcache.base import CacheSettings, Candidates, KVCache
 from litkv.kvcache.registry import register_kv_cache
-
-if TYPE_CHECKING:
-    from litkv.config import KVCacheConfig
 
 __all__ = ["DenseKVCache"]
 
@@ -22,7 +19,7 @@ class DenseKVCache(KVCache):
     heads_share_positions: ClassVar[bool] = True
 
     @classmethod
-    def max_tokens(cls, config: KVCacheConfig) -> int | None:
+    def max_tokens(cls, config: CacheSettings) -> int | None:
         """A dense cache holds at most `cache_length` tokens of a sequence."""
         return config.cache_length
 
