@@ -251,8 +251,9 @@ def _decode_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Te
 def test_decode_steps_evicting_all_layers_together_equal_each_layer_alone(
     model32: GPT, policy: str, storage: str
 ) -> None:
-    """Decode steps evict every layer at once after the block loop (`KVCaches.evict_waiting`); the logits and every layer's final state are bitwise those of evicting each layer in its own
-    call. Ragged rows, 12 slots, 24 evicting steps."""
+    """Decode steps evict every layer at once after the block loop (`KVCaches.evict_waiting`); the logits
+    and every layer's final state are bitwise those of evicting each layer in its own call
+    (`evict_layers_together = False`). Ragged rows, 12 slots, 24 evicting steps."""
     _storage_or_skip(policy, storage)
     cfg = _config(policy, storage, cache_length=12, chunk=8, needed=40)
     idx = _tokens(2, 40, seed=11)

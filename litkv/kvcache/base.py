@@ -90,7 +90,7 @@ class LayerCache(Protocol):
 
 class SlotState(NamedTuple):
     """One per-slot state tensor a policy declares (`KVCache.slot_state`): the base allocates it `(B, G, L)`,
-    filled with `fill`, of `dtype`, and empties a slot's entry to `fill` when the slot is refilled."""
+    filled with `fill`, of `dtype`; the policy updates it (`after_write`)."""
 
     fill: float = 0.0
     dtype: torch.dtype = torch.float32
@@ -378,7 +378,10 @@ class KVCache(ABC):
         the block loop; `settle` evicts this one alone). Arguments as `evict_and_store`."""
         call = self._call
         if call is None or call.waiting:
-            raise RuntimeError(f"{type(self).__name__}.evict_and_store() called without a preceding attend_inputs()")
+            raise RuntimeError(
+                f"{type(self).__name__}: evict_and_store() or wait_for_eviction() called without a preceding "
+                "attend_inputs()"
+            )
         if self.needs_attn_weights and attn_weights is None:
             raise ValueError(f"{type(self).__name__} needs attention weights, got None")
         call.candidates.attn_weights = attn_weights
