@@ -10,6 +10,7 @@ forked, merged) is a `litkv.CacheState` (`litkv.snapshot` / `litkv.restore`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -101,16 +102,17 @@ class KVCaches:
         (it records each layer's writes as they happen), not under autograd (such a call attends a
         concatenation, no staged token), every layer a policy cache, and `evict_layers_together`.
         """
-        for cache in self.policy_caches:
+        policy_caches = self.policy_caches
+        for cache in policy_caches:
             cache.settle()
             cache.abort_call()
         return (
             num_new == 1
             and self.evict_layers_together
-            and not self.static_shapes
+            and not any(cache.static_shapes for cache in policy_caches)
             and self.undo_log is None
             and not torch.is_grad_enabled()
-            and len(self.policy_caches) == len(self.layers)
+            and len(policy_caches) == len(self.layers)
         )
 
     def evict_waiting(self) -> None:
@@ -184,6 +186,7 @@ class KVCaches:
         return sum(cache.nbytes() for cache in self.layers)
 
 
+@functools.cache
 def _selects_layers_together(cls: type[KVCache]) -> bool:
     """Whether `cls` opted in to the batched decode step: a class of its MRO defines `select_drop_layers`
     and `cls` keeps that class's `select_drop` (a subclass with its own `select_drop` is evicted alone)."""
