@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from litkv.kvcache.candidates import (
     Candidates,
+    OpenCall,
     PackedCandidates,
     Placement,
     drop_lowest,
@@ -94,26 +94,6 @@ class SlotState(NamedTuple):
 
     fill: float = 0.0
     dtype: torch.dtype = torch.float32
-
-
-@dataclass
-class OpenCall:
-    """A call between `attend_inputs` and the end of its eviction: the one record a layer keeps of it.
-
-    Attributes:
-        path: how its new tokens were attended: `"direct"` (written into the empty slots
-            `[start, start + T)`, nothing to choose), `"staged"` (a decode step: the token waits in the
-            room after the slots) or `"concat"` (a longer call: slots then new tokens).
-        start: the first slot a direct call wrote.
-        candidates: what the policy sees (`attn_weights` set once attention is done).
-        waiting: attention is done and the eviction waits (`wait_for_eviction`): `KVCaches.evict_waiting`
-            evicts it with the other layers after the block loop, or `settle` alone.
-    """
-
-    path: Literal["direct", "staged", "concat"]
-    start: int
-    candidates: Candidates
-    waiting: bool = False
 
 
 class KVCache(ABC):
