@@ -132,11 +132,12 @@ class KVCaches:
             if call.path != "staged" or not _selects_layers_together(type(cache)):
                 cache.settle()
                 continue
-            group = next((group for group in groups if _alike(group[0], cache)), None)
-            if group is None:
-                groups.append([cache])
+            for group in groups:
+                if _alike(group[0], cache):
+                    group.append(cache)
+                    break
             else:
-                group.append(cache)
+                groups.append([cache])
         for group in groups:
             if len(group) == 1:
                 group[0].settle()
@@ -200,7 +201,7 @@ def _alike(a: KVCache, b: KVCache) -> bool:
     return (
         type(a) is type(b)
         and (a.config is b.config or a.config == b.config)
-        and a.shape == b.shape
+        and (a.shape is b.shape or a.shape == b.shape)
         and a.dtype == b.dtype
         and a.positions.device == b.positions.device
     )
