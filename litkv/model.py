@@ -253,16 +253,17 @@ class GPT(nn.Module):
         # a multi-token call without pads may use SDPA's causal kernel where a layer's cache held nothing
         # before (one host read, outside trusted decode steps)
         no_pads = input_pos is not None and t > 1 and self._checks and bool((input_pos >= 0).all())
-        try:
-            for i, block in enumerate(self.transformer.h):
-                if block_hook is not None:
-                    replaced = block_hook(i, x)
-                    x = x if replaced is None else replaced
-                c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
-                x = block(x, c, s, input_pos, no_pads)
-        finally:  # decode steps evict here, every layer together (as each layer would have on its own)
-            if input_pos is not None and self.caches is not None:
-                self.caches.flush()
+        caches = self.caches if input_pos is not None else None
+        # a decode step: each layer attends, then every layer evicts at once after the loop
+        evict_later = caches is not None and caches.begin_call(t)
+        for i, block in enumerate(self.transformer.h):
+            if block_hook is not None:
+                replaced = block_hook(i, x)
+                x = x if replaced is None else replaced
+            c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
+            x = block(x, c, s, input_pos, no_pads, evict_later)
+        if caches is not None and evict_later:
+            caches.evict_waiting()
         x = self.transformer.ln_f(x)
         return self.logits(x) if lm_head else x
 
@@ -377,10 +378,12 @@ class Block(nn.Module):
         sin: torch.Tensor,
         input_pos: torch.Tensor | None,
         no_pads: bool = False,
+        evict_later: bool = False,
     ) -> torch.Tensor:
-        """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`; `no_pads`: `input_pos` has no `-1`."""
+        """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`; `no_pads`: `input_pos` has no `-1`;
+        `evict_later`: the cache's eviction waits for `KVCaches.evict_waiting` (`CausalSelfAttention`)."""
         x_normed = self.norm_1(x)
-        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, no_pads))
+        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, no_pads, evict_later))
         if self.config.parallel_residual:
             if self.norm_2 is not None:
                 x_normed = self.norm_2(x)
@@ -430,9 +433,12 @@ class CausalSelfAttention(nn.Module):
         sin: torch.Tensor,
         input_pos: torch.Tensor | None,
         no_pads: bool = False,
+        evict_later: bool = False,
     ) -> torch.Tensor:
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `no_pads`: `input_pos` holds no `-1` (then a call
-        that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel)."""
+        that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel).
+        `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
+        loop (`KVCache.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
         q, k, v = self._qkv(x, cos, sin)
         softcap = self.config.attention_logit_softcapping
         if input_pos is None and self.soft_eviction is not None:
@@ -453,7 +459,10 @@ class CausalSelfAttention(nn.Module):
                 mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
                 need = cache.needs_attn_weights
                 y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
-            cache.evict_and_store(weights)
+            if evict_later:
+                cache.wait_for_eviction(weights)
+            else:
+                cache.evict_and_store(weights)
         return self.proj(y)
 
     def _qkv(

@@ -226,18 +226,17 @@ def test_evicting_run_keeps_cache_length_distinct_tokens(model32: GPT, policy: s
         model32.set_kv_caches(None)
 
 
-def _decode_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Tensor, defer: bool) -> tuple:
+def _decode_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Tensor, together: bool) -> tuple:
     """Prefill `idx[:, :16]` in chunks, then one token per call; returns the logits of every call, the
     final state of every layer, and how many layers were waiting for their eviction at a block's start."""
     waiting = []
 
     def hook(i: int, x: torch.Tensor) -> None:
-        waiting.append(sum(cache.has_deferred for cache in model.kv_caches))
+        waiting.append(sum(cache.waiting_call is not None for cache in model.kv_caches))
 
     model.set_kv_caches(model.build_kv_caches(cfg, idx.shape[0]))
     try:
-        for cache in model.caches.policy_caches:
-            cache.defer_staged = defer
+        model.caches.evict_layers_together = together
         logits = [model(idx[:, :8], pos[:, :8]), model(idx[:, 8:16], pos[:, 8:16])]
         logits += [model(idx[:, i : i + 1], pos[:, i : i + 1], block_hook=hook) for i in range(16, idx.shape[1])]
         states = [{k: v.clone() for k, v in c.state_tensors().items()} for c in model.kv_caches]
@@ -252,9 +251,9 @@ def _decode_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Te
 def test_decode_steps_evicting_all_layers_together_equal_each_layer_alone(
     model32: GPT, policy: str, storage: str
 ) -> None:
-    """Decode steps defer their eviction to the end of the model call (`KVCaches.flush`, all layers at
-    once); the logits and every layer's final state are bitwise those of evicting each layer in its own
-    call. Ragged rows, 12 slots, 24 evicting steps."""
+    """Decode steps evict every layer at once after the block loop (`KVCaches.evict_waiting`); the logits
+    and every layer's final state are bitwise those of evicting each layer in its own call
+    (`evict_layers_together = False`). Ragged rows, 12 slots, 24 evicting steps."""
     _storage_or_skip(policy, storage)
     cfg = _config(policy, storage, cache_length=12, chunk=8, needed=40)
     idx = _tokens(2, 40, seed=11)
@@ -263,7 +262,7 @@ def test_decode_steps_evicting_all_layers_together_equal_each_layer_alone(
     together, alone = _decode_run(model32, cfg, idx, pos, True), _decode_run(model32, cfg, idx, pos, False)
     assert alone[2] == 0
     if get_kv_cache_class(policy).max_tokens(cfg) is None:  # it evicts: its decode steps are staged
-        assert together[2] > 0, "the decode steps of the first run did not wait for the flush"
+        assert together[2] > 0, "the decode steps of the first run did not wait for evict_waiting"
     for step, (a, b) in enumerate(zip(together[0], alone[0], strict=True)):
         assert torch.equal(a, b), f"call {step}: logits differ by {max_diff(a, b)}"
     for layer, (a, b) in enumerate(zip(together[1], alone[1], strict=True)):

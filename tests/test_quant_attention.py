@@ -148,6 +148,6 @@ def test_a_staged_step_hands_over_codes_and_unpacks_only_on_demand(policy: str) 
         assert isinstance(seen_keys, QuantizedSlots) and seen_values is seen_keys
         assert seen_keys.shape == (1, 2, 9, 16) and k_pos.shape == (1, 2, 9)
         expected = cache.storage.read_staged(1)
-        record = cache._pending.candidates
+        record = cache._call.candidates
         assert torch.equal(record.keys, expected[0]) and torch.equal(record.values, expected[1])
         cache.evict_and_store(torch.rand(1, 2, 9) if cache.needs_attn_weights else None)

@@ -17,7 +17,7 @@ import torch
 from helpers import attach_random_gates, random_gpt, tiny_config
 
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
-from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
+from litkv.kvcache import KVCache, SlotState, get_kv_cache_class, known_policies
 from litkv.kvcache.h2o import H2OKVCache
 
 # the built-in policies (other test modules may register examples; a custom policy is tested below)
@@ -314,13 +314,8 @@ def test_file_holds_no_pickle(state_file: Path) -> None:
 class DeclaredStateKVCache(H2OKVCache):
     """H2O with an extra per-slot tensor and a per-row counter, declared: snapshots carry them."""
 
-    slot_state = ("attn_sums", "query_counts", "age")
+    slot_state = {**H2OKVCache.slot_state, "age": SlotState()}  # allocated by the base: no constructor
     row_state = ("calls",)
-
-    def __init__(self, *args, **kw) -> None:  # noqa: ANN002, ANN003
-        super().__init__(*args, **kw)
-        self.age = torch.zeros_like(self.attn_sums)
-        self.calls: torch.Tensor | None = None
 
     def score(self, candidates):  # noqa: ANN001, ANN201
         import torch.nn.functional as F
@@ -362,7 +357,7 @@ class _Undeclared(H2OKVCache):
 
 @torch.inference_mode()
 def test_undeclared_state_warns(model: GPT) -> None:
-    _Undeclared.slot_state = ()
+    _Undeclared.slot_state = {}
     cfg = _config("h2o", "float")
     caches = [_Undeclared(cfg, c.shape, None, torch.float32) for c in model.build_kv_caches(cfg, 1)]
     model.set_kv_caches(caches)

@@ -6,19 +6,16 @@ A litkv policy with its own option and per-slot state. ``decay=1`` is H2O (witho
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from litkv import register_kv_cache
-from litkv.kvcache import Candidates, Placement, PolicyOptions, ScoreKVCache, ScoreOptions
+from litkv.kvcache import Candidates, Placement, PolicyOptions, ScoreKVCache, ScoreOptions, SlotState
 from litkv.kvcache.options import check_float
-
-if TYPE_CHECKING:
-    from litkv import KVCacheConfig
-    from litkv.kvcache import CacheShape
 
 
 @dataclass
@@ -42,13 +39,9 @@ class DecayedH2OKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = DecayedH2OOptions
     needs_attn_weights: ClassVar[bool] = True
-    slot_state: ClassVar[tuple[str, ...]] = ("past",)  # per-slot state: snapshots and undo carry it
-
-    def __init__(
-        self, config: KVCacheConfig, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self.past = torch.zeros_like(self.positions, dtype=torch.float32)
+    # per-slot state, declared: the base allocates `self.past` (B, G, L) float32 zeros; snapshots and undo carry it
+    slot_state: ClassVar[Mapping[str, SlotState]] = {"past": SlotState(fill=0.0, dtype=torch.float32)}
+    past: torch.Tensor
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)`: the slots' decayed past plus this call's weights (new tokens: no past)."""

@@ -1,6 +1,6 @@
 """KV cache policies and storage. See `litkv.kvcache.base.KVCache` for the contract."""
 
-from litkv.kvcache.base import CacheShape, Candidates, KVCache, LayerCache, Placement
+from litkv.kvcache.base import CacheSettings, CacheShape, Candidates, KVCache, LayerCache, Placement, SlotState
 from litkv.kvcache.dense import DenseKVCache
 from litkv.kvcache.last_recent import LastRecentKVCache
 from litkv.kvcache.options import LastRecentOptions, NoOptions, PolicyOptions, ScoreOptions
@@ -9,6 +9,7 @@ from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.storage import FloatStorage, KVStorage
 
 __all__ = [
+    "CacheSettings",
     "CacheShape",
     "Candidates",
     "DenseKVCache",
@@ -23,6 +24,7 @@ __all__ = [
     "PolicyOptions",
     "ScoreKVCache",
     "ScoreOptions",
+    "SlotState",
     "get_kv_cache_class",
     "known_policies",
     "register_kv_cache",

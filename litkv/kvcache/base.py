@@ -20,9 +20,8 @@ the call's queries) are filled only when the class asks for them (`needs_attn_we
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from litkv.core.validation import require_int
 from litkv.kvcache.candidates import (
     Candidates,
+    OpenCall,
     PackedCandidates,
     Placement,
     drop_lowest,
@@ -50,7 +50,9 @@ __all__ = [
     "CacheShape",
     "KVCache",
     "LayerCache",
+    "OpenCall",
     "Placement",
+    "SlotState",
     "drop_lowest",
     "pair_drops",
     "staged_placement",
@@ -86,14 +88,12 @@ class LayerCache(Protocol):
     def nbytes(self) -> int: ...
 
 
-@dataclass
-class _Pending:
-    """What `attend_inputs` leaves for `evict_and_store`."""
+class SlotState(NamedTuple):
+    """One per-slot state tensor a policy declares (`KVCache.slot_state`): the base allocates it `(B, G, L)`,
+    filled with `fill`, of `dtype`; the policy updates it (`after_write`)."""
 
-    direct: bool
-    start: int
-    candidates: Candidates
-    staged: bool
+    fill: float = 0.0
+    dtype: torch.dtype = torch.float32
 
 
 class KVCache(ABC):
@@ -109,11 +109,18 @@ class KVCache(ABC):
         heads_share_positions: every KV head of a row always holds the same tokens in the same slots
             (true for policies that look at neither keys nor attention); attention then builds one mask
             per row instead of one per head.
-        slot_state: names of the attributes holding the policy's per-slot state, each a `(B, G, L, ...)`
-            tensor (H2O: `("attn_sums", "query_counts")`). Snapshots, restores, row selection and the
-            undo log (`journal`) handle them with the keys and values; declare them and they come free.
+        slot_state: the policy's per-slot state, declared as data: attribute name -> `SlotState(fill,
+            dtype)` (H2O: `{"attn_sums": SlotState(), "query_counts": SlotState()}`). The base allocates
+            each as a `(B, G, L)` tensor filled with `fill` (no constructor needed); snapshots, restores,
+            row selection, files and the undo log (`journal`) handle them with the keys and values.
         row_state: names of the attributes holding per-row state: a tensor `(B, ...)`, a tuple of them,
-            or `None` (not set yet).
+            or `None` (not set yet: the base sets each to `None`).
+
+    Optional classmethod (the one opt-in of the batched decode step):
+        select_drop_layers(caches, calls) -> `(n_layers, B, G, 1)`: the drops of the waiting decode steps
+            of several layers of the class at once (`calls`: their `Candidates`, weights set), each as its
+            own `select_drop` would choose. `KVCaches.evict_waiting` then places and writes them; a class
+            without it (or a subclass with its own `select_drop`) is evicted layer by layer.
 
     Attributes:
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
@@ -127,8 +134,18 @@ class KVCache(ABC):
     heads_share_positions: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = False
     needs_gates: ClassVar[bool] = False
-    slot_state: ClassVar[tuple[str, ...]] = ()
+    slot_state: ClassVar[Mapping[str, SlotState]] = {}
     row_state: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        declared = cls.slot_state
+        if not isinstance(declared, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, SlotState) for k, v in declared.items()
+        ):
+            raise TypeError(
+                f"{cls.__name__}.slot_state must map attribute names to SlotState(fill, dtype), got {declared!r}"
+            )
 
     def __init__(
         self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
@@ -153,14 +170,14 @@ class KVCache(ABC):
         # Every call attends all `L` slots and leaves `num_filled` to `advance()` (for compiled steps).
         self.static_shapes = False
         self.num_filled = 0
-        self._pending: _Pending | None = None
+        self._call: OpenCall | None = None  # the call between attend_inputs and the end of its eviction
         # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
         # overwrite (an undo log records what they held); `None`: nothing is recorded.
         self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
-        # Set by `KVCaches`: a decode step's eviction waits for `KVCaches.flush` (the end of the model's
-        # forward), which finishes every layer's together (`evict_deferred`); `settle` finishes it alone.
-        self.defer_staged = False
-        self._deferred: Candidates | None = None
+        for name, (fill, state_dtype) in self.slot_state.items():  # the declared per-slot state
+            setattr(self, name, torch.full_like(self.positions, fill, dtype=state_dtype))
+        for name in self.row_state:
+            setattr(self, name, None)
 
     # -- what a policy implements ---------------------------------------------------------------
 
@@ -282,7 +299,7 @@ class KVCache(ABC):
         # the record's positions are a copy: the slots' positions change before `after_write` reads it
         record = Candidates if packed is None else PackedCandidates
         candidates = record(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
-        self._pending = _Pending(False, 0, candidates, True)
+        self._call = OpenCall("staged", 0, candidates)
         return all_keys, all_values, positions
 
     def _attend_concat(
@@ -299,7 +316,7 @@ class KVCache(ABC):
         all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
         positions = torch.cat((self.positions, new_pos), dim=2)
         candidates = Candidates(positions, all_keys, all_values, keys, values, input_pos, queries=queries)
-        self._pending = _Pending(False, 0, candidates, False)
+        self._call = OpenCall("concat", 0, candidates)
         return all_keys, all_values, positions
 
     def _attend_direct(
@@ -321,7 +338,7 @@ class KVCache(ABC):
         self.positions[:, :, start : start + t] = new_pos
         self.num_filled = start + t
         candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
-        self._pending = _Pending(True, start, candidates, False)
+        self._call = OpenCall("direct", start, candidates)
         all_keys, all_values = self.storage.read_prefix(start + t)
         return all_keys, all_values, self.positions[:, :, : start + t]
 
@@ -332,24 +349,57 @@ class KVCache(ABC):
             attn_weights: `(B, G, S)` float32 weight sums over the attended tokens (`S` as returned by
                 `attend_inputs`), or `None` when the class does not set `needs_attn_weights`.
         """
-        pending = self._pending
-        if pending is None:
-            raise RuntimeError("KVCache.evict_and_store() called without a preceding attend_inputs()")
-        self._pending = None
+        self.wait_for_eviction(attn_weights)
+        self.settle()
+
+    def wait_for_eviction(self, attn_weights: torch.Tensor | None) -> None:
+        """After the call's queries have attended: keep their weight sums with the call, whose eviction
+        waits (a decode step under `KVCaches`: `KVCaches.evict_waiting` evicts every layer's at once after
+        the block loop; `settle` evicts this one alone). Arguments as `evict_and_store`."""
+        call = self._call
+        if call is None or call.waiting:
+            raise RuntimeError(
+                f"{type(self).__name__}: evict_and_store() or wait_for_eviction() called without a preceding "
+                "attend_inputs()"
+            )
         if self.needs_attn_weights and attn_weights is None:
             raise ValueError(f"{type(self).__name__} needs attention weights, got None")
-        cand = pending.candidates
-        if pending.direct:
-            self._after_direct(pending.start, cand, attn_weights)
+        call.candidates.attn_weights = attn_weights
+        call.waiting = True
+
+    @property
+    def waiting_call(self) -> OpenCall | None:
+        """The call whose eviction waits (attention done, `wait_for_eviction`), else `None`."""
+        call = self._call
+        return call if call is not None and call.waiting else None
+
+    def take_waiting(self) -> Candidates:
+        """The waiting call's record, handed to a batched eviction (`KVCaches.evict_waiting`), which then
+        writes its choice with `store_staged`; the cache no longer holds the call."""
+        call = self.waiting_call
+        if call is None:
+            raise RuntimeError(f"{type(self).__name__}.take_waiting(): no call waits for its eviction")
+        self._call = None
+        return call.candidates
+
+    def settle(self) -> None:
+        """Evict the waiting call alone, if one waits (a cache read before `KVCaches.evict_waiting`, or a
+        layer that is not evicted with others); the result is bitwise that of the batched eviction."""
+        call = self.waiting_call
+        if call is None:
             return
+        self._call = None
+        cand = call.candidates
+        if call.path == "direct":
+            self._after_direct(call.start, cand)
+        elif call.path == "staged":
+            self._evict_staged(cand)
+        else:
+            self._evict_concat(cand)
+
+    def _evict_concat(self, cand: Candidates) -> None:
+        """Evict for a longer call: `T` candidates lose their slot, the surviving new tokens take them."""
         length, t = self.cache_length, cand.num_new
-        cand.attn_weights = attn_weights
-        if pending.staged:
-            if self.defer_staged and self.journal is None and not self.static_shapes:
-                self._deferred = cand
-            else:
-                self._evict_staged(cand)
-            return
         drop = self.select_drop(cand)
         self._check_drop(drop, t)
         dest, src, valid = pair_drops(drop, length)
@@ -384,52 +434,15 @@ class KVCache(ABC):
             self.after_write(placement, cand)
         self.storage.commit_staged(target)
 
-    def settle(self) -> None:
-        """Finish this layer's deferred decode-step eviction, if one waits (`defer_staged`)."""
-        cand, self._deferred = self._deferred, None
-        if cand is not None:
-            self._evict_staged(cand)
-
-    def take_deferred(self) -> Candidates:
-        """The deferred decode step's record, handed to `evict_deferred` (the cache no longer holds it)."""
-        cand, self._deferred = self._deferred, None
-        if cand is None:
-            raise RuntimeError(f"{type(self).__name__}.take_deferred(): no decode step waits for its eviction")
-        return cand
-
-    @property
-    def has_deferred(self) -> bool:
-        """Whether a decode step's eviction waits for `KVCaches.flush` (or `settle`)."""
-        return self._deferred is not None
-
-    @staticmethod
-    def store_deferred(caches: Sequence[KVCache], records: Sequence[Candidates], drops: torch.Tensor) -> None:
-        """Write the drops chosen for several layers at once (`drops` `(n_layers, B, G, 1)`, one per
-        `records`, taken with `take_deferred`): one placement for all of them, then each layer's
-        `store_staged`. For an `evict_deferred` that selects over the stacked layers."""
-        first = caches[0]
-        placement = staged_placement(drops, first.cache_length, first._keeps_state())
-        for i, (cache, record) in enumerate(zip(caches, records, strict=True)):
-            cache.store_staged(placement.layer(i), record)
-
-    @classmethod
-    def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
-        """Finish the deferred decode-step evictions of `caches` (layers of this class, in layer order).
-
-        One layer at a time here; a class may choose for all the layers at once (`ScoreKVCache` does:
-        its per-step selection then costs a few tensor operations per model step, not per layer).
-        """
-        for cache in caches:
-            cache.settle()
-
-    def _after_direct(self, start: int, cand: Candidates, attn_weights: torch.Tensor | None) -> None:
+    def _after_direct(self, start: int, cand: Candidates) -> None:
         """`after_write` for a call whose tokens went into the empty slots `[start, start + T)`."""
         if not self._keeps_state():
             return
         length, t = self.cache_length, cand.num_new
-        if attn_weights is not None:  # (B, G, start + T): cached tokens, then the new ones
-            slot_part = F.pad(attn_weights[..., :start], (0, length - start))
-            cand.attn_weights = torch.cat((slot_part, attn_weights[..., start:]), dim=2)
+        weights = cand.attn_weights
+        if weights is not None:  # (B, G, start + T): cached tokens, then the new ones
+            slot_part = F.pad(weights[..., :start], (0, length - start))
+            cand.attn_weights = torch.cat((slot_part, weights[..., start:]), dim=2)
         slots = torch.arange(start, start + t, device=self.positions.device)
         slots = slots.expand(*self.positions.shape[:2], t)
         placement = placement_of(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
@@ -451,8 +464,8 @@ class KVCache(ABC):
         cache's layer index when the class sets `needs_gates`."""
 
     def abort_call(self) -> None:
-        """Forget a call interrupted between `attend_inputs` and `evict_and_store` (nothing was stored)."""
-        self._pending = None
+        """Forget a call interrupted between `attend_inputs` and its eviction (its eviction is not done)."""
+        self._call = None
 
     def advance(self, num_new: int) -> None:
         """Count `num_new` tokens taken by an evicting call. Calls made with `static_shapes` leave this to
@@ -490,10 +503,10 @@ class KVCache(ABC):
 
         Raises ValueError naming the tensor and the expected and actual shapes when they do not match.
         """
-        if self._pending is not None:
+        if self._call is not None and not self._call.waiting:
             raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
         require_int("num_filled", num_filled, 0, self.cache_length)
-        self._deferred = None  # a waiting eviction is overwritten with the rest of the state
+        self._call = None  # a waiting eviction is overwritten with the rest of the state
         name = type(self).__name__
         storage = {k[len("storage.") :]: v for k, v in tensors.items() if k.startswith("storage.")}
         self.storage.load_state_tensors(storage)
@@ -540,7 +553,7 @@ class KVCache(ABC):
 
     def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor) -> None:
         s = self.shape
-        if self._pending is not None:
+        if self._call is not None:
             raise RuntimeError("attend_inputs() called twice without evict_and_store() in between")
         for name, tensor, size in (("keys", keys, s.key_size), ("values", values, s.value_size)):
             if tensor.dtype != self.dtype:

@@ -2,18 +2,21 @@
 
 It owns the layer caches (one per attention layer), the last position each row has seen, the undo
 log recording the calls (if one is kept) and the compile mode; whole-model operations are loops over
-the layers. A conversation or a request is one such object; its value (a copy that can be saved,
+the layers. It also owns a decode step's eviction: `begin_call` says whether the call's evictions wait,
+and `evict_waiting`, after the model's block loop, evicts every layer at once (`KVCache`'s
+`select_drop_layers`). A conversation or a request is one such object; its value (a copy that can be saved,
 forked, merged) is a `litkv.CacheState` (`litkv.snapshot` / `litkv.restore`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.base import KVCache, LayerCache, staged_placement
 
 __all__ = ["KVCaches", "CallRecorder"]
 
@@ -32,6 +35,8 @@ class KVCaches:
         last_pos: `(B,)` int64 largest position each row has seen (`-1`: none yet), `None` before the
             first call.
         undo_log: the recorder of the calls, when one is kept (`litkv.keep_undo_log`).
+        evict_layers_together: a decode step's layers are evicted together after the block loop
+            (`evict_waiting`); `False`: each layer in its own call (the same tokens and states, slower).
     """
 
     def __init__(self, layers: Sequence[LayerCache]) -> None:
@@ -40,8 +45,7 @@ class KVCaches:
         self.layers: list[LayerCache] = list(layers)
         self.last_pos: torch.Tensor | None = None
         self.undo_log: CallRecorder | None = None
-        for cache in self.policy_caches:  # decode steps evict at `flush`, all layers together
-            cache.defer_staged = True
+        self.evict_layers_together = True
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -83,17 +87,67 @@ class KVCaches:
         for cache in self.policy_caches:
             cache.end_prefill()
 
-    def flush(self) -> None:
-        """Finish the decode-step evictions that wait (`KVCache.defer_staged`): the end of a model call.
+    # -- a model call's evictions --------------------------------------------------------------
 
-        Layers of one class go to that class's `evict_deferred` together, in layer order (a score policy
-        chooses for all of them at once). A layer whose eviction did not wait is left alone.
+    def begin_call(self, num_new: int) -> bool:
+        """Start a model call of `num_new` tokens per row. Returns whether its layers' evictions wait for
+        `evict_waiting` (the model then calls `KVCache.wait_for_eviction`, not `evict_and_store`).
+
+        What an interrupted call left (an exception between a layer's attention and `evict_waiting`) is
+        settled first: a layer whose eviction waits is evicted alone (as `evict_waiting` would have), an
+        attended-to but never evicted call is forgotten (`abort_call`), so the caches take the next call.
+
+        The conditions under which a call's evictions wait, in one place: a decode step (one token), not
+        compiled (`static_shapes`: inductor fuses the per-layer work anyway), not recorded by an undo log
+        (it records each layer's writes as they happen), not under autograd (such a call attends a
+        concatenation, no staged token), every layer a policy cache, and `evict_layers_together`.
         """
-        waiting = [cache for cache in self.policy_caches if cache.has_deferred]
-        while waiting:
-            kind = type(waiting[0])
-            kind.evict_deferred([cache for cache in waiting if type(cache) is kind])
-            waiting = [cache for cache in waiting if type(cache) is not kind]
+        policy_caches = self.policy_caches
+        for cache in policy_caches:
+            cache.settle()
+            cache.abort_call()
+        return (
+            num_new == 1
+            and self.evict_layers_together
+            and not any(cache.static_shapes for cache in policy_caches)
+            and self.undo_log is None
+            and not torch.is_grad_enabled()
+            and len(policy_caches) == len(self.layers)
+        )
+
+    def evict_waiting(self) -> None:
+        """The end of a model call whose evictions wait (`begin_call`): every layer's eviction.
+
+        Staged decode steps of layers of one class that opted in (`select_drop_layers`, with the
+        `select_drop` it stands for) and share their settings and shapes are evicted together: the class
+        chooses the drops of all of them over their stacked candidates, one placement is built, each layer
+        writes its part (`store_staged`). Every other waiting layer is evicted alone (`settle`). Tokens and
+        states are bitwise those of evicting each layer in its own call (tests/test_policy_conformance.py).
+        """
+        groups: list[list[KVCache]] = []
+        for cache in self.policy_caches:
+            call = cache.waiting_call
+            if call is None:
+                continue
+            if call.path != "staged" or not _selects_layers_together(type(cache)):
+                cache.settle()
+                continue
+            for group in groups:
+                if _alike(group[0], cache):
+                    group.append(cache)
+                    break
+            else:
+                groups.append([cache])
+        for group in groups:
+            if len(group) == 1:
+                group[0].settle()
+                continue
+            first = group[0]
+            calls = [cache.take_waiting() for cache in group]
+            drops = type(first).select_drop_layers(group, calls)  # type: ignore[attr-defined]  # (n, B, G, 1)
+            placement = staged_placement(drops, first.cache_length, first._keeps_state())
+            for i, (cache, cand) in enumerate(zip(group, calls, strict=True)):
+                cache.store_staged(placement.layer(i), cand)
 
     # -- positions ------------------------------------------------------------------------------
 
@@ -131,3 +185,23 @@ class KVCaches:
     def nbytes(self) -> int:
         """Bytes of keys and values held by all layers (quantised: codes, scales and offsets)."""
         return sum(cache.nbytes() for cache in self.layers)
+
+
+@functools.cache
+def _selects_layers_together(cls: type[KVCache]) -> bool:
+    """Whether `cls` opted in to the batched decode step: a class of its MRO defines `select_drop_layers`
+    and `cls` keeps that class's `select_drop` (a subclass with its own `select_drop` is evicted alone)."""
+    owner = next((k for k in cls.__mro__ if "select_drop_layers" in vars(k)), None)
+    return owner is not None and cls.select_drop is owner.select_drop  # type: ignore[attr-defined]
+
+
+def _alike(a: KVCache, b: KVCache) -> bool:
+    """Whether two layers' decode steps may be chosen in one stacked selection: one class, one
+    configuration (so the same options, sinks and recent window), one shape, dtype and device."""
+    return (
+        type(a) is type(b)
+        and (a.config is b.config or a.config == b.config)
+        and (a.shape is b.shape or a.shape == b.shape)
+        and a.dtype == b.dtype
+        and a.positions.device == b.positions.device
+    )

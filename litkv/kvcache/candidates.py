@@ -1,10 +1,12 @@
-"""What a policy sees of a call (`Candidates`) and where the call's new tokens go (`Placement`): the
-records passed between `KVCache` and its policy, and the choosing and pairing helpers they share
+"""What a policy sees of a call (`Candidates`), where the call's new tokens go (`Placement`) and the
+record a layer keeps of a call until its eviction is done (`OpenCall`): the records passed between
+`KVCache`, its policy and `KVCaches`, and the choosing and pairing helpers they share
 (`drop_lowest`, `pair_drops`, `staged_placement`). Re-exported by `litkv.kvcache.base`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -12,6 +14,7 @@ from litkv.kvcache.storage import PackedSlots
 
 __all__ = [
     "Candidates",
+    "OpenCall",
     "PackedCandidates",
     "Placement",
     "drop_lowest",
@@ -85,6 +88,26 @@ class PackedCandidates(Candidates):
             self._keys = keys if isinstance(self._keys, PackedSlots) else self._keys
             self._values = values if isinstance(self._values, PackedSlots) else self._values
         return self._keys, self._values
+
+
+@dataclass
+class OpenCall:
+    """A call between `attend_inputs` and the end of its eviction: the one record a layer keeps of it.
+
+    Attributes:
+        path: how its new tokens were attended: `"direct"` (written into the empty slots
+            `[start, start + T)`, nothing to choose), `"staged"` (a decode step: the token waits in the
+            room after the slots) or `"concat"` (a longer call: slots then new tokens).
+        start: the first slot a direct call wrote.
+        candidates: what the policy sees (`attn_weights` set once attention is done).
+        waiting: attention is done and the eviction waits (`wait_for_eviction`): `KVCaches.evict_waiting`
+            evicts it with the other layers after the block loop, or `settle` alone.
+    """
+
+    path: Literal["direct", "staged", "concat"]
+    start: int
+    candidates: Candidates
+    waiting: bool = False
 
 
 @dataclass

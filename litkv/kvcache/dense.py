@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache
+from litkv.kvcache.base import CacheSettings, Candidates, KVCache
 from litkv.kvcache.registry import register_kv_cache
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["DenseKVCache"]
 

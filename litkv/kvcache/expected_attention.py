@@ -26,7 +26,7 @@ needed: the layer keeps the fast attention path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -35,10 +35,6 @@ from litkv.kvcache.base import Candidates, Placement
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
-from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["ExpectedAttentionKVCache", "ExpectedAttentionOptions", "quadratic_forms", "rotate", "rotate_half"]
 
@@ -140,16 +136,10 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     needs_queries: ClassVar[bool] = True
     needs_rope: ClassVar[bool] = True
     row_state: ClassVar[tuple[str, ...]] = ("stats",)
-
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self.sinks = self.options.protected_sinks()
-        self.stats: Stats | None = None  # set at the first call
-        self._rope: BoundRope | None = None
-        self._future: tuple[torch.Tensor, torch.Tensor] = (torch.ones(0), torch.zeros(0))  # set by bind_rope
-        self._sign = torch.ones(0)  # (n_elem,) -1 on the first half: set by bind_rope
+    stats: Stats | None  # `None` until the first call
+    _rope: BoundRope | None = None  # set by bind_rope, with the two below (read only once it is set)
+    _future: tuple[torch.Tensor, torch.Tensor]  # mean cos and sin of the future offsets
+    _sign: torch.Tensor  # (n_elem,) -1 on the first half
 
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
         """The model's RoPE: `table(n)` gives its cos and sin tables `(N, n_elem[, k])`, `N >= n` and covering

@@ -10,21 +10,17 @@ account), so that old tokens are not favoured merely for having been seen by mor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
-from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["H2OKVCache", "H2OOptions", "query_counts"]
 
@@ -73,15 +69,14 @@ class H2OKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = H2OOptions
     needs_attn_weights: ClassVar[bool] = True
-    slot_state: ClassVar[tuple[str, ...]] = ("attn_sums", "query_counts")
+    slot_state: ClassVar[Mapping[str, SlotState]] = {"attn_sums": SlotState(), "query_counts": SlotState()}
+    attn_sums: torch.Tensor
+    query_counts: torch.Tensor
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self.normalize = self.options.normalize_scores
-        self.attn_sums = torch.zeros_like(self.positions, dtype=torch.float32)
-        self.query_counts = torch.zeros_like(self.attn_sums)
+    @property
+    def normalize(self) -> bool:
+        """Scores are divided by the query counts (`normalize_scores`)."""
+        return self.options.normalize_scores  # type: ignore[attr-defined]
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` accumulated attention (divided by the query counts with `normalize_scores`)."""
@@ -100,11 +95,11 @@ class H2OKVCache(ScoreKVCache):
         return value  # type: ignore[return-value]
 
     @classmethod
-    def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+    def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """Every layer's accumulated attention in two operations over the stacked `(n_layers, B, G, .)`
         sums and weights (each layer's part kept in its record, as `accumulated` would compute it)."""
         if not all(type(c) is H2OKVCache and not c.normalize for c in caches):
-            return super().deferred_scores(caches, records)
+            return super().stacked_scores(caches, records)
         sums = torch.stack([c.attn_sums for c in caches])  # type: ignore[attr-defined]
         weights = torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
         accumulated = F.pad(sums, (0, 1)) + weights

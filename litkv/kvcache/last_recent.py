@@ -7,18 +7,14 @@ its `sinks` first tokens and its `budget - sinks` newest ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache
+from litkv.kvcache.base import Candidates
 from litkv.kvcache.options import LastRecentOptions, PolicyOptions
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import OneShot
-from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["LastRecentKVCache"]
 
@@ -31,12 +27,6 @@ class LastRecentKVCache(OneShot):
     Options: ClassVar[type[PolicyOptions]] = LastRecentOptions
     heads_share_positions: ClassVar[bool] = True
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self._init_one_shot()
-
     def drops_valid_by_construction(self) -> bool:
         return type(self).select_drop is LastRecentKVCache.select_drop
 
@@ -45,17 +35,10 @@ class LastRecentKVCache(OneShot):
         return self._oldest(candidates.positions, candidates.num_new)
 
     @classmethod
-    def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
-        """Every layer's decode-step eviction with one selection over the stacked `(n_layers, B, G, L + 1)`
-        positions (layers with other options or another `select_drop` are finished one by one)."""
-        first = caches[0]
-        alike = {(type(c).select_drop, c.options.sinks, c.cache_length, c.positions.shape) for c in caches}
-        if len(caches) == 1 or len(alike) > 1 or type(first).select_drop is not LastRecentKVCache.select_drop:
-            super().evict_deferred(caches)
-            return
-        records = [cache.take_deferred() for cache in caches]
-        drops = first._oldest(torch.stack([r.positions for r in records]), 1)  # (n, B, G, 1)
-        cls.store_deferred(caches, records, drops)
+    def select_drop_layers(cls, caches: Sequence[LastRecentKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
+        """`(n_layers, B, G, 1)`: the decode-step drops of `caches` (`KVCaches.evict_waiting`) with one
+        selection over the stacked `(n_layers, B, G, L + 1)` positions."""
+        return caches[0]._oldest(torch.stack([c.positions for c in calls]), 1)
 
     def _oldest(self, positions: torch.Tensor, k: int) -> torch.Tensor:
         """`(..., k)` indices of the `k` oldest of `positions` `(..., N)` outside the sinks (the first of

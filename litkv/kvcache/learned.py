@@ -25,22 +25,18 @@ nothing on the host (compiled decoding works).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from litkv.core.rope import BoundRope, RopeTable
-from litkv.kvcache.base import Candidates, KVCache, Placement
+from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
-from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates, unrotate_keys
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["LearnedKVCache", "LearnedOptions", "NO_GATES"]
 
@@ -68,6 +64,10 @@ class LearnedOptions(ScoreOptions):
     sinks: int | None = None  # type: ignore[assignment]
     recent: int | None = None
     threshold: float | None = None
+
+    def protected_sinks(self) -> int:
+        """The explicit `sinks`, else 0 until the gates are bound (`LearnedKVCache.bind_gates`)."""
+        return 0 if self.sinks is None else self.sinks
 
     def recent_length(self, cache_length: int) -> int:
         """The explicit `recent`, else 0 until the gates are bound (`LearnedKVCache.bind_gates`)."""
@@ -145,17 +145,15 @@ class LearnedKVCache(ScoreKVCache):
     Options: ClassVar[type[PolicyOptions]] = LearnedOptions
     needs_rope: ClassVar[bool] = True
     needs_gates: ClassVar[bool] = True
-    slot_state: ClassVar[tuple[str, ...]] = ("logits",)
+    slot_state: ClassVar[Mapping[str, SlotState]] = {"logits": SlotState()}
+    logits: torch.Tensor
+    _gates: EvictionGates | None = None  # this layer's gates only, on the cache's device (bind_gates)
+    _rope: BoundRope | None = None  # bind_rope
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self.sinks = 0 if self.options.sinks is None else self.options.sinks
-        self.threshold: float | None = self.options.threshold
-        self.logits = torch.zeros_like(self.positions, dtype=torch.float32)
-        self._gates: EvictionGates | None = None  # this layer's gates only, on the cache's device
-        self._rope: BoundRope | None = None
+    @property
+    def threshold(self) -> float | None:
+        """Slots whose logit is below it are emptied after every call (`None`: none)."""
+        return self.options.threshold  # type: ignore[attr-defined]
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -216,7 +214,7 @@ class LearnedKVCache(ScoreKVCache):
         return value  # type: ignore[return-value]
 
     @classmethod
-    def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+    def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """The layers' scores with the new tokens' gate logits of every layer computed at once: the keys
         of all layers, side by side on the head axis `(B, n_layers * G, 1, D)`, rotated back and gated in
         one pass (per element the same operations as one layer alone)."""
@@ -230,7 +228,7 @@ class LearnedKVCache(ScoreKVCache):
             logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)
             for record, part in zip(records, logits.chunk(len(caches), dim=1), strict=True):
                 record.scratch[_NEW] = part
-        return super().deferred_scores(caches, records)
+        return super().stacked_scores(caches, records)
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones (built once

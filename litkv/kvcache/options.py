@@ -101,6 +101,10 @@ class ScoreOptions(PolicyOptions):
     mode: str = "continuous"
     budget: int | None = None
 
+    def protected_sinks(self) -> int:
+        """Tokens never evicted at the start of a sequence (`sinks`)."""
+        return self.sinks
+
     def recent_length(self, cache_length: int) -> int:
         """The recent window actually used with `cache_length` slots (`budget` slots in one-shot mode)."""
         if self.recent is not None:

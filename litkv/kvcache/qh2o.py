@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState
 from litkv.kvcache.h2o import H2OKVCache, H2OOptions
 from litkv.kvcache.options import PolicyOptions, check_float
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["QuantizedH2OKVCache", "QH2OOptions"]
 
@@ -64,22 +62,23 @@ class QuantizedH2OKVCache(H2OKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = QH2OOptions
-    slot_state: ClassVar[tuple[str, ...]] = ("attn_sums", "query_counts", "quant_errors")
+    slot_state: ClassVar[Mapping[str, SlotState]] = {**H2OKVCache.slot_state, "quant_errors": SlotState()}
+    quant_errors: torch.Tensor
 
     def __init__(
         self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
+        """The storage must be quantised: `storage="float"` is replaced by `"int4"` (with a warning)."""
         if config.storage == "float":
             warnings.warn(
                 "policy 'qh2o' needs quantised storage; using storage='int4' (pass storage='int8' or "
                 "'int4' in KVCacheConfig to choose)",
                 stacklevel=2,
             )
-            config = dataclasses.replace(config, storage="int4")
+            config = dataclasses.replace(config, storage="int4")  # type: ignore[type-var]
         super().__init__(config, shape, device, dtype)
         if not isinstance(self.storage, QuantizedStorage):
             raise TypeError(f"qh2o needs QuantizedStorage, got {type(self.storage).__name__}")
-        self.quant_errors = torch.zeros_like(self.attn_sums)
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` normalised H2O score minus the weighted normalised quantisation error."""

@@ -9,8 +9,13 @@ head):
   (options of every score policy, `ScoreOptions`);
 - among the others, the `T` lowest-scored candidates lose their slot (top-k).
 
-Per-slot state of a policy (H2O's accumulated attention, say) is kept by the policy itself: build it
-per candidate in `score` or `after_write` and carry it into the slots with `placement.carry`.
+Per-slot state of a policy (H2O's accumulated attention, say) is declared in `slot_state` (the base
+allocates it) and kept by the policy: build it per candidate in `score` or `after_write` and carry it
+into the slots with `placement.carry`.
+
+A decode step's eviction is chosen for all layers at once (`select_drop_layers`, called by
+`KVCaches.evict_waiting`): each layer's scores (`stacked_scores`), then one selection over the
+stacked layers.
 
 Modes (`ScoreOptions.mode`): `continuous` (the above, at every call once the cache is full) or
 `one-shot` (`OneShot`): the cache keeps every prompt token (it must have room for the whole prompt),
@@ -26,16 +31,13 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, KVCache, drop_lowest
+from litkv.kvcache.base import CacheSettings, Candidates, KVCache, drop_lowest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["OneShot", "ScoreKVCache", "compact_slots", "compress_all"]
 
@@ -71,7 +73,10 @@ class OneShot(KVCache):
     """The one-shot mode of a policy (`options.mode == "one-shot"`, `options.budget`): no eviction until
     `compress()`, which keeps the `budget` highest `oneshot_scores()` per (row, KV head)."""
 
-    def _init_one_shot(self) -> None:
+    def __init__(
+        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__(config, shape, device, dtype)
         self.one_shot = getattr(self.options, "mode", "continuous") == "one-shot"
         self.budget = getattr(self.options, "budget", None)
         self.compressed = False
@@ -84,7 +89,8 @@ class OneShot(KVCache):
         """Keep the `budget` best-scored tokens of each (row, KV head), moved to the first slots."""
         if not self.one_shot:
             raise RuntimeError(f"{type(self).__name__}.compress() is for mode='one-shot', got {self.options.mode!r}")
-        if self._pending is not None:
+        self.settle()
+        if self._call is not None:
             raise RuntimeError("compress() called between attend_inputs() and evict_and_store()")
         compact_slots(self, self.select_keep(self.oneshot_scores().to(torch.float32), self.positions))
         self.compressed = True
@@ -136,9 +142,8 @@ class ScoreKVCache(OneShot):
         super().__init__(config, shape, device, dtype)
         if not isinstance(self.options, ScoreOptions):
             raise TypeError(f"{type(self).__name__}.Options must subclass ScoreOptions, got {type(self.options)}")
-        self.sinks = self.options.sinks
+        self.sinks = self.options.protected_sinks()
         self.recent = self.options.recent_length(self.cache_length)
-        self._init_one_shot()
 
     @abstractmethod
     def score(self, candidates: Candidates) -> torch.Tensor:
@@ -198,27 +203,19 @@ class ScoreKVCache(OneShot):
         return drop_lowest(scores.masked_fill(positions < 0, float("-inf")), positions, k)
 
     @classmethod
-    def evict_deferred(cls, caches: Sequence[KVCache]) -> None:
-        """Every layer's decode-step eviction at once: each layer's `score`, then one selection (sinks,
-        recent window, lowest score) over the stacked `(n_layers, B, G, L + 1)` scores, then each layer's
-        writes. Layers with another selection or other options are finished one by one."""
-        first = caches[0]
-        alike = {(type(c).select_drop, c.recent, c.sinks, c.cache_length, c.positions.shape) for c in caches}
-        if len(caches) == 1 or len(alike) > 1 or type(first).select_drop is not ScoreKVCache.select_drop:
-            super().evict_deferred(caches)
-            return
-        records = [cache.take_deferred() for cache in caches]
-        scores = cls.deferred_scores(caches, records)
-        positions = torch.stack([r.positions for r in records])
-        drops = first.lowest(scores, positions, 1)  # (n, B, G, 1)
-        cls.store_deferred(caches, records, drops)
+    def select_drop_layers(cls, caches: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
+        """`(n_layers, B, G, 1)`: the decode-step drops of `caches` (layers of this class with one
+        configuration, `KVCaches.evict_waiting`) with one selection (sinks, recent window, lowest score)
+        over their stacked `(n_layers, B, G, L + 1)` scores, each layer's as its `select_drop` would pick."""
+        scores = cls.stacked_scores(caches, calls)
+        return caches[0].lowest(scores, torch.stack([c.positions for c in calls]), 1)
 
     @classmethod
-    def deferred_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+    def stacked_scores(cls, caches: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
         """`(n_layers, B, G, L + 1)` float32 scores of the layers' waiting decode steps: each layer's
         `checked_score`. A class may compute what its layers share once (`learned`: every layer's gate
         logits in one product), as long as each layer gets the scores it would get alone."""
-        return torch.stack([c.checked_score(r) for c, r in zip(caches, records, strict=True)])
+        return torch.stack([c.checked_score(r) for c, r in zip(caches, calls, strict=True)])
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """`(..., N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.

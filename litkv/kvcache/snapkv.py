@@ -20,20 +20,17 @@ with zero padding), and the `budget` best pooled tokens are kept.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
-from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "update_window", "window_attention"]
 
@@ -141,16 +138,11 @@ class SnapKVKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = SnapKVOptions
     needs_queries: ClassVar[bool] = True
-    slot_state: ClassVar[tuple[str, ...]] = ("best",)
+    slot_state: ClassVar[Mapping[str, SlotState]] = {"best": SlotState()}
     row_state: ClassVar[tuple[str, ...]] = ("window",)
-
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self.best = torch.zeros_like(self.positions, dtype=torch.float32)
-        # one-shot: the prompt's last `window` queries and their positions (None until the first call)
-        self.window: tuple[torch.Tensor, torch.Tensor] | None = None
+    best: torch.Tensor
+    # one-shot: the prompt's last `window` queries and their positions (None until the first call)
+    window: tuple[torch.Tensor, torch.Tensor] | None
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""

@@ -15,7 +15,7 @@ tokens, and its own token is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -24,10 +24,6 @@ from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.snapkv import update_window, window_attention
-from litkv.kvcache.storage import CacheShape
-
-if TYPE_CHECKING:
-    from litkv.kvcache.base import CacheSettings
 
 __all__ = ["TOVAKVCache", "TOVAOptions"]
 
@@ -49,18 +45,21 @@ class TOVAOptions(ScoreOptions):
 
 @register_kv_cache("tova")
 class TOVAKVCache(ScoreKVCache):
-    """Keeps the tokens that got the most attention from the current call's queries."""
+    """Keeps the tokens that got the most attention from the current call's queries.
+
+    Attributes:
+        last_query: one-shot: the prompt's last query and its position per row (`None` until the first call).
+    """
 
     Options: ClassVar[type[PolicyOptions]] = TOVAOptions
     needs_attn_weights: ClassVar[bool] = True
     row_state: ClassVar[tuple[str, ...]] = ("last_query",)
+    last_query: tuple[torch.Tensor, torch.Tensor] | None
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
-        self.needs_queries = self.one_shot  # type: ignore[misc]  # the prompt's last query, one-shot only
-        self.last_query: tuple[torch.Tensor, torch.Tensor] | None = None  # one-shot: the prompt's last query
+    @property  # type: ignore[misc]
+    def needs_queries(self) -> bool:  # type: ignore[override]
+        """The call's queries are kept in one-shot mode only (the prompt's last query)."""
+        return self.one_shot
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` this call's attention-weight sums (over all heads with `heads="all"`)."""
