@@ -53,7 +53,7 @@ ids = job["ids"]
 t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
 out, steps = [], []
 for _ in range(job["new"]):
-    tok = int(llm._scores[-1].argmax()) if hasattr(llm, "_scores") else int(llm.scores[llm.n_tokens - 1].argmax())
+    tok = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy, on the logits of the last token evaluated
     out.append(tok)
     s = time.perf_counter(); llm.eval([tok]); steps.append(time.perf_counter() - s)
 print(json.dumps({"prefill_s": t1 - t0, "steps": steps, "tokens": out, "version": llama_cpp.__version__}))
@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                 mb, bound = f"{nbytes / 1e6:.0f}", f"{bandwidth / nbytes:.1f}"
             print(f"| {name} | {decode:.1f} | {ratio} | {prefill:.0f} | {mb} | {bound} |")
             results[f"{prompt}/{name}"] = {"decode_tok_s": decode, "prefill_tok_s": prefill}
+        if "llama.cpp f16" in rows and "litkv dense" in rows:
+            theirs, ours = rows["llama.cpp f16"][0]["tokens"], rows["litkv dense"][0]["tokens"]
+            same = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), len(theirs))
+            print(f"greedy tokens: llama.cpp f16 (Q4_1 weights) and litkv dense (dequantized) agree on the first {same}")
         sys.stdout.flush()
     if args.json_out:
         args.json_out.write_text(json.dumps({"bandwidth": bandwidth, "results": results}, indent=1))
