@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if "llama.cpp f16" in rows and "litkv dense" in rows:
             theirs, ours = rows["llama.cpp f16"][0]["tokens"], rows["litkv dense"][0]["tokens"]
             same = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), len(theirs))
-            print(f"greedy tokens: llama.cpp f16 (Q4_1 weights) and litkv dense (dequantized) agree on the first {same}")
+            print(f"greedy tokens: llama.cpp f16 (Q4_1) and litkv dense (dequantized) agree on the first {same}")
         sys.stdout.flush()
     if args.json_out:
         args.json_out.write_text(json.dumps({"bandwidth": bandwidth, "results": results}, indent=1))
