@@ -43,7 +43,7 @@ from litkv.generate import generate
 # Runs inside the llama.cpp environment: argv[1] is a JSON job; prints one JSON line with the timings.
 LLAMACPP_WORKER = r"""
 import json, sys, time
-import llama_cpp
+import llama_cpp, numpy
 job = json.loads(sys.argv[1])
 types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_threads=job["threads"],
@@ -53,7 +53,8 @@ ids = job["ids"]
 t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
 out, steps = [], []
 for _ in range(job["new"]):
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy, on the logits of the last token evaluated
+    last = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # the logits of the last token evaluated
+    tok = int(numpy.ctypeslib.as_array(last, shape=(llm.n_vocab(),)).argmax())  # greedy
     out.append(tok)
     s = time.perf_counter(); llm.eval([tok]); steps.append(time.perf_counter() - s)
 print(json.dumps({"prefill_s": t1 - t0, "steps": steps, "tokens": out, "version": llama_cpp.__version__}))
