@@ -31,7 +31,7 @@ from litkv.finetune.recall_data import copy_row, load_recall_task, mix_recall_ro
 from litkv.gradient import chunked_loss_backward
 from litkv.recall import encode_plain
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "adapt_h2o_256.yaml"
 SHIPPED_FORMAT = ROOT / "litkv" / "assets" / "default" / "recall_format.json"
 SEQ, CACHE, CHUNK = 96, 24, 8

@@ -42,7 +42,7 @@ from litkv.generate import pad_prompts
 from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
 from litkv.runner import ChunkPlan
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "docs" / "examples"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples"
 if str(EXAMPLES_DIR) not in sys.path:
     sys.path.insert(0, str(EXAMPLES_DIR))
 EXAMPLE_POLICIES = ("value_norm_policy:ValueNormKVCache", "decayed_h2o_policy:DecayedH2OKVCache")
