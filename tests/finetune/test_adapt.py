@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
-from tiny_checkpoint import TEXT, make_tiny_checkpoint
+from tiny_checkpoint import TEXT
 
 import litkv
 from litkv.__main__ import main as litkv_main
@@ -39,10 +39,9 @@ TOLERANCE = 1e-4  # as tests/test_gradient.py
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
+def ckpt(tiny_ckpt: Path) -> Path:
     """A tiny checkpoint with the shipped pass-key task (`recall_format.json` + `heldout.txt`)."""
-    path = tmp_path_factory.mktemp("base")
-    make_tiny_checkpoint(path)
+    path = tiny_ckpt
     fmt = json.loads(SHIPPED_FORMAT.read_text())
     (path / "recall_format.json").write_text(json.dumps({**fmt, "context_length": SEQ}))  # short evaluations
     (path / "heldout.txt").write_text(TEXT[: len(TEXT) // 2])
