@@ -291,7 +291,7 @@ def test_entry_check_of_a_policy_that_cannot_be_built_on_the_meta_device(
     from litkv.kvcache import registry
     from litkv.kvcache.h2o import H2OKVCache
 
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration is undone after
+    monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())  # the registration is undone after
 
     class HostReadKVCache(H2OKVCache):
         def __init__(self, *args: object) -> None:
