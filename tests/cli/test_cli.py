@@ -22,15 +22,8 @@ from litkv.config import KVCacheConfig
 from litkv.generate import generate
 from litkv.kvcache import known_policies
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt")
-    make_tiny_checkpoint(path)
-    return path
 
 
 def start_cli(*args: str) -> subprocess.Popen:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_checkpoint import TEXT, make_tiny_checkpoint
+from tiny_checkpoint import TEXT
 
 from litkv.atomic import is_temp_name
 from litkv.cli.chat_cmd import _read_turns
@@ -31,7 +31,7 @@ from litkv.finetune.state import check_resume_dir
 from litkv.state import CacheState
 from litkv.state_store import PROOF_KEY
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where fork_server.py lives
 REPO = TESTS.parent
 POINTS = 20  # kill points per schedule
 
@@ -78,13 +78,6 @@ def server() -> Iterator[ForkServer]:
     srv = ForkServer()
     yield srv
     srv.close()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt")
-    make_tiny_checkpoint(path)
-    return path
 
 
 def _running(pid: int) -> bool:

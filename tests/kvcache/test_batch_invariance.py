@@ -16,10 +16,11 @@ and rounding noise stays far below float32's grid: tokens and cache contents mus
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import attach_random_gates, float64_model, random_gpt, tiny_config
+from helpers import attach_random_gates
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -33,8 +34,8 @@ CHUNKS = (1, 7, 64, None)
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=5)), seed=5)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return attach_random_gates(tiny_model(seed=5, dtype=torch.float64), seed=5)
 
 
 @pytest.fixture(scope="module")

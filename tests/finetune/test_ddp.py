@@ -99,7 +99,7 @@ def test_two_processes_match_one_step_on_the_combined_batch(tmp_path):
     script = tmp_path / "ddp_script.py"
     header = f"SEQ, LR, KV, TARGETS = {SEQ}, {LR}, {KV!r}, {TARGETS!r}\n"
     script.write_text(header + SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, str(script), str(ckpt), str(text), str(tmp_path / "out")],

@@ -23,7 +23,7 @@ import pytest
 
 from litkv.atomic import FileWriteError, save_dir_atomic, write_text_atomic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0
 NULL, FULL = os.makedev(1, 3), os.makedev(1, 7)  # Linux's /dev/null and /dev/full
 

@@ -7,17 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
 
 B = 2
-
-
-@pytest.fixture(scope="module")
-def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=0)
 
 
 @pytest.fixture

@@ -322,7 +322,7 @@ def test_clear_errors(ckpt, tmp_path):
 
 @pytest.mark.parametrize("name", ["finetune_lora.yaml", "finetune_full.yaml"])
 def test_shipped_configs_parse(name):
-    path = Path(__file__).parents[1] / "configs" / name
+    path = Path(__file__).parents[2] / "configs" / name
     parser = jsonargparse.ArgumentParser()
     parser.add_argument("--config", action="config")
     parser.add_function_arguments(finetune)

@@ -220,7 +220,7 @@ def test_inductor_quantised_storage_gives_eager_tokens_on_the_shipped_model(
 
     from litkv.checkpoint import load_model, load_tokenizer
 
-    ckpt = Path(__file__).resolve().parents[1] / "litkv" / "assets" / "default"
+    ckpt = Path(__file__).resolve().parents[2] / "litkv" / "assets" / "default"
     model, tokenizer = load_model(ckpt).eval(), load_tokenizer(ckpt)
     ids = torch.as_tensor(tokenizer.encode((ckpt / "heldout.txt").read_text(encoding="utf-8")[:6000])).long()
     prompts = [ids[:90], ids[100:230], ids[300:350]]

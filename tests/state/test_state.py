@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,8 @@ B = 2
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=7), seed=7)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return attach_random_gates(tiny_model(seed=7), seed=7)
 
 
 def _tokens(length: int, seed: int, batch: int = B) -> torch.Tensor:

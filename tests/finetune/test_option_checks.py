@@ -23,15 +23,8 @@ from litkv.checkpoint import load_model
 from litkv.finetune.gates import GateTrainArgs, train_gates
 from litkv.learned import GATES_FILE, EvictionGates
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LEARN = ["--learn_eviction", "true", "--kv_cache.policy", "learned", "--learn.steps", "2", "--learn.batch_size", "1"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_checkpoint(out)
-    return out
 
 
 def one_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_checkpoint import TEXT, make_tiny_checkpoint
+from tiny_checkpoint import TEXT
 
 from litkv.__main__ import main
 from litkv.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
@@ -64,11 +64,10 @@ def write_chatml_tokenizer(out: Path, template: str = SMOLLM2_TEMPLATE) -> None:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("chatml")
-    make_tiny_checkpoint(out)
-    write_chatml_tokenizer(out)
-    return out
+def ckpt(tiny_ckpt: Path) -> Path:
+    """`tiny_ckpt` with a ChatML tokenizer and chat template."""
+    write_chatml_tokenizer(tiny_ckpt)
+    return tiny_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from litkv.kvcache import known_policies
 from litkv.recall import MULTIKEY_WORDS, RecallExample, RecallFormat, RecallTask, encode_plain
 from litkv.runner import ChunkPlan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FORMAT = {
     "name": "passkey",
     "needle": "\nThe pass key is {key}. Remember it. {key} is the pass key.\n",

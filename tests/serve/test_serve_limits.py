@@ -20,21 +20,13 @@ from pathlib import Path
 
 import pytest
 from test_serve import _free_port, wait_healthy
-from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.__main__ import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test"
 MAX_BODY = 1 << 16
 CHUNKED_MB = 16
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_checkpoint(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,11 @@ padding when nothing is evicted, and a custom policy's drop indices checked with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import max_diff, random_gpt, random_tokens, tiny_config
+from helpers import max_diff, random_tokens
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.generate import pad_prompts
@@ -17,8 +19,8 @@ T = 40
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=4)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(seed=4)
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:

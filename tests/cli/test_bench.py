@@ -17,7 +17,7 @@ from litkv.cli import bench_cmd
 from litkv.cli.bench_cmd import format_table
 from litkv.peers import BenchResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_bench_policies():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.__main__ import normalize_argv
@@ -14,8 +15,8 @@ from litkv.runner import ChunkPlan
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=1)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(seed=1)
 
 
 def test_options_are_the_policys_own() -> None:

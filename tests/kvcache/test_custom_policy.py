@@ -18,7 +18,7 @@ from litkv.kvcache import CacheShape, KVCache
 from litkv.kvcache.registry import get_kv_cache_class, known_policies
 from litkv.runner import ChunkPlan
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXAMPLES = DOCS / "examples"
 VALUE_NORM = "value_norm_policy:ValueNormKVCache"
 DECAYED_H2O = "decayed_h2o_policy:DecayedH2OKVCache"

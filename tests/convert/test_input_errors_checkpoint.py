@@ -47,7 +47,7 @@ from litkv.finetune.state import STATE_FILE, TrainingState, load_training_state
 from litkv.gradient import chunked_loss_backward
 from litkv.model import GPT
 
-TESTS_DIR = Path(__file__).parent
+TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/, where tiny_checkpoint.py lives
 HELDOUT = default_checkpoint_dir() / "heldout.txt"
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
-from tiny_checkpoint import TEXT, make_tiny_checkpoint
+from tiny_checkpoint import TEXT
 
 import litkv
 from litkv.__main__ import main as litkv_main
@@ -31,18 +31,17 @@ from litkv.finetune.recall_data import copy_row, load_recall_task, mix_recall_ro
 from litkv.gradient import chunked_loss_backward
 from litkv.recall import encode_plain
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "adapt_h2o_256.yaml"
 SHIPPED_FORMAT = ROOT / "litkv" / "assets" / "default" / "recall_format.json"
 SEQ, CACHE, CHUNK = 96, 24, 8
-TOLERANCE = 1e-4  # as tests/test_gradient.py
+TOLERANCE = 1e-4  # as tests/gradient/test_gradient.py
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
+def ckpt(tiny_ckpt: Path) -> Path:
     """A tiny checkpoint with the shipped pass-key task (`recall_format.json` + `heldout.txt`)."""
-    path = tmp_path_factory.mktemp("base")
-    make_tiny_checkpoint(path)
+    path = tiny_ckpt
     fmt = json.loads(SHIPPED_FORMAT.read_text())
     (path / "recall_format.json").write_text(json.dumps({**fmt, "context_length": SEQ}))  # short evaluations
     (path / "heldout.txt").write_text(TEXT[: len(TEXT) // 2])

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.checkpoint import load_model, load_tokenizer
 from litkv.cli.chat_cmd import ChatSession
@@ -32,13 +31,6 @@ TURNS = [
     "The word",
     "Remember the passkey.",
 ]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    make_tiny_checkpoint(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +257,7 @@ def start_server(ckpt: Path, state_dir: Path, log: Path) -> tuple:
         "--api_key",
         "sk-test",
     ]
-    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
 

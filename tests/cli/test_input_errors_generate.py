@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
 from test_cli import main_error
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
@@ -29,11 +28,6 @@ from litkv.runtime import resolve_device
 H2O = KVCacheConfig(policy="h2o", cache_length=16, chunk_size=4)
 # The shipped default model with a small H2O cache, greedy: a fast, deterministic `litkv generate`.
 FAST = ("--kv-cache", "h2o", "--kv_cache.cache_length", "32", "--temperature", "0")
-
-
-@pytest.fixture(scope="module")
-def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M"), seed=0)
 
 
 def _prompt(n: int = 5) -> torch.Tensor:

@@ -7,6 +7,7 @@ so its tokens are those of the prompt alone, whatever prefix length each row of 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,8 @@ NEW = 6
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=11), seed=11)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return attach_random_gates(tiny_model(seed=11), seed=11)
 
 
 def _config(policy: str, chunk: int = 8) -> KVCacheConfig:

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from helpers import attach_random_gates, float64_model, random_gates, random_gpt, tiny_config
+from helpers import attach_random_gates, random_gates, random_gpt, tiny_config
 from safetensors.torch import save_file
-from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncate
 from litkv.checkpoint import load_model, save_gates
@@ -35,8 +34,8 @@ Check = Callable[[int, LearnedKVCache, torch.Tensor, int], None]
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    gpt = float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=31))
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    gpt = tiny_model(seed=31, dtype=torch.float64)
     return attach_random_gates(gpt, seed=32, window=WINDOW, sinks=SINKS)
 
 
@@ -232,13 +231,6 @@ def test_threshold_compiled_decode_gives_eager_tokens() -> None:
 
 
 # -- (c) gates saved and loaded with the checkpoint ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt")
-    make_tiny_checkpoint(path)
-    return path
 
 
 def test_gates_saved_next_to_the_weights_load_with_the_model_and_give_the_same_tokens(ckpt: Path, tmp_path: Path):

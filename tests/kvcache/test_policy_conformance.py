@@ -42,7 +42,7 @@ from litkv.generate import pad_prompts
 from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
 from litkv.runner import ChunkPlan
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "docs" / "examples"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples"
 if str(EXAMPLES_DIR) not in sys.path:
     sys.path.insert(0, str(EXAMPLES_DIR))
 EXAMPLE_POLICIES = ("value_norm_policy:ValueNormKVCache", "decayed_h2o_policy:DecayedH2OKVCache")
@@ -60,9 +60,9 @@ def _discover() -> list[str]:
 POLICIES = _discover()
 STORAGES = ("float", "int4")
 GROUP = 8  # quant_group_size: two groups per head of 16
-# Largest logit difference relative to the largest logit for int4 storage (tests/test_input_errors_cache.py).
+# Largest logit difference relative to the largest logit for int4 storage (tests/kvcache/test_input_errors_cache.py).
 INT4_BOUND = 2e-3
-GRAD_TOLERANCE = 1e-4  # tests/test_gradient.py
+GRAD_TOLERANCE = 1e-4  # tests/gradient/test_gradient.py
 LENGTHS = (5, 17, 40)
 NEW_TOKENS = 6
 
@@ -279,7 +279,7 @@ def _grads(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def _max_rel_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """Largest `max|actual - expected| / max|expected|` over the parameters (tests/test_gradient.py)."""
+    """Largest `max|actual - expected| / max|expected|` over the parameters (tests/gradient/test_gradient.py)."""
     assert actual.keys() == expected.keys()
     return max(float((actual[n] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) for n, ref in expected.items())
 

@@ -22,7 +22,7 @@ from litkv.fingerprint import model_fingerprint
 from litkv.model import GPT
 from litkv.state_file import digest as _digest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EVIL = "litkv_evil_side_effect_mod"
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from litkv.__main__ import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 H2O = ["--kv_cache", "h2o", "--kv_cache.cache_length", "64", "--kv_cache.chunk_size", "16"]
 GREEDY = ["--temperature", "0", "--num_threads", "1", "--max_new_tokens", "24"]
 TURNS = ("And it came to pass", "The king said unto them", "Then the people answered")
