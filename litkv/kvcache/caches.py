@@ -122,7 +122,7 @@ class KVCaches:
         `select_drop` it stands for) and share their settings and shapes are evicted together: the class
         chooses the drops of all of them over their stacked candidates, one placement is built, each layer
         writes its part (`store_staged`). Every other waiting layer is evicted alone (`settle`). Tokens and
-        states are bitwise those of evicting each layer in its own call (tests/test_policy_conformance.py).
+        states are bitwise those of evicting each layer in its own call (tests/kvcache/test_policy_conformance.py).
         """
         groups: list[list[KVCache]] = []
         for cache in self.policy_caches:

@@ -21,7 +21,7 @@ on request, as from `attention.attend(..., need_weights=True)`.
 
 Tolerance: against dequantising then `attention.attend` the result differs only by rounding, since
 the scales multiply a sum of products instead of each product: within 1e-10 in float64 and within
-`atol=1e-5, rtol=1e-4` in float32 (outputs and weight sums; `tests/test_quant_attention.py`).
+`atol=1e-5, rtol=1e-4` in float32 (outputs and weight sums; `tests/kvcache/test_quant_attention.py`).
 
 Under `torch.compile` the kernel is one opaque op (`litkv::quant_attend`), as `litkv::masked_sdpa`:
 compiled decode steps compute what eager ones do.
