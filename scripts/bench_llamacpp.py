@@ -17,10 +17,12 @@ Decode tok/s is the number of decode steps over their time (the prompt's prefill
 printed as prefill tok/s). The memory bandwidth is measured in the same run (`litkv.bandwidth`) and
 each litkv row shows the bytes a step reads (weights + cache) and the tok/s that bandwidth allows.
 
-    python3 -m venv ../venv-llamacpp && ../venv-llamacpp/bin/pip install llama-cpp-python   # builds llama.cpp
+    python3 -m venv ../venv-llamacpp    # llama.cpp is built from source; GGML_NATIVE=OFF: the native build
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF" \\
+        ../venv-llamacpp/bin/pip install llama-cpp-python==0.3.36   # (dies with SIGILL on some VMs)
     litkv download smollm2-135m-instruct
-    python scripts/bench_llamacpp.py --gguf FILE.gguf --checkpoint_dir smollm2-135m-instruct \\
-        --llamacpp_python ../venv-llamacpp/bin/python --prompts 512,4096 --threads 2
+    python scripts/bench_llamacpp.py --gguf ~/.cache/litkv/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --checkpoint_dir smollm2-135m-instruct \\
+        --llamacpp_python ../venv-llamacpp/bin/python --prompts 512,4096 --threads 1
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from litkv.bandwidth import measure_bandwidth
 from litkv.checkpoint import load_model, load_tokenizer
+from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
 from litkv.generate import generate
 
@@ -123,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.checkpoint_dir = resolve_checkpoint_dir(args.checkpoint_dir)  # a known model's name works too
     model = load_model(args.checkpoint_dir, device=torch.device("cpu"), dtype=torch.float32)
     bandwidth = measure_bandwidth(threads=args.threads)
     text = (Path(__file__).resolve().parents[1] / "litkv" / "assets" / "default" / "heldout.txt").read_text()

@@ -2,7 +2,7 @@
 
 Runs in its own environment with kvpress and transformers (it does not import litkv):
 
-    python3 -m venv /work/venv-kvpress && . /work/venv-kvpress/bin/activate
+    python3 -m venv ../venv-kvpress && . ../venv-kvpress/bin/activate
     pip install torch==2.13.0 && pip install kvpress==0.5.5 "transformers<5.3,>=5.0" safetensors tokenizers pyyaml
 
 Inputs, made once by `scripts/export_recall_examples.py` under the litkv environment:

@@ -2,9 +2,9 @@
 
 Runs in the kvpress environment with litkv on the path (litkv needs litgpt there too):
 
-    python3 -m venv /work/kvp && /work/kvp/bin/pip install torch==2.13.0
-    /work/kvp/bin/pip install kvpress==0.5.5 "transformers<5.4" litgpt==0.5.13 safetensors pyyaml
-    PYTHONPATH=. /work/kvp/bin/python scripts/parity_kvpress.py --out out/parity
+    python3 -m venv ../venv-kvpress && ../venv-kvpress/bin/pip install torch==2.13.0
+    ../venv-kvpress/bin/pip install kvpress==0.5.5 "transformers<5.4" litgpt==0.5.13 safetensors pyyaml
+    PYTHONPATH=. ../venv-kvpress/bin/python scripts/parity_kvpress.py --out out/parity
 
 For each model (the shipped default, and a random GQA Llama written to a temporary checkpoint), each
 pair (litkv policy, kvpress press) and each budget `b`: the same prompt of `n` tokens is
