@@ -21,7 +21,8 @@ each litkv row shows the bytes a step reads (weights + cache) and the tok/s that
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF" \\
         ../venv-llamacpp/bin/pip install llama-cpp-python==0.3.36   # (dies with SIGILL on some VMs)
     litkv download smollm2-135m-instruct
-    python scripts/bench_llamacpp.py --gguf ~/.cache/litkv/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --checkpoint_dir smollm2-135m-instruct \\
+    python scripts/bench_llamacpp.py --gguf ~/.cache/litkv/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --checkpoint_dir smollm2-135m-instruct \\
         --llamacpp_python ../venv-llamacpp/bin/python --prompts 512,4096 --threads 1
 """
 
