@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import kvpress
 import torch
-from kvpress.utils import compute_n_kept
+from compare_kvpress import ratio_for_budget  # the budget -> compression ratio of the recall comparison
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 PRESSES: dict[str, Callable[[float], kvpress.BasePress]] = {
@@ -43,17 +42,6 @@ PRESSES: dict[str, Callable[[float], kvpress.BasePress]] = {
         kvpress.ExpectedAttentionPress(compression_ratio=r)
     ),
 }
-
-
-def ratio_for_budget(n: int, budget: int) -> float:
-    """`1 - budget / n`, nudged to the float for which kvpress keeps exactly `budget` of `n` positions."""
-    ratio = 1.0 - budget / n
-    for _ in range(8):
-        kept = compute_n_kept(n, ratio)
-        if kept == budget:
-            return ratio
-        ratio = math.nextafter(ratio, 0.0 if kept < budget else 1.0)
-    raise ValueError(f"no compression ratio keeps exactly {budget} of {n} positions")
 
 
 @torch.inference_mode()
