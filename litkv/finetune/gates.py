@@ -200,7 +200,7 @@ def train_gates(
         optimizer.load_state_dict({"state": resume.optimizer["state"], "param_groups": fresh["param_groups"]})
     model.requires_grad_(False)
     logs = [] if resume is None else list(resume.logs)
-    saved = "none (no checkpoint was written)"
+    saved = "nothing was saved (set --learn.checkpoint_interval to keep checkpoints)"
     for step in range(0 if resume is None else resume.step, args.steps):
         batch = batch_indices(len(examples), args.batch_size, args.seed, step)
         ids = torch.stack([examples[i][0] for i in batch]).to(device)
@@ -212,9 +212,8 @@ def train_gates(
         loss, fit, keep = _step_loss(model, gates, ids, targets, args, step, kv_cache)
         if not math.isfinite(loss):
             raise ValueError(
-                f"gate training stopped at step {step}: the loss is {loss} (fit {fit}, keep {keep}); the last "
-                f"checkpoint is intact: {saved} (try --resume with a smaller --learn.lr, or check --learn.window "
-                "against --data.seq_length)"
+                f"gate training stopped at step {step}: the loss is {loss} (fit {fit}, keep {keep}); {saved} "
+                "(try a smaller --learn.lr, or check --learn.window against --data.seq_length)"
             )
         optimizer.step()
         log = StepLog(step, loss, fit, keep, target)
@@ -223,7 +222,8 @@ def train_gates(
             progress(log)
         interval = args.checkpoint_interval
         if checkpoint is not None and interval and (step + 1) % interval == 0 and step + 1 < args.steps:
-            saved = checkpoint(GateTrainState(step + 1, _detached(gates), optimizer.state_dict(), list(logs)))
+            where = checkpoint(GateTrainState(step + 1, _detached(gates), optimizer.state_dict(), list(logs)))
+            saved = f"the last checkpoint, {where}, is intact: continue with --resume {where}"
     for tensor in gates.parameters():
         tensor.requires_grad_(False)
     return gates, logs

@@ -26,6 +26,7 @@ from litkv.config import KVCacheConfig
 from litkv.finetune.data import DataArgs, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_gates
 from litkv.finetune.state import COPIED_FILES, checkpoint_name, recall_task_files, yaml_safe
+from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
 
 __all__ = ["LOG_FILE", "OPTIMIZER_FILE", "STATE_FILE", "learn_eviction", "load_gate_state"]
@@ -57,6 +58,7 @@ def learn_eviction(
     """
     model = load_model(checkpoint_dir, device=device)
     model.eviction_gates = None  # gates the base may ship are not the ones trained here
+    weights_id = model_fingerprint(model)["weights"]
     tokenizer = load_tokenizer(checkpoint_dir)
     examples = load_examples(data, tokenizer, seed=learn.seed, checkpoint_dir=checkpoint_dir)
     _check_lengths(examples, data, learn)
@@ -70,6 +72,7 @@ def learn_eviction(
         bar.set_postfix(loss=f"{log.loss:.4g}", fit=f"{log.fit:.4g}", keep=f"{log.keep:.3f}", goal=f"{log.target:.3f}")
 
     def checkpoint(s: GateTrainState) -> str:
+        s.gates.weights = weights_id
         body = partial(_write, checkpoint_dir, s.gates, s.logs, settings, (s, len(train)))
         return str(save_dir_atomic(out_dir / checkpoint_name(s.step, False), body))
 
@@ -77,6 +80,7 @@ def learn_eviction(
         gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
     finally:
         bar.close()
+    gates.weights = weights_id
     return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, gates, logs, settings, None))
 
 
