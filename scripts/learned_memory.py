@@ -85,7 +85,7 @@ def one(engine: str, length: int, cache_length: int, chunk: int, threads: int, b
     seconds = time.perf_counter() - start
     peak = _status_mib("VmHWM")
     return {"engine": engine, "length": length, "cache_length": kv.cache_length, "chunk": chunk,
-            "backward_chunks": backward_chunks or "all", "peak_mib": round(peak), "step_mib": round(peak - before),
+            "backward_chunks": backward_chunks if engine == "chunked" and backward_chunks else "all", "peak_mib": round(peak), "step_mib": round(peak - before),
             "seconds": round(seconds, 1),
             "loss": loss, "keep": keep}  # fmt: skip
 

@@ -98,3 +98,12 @@ def test_data_shorter_than_one_sequence(base: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"short.txt has \d+ tokens, fewer than data.seq_length \+ 1 = 41: lower"):
         learn_eviction(base, data, _learn(1), tmp_path / "out", kv_cache=KV)
     assert not (tmp_path / "out").exists()
+
+
+def test_shipped_gates_pass_the_fingerprint_check() -> None:
+    from litkv.checkpoint import default_checkpoint_dir
+
+    model = load_model(default_checkpoint_dir())
+    gates = model.eviction_gates
+    model.eviction_gates = None
+    assert gates is not None and gates.weights == model_fingerprint(model)["weights"]
