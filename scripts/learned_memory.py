@@ -84,10 +84,10 @@ def one(engine: str, length: int, cache_length: int, chunk: int, threads: int, b
         loss = keep = float("nan")
     seconds = time.perf_counter() - start
     peak = _status_mib("VmHWM")
+    partial = backward_chunks if engine == "chunked" and backward_chunks else "all"
     return {"engine": engine, "length": length, "cache_length": kv.cache_length, "chunk": chunk,
-            "backward_chunks": backward_chunks if engine == "chunked" and backward_chunks else "all", "peak_mib": round(peak), "step_mib": round(peak - before),
-            "seconds": round(seconds, 1),
-            "loss": loss, "keep": keep}  # fmt: skip
+            "backward_chunks": partial, "peak_mib": round(peak), "step_mib": round(peak - before),
+            "seconds": round(seconds, 1), "loss": loss, "keep": keep}  # fmt: skip
 
 
 def main() -> None:
