@@ -48,9 +48,20 @@ __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "TRAINING_PRECISIONS"]
 #: `--mode` values (checked explicitly: jsonargparse's error for a `Literal` does not list the choices).
 MODES = ("lora", "full")
 
-#: Supported `--precision` values (their dtypes: `litkv.runtime.PRECISIONS`). Mixed precision is not
-#: supported: the KV caches hold the parameters' dtype, which autocast would not produce.
-TRAINING_PRECISIONS = ("32-true", "bf16-true", "16-true")
+#: Supported `--precision` values: `litkv.runtime.PRECISIONS`' parameter dtypes, and ``bf16-mixed``
+#: (float32 parameters and optimizer state, products in bfloat16 under autocast; the caches hold what
+#: the projections give). ``16-mixed`` is not offered: its loss scaling would not reach the gradient
+#: engine's own backward calls.
+TRAINING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
+_MIXED = {"bf16-mixed": torch.float32}
+
+
+def parameter_dtype(precision: str) -> torch.dtype:
+    """The parameters' dtype of a training precision (float32 for ``bf16-mixed``)."""
+    if precision in _MIXED:
+        return _MIXED[precision]
+    return precision_dtype(precision, TRAINING_PRECISIONS)
+
 
 _DEFAULT_DATA = DataArgs()
 _DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512, chunk_size=128)
@@ -79,11 +90,8 @@ class FinetuneArgs:
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
-        precision_dtype(
-            self.precision,
-            TRAINING_PRECISIONS,
-            " (mixed precision is not supported: the KV caches hold keys and values in the parameters' dtype)",
-        )
+        if self.precision not in _MIXED:
+            precision_dtype(self.precision, TRAINING_PRECISIONS, " (16-mixed: use bf16-mixed or 16-true)")
         require_int("devices", self.devices, 1)
         if self.data.path is None:
             raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
@@ -139,8 +147,8 @@ def finetune(
         eval: Validation.
         lora: LoRA adapters (``mode=lora``).
         out_dir: Where checkpoints and logs (`logs/`) go.
-        precision: ``32-true``, ``bf16-true`` or ``16-true``. Default: ``bf16-true`` on a GPU that
-            supports it, else ``32-true``.
+        precision: ``32-true``, ``bf16-true``, ``16-true`` or ``bf16-mixed`` (float32 weights, bfloat16
+            products). Default: ``bf16-true`` on a GPU that supports it, else ``32-true``.
         devices: Number of devices (processes); more than one runs data parallel (DDP).
         seed: Random seed (LoRA initialisation, train/validation split, data order).
         resume: A checkpoint directory of an earlier run (`out_dir/step-XXXXXX`) to continue from: its
@@ -267,7 +275,7 @@ def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[
 
 def _build_model(fabric: Fabric, args: FinetuneArgs) -> GPT:
     """The base model on this process's device, adapters applied, trained weights restored on resume."""
-    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=precision_dtype(args.precision))
+    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=parameter_dtype(args.precision))
     if args.mode == "lora":
         apply_lora(model, args.lora)
         mark_only_lora_as_trainable(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "TrainArgs",
     "EvalArgs",
     "TrainingRun",
+    "autocast",
     "lr_at",
     "all_reduce_gradients",
     "chunked_loss_sum",
@@ -135,6 +137,14 @@ class TrainingRun:
     step: int = 0
 
 
+def autocast(fabric: Fabric) -> AbstractContextManager[object]:
+    """bfloat16 autocast on the run's device under ``bf16-mixed`` (float32 parameters); else nothing (the
+    ``*-true`` precisions hold their dtype in the parameters)."""
+    if getattr(fabric.strategy.precision, "precision", None) == "bf16-mixed":
+        return torch.autocast(fabric.device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def lr_at(step: int, train: TrainArgs) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine to `min_lr`."""
     if step < train.warmup_steps:
@@ -205,7 +215,8 @@ def validate(run: TrainingRun) -> float:
     try:
         for i in range(0, len(mine), mbs):
             input_ids, targets = (x.to(fabric.device) for x in collate(mine[i : i + mbs]))
-            loss_sum, count = chunked_loss_sum(run.model, input_ids, targets, run.kv_cache)
+            with autocast(fabric):
+                loss_sum, count = chunked_loss_sum(run.model, input_ids, targets, run.kv_cache)
             sums += torch.stack((loss_sum, count))
     finally:
         run.model.train()
@@ -225,7 +236,8 @@ def _train_step(run: TrainingRun, params: list[torch.nn.Parameter]) -> tuple[flo
         examples = [run.train_set[i] for i in indices]
         input_ids, targets = (x.to(fabric.device) for x in collate(examples))
         scale = 1.0 / len(batches)
-        loss_total += chunked_loss_backward(run.model, input_ids, targets, run.kv_cache, loss_scale=scale)
+        with autocast(fabric):
+            loss_total += chunked_loss_backward(run.model, input_ids, targets, run.kv_cache, loss_scale=scale)
         tokens += sum(ids.numel() for ids, _ in examples)
     all_reduce_gradients(fabric, params)
     if train.max_norm is not None:
