@@ -4,7 +4,8 @@ validation, learning-rate schedule, progress bar and periodic checkpoints.
 The model is never wrapped in DDP: the gradient engine calls `.backward()` itself (several times per
 micro-batch), which DDP's reducer would not see. Instead, after the micro-batches of a step, the
 gradients of the trainable parameters are averaged over the processes (`all_reduce_gradients`), so
-every process applies the same update and keeps identical parameters.
+every process applies the same update and keeps identical parameters. Under `--strategy fsdp`
+(`litkv.finetune.sharding`) the sharded model's own backward hooks reduce-scatter instead.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 class TrainingRun:
     """Everything `fit` needs. `step` is the number of optimizer steps already taken.
 
-    `save(step)` writes a checkpoint for `step` (called on every process; it writes on rank 0 only);
+    `save(step)` writes a checkpoint for `step` (called on every process; rank 0 writes the files);
     `log(message)` prints a line next to the progress bar (rank 0).
     """
 
@@ -135,6 +136,7 @@ class TrainingRun:
     save: Callable[[int, bool], None]
     log: Callable[[str], None]
     step: int = 0
+    sharded: bool = False  # FSDP: the backward reduce-scatters the gradients itself
 
 
 def autocast(fabric: Fabric) -> AbstractContextManager[object]:
@@ -239,7 +241,8 @@ def _train_step(run: TrainingRun, params: list[torch.nn.Parameter]) -> tuple[flo
         with autocast(fabric):
             loss_total += chunked_loss_backward(run.model, input_ids, targets, run.kv_cache, loss_scale=scale)
         tokens += sum(ids.numel() for ids, _ in examples)
-    all_reduce_gradients(fabric, params)
+    if not run.sharded:
+        all_reduce_gradients(fabric, params)
     if train.max_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, train.max_norm)
     run.optimizer.step()
