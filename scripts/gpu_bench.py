@@ -61,8 +61,6 @@ Timing = tuple[float, float, float, list[int]]
 
 
 def _timed(run: Callable[[int], list[int]], new: int, repeats: int, device: torch.device) -> Timing:
-    run: Callable[[int], list[int]], new: int, repeats: int, device: torch.device
-) -> tuple[float, float, float, list[int]]:
     """(prefill s, decode tok/s, peak MiB, tokens) of `run(n_new)`; one warm-up of each length first."""
     run(1), run(new)
     prefill, total, peak, tokens = float("inf"), float("inf"), 0.0, []
@@ -154,9 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {n} | {name} | failed: {str(err).splitlines()[0][:120]} | - | - | - |")
                 continue
             reference = tokens if reference is None else reference
-            print(
-                f"| {n} | {name} | {prefill:.3f} | {tok_s:.1f} | {peak:.0f} | {'yes' if tokens == reference else 'no'} |"
-            )
+            same = "yes" if tokens == reference else "no"
+            print(f"| {n} | {name} | {prefill:.3f} | {tok_s:.1f} | {peak:.0f} | {same} |")
     _policy_table(args, model, config, device)
 
 
