@@ -25,7 +25,7 @@ from litkv.checkpoint import (
     remove_stale_temp_files,
 )
 from litkv.config import KVCacheConfig
-from litkv.core.validation import require_int
+from litkv.core.validation import is_int, require_int
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs
 from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
@@ -100,13 +100,20 @@ class FinetuneArgs:
     resume: Path | None
     strategy: str = "auto"
     activation_checkpointing: bool = True
+    num_nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: ``devices`` per node times ``num_nodes``."""
+        return self.devices * self.num_nodes
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
         if self.precision not in _MIXED:
             precision_dtype(self.precision, TRAINING_PRECISIONS, " (16-mixed: use bf16-mixed or 16-true)")
         require_int("devices", self.devices, 1)
-        check_strategy(self.strategy, self.devices, self.mode, learn_eviction=False)
+        require_int("num_nodes", self.num_nodes, 1)
+        check_strategy(self.strategy, self.world_size, self.mode, learn_eviction=False)
         if self.data.path is None:
             raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
 
@@ -144,6 +151,7 @@ def finetune(
     learn: GateTrainArgs = _DEFAULT_LEARN,
     strategy: str = "auto",
     activation_checkpointing: bool = True,
+    num_nodes: int = 1,
 ) -> None:
     """Fine-tune a model on long sequences with its KV cache policy in place (gradients through the cache).
 
@@ -179,9 +187,12 @@ def finetune(
             state sharded over the ``devices`` processes; ``mode=full``; docs/finetune.md).
         activation_checkpointing: With ``strategy=fsdp``: recompute each block's MLP in the backward instead
             of keeping its activations.
+        num_nodes: Machines of a multi-node run (``devices`` processes on each; started by a launcher
+            such as ``torchrun`` or SLURM: docs/finetune.md).
     """
     _check_mode(mode)
-    check_strategy(strategy, devices, mode, learn_eviction)
+    require_int("num_nodes", num_nodes, 1)
+    check_strategy(strategy, devices * num_nodes if is_int(devices) else devices, mode, learn_eviction)
     args = FinetuneArgs(
         checkpoint_dir=check_checkpoint_dir(default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir),
         mode=mode,
@@ -197,16 +208,18 @@ def finetune(
         resume=None if resume is None else Path(resume),
         strategy=strategy,
         activation_checkpointing=activation_checkpointing,
+        num_nodes=num_nodes,
     )
     if learn_eviction or args.kv_cache.policy == "learned":
         _learn(args, learn_eviction, learn)
         return
     if args.strategy == "fsdp":
-        fabric_strategy: str | ModelParallelStrategy = fsdp_strategy(args.devices, args.activation_checkpointing)
+        fabric_strategy: str | ModelParallelStrategy = fsdp_strategy(args.world_size, args.activation_checkpointing)
     else:
-        fabric_strategy = "ddp" if args.devices > 1 else "auto"
+        fabric_strategy = "ddp" if args.world_size > 1 else "auto"
     fabric = Fabric(
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=fabric_strategy,
         precision=args.precision,  # type: ignore[arg-type]
         loggers=CSVLogger(root_dir=args.out_dir / "logs", name="finetune"),
@@ -244,7 +257,7 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
     if fabric.is_global_zero:
         remove_stale_temp_files(args.out_dir)  # left by a run killed while writing a checkpoint
     state = None if args.resume is None else load_training_state(args.resume, args.mode)
-    resume_shards = args.resume is not None and check_sharded_resume(args.resume, args.strategy, args.devices)
+    resume_shards = args.resume is not None and check_sharded_resume(args.resume, args.strategy, args.world_size)
     data_seed = args.seed if state is None else state.data_seed
     train_set, val_set = _load_data(args, data_seed)
     if state is not None and state.num_train_examples != len(train_set):
@@ -340,7 +353,7 @@ def _save(
     name = checkpoint_name(step, final)
     extra = None
     if args.strategy == "fsdp":  # collectives: every process takes part
-        extra = move_shards_into(save_shards(fabric, args.out_dir, name, model, optimizer), args.devices)
+        extra = move_shards_into(save_shards(fabric, args.out_dir, name, model, optimizer), args.world_size)
         model = full_weights(model)  # type: ignore[assignment]
     if fabric.is_global_zero:
         saved_optimizer = {"state": {}, "param_groups": []} if extra is not None else optimizer.state_dict()

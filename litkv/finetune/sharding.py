@@ -54,15 +54,16 @@ SHARDING_FILE = "sharding.json"
 
 
 def check_strategy(strategy: str, devices: int, mode: str, learn_eviction: bool) -> None:
-    """ValueError (one line saying what to do) for a strategy the run cannot use."""
+    """ValueError (one line saying what to do) for a strategy the run cannot use; `devices`: the processes
+    in all (``--devices`` x ``--num_nodes``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
     if strategy != "fsdp":
         return
     if devices < 2:
         raise ValueError(
-            f"--strategy fsdp shards over processes and needs --devices >= 2, got --devices {devices} "
-            "(drop --strategy for one device)"
+            f"--strategy fsdp shards over processes and needs --devices >= 2 (times --num_nodes), got {devices} "
+            "process (drop --strategy for one device)"
         )
     if mode != "full":
         raise ValueError(
@@ -181,7 +182,8 @@ def move_shards_into(shards: Path, devices: int) -> Callable[[Path], None]:
 
 
 def check_sharded_resume(resume_dir: Path, strategy: str, devices: int) -> bool:
-    """Whether `resume_dir` holds shards to load; ValueError (one line) when this run cannot resume it."""
+    """Whether `resume_dir` holds shards to load; ValueError (one line) when this run cannot resume it.
+    `devices`: the run's processes in all (``--devices`` x ``--num_nodes``, as `sharding.json` counts)."""
     file = resume_dir / SHARDING_FILE
     if not file.is_file():
         if strategy == "fsdp":
@@ -197,9 +199,9 @@ def check_sharded_resume(resume_dir: Path, strategy: str, devices: int) -> bool:
         raise ValueError(f"cannot resume from {str(resume_dir)!r}: unreadable {SHARDING_FILE} ({err})") from err
     if strategy != "fsdp" or saved_devices != devices:
         raise ValueError(
-            f"cannot resume from {str(resume_dir)!r}: its shards were written by --strategy fsdp --devices "
-            f"{saved_devices}, this run is --strategy {strategy} --devices {devices}; resume with --strategy fsdp "
-            f"--devices {saved_devices}, or start a new run with --checkpoint_dir on it"
+            f"cannot resume from {str(resume_dir)!r}: its shards were written by --strategy fsdp over {saved_devices} "
+            f"processes, this run is --strategy {strategy} over {devices}; resume with --strategy fsdp and "
+            f"{saved_devices} processes (--devices x --num_nodes), or start a new run with --checkpoint_dir on it"
         )
     if not (resume_dir / SHARDED_DIR).is_dir():
         raise FileNotFoundError(f"cannot resume from {str(resume_dir)!r}: it has no {SHARDED_DIR}/ directory")

@@ -115,7 +115,7 @@ def test_two_sharded_processes_train_as_one(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_strategy_errors_say_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"needs --devices >= 2, got --devices 1 \(drop --strategy"):
+    with pytest.raises(ValueError, match=r"needs --devices >= 2 \(times --num_nodes\), got 1 process \(drop"):
         check_strategy("fsdp", 1, "full", False)
     with pytest.raises(ValueError, match="LoRA's adapters are small, use --strategy ddp"):
         check_strategy("fsdp", 2, "lora", False)
@@ -135,10 +135,10 @@ def test_strategy_errors_say_what_to_do(tmp_path: Path) -> None:
     assert check_sharded_resume(sharded, "fsdp", 2)
     with pytest.raises(
         ValueError,
-        match=r"written by --strategy fsdp --devices 2, this run is --strategy fsdp --devices 4; resume with",
+        match=r"written by --strategy fsdp over 2 processes, this run is --strategy fsdp over 4; resume with",
     ):
         check_sharded_resume(sharded, "fsdp", 4)
-    with pytest.raises(ValueError, match="this run is --strategy ddp --devices 2"):
+    with pytest.raises(ValueError, match="this run is --strategy ddp over 2"):
         check_sharded_resume(sharded, "ddp", 2)
     plain = tmp_path / "plain"
     plain.mkdir()
