@@ -126,22 +126,26 @@ def _attend_eager(
     """Blockwise eager attention. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)`.
 
     Products run in the model dtype (as in Hugging Face's eager attention; no float32 copy of the keys),
-    the softmax in float32 (float64 for float64 models). Each block of queries holds at most about
+    float32 for float16 models (whose range a `q . k` can exceed), the softmax in float32 (float64 for
+    float64 models). Each block of queries holds at most about
     `WEIGHTS_BLOCK_ELEMENTS` scores; the group's query heads are folded into the query axis so that
     both products are plain batched matrix products over `(B, G)`.
     """
     b, g, q_per_kv, t, hs = qg.shape
     s = k.shape[2]
     block = max(1, WEIGHTS_BLOCK_ELEMENTS // max(1, b * g * q_per_kv * s))
-    keys_t = k.transpose(2, 3)  # products in the model dtype: no float32 copy of the keys
     score_dtype = torch.promote_types(qg.dtype, torch.float32)
+    # Products in the model dtype (no float32 copy of the keys), except float16, whose range (65,504) a
+    # q.k product can exceed: inf scores would give NaN weights. bfloat16 has float32's range.
+    product_dtype = score_dtype if qg.dtype == torch.float16 else qg.dtype
+    keys_t = k.transpose(2, 3).to(product_dtype)
     outputs = []
     weight_sum = None
     for start in range(0, t, block):
         end = min(start + block, t)
         n = end - start
         q_block = qg[:, :, :, start:end].reshape(b, g, q_per_kv * n, hs)
-        scores = torch.matmul(q_block, keys_t)
+        scores = torch.matmul(q_block.to(product_dtype), keys_t)
         scores = (scores if scores.dtype == score_dtype else scores.to(score_dtype)).mul_(scale)
         scores = scores.view(b, g, q_per_kv, n, s)
         if softcap is not None:

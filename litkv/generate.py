@@ -243,22 +243,39 @@ def _decode(
         on_tokens(tokens)
     interval = 1 if on_tokens is not None else STOP_CHECK_INTERVAL
     last_position = int(next_pos.max()) + max_new_tokens
+    finite = torch.ones((), dtype=torch.bool, device=hidden.device)  # read on the host only where done is
     with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:
         for i in range(max_new_tokens - 1):
-            if len(stop_tokens) and i % interval == 0 and bool(done.all()):
-                break
-            tokens = pick(step(tokens[:, None], next_pos[:, None]))
+            if len(stop_tokens) and i % interval == 0:
+                _check_finite(finite, i + 1)
+                if bool(done.all()):
+                    break
+            logits = step(tokens[:, None], next_pos[:, None])
+            finite = finite & torch.isfinite(logits).all()
+            tokens = pick(logits)
             next_pos = next_pos + 1
             steps.append(tokens)
             done = done | torch.isin(tokens, stops)
             if on_tokens is not None:
+                _check_finite(finite, i + 2)
                 on_tokens(tokens)
+    _check_finite(finite, len(steps))
     out = torch.stack(steps, dim=1)
     results = []
     for row in out:
         hits = torch.isin(row, stops).nonzero()
         results.append(row[: int(hits[0]) + 1] if len(hits) else row)
     return results
+
+
+def _check_finite(finite: torch.Tensor, step: int) -> None:
+    """ValueError when a decode step's logits held NaN/inf (`finite` is a bool scalar; one host read): in a
+    float16 model, an overflow; no token of such a step is handed out."""
+    if not bool(finite):
+        raise ValueError(
+            f"the model produced NaN/inf logits by decode step {step} (a float16 overflow?); use "
+            "--precision bf16-true or 32-true"
+        )
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from litkv.checkpoint import check_checkpoint_dir
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
 from litkv.core.validation import is_number, require_int
-from litkv.runtime import resolve_device
+from litkv.runtime import resolve_device, resolve_dtype
 
 __all__ = ["serve"]
 
@@ -92,6 +92,7 @@ def serve(
     _check_serving_options(host, api_key, top_k, timeout, body_timeout)
     require_int("--seed", seed, -(1 << 63), (1 << 64) - 1, note=" (64 bits)")
     dev = resolve_device(device)
+    resolve_dtype(precision, dev)  # a bad --precision: one line now, not in the worker
     _check_chat_template(ckpt, chat_template)
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.strategies import ModelParallelStrategy
 from tqdm.auto import tqdm
 
 from litkv.checkpoint import (
@@ -24,12 +25,22 @@ from litkv.checkpoint import (
     remove_stale_temp_files,
 )
 from litkv.config import KVCacheConfig
-from litkv.core.validation import require_int
+from litkv.core.validation import is_int, require_int
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs
 from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
 from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
+from litkv.finetune.sharding import (
+    SHARDED_DIR,
+    check_sharded_resume,
+    check_strategy,
+    fsdp_strategy,
+    full_weights,
+    load_shards,
+    move_shards_into,
+    save_shards,
+)
 from litkv.finetune.state import (
     TrainingState,
     capture_rng,
@@ -48,9 +59,20 @@ __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "TRAINING_PRECISIONS"]
 #: `--mode` values (checked explicitly: jsonargparse's error for a `Literal` does not list the choices).
 MODES = ("lora", "full")
 
-#: Supported `--precision` values (their dtypes: `litkv.runtime.PRECISIONS`). Mixed precision is not
-#: supported: the KV caches hold the parameters' dtype, which autocast would not produce.
-TRAINING_PRECISIONS = ("32-true", "bf16-true", "16-true")
+#: Supported `--precision` values: `litkv.runtime.PRECISIONS`' parameter dtypes, and ``bf16-mixed``
+#: (float32 parameters and optimizer state, products in bfloat16 under autocast; the caches hold what
+#: the projections give). ``16-mixed`` is not offered: its loss scaling would not reach the gradient
+#: engine's own backward calls.
+TRAINING_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed")
+_MIXED = {"bf16-mixed": torch.float32}
+
+
+def parameter_dtype(precision: str) -> torch.dtype:
+    """The parameters' dtype of a training precision (float32 for ``bf16-mixed``)."""
+    if precision in _MIXED:
+        return _MIXED[precision]
+    return precision_dtype(precision, TRAINING_PRECISIONS)
+
 
 _DEFAULT_DATA = DataArgs()
 _DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512, chunk_size=128)
@@ -76,15 +98,22 @@ class FinetuneArgs:
     devices: int
     seed: int
     resume: Path | None
+    strategy: str = "auto"
+    activation_checkpointing: bool = True
+    num_nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: ``devices`` per node times ``num_nodes``."""
+        return self.devices * self.num_nodes
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
-        precision_dtype(
-            self.precision,
-            TRAINING_PRECISIONS,
-            " (mixed precision is not supported: the KV caches hold keys and values in the parameters' dtype)",
-        )
+        if self.precision not in _MIXED:
+            precision_dtype(self.precision, TRAINING_PRECISIONS, " (16-mixed: use bf16-mixed or 16-true)")
         require_int("devices", self.devices, 1)
+        require_int("num_nodes", self.num_nodes, 1)
+        check_strategy(self.strategy, self.world_size, self.mode, learn_eviction=False)
         if self.data.path is None:
             raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
 
@@ -120,6 +149,9 @@ def finetune(
     resume: Path | None = None,
     learn_eviction: bool = False,
     learn: GateTrainArgs = _DEFAULT_LEARN,
+    strategy: str = "auto",
+    activation_checkpointing: bool = True,
+    num_nodes: int = 1,
 ) -> None:
     """Fine-tune a model on long sequences with its KV cache policy in place (gradients through the cache).
 
@@ -139,8 +171,8 @@ def finetune(
         eval: Validation.
         lora: LoRA adapters (``mode=lora``).
         out_dir: Where checkpoints and logs (`logs/`) go.
-        precision: ``32-true``, ``bf16-true`` or ``16-true``. Default: ``bf16-true`` on a GPU that
-            supports it, else ``32-true``.
+        precision: ``32-true``, ``bf16-true``, ``16-true`` or ``bf16-mixed`` (float32 weights, bfloat16
+            products). Default: ``bf16-true`` on a GPU that supports it, else ``32-true``.
         devices: Number of devices (processes); more than one runs data parallel (DDP).
         seed: Random seed (LoRA initialisation, train/validation split, data order).
         resume: A checkpoint directory of an earlier run (`out_dir/step-XXXXXX`) to continue from: its
@@ -151,8 +183,17 @@ def finetune(
             `--resume` a `step-XXXXXX` of an earlier gate-training run). Writes `out_dir/final/` with the base's
             weights and `eviction_gates.safetensors` (docs/learned.md).
         learn: Gate training (`--learn_eviction true`).
+        strategy: ``auto`` (one device, or data parallel over several), ``ddp`` (data parallel: every
+            process holds the whole model and optimizer) or ``fsdp`` (weights, gradients and optimizer
+            state sharded over the ``devices`` processes; ``mode=full``; docs/finetune.md).
+        activation_checkpointing: With ``strategy=fsdp``: recompute each block's MLP in the backward instead
+            of keeping its activations.
+        num_nodes: Machines of a multi-node run (``devices`` processes on each; started by a launcher
+            such as ``torchrun`` or SLURM: docs/finetune.md).
     """
     _check_mode(mode)
+    require_int("num_nodes", num_nodes, 1)
+    check_strategy(strategy, devices * num_nodes if is_int(devices) else devices, mode, learn_eviction)
     args = FinetuneArgs(
         checkpoint_dir=check_checkpoint_dir(default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir),
         mode=mode,
@@ -166,13 +207,21 @@ def finetune(
         devices=devices,
         seed=seed,
         resume=None if resume is None else Path(resume),
+        strategy=strategy,
+        activation_checkpointing=activation_checkpointing,
+        num_nodes=num_nodes,
     )
     if learn_eviction or args.kv_cache.policy == "learned":
         _learn(args, learn_eviction, learn)
         return
+    if args.strategy == "fsdp":
+        fabric_strategy: str | ModelParallelStrategy = fsdp_strategy(args.world_size, args.activation_checkpointing)
+    else:
+        fabric_strategy = "ddp" if args.world_size > 1 else "auto"
     fabric = Fabric(
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        num_nodes=args.num_nodes,
+        strategy=fabric_strategy,
         precision=args.precision,  # type: ignore[arg-type]
         loggers=CSVLogger(root_dir=args.out_dir / "logs", name="finetune"),
     )
@@ -205,6 +254,7 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
     if fabric.is_global_zero:
         remove_stale_temp_files(args.out_dir)  # left by a run killed while writing a checkpoint
     state = None if args.resume is None else load_training_state(args.resume, args.mode)
+    resume_shards = args.resume is not None and check_sharded_resume(args.resume, args.strategy, args.world_size)
     data_seed = args.seed if state is None else state.data_seed
     train_set, val_set = _load_data(args, data_seed)
     if state is not None and state.num_train_examples != len(train_set):
@@ -212,13 +262,19 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
             f"cannot resume from {str(args.resume)!r}: it was trained on {state.num_train_examples} examples, "
             f"the data now gives {len(train_set)} (same --data.* settings are needed)"
         )
+    sharded = args.strategy == "fsdp"
     model = _build_model(fabric, args)
+    if sharded:
+        model = fabric.setup_module(model).module  # the blocks sharded in place (the engine takes the GPT)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=args.train.lr, weight_decay=args.train.weight_decay, betas=(args.train.beta1, args.train.beta2)
     )
     if state is not None:
-        _restore_optimizer(optimizer, state, args.resume)
+        if resume_shards:
+            load_shards(fabric, args.resume / SHARDED_DIR, model, optimizer)
+        else:
+            _restore_optimizer(optimizer, state, args.resume)
         restore_rng(state.rng)
     fabric.print(
         f"{args.mode} fine-tuning: {sum(p.numel() for p in params):,} trainable parameters, "
@@ -238,6 +294,7 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
         save=lambda step, final: _save(fabric, args, model, optimizer, step, final, data_seed, len(train_set)),
         log=tqdm.write if fabric.is_global_zero else (lambda message: None),
         step=0 if state is None else state.step,
+        sharded=sharded,
     )
     fit(training)
     for logger in fabric.loggers:
@@ -264,7 +321,7 @@ def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[
 
 def _build_model(fabric: Fabric, args: FinetuneArgs) -> GPT:
     """The base model on this process's device, adapters applied, trained weights restored on resume."""
-    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=precision_dtype(args.precision))
+    model = load_model(args.checkpoint_dir, device=fabric.device, dtype=parameter_dtype(args.precision))
     if args.mode == "lora":
         apply_lora(model, args.lora)
         mark_only_lora_as_trainable(model)
@@ -272,7 +329,7 @@ def _build_model(fabric: Fabric, args: FinetuneArgs) -> GPT:
         model.requires_grad_(True)
     if args.resume is not None:
         restore_model(model, args.resume, args.mode)
-    if fabric.world_size > 1:
+    if fabric.world_size > 1 and args.strategy != "fsdp":
         # Every process starts from rank 0's trainable parameters (LoRA initialisation included).
         for p in model.parameters():
             if p.requires_grad:
@@ -290,15 +347,22 @@ def _save(
     data_seed: int,
     num_train_examples: int,
 ) -> None:
+    name = checkpoint_name(step, final)
+    extra = None
+    if args.strategy == "fsdp":  # collectives: every process takes part
+        extra = move_shards_into(save_shards(fabric, args.out_dir, name, model, optimizer), args.world_size)
+        model = full_weights(model)  # type: ignore[assignment]
     if fabric.is_global_zero:
-        state = TrainingState(args.mode, step, data_seed, num_train_examples, optimizer.state_dict(), capture_rng())
+        saved_optimizer = {"state": {}, "param_groups": []} if extra is not None else optimizer.state_dict()
+        state = TrainingState(args.mode, step, data_seed, num_train_examples, saved_optimizer, capture_rng())
         path = save_checkpoint(
-            args.out_dir / checkpoint_name(step, final),
+            args.out_dir / name,
             model,
             args.checkpoint_dir,
             args.to_hparams(),
             state,
             prompt_style=args.data.prompt_style if args.data.is_json else None,
+            extra=extra,
         )
         tqdm.write(f"saved {path}")
     fabric.barrier()

@@ -4,7 +4,8 @@ validation, learning-rate schedule, progress bar and periodic checkpoints.
 The model is never wrapped in DDP: the gradient engine calls `.backward()` itself (several times per
 micro-batch), which DDP's reducer would not see. Instead, after the micro-batches of a step, the
 gradients of the trainable parameters are averaged over the processes (`all_reduce_gradients`), so
-every process applies the same update and keeps identical parameters.
+every process applies the same update and keeps identical parameters. Under `--strategy fsdp`
+(`litkv.finetune.sharding`) the sharded model's own backward hooks reduce-scatter instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ __all__ = [
     "TrainArgs",
     "EvalArgs",
     "TrainingRun",
+    "autocast",
     "lr_at",
     "all_reduce_gradients",
     "chunked_loss_sum",
@@ -117,7 +120,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 class TrainingRun:
     """Everything `fit` needs. `step` is the number of optimizer steps already taken.
 
-    `save(step)` writes a checkpoint for `step` (called on every process; it writes on rank 0 only);
+    `save(step)` writes a checkpoint for `step` (called on every process; rank 0 writes the files);
     `log(message)` prints a line next to the progress bar (rank 0).
     """
 
@@ -133,6 +136,15 @@ class TrainingRun:
     save: Callable[[int, bool], None]
     log: Callable[[str], None]
     step: int = 0
+    sharded: bool = False  # FSDP: the backward reduce-scatters the gradients itself
+
+
+def autocast(fabric: Fabric) -> AbstractContextManager[object]:
+    """bfloat16 autocast on the run's device under ``bf16-mixed`` (float32 parameters); else nothing (the
+    ``*-true`` precisions hold their dtype in the parameters)."""
+    if getattr(fabric.strategy.precision, "precision", None) == "bf16-mixed":
+        return torch.autocast(fabric.device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def lr_at(step: int, train: TrainArgs) -> float:
@@ -205,7 +217,8 @@ def validate(run: TrainingRun) -> float:
     try:
         for i in range(0, len(mine), mbs):
             input_ids, targets = (x.to(fabric.device) for x in collate(mine[i : i + mbs]))
-            loss_sum, count = chunked_loss_sum(run.model, input_ids, targets, run.kv_cache)
+            with autocast(fabric):
+                loss_sum, count = chunked_loss_sum(run.model, input_ids, targets, run.kv_cache)
             sums += torch.stack((loss_sum, count))
     finally:
         run.model.train()
@@ -225,9 +238,11 @@ def _train_step(run: TrainingRun, params: list[torch.nn.Parameter]) -> tuple[flo
         examples = [run.train_set[i] for i in indices]
         input_ids, targets = (x.to(fabric.device) for x in collate(examples))
         scale = 1.0 / len(batches)
-        loss_total += chunked_loss_backward(run.model, input_ids, targets, run.kv_cache, loss_scale=scale)
+        with autocast(fabric):
+            loss_total += chunked_loss_backward(run.model, input_ids, targets, run.kv_cache, loss_scale=scale)
         tokens += sum(ids.numel() for ids, _ in examples)
-    all_reduce_gradients(fabric, params)
+    if not run.sharded:
+        all_reduce_gradients(fabric, params)
     if train.max_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, train.max_norm)
     run.optimizer.step()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -147,11 +148,13 @@ def save_checkpoint(
     hparams: dict[str, Any],
     state: TrainingState,
     prompt_style: str | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint directory (see the module docstring) atomically. Call on one process only.
 
     The files are written into a temporary directory next to `path`, which is renamed to `path` at
     the end (replacing an existing one); on any error it is removed and `path` is left as it was.
+    `extra(tmp)` adds more (a sharded run's shards: `litkv.finetune.sharding`).
     """
     lora = state.mode == "lora"
     weights = merged_state_dict(model) if lora else model.state_dict()
@@ -171,6 +174,8 @@ def save_checkpoint(
             cls = type(PromptStyle.from_name(prompt_style))
             _write_yaml(tmp / PROMPT_STYLE_FILE, {"class_path": f"{cls.__module__}.{cls.__name__}"})
         write_atomic(tmp / STATE_FILE, partial(torch.save, state.to_dict()))
+        if extra is not None:
+            extra(tmp)
 
     return save_dir_atomic(path, write)
 

@@ -308,8 +308,8 @@ def test_clear_errors(ckpt, tmp_path):
     text = write_text(tmp_path / "t.txt", 100)
     with pytest.raises(ValueError, match="data.path"):
         finetune(ckpt)
-    with pytest.raises(ValueError, match="mixed precision"):
-        finetune(ckpt, data=DataArgs(path=text, seq_length=SEQ), precision="bf16-mixed")
+    with pytest.raises(ValueError, match="16-mixed: use bf16-mixed or 16-true"):
+        finetune(ckpt, data=DataArgs(path=text, seq_length=SEQ), precision="16-mixed")
     with pytest.raises(ValueError, match="fewer than data.seq_length"):
         load_examples(DataArgs(path=text, seq_length=10_000), load_tokenizer(ckpt))
     with pytest.raises(ValueError, match="multiple of"):

@@ -1,0 +1,218 @@
+"""`litkv finetune --strategy fsdp`: weights, gradients and optimizer state sharded over the processes
+with Lightning Fabric's `ModelParallelStrategy` (PyTorch's FSDP2 `fully_shard`; gloo on CPU, NCCL on GPUs).
+
+Each transformer block is one FSDP unit (its weights gathered for its forward and backward only), and,
+with activation checkpointing, its MLP (the widest activations) is recomputed in the backward instead
+of keeping its activations (`torch.distributed._composable.checkpoint`: the parameter names stay those
+of `GPT`); the attention is not, since recomputing it would write its cache a second time. The gradient
+engine (`chunked_loss_backward`) runs on the sharded model as it is: every forward gathers, every
+`backward` reduce-scatters (averaging over the processes) and accumulates into the sharded gradients.
+
+A checkpoint directory of a sharded run is a plain checkpoint (`model.safetensors` with the full weights,
+gathered on rank 0, that `litkv generate` loads) plus `sharded/rank-R.safetensors` (each process's shard
+of the weights and the AdamW state, tensors only: nothing is unpickled on resume) and `sharding.json`
+(the process count), which `--resume` needs: a sharded checkpoint resumes with the same `--devices`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from litkv.atomic import TMP_PREFIX, write_text_atomic
+from litkv.checkpoint import load_state_dict, save_state_dict_atomic
+from litkv.model import GPT
+
+__all__ = [
+    "SHARDED_DIR",
+    "SHARDING_FILE",
+    "STRATEGIES",
+    "check_sharded_resume",
+    "check_strategy",
+    "fsdp_strategy",
+    "full_weights",
+    "load_shards",
+    "move_shards_into",
+    "save_shards",
+    "sharded_nbytes",
+    "shard_model",
+]
+
+STRATEGIES = ("auto", "ddp", "fsdp")
+SHARDED_DIR = "sharded"
+SHARDING_FILE = "sharding.json"
+
+
+def check_strategy(strategy: str, devices: int, mode: str, learn_eviction: bool) -> None:
+    """ValueError (one line saying what to do) for a strategy the run cannot use; `devices`: the processes
+    in all (``--devices`` x ``--num_nodes``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    if strategy != "fsdp":
+        return
+    if devices < 2:
+        raise ValueError(
+            f"--strategy fsdp shards over processes and needs --devices >= 2 (times --num_nodes), got {devices} "
+            "process (drop --strategy for one device)"
+        )
+    if mode != "full":
+        raise ValueError(
+            f"--strategy fsdp trains --mode full, got --mode {mode!r}: LoRA's adapters are small, use --strategy ddp"
+        )
+    if learn_eviction:
+        raise ValueError("--learn_eviction trains the gates on one process: drop --strategy fsdp and --devices")
+
+
+def shard_model(model: GPT, mesh: object, activation_checkpointing: bool) -> GPT:
+    """Each block an FSDP unit (its MLP recomputed in the backward with `activation_checkpointing`), the rest
+    (embeddings, final norm, head) the root unit; in place, returned. `mesh`: Fabric's device mesh."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+
+    data_mesh = mesh["data_parallel"]  # type: ignore[index]
+    for block in model.transformer.h:
+        if activation_checkpointing:  # the MLP only: a recomputed attention would write its cache again
+            checkpoint(block.mlp)
+        fully_shard(block, mesh=data_mesh)
+    fully_shard(model, mesh=data_mesh)
+    return model
+
+
+def fsdp_strategy(devices: int, activation_checkpointing: bool) -> ModelParallelStrategy:
+    """Fabric's FSDP2 strategy over `devices` processes (pure data parallel: no tensor parallelism)."""
+    return ModelParallelStrategy(
+        parallelize_fn=partial(shard_model, activation_checkpointing=activation_checkpointing),
+        data_parallel_size=devices,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=True,
+    )
+
+
+def full_weights(model: GPT) -> GPT | None:
+    """The sharded `model`'s full weights as an unsharded `GPT` on the CPU on rank 0, `None` elsewhere
+    (a collective: every process calls it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if torch.distributed.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        full = GPT(model.config)
+    full.load_state_dict(state, strict=True, assign=True)
+    return full
+
+
+def save_shards(fabric: Fabric, out_dir: Path, name: str, model: GPT, optimizer: torch.optim.Optimizer) -> Path:
+    """Write every process's shard of `model`'s weights and `optimizer`'s state into a temporary directory
+    of `out_dir` (named with `TMP_PREFIX`, so that an interrupted run's leftover is removed), one
+    safetensors file per process (`rank-R.safetensors`: no pickle); returns the directory. Collective."""
+    tmp = out_dir / f"{TMP_PREFIX}{name}-{SHARDED_DIR}"
+    if fabric.is_global_zero:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    fabric.barrier()
+    tensors = {f"model.{n}": _local(p).detach().cpu() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            tensors[f"optimizer.{names[id(param)]}.{key}"] = _local(value).detach().cpu()
+    save_state_dict_atomic(tmp / f"rank-{fabric.global_rank}.safetensors", tensors)
+    fabric.barrier()
+    return tmp
+
+
+def load_shards(fabric: Fabric, shards: Path, model: GPT, optimizer: torch.optim.Optimizer) -> None:
+    """Restore this process's shard of the weights and the optimizer state written by `save_shards`
+    (the same process count); ValueError naming the file when a tensor is missing or of another shape."""
+    file = shards / f"rank-{fabric.global_rank}.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"cannot resume: {str(file)!r} does not exist (written by another --devices?)")
+    saved = load_state_dict(file)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            local = _local(p)
+            tensor = _expect(saved, f"model.{n}", tuple(local.shape), file)
+            local.copy_(tensor)
+            moments = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = _expect(saved, f"optimizer.{n}.{key}", tuple(local.shape), file).to(local.device, local.dtype)
+                moments[key] = _like(p, value)
+            step = _expect(saved, f"optimizer.{n}.step", (), file)
+            optimizer.state[p] = {"step": step.clone(), **moments}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor sharded as `param` is."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return local
+
+
+def _expect(saved: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], file: Path) -> torch.Tensor:
+    if key not in saved or tuple(saved[key].shape) != shape:
+        got = tuple(saved[key].shape) if key in saved else "nothing"
+        raise ValueError(f"cannot resume from {str(file)!r}: {key} should have shape {shape}, got {got}")
+    return saved[key]
+
+
+def move_shards_into(shards: Path, devices: int) -> Callable[[Path], None]:
+    """A `save_checkpoint` extra writer: moves the `shards` directory into the checkpoint being written
+    (one rename) and records the process count."""
+
+    def write(tmp: Path) -> None:
+        os.rename(shards, tmp / SHARDED_DIR)
+        write_text_atomic(tmp / SHARDING_FILE, json.dumps({"strategy": "fsdp", "devices": devices}) + "\n")
+
+    return write
+
+
+def check_sharded_resume(resume_dir: Path, strategy: str, devices: int) -> bool:
+    """Whether `resume_dir` holds shards to load; ValueError (one line) when this run cannot resume it.
+    `devices`: the run's processes in all (``--devices`` x ``--num_nodes``, as `sharding.json` counts)."""
+    file = resume_dir / SHARDING_FILE
+    if not file.is_file():
+        if strategy == "fsdp":
+            raise ValueError(
+                f"cannot resume from {str(resume_dir)!r} with --strategy fsdp: it was not written by a sharded run "
+                "(resume it with its own strategy, or start a new run with --checkpoint_dir on it)"
+            )
+        return False
+    try:
+        saved = json.loads(file.read_text())
+        saved_devices = saved["devices"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"cannot resume from {str(resume_dir)!r}: unreadable {SHARDING_FILE} ({err})") from err
+    if strategy != "fsdp" or saved_devices != devices:
+        raise ValueError(
+            f"cannot resume from {str(resume_dir)!r}: its shards were written by --strategy fsdp over {saved_devices} "
+            f"processes, this run is --strategy {strategy} over {devices}; resume with --strategy fsdp and "
+            f"{saved_devices} processes (--devices x --num_nodes), or start a new run with --checkpoint_dir on it"
+        )
+    if not (resume_dir / SHARDED_DIR).is_dir():
+        raise FileNotFoundError(f"cannot resume from {str(resume_dir)!r}: it has no {SHARDED_DIR}/ directory")
+    return True
+
+
+def sharded_nbytes(model: GPT, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this process holds of the parameters and the optimizer state (local shards only)."""
+    total = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += _local(value).numel() * value.element_size()
+    return total
