@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from litkv.kvcache.base import KVCache, LayerCache, staged_placement
+from litkv.kvcache.recurrent import RecurrentCache
 
 __all__ = ["KVCaches", "CallRecorder"]
 
@@ -39,10 +40,10 @@ class KVCaches:
             (`evict_waiting`); `False`: each layer in its own call (the same tokens and states, slower).
     """
 
-    def __init__(self, layers: Sequence[LayerCache]) -> None:
+    def __init__(self, layers: Sequence[LayerCache | RecurrentCache]) -> None:
         if not layers:
             raise ValueError("KVCaches needs at least one layer cache")
-        self.layers: list[LayerCache] = list(layers)
+        self.layers: list[LayerCache | RecurrentCache] = list(layers)
         self.last_pos: torch.Tensor | None = None
         self.undo_log: CallRecorder | None = None
         self.evict_layers_together = True
@@ -50,15 +51,21 @@ class KVCaches:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __iter__(self) -> Iterator[LayerCache]:
+    def __iter__(self) -> Iterator[LayerCache | RecurrentCache]:
         return iter(self.layers)
 
-    def __getitem__(self, layer: int) -> LayerCache:
+    def __getitem__(self, layer: int) -> LayerCache | RecurrentCache:
         return self.layers[layer]
 
     @property
     def batch_size(self) -> int:
-        return self.layers[0].positions.shape[0]
+        first = self.layers[0]
+        return first.batch_size if isinstance(first, RecurrentCache) else first.positions.shape[0]
+
+    @property
+    def recurrent_caches(self) -> list[RecurrentCache]:
+        """The recurrent layers' states (Mamba-2 layers of a hybrid model; none in an attention-only one)."""
+        return [cache for cache in self.layers if isinstance(cache, RecurrentCache)]
 
     @property
     def policy_caches(self) -> list[KVCache]:
@@ -100,7 +107,7 @@ class KVCaches:
         The conditions under which a call's evictions wait, in one place: a decode step (one token), not
         compiled (`static_shapes`: inductor fuses the per-layer work anyway), not recorded by an undo log
         (it records each layer's writes as they happen), not under autograd (such a call attends a
-        concatenation, no staged token), every layer a policy cache, and `evict_layers_together`.
+        concatenation, no staged token), every attention layer a policy cache, and `evict_layers_together`.
         """
         policy_caches = self.policy_caches
         for cache in policy_caches:
@@ -112,7 +119,7 @@ class KVCaches:
             and not any(cache.static_shapes for cache in policy_caches)
             and self.undo_log is None
             and not torch.is_grad_enabled()
-            and len(policy_caches) == len(self.layers)
+            and len(policy_caches) + len(self.recurrent_caches) == len(self.layers)
         )
 
     def evict_waiting(self) -> None:
@@ -183,7 +190,7 @@ class KVCaches:
     # -- sizes ----------------------------------------------------------------------------------
 
     def nbytes(self) -> int:
-        """Bytes of keys and values held by all layers (quantised: codes, scales and offsets)."""
+        """Bytes held by all layers: keys and values (quantised: codes, scales and offsets) and recurrent states."""
         return sum(cache.nbytes() for cache in self.layers)
 
 
