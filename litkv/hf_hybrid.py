@@ -39,6 +39,16 @@ def _rope_base(hf: Mapping[str, Any]) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
+def _number(value: object, name: str) -> float:
+    """A float from `config.json` (transformers writes infinity as `{"__float__": "Infinity"}`)."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r:.80}") from None
+
+
 def _check_supported(hf: Mapping[str, Any]) -> None:
     model_type = hf.get("model_type")
     if model_type in UNSUPPORTED_RECURRENT:
@@ -98,8 +108,8 @@ def hybrid_config_from_hf(hf: Mapping[str, Any], name: str) -> HybridConfig:
         mamba_chunk_size=hf.get("mamba_chunk_size", 256),
         mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
         mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
-        mamba_dt_min=float(limit[0]),
-        mamba_dt_max=float(limit[1]),
+        mamba_dt_min=_number(limit[0], "time_step_limit[0]"),
+        mamba_dt_max=_number(limit[1], "time_step_limit[1]"),
     )
 
 

@@ -193,9 +193,7 @@ class Mamba2Mixer(nn.Module):
         gn = c.mamba_n_groups * c.mamba_d_state
         xs, bs, cs = F.silu(xbc).split((c.mamba_inner, gn, gn), dim=-1)
         dt = F.softplus(dt + self.dt_bias).clamp(c.mamba_dt_min, c.mamba_dt_max)
-        dt = torch.where(
-            valid[..., None], dt, torch.zeros_like(dt)
-        )  # pads: the state passes unchanged
+        dt = torch.where(valid[..., None], dt, torch.zeros_like(dt))  # pads: the state passes unchanged
         xs = xs.reshape(b, t, c.mamba_n_heads, c.mamba_head_dim)
         repeat = c.mamba_n_heads // c.mamba_n_groups
         bs, cs = (v.reshape(b, t, c.mamba_n_groups, c.mamba_d_state).repeat_interleave(repeat, dim=2) for v in (bs, cs))
