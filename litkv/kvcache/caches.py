@@ -27,6 +27,9 @@ class CallRecorder(Protocol):
 
     def attach(self, caches: KVCaches) -> None: ...
 
+    def before_call(self, caches: KVCaches) -> None:
+        """A call is about to start (the recurrent layers' states are still those before it)."""
+
 
 class KVCaches:
     """One cache per layer, plus the run's per-row state.
@@ -113,6 +116,8 @@ class KVCaches:
         for cache in policy_caches:
             cache.settle()
             cache.abort_call()
+        if self.undo_log is not None:
+            self.undo_log.before_call(self)
         return (
             num_new == 1
             and self.evict_layers_together
@@ -169,11 +174,21 @@ class KVCaches:
         """
         if check:
             self._check_increasing(input_pos)
+            if self.recurrent_caches:  # a recurrent layer before the refusing one would have moved on
+                self._check_call_length(input_pos.shape[1])
             for cache in self.policy_caches:  # a call a cache refuses changes nothing, last_pos included
                 if not cache.static_shapes and input_pos.shape[1] <= cache.cache_length:  # else: a longer error
                     cache.check_room(input_pos)
         last = input_pos.amax(dim=1)
         self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
+
+    def _check_call_length(self, num_new: int) -> None:
+        for i, cache in enumerate(self.layers):
+            if isinstance(cache, KVCache) and not cache.static_shapes and num_new > cache.cache_length:
+                raise ValueError(
+                    f"chunk of {num_new} tokens is longer than allowed: at most cache_length={cache.cache_length} "
+                    f"new tokens per call (layer {i})"
+                )
 
     def _check_increasing(self, input_pos: torch.Tensor) -> None:
         running = torch.cummax(input_pos, dim=1).values

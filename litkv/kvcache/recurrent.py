@@ -67,6 +67,7 @@ class RecurrentCache:
     """
 
     kind = "mamba2"
+    config = None  # no policy: the state keeps everything it needs, whatever the length
 
     def __init__(self, shape: RecurrentShape, device: torch.device | str | None, dtype: torch.dtype) -> None:
         if not isinstance(shape, RecurrentShape):
@@ -82,6 +83,11 @@ class RecurrentCache:
     @property
     def batch_size(self) -> int:
         return self.shape.batch_size
+
+    @staticmethod
+    def max_tokens(config: object) -> int | None:
+        """Tokens the layer can take: no limit (`None`), as `KVCache.max_tokens` says of a policy."""
+        return None
 
     @property
     def device(self) -> torch.device:
