@@ -67,7 +67,7 @@ def encode(state: _State) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
             tensors[f"layer.{i}.{name}"] = t.detach().cpu().contiguous()
         kind = getattr(layer, "kind", "attention")
         if kind != "attention":  # a recurrent layer: its kind and sizes (attention entries have no kind)
-            layers.append({"kind": kind, "shape": dataclasses.asdict(layer.shape)})
+            layers.append({"kind": kind, "config": {"kind": kind}, "shape": dataclasses.asdict(layer.shape)})
             continue
         layers.append(
             {

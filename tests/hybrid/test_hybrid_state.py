@@ -146,3 +146,19 @@ def test_truncate_without_undo_log_is_refused_and_changes_nothing(model: GPT) ->
     with pytest.raises(ValueError, match="recurrent .Mamba-2. layers' state is restored from checkpoints"):
         truncate(model, 3)
     assert _state_equal(snapshot(model), before)
+
+
+def test_prefix_store_holds_both_kinds(model: GPT, tmp_path: Path) -> None:
+    """Warm (restored prefix states, memory and disk) == cold == each prompt alone."""
+    from litkv import PrefixCache, generate
+
+    cfg = KVCacheConfig("h2o", cache_length=16, chunk_size=8)
+    shared = torch.randint(0, VOCAB, (20,))
+    prompts = [torch.cat((shared, torch.randint(0, VOCAB, (n,)))) for n in (3, 9)]
+    alone = [generate(model, [p], 5, cfg)[0].tolist() for p in prompts]
+    store = PrefixCache(10**8, directory=tmp_path / "prefix")
+    cold = [t.tolist() for t in generate(model, prompts, 5, cfg, prefix_cache=store)]
+    warm = [t.tolist() for t in generate(model, prompts, 5, cfg, prefix_cache=store)]
+    disk = [t.tolist() for t in generate(model, prompts, 5, cfg, prefix_cache=PrefixCache(10**8, tmp_path / "prefix"))]
+    assert cold == warm == disk == alone
+    assert store.hits > 0
