@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 from litkv.config import KVCacheConfig
 from litkv.core.validation import is_number
+from litkv.gradient.recurrent_tape import RecurrentTape
 from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
+from litkv.kvcache.recurrent import RecurrentCache
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
 
@@ -97,8 +99,9 @@ def record_forward(
     input_pos: torch.Tensor,
     configs: Sequence[KVCacheConfig],
     bounds: Sequence[tuple[int, int]],
-) -> list[LayerTape]:
-    """Run the chunks without grad through the real policy and record one `LayerTape` per layer.
+) -> list[LayerTape | RecurrentTape]:
+    """Run the chunks without grad through the real policy and record one `LayerTape` per attention layer
+    (a `RecurrentTape` per recurrent layer: its state before each chunk).
 
     Args:
         idx: `(B, T)` token ids on the model's device.
@@ -108,15 +111,25 @@ def record_forward(
     """
     b, t = idx.shape
     caches = model.build_kv_caches(list(configs), b)
-    tapes = [LayerTape(c, t, stores_gradients(c.config, c.shape, idx.device, c.dtype)) for c in caches]
+    tapes = [
+        RecurrentTape(c)
+        if isinstance(c, RecurrentCache)
+        else LayerTape(c, t, stores_gradients(c.config, c.shape, idx.device, c.dtype))
+        for c in caches
+    ]
     with model.kv_caches_attached(caches), torch.no_grad():
         for start, end in bounds:
-            before = [cache.positions.clone() for cache in caches]
+            before = [None if isinstance(c, RecurrentCache) else c.positions.clone() for c in caches]
+            for tape, cache in zip(tapes, caches, strict=True):
+                if isinstance(tape, RecurrentTape):
+                    tape.record_start(cache)
             model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
             for tape, cache, positions in zip(tapes, caches, before, strict=True):
-                tape.record_chunk(cache, positions, start, end)
+                if isinstance(tape, LayerTape):
+                    tape.record_chunk(cache, positions, start, end)
     for tape, cache in zip(tapes, caches, strict=True):
-        tape.finish(cache)
+        if isinstance(tape, LayerTape):
+            tape.finish(cache)
     return tapes
 
 
@@ -125,7 +138,7 @@ def _backward_chunk(
     idx: torch.Tensor,
     input_pos: torch.Tensor,
     targets: torch.Tensor,
-    tapes: Sequence[LayerTape],
+    tapes: Sequence[LayerTape | RecurrentTape],
     chunk: int,
     weight: float,
 ) -> float:
@@ -136,8 +149,13 @@ def _backward_chunk(
     """
     device = idx.device
     start = int(input_pos[0, 0])  # every row holds positions 0..T-1: tape index == position
-    caches = []
-    for tape in tapes:
+    caches: list[ReplayKVCache | RecurrentCache] = []
+    leaves: dict[int, dict[str, torch.Tensor]] = {}
+    for i, tape in enumerate(tapes):
+        if isinstance(tape, RecurrentTape):
+            cache, leaves[i] = tape.replay_cache(chunk, device)
+            caches.append(cache)
+            continue
         positions = tape.rewind(chunk)
         keys, values = tape.gather(positions)
         keys = keys.to(device).requires_grad_(tape.track_grads)
@@ -152,6 +170,11 @@ def _backward_chunk(
     roots: list[torch.Tensor] = [loss_sum * weight]
     grads: list[torch.Tensor | None] = [None]
     for tape, cache in zip(tapes, caches, strict=True):
+        if isinstance(tape, RecurrentTape):
+            for tensor, grad in tape.roots(cache):  # type: ignore[arg-type]
+                roots.append(tensor)
+                grads.append(grad)
+            continue
         grad_keys, grad_values = tape.grads_of(start, start + idx.shape[1])
         if not tape.track_grads or cache.new_keys is None or not (bool(grad_keys.any()) or bool(grad_values.any())):
             continue
@@ -161,7 +184,10 @@ def _backward_chunk(
                 roots.append(tensor)
                 grads.append(grad.to(device, tensor.dtype))
     torch.autograd.backward(roots, grads)
-    for tape, cache in zip(tapes, caches, strict=True):
+    for i, (tape, cache) in enumerate(zip(tapes, caches, strict=True)):
+        if isinstance(tape, RecurrentTape):
+            tape.take_grads(leaves[i])
+            continue
         if tape.track_grads and cache.num_filled:
             grad_keys, grad_values = cache.cached_keys.grad, cache.cached_values.grad
             zeros = torch.zeros_like
