@@ -202,7 +202,7 @@ class Mamba2Mixer(nn.Module):
             y, new_state = ssd_step(xs[:, 0], dt[:, 0], a, bs[:, 0], cs[:, 0], state)
             y = y[:, None]
         else:
-            y, new_state = ssd_scan(xs, dt, a, bs, cs, c.mamba_chunk_size, state)
+            y, new_state = ssd_scan(xs, dt, a, bs, cs, min(c.mamba_chunk_size, t), state)  # no block past the call
         y = (y + self.D[:, None] * xs).reshape(b, t, c.mamba_inner)
         y = self.out_proj(self.norm(y, z))
         if order is not None:
