@@ -4,8 +4,8 @@ attention-only model of the same width and depth, and against transformers' pure
 Random weights. For each prompt length: prefill through litkv's chunk runner, then `--new-tokens` greedy
 decode steps timed on their own (tok/s = rows * steps / seconds), and `KVCaches.nbytes()` after them.
 Rows: hybrid + h2o (the attention layers' caches bounded; the recurrent state constant), hybrid + dense,
-attention-only + h2o, attention-only + dense, and transformers' `BambaForCausalLM` (its decode timed as
-`generate` of `1 + new` tokens minus `generate` of 1; `--no-transformers` skips it).
+attention-only + h2o, attention-only + dense, and transformers' `BambaForCausalLM` (prefill into its hybrid
+cache, then the same timed greedy steps; `--no-transformers` skips it).
 
 Run: ``python scripts/bench_hybrid.py`` (``--help`` for the options); prints one JSON line per row.
 """
@@ -109,15 +109,21 @@ def litkv_row(model: GPT, kv: KVCacheConfig, prompt: torch.Tensor, new: int) -> 
 
 @torch.inference_mode()
 def transformers_row(hf: torch.nn.Module, prompt: torch.Tensor, new: int) -> dict:
-    def timed(n: int) -> float:
-        sync(prompt.device)
-        start = time.perf_counter()
-        hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        sync(prompt.device)
-        return time.perf_counter() - start
+    """transformers' Bamba: prefill into its `HybridMambaAttentionDynamicCache`, then `new` timed greedy steps."""
+    from transformers.models.bamba.modeling_bamba import HybridMambaAttentionDynamicCache
 
-    one, full = timed(1), timed(1 + new)
-    return {"decode_tok_s": round(new / max(full - one, 1e-9), 2)}
+    device, t = prompt.device, prompt.shape[1]
+    cache = HybridMambaAttentionDynamicCache(hf.config, 1, dtype=hf.dtype, device=device)
+    out = hf(prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(t, device=device))
+    token = out.logits[:, -1:].argmax(-1)
+    sync(device)
+    start = time.perf_counter()
+    for i in range(new):
+        pos = torch.tensor([t + i], device=device)
+        out = hf(token, past_key_values=cache, use_cache=True, cache_position=pos)
+        token = out.logits[:, -1:].argmax(-1)
+    sync(device)
+    return {"decode_tok_s": round(new / (time.perf_counter() - start), 2)}
 
 
 def main() -> None:
