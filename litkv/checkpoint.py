@@ -27,6 +27,7 @@ import torch
 
 from litkv.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
 from litkv.config import Config, config_from_dict
+from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.model import GPT
 
@@ -322,10 +323,12 @@ def load_model(
     check_state_dict(model, state_dict, f"weights in {str(weights_file)!r}")
     check_finite(state_dict, f"weights in {str(weights_file)!r}")
     model.load_state_dict(state_dict, strict=True, assign=True)
+    # the gates are checked against the weights as stored (before any move or cast)
+    weights_id = model_fingerprint(model)["weights"] if (path / GATES_FILE).exists() else None
     model = model.to(device=torch.device("cpu") if device is None else torch.device(device))
     if dtype is not None:
         model = model.to(dtype=dtype)
-    model.eviction_gates = _load_gates(path, config, model.lm_head.weight.device)
+    model.eviction_gates = _load_gates(path, config, model.lm_head.weight.device, weights_id)
     return model.eval()
 
 
@@ -337,8 +340,9 @@ def save_gates(gates: EvictionGates, path: str | Path) -> Path:
     return write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def _load_gates(path: Path, config: Config, device: torch.device) -> EvictionGates | None:
-    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config`; `None` without the file."""
+def _load_gates(path: Path, config: Config, device: torch.device, weights_id: str | None) -> EvictionGates | None:
+    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config` and (when they record
+    one) the weights' fingerprint `weights_id`; `None` without the file."""
     gates_file = path / GATES_FILE
     if not gates_file.exists():
         return None
@@ -346,6 +350,12 @@ def _load_gates(path: Path, config: Config, device: torch.device) -> EvictionGat
         raise ValueError(f"{str(gates_file)!r} must be an eviction-gates safetensors file, got a directory or device")
     gates = EvictionGates.load(gates_file)
     gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
+    if gates.weights is not None and gates.weights != weights_id:
+        raise ValueError(
+            f"{str(gates_file)!r}: these eviction gates were trained for other weights (fingerprint "
+            f"{gates.weights[:16]}, the checkpoint's weights are {str(weights_id)[:16]}); train gates for "
+            "them with `litkv finetune --learn_eviction true` or remove the file"
+        )
     return gates.to(device)
 
 

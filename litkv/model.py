@@ -428,8 +428,8 @@ class CausalSelfAttention(nn.Module):
             mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
         self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
         self.kv_cache: KVCache | None = None
-        # Set while eviction gates are trained (`litkv.learned.soft.soft_eviction`): calls without a
-        # cache attend with the gates' soft keep decisions as an additive bias.
+        # Set while eviction gates are trained (`litkv.learned.soft.soft_eviction`): calls attend with the
+        # gates' soft keep decisions as an additive bias (without a cache, or through one, `attend_cached`).
         self.soft_eviction: SoftEviction | None = None
         self.config = config
         self.block_idx = block_idx
@@ -458,7 +458,16 @@ class CausalSelfAttention(nn.Module):
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
             keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
-            if no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights and self.window is None:
+            if self.soft_eviction is not None:  # eviction gates trained through caches
+                if cache.needs_attn_weights:
+                    raise ValueError(
+                        f"soft eviction needs a cache that reads no attention weights, got {type(cache).__name__}"
+                    )
+                y = self.soft_eviction.attend_cached(
+                    self.block_idx, q, keys, values, k_pos, input_pos, self.scale, self.window
+                )
+                weights = None
+            elif no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights and self.window is None:
                 # positions increase along the call, so causal by index is causal by position (a sliding
                 # window is not: positions may skip)
                 y = self._attend_full(q, keys, values, softcap)

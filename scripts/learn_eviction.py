@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heldout_seed", type=int, default=7, help="seed of the second set of pass keys")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ship", action="store_true", help="copy the distilled gates into litkv/assets/default")
+    p.add_argument("--engine", default="whole", help="--learn.engine: whole (the shipped recipe) or chunked")
     p.add_argument("--reuse", action="store_true", help="skip the training of a method whose final/ exists")
     return p.parse_args(argv)
 
@@ -63,7 +64,8 @@ def train(text: Path, method: str, args: argparse.Namespace, out: Path) -> tuple
     argv = [
         "--learn_eviction", "true", "--kv_cache.policy", "learned", "--data.path", str(text),
         "--data.seq_length", "1024", "--data.recall_share", str(args.recall_share), "--data.val_fraction", "0",
-        "--learn.method", method, "--learn.steps", str(args.steps), "--out_dir", str(out),
+        "--learn.method", method, "--learn.steps", str(args.steps), "--learn.engine", args.engine,
+        "--out_dir", str(out),
     ]  # fmt: skip
     print("litkv finetune " + " ".join(argv), flush=True)
     start = time.perf_counter()

@@ -196,10 +196,11 @@ def markdown(results: dict[str, dict], budgets: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
-def prompt_ids(n: int, seed: int) -> torch.Tensor:
-    """`(1, n)` token ids: the start of the shipped model's heldout text (random ids if too short)."""
+def prompt_ids(n: int, seed: int, tokenizer_dir: Path = DEFAULT_CHECKPOINT) -> torch.Tensor:
+    """`(1, n)` token ids: the start of the shipped model's heldout text in `tokenizer_dir`'s tokenizer
+    (random ids if too short)."""
     text = (DEFAULT_CHECKPOINT / "heldout.txt").read_text(encoding="utf-8")
-    ids = load_tokenizer(DEFAULT_CHECKPOINT).encode(text)[:n]
+    ids = load_tokenizer(tokenizer_dir).encode(text)[:n]
     if ids.numel() < n:
         ids = torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed))
     return ids.long()[None]
@@ -215,6 +216,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--litkv_defaults", action="store_true", help="litkv's default options (not kvpress's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("out/parity"))
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="compare on this checkpoint only (e.g. the real model's, from `litkv download`), its own tokenizer",
+    )
     return parser.parse_args(argv)
 
 
@@ -223,14 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     for name in set(PAIRS) - set(args.pairs):
         del PAIRS[name]
-    ids = prompt_ids(args.length, args.seed)
+    ids = prompt_ids(args.length, args.seed, args.checkpoint or DEFAULT_CHECKPOINT)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, checkpoint in (
-            ("shipped", DEFAULT_CHECKPOINT),
-            ("random GQA 8/2", random_gqa_checkpoint(Path(tmp) / "gqa", args.seed)),
-        ):
-            print(f"{label}: {checkpoint}", flush=True)
+        models = (
+            [(args.checkpoint.name, args.checkpoint)]
+            if args.checkpoint
+            else [
+                ("shipped", DEFAULT_CHECKPOINT),
+                ("random GQA 8/2", random_gqa_checkpoint(Path(tmp) / "gqa", args.seed)),
+            ]
+        )
+        for label, checkpoint in models:
+            print(f"{label}: {checkpoint.name}", flush=True)
             model, twin = load_model(checkpoint, dtype=torch.float32), build_twin(checkpoint)
             results[label] = compare(model, twin, ids, args.budgets, args.chunk, args.litkv_defaults)
     print()

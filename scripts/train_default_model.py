@@ -15,7 +15,8 @@ Written to ``out_dir``: ``model.safetensors``, ``model_config.yaml``, ``tokenize
 Intermediate checkpoints go to ``--ckpt_dir`` (``--resume`` continues from the last one).
 
 The pass-key task is defined by `RECALL_FORMAT` (also written to ``recall_format.json``) and built by
-`make_recall_example`; an evaluator can rebuild it from the JSON file alone.
+`litkv.recall.RecallTask`, the same code that ``litkv evaluate`` rebuilds it with from the JSON file.
+Every file is written through `litkv.atomic` (a crash never leaves a half-written checkpoint or model).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,6 +43,9 @@ from litgpt.model import GPT
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
+
+from litkv.atomic import write_atomic, write_text_atomic
+from litkv.recall import RECALL_FILE, RecallFormat, RecallTask
 
 EOS_TOKEN = "<|endoftext|>"
 KJV_DATA = Path("/usr/lib/bible.data")
@@ -181,7 +186,7 @@ def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path, block_size: int) -> None:
     """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that `litgpt.tokenizer.Tokenizer` reads."""
-    tok.save(str(out_dir / "tokenizer.json"))
+    write_atomic(out_dir / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": EOS_TOKEN,
@@ -192,7 +197,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, block_size: int) -> None:
         "model_max_length": block_size,
         "clean_up_tokenization_spaces": False,
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def encode(tok: Tokenizer, text: str) -> list[int]:
@@ -201,48 +206,9 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------- recall task
-def random_key(rng: random.Random, fmt: dict[str, Any] = RECALL_FORMAT) -> str:
-    """Draw a pass key of ``num_digits`` digits as the format says (first non-zero, all distinct)."""
-    digits, n = list(fmt["digits"]), fmt["num_digits"]
-    while True:
-        key = rng.sample(digits, n) if fmt["distinct_digits"] else rng.choices(digits, k=n)
-        if not (fmt["first_digit_nonzero"] and key[0] == "0"):
-            return "".join(key)
-
-
-def make_recall_example(
-    tok: Tokenizer,
-    filler_ids: Sequence[int],
-    length: int,
-    depth: float,
-    key: str,
-    fmt: dict[str, Any] = RECALL_FORMAT,
-) -> tuple[list[int], int]:
-    """Build one pass-key example of exactly ``length`` tokens.
-
-    Args:
-        tok: The tokenizer.
-        filler_ids: Natural text tokens; the first ones needed are used.
-        length: Total number of tokens, answer included.
-        depth: Relative position of the needle in the filler, 0 (start) to 1 (just before the question).
-        key: The pass key (see `random_key`).
-        fmt: The task format (`RECALL_FORMAT` or the content of ``recall_format.json``).
-
-    Returns:
-        ``(ids, answer_start)``: the token ids; ``ids[answer_start:]`` are the answer tokens.
-    """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    needle = encode(tok, fmt["needle"].format(key=key))
-    question = encode(tok, fmt["question"])
-    answer = encode(tok, fmt["answer"].format(key=key))
-    n_fill = length - len(needle) - len(question) - len(answer)
-    if n_fill < 0 or len(filler_ids) < n_fill:
-        raise ValueError(f"cannot build {length} tokens from {len(filler_ids)} filler tokens")
-    cut = round(depth * n_fill)
-    filler = list(filler_ids[:n_fill])
-    ids = filler[:cut] + needle + filler[cut:] + question + answer
-    return ids, length - len(answer)
+def recall_task(tok: Tokenizer) -> RecallTask:
+    """`litkv.recall.RecallTask` for `RECALL_FORMAT` on a `tokenizers.Tokenizer` (windows passed per example)."""
+    return RecallTask(RecallFormat.from_dict(RECALL_FORMAT), SimpleNamespace(backend="huggingface", processor=tok), [])
 
 
 def make_copy_example(
@@ -269,7 +235,12 @@ def make_copy_example(
 
 
 def sample_row(
-    tok: Tokenizer, data: torch.Tensor, seq_len: int, shares: tuple[float, float], rng: random.Random
+    tok: Tokenizer,
+    task: RecallTask,
+    data: torch.Tensor,
+    seq_len: int,
+    shares: tuple[float, float],
+    rng: random.Random,
 ) -> tuple[list[int], list[int]]:
     """One training row of ``seq_len + 1`` tokens and the indices of its recall targets.
 
@@ -279,8 +250,8 @@ def sample_row(
     ids = data[start : start + seq_len + 1].tolist()
     draw = rng.random()
     if draw < shares[0]:
-        ids, answer_start = make_recall_example(tok, ids, seq_len + 1, rng.random(), random_key(rng))
-        return ids, list(range(answer_start, seq_len + 1))
+        example = task.make_example(ids, seq_len + 1, rng.random(), task.random_key(rng))
+        return example.ids, list(range(example.answer_start, seq_len + 1))
     if draw < shares[0] + shares[1]:
         return make_copy_example(tok, ids, seq_len + 1, rng)
     return ids, []
@@ -288,6 +259,7 @@ def sample_row(
 
 def sample_batch(
     tok: Tokenizer,
+    task: RecallTask,
     data: torch.Tensor,
     seq_len: int,
     batch_size: int,
@@ -297,7 +269,7 @@ def sample_batch(
     """Sample ``(inputs, targets, recall_mask)``; ``recall_mask`` marks targets with extra loss."""
     rows, masks = [], []
     for _ in range(batch_size):
-        ids, targets = sample_row(tok, data, seq_len, shares, rng)
+        ids, targets = sample_row(tok, task, data, seq_len, shares, rng)
         mask = torch.zeros(seq_len, dtype=torch.bool)
         mask[[t - 1 for t in targets]] = True
         rows.append(ids)
@@ -387,7 +359,7 @@ def perplexity(model: GPT, ids: torch.Tensor, block_size: int) -> float:
 
 @torch.no_grad()
 def recall_accuracy(
-    model: GPT, tok: Tokenizer, filler: torch.Tensor, length: int, cases: int, seed: int
+    model: GPT, task: RecallTask, filler: torch.Tensor, length: int, cases: int, seed: int
 ) -> tuple[float, dict[float, float]]:
     """Share of pass keys recalled exactly (greedy) at ``length`` tokens; also per needle depth.
 
@@ -402,10 +374,10 @@ def recall_accuracy(
         depth = depths[i % len(depths)]
         start = rng.randrange(len(filler) - length)
         window = filler[start : start + length].tolist()
-        ids, answer_start = make_recall_example(tok, window, length, depth, random_key(rng))
-        logits = model(torch.tensor([ids[:-1]]))[0]
-        predicted = logits[answer_start - 1 :].argmax(-1).tolist()
-        hits[depth].append(predicted == ids[answer_start:])
+        example = task.make_example(window, length, depth, task.random_key(rng))
+        logits = model(torch.tensor([example.ids[:-1]]))[0]
+        predicted = logits[example.answer_start - 1 :].argmax(-1).tolist()
+        hits[depth].append(predicted == example.answer)
     model.train()
     per_depth = {d: sum(h) / len(h) for d, h in hits.items() if h}
     return sum(sum(h) for h in hits.values()) / cases, per_depth
@@ -429,9 +401,10 @@ def sample_text(model: GPT, tok: Tokenizer, prompt: str, new_tokens: int, seed: 
 # ------------------------------------------------------------------------------------------- training
 @dataclass
 class Data:
-    """Tokenizer and token streams."""
+    """Tokenizer, the pass-key task and token streams."""
 
     tok: Tokenizer
+    task: RecallTask
     train: torch.Tensor
     heldout: torch.Tensor
 
@@ -446,8 +419,7 @@ class TrainState:
 
 
 def save_checkpoint(path: Path, model: GPT, opt: torch.optim.Optimizer, state: TrainState, rng: random.Random) -> None:
-    """Save model, optimizer, progress and RNG state (written atomically)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Save model, optimizer, progress and RNG state (written atomically: `litkv.atomic`)."""
     version, internal, gauss = rng.getstate()
     payload = {
         "model": model.state_dict(),
@@ -455,9 +427,7 @@ def save_checkpoint(path: Path, model: GPT, opt: torch.optim.Optimizer, state: T
         "state": asdict(state),
         "rng": {"version": version, "internal": list(internal), "gauss": gauss},
     }
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
+    write_atomic(path, lambda tmp: torch.save(payload, tmp))
 
 
 def load_checkpoint(path: Path, model: GPT, opt: torch.optim.Optimizer, rng: random.Random) -> TrainState:
@@ -484,7 +454,7 @@ def train_step(
         group["lr"] = lr
     batch_size = max(1, args.tokens_per_step // seq_len)
     shares = (args.recall_share, args.copy_share)
-    x, y, mask = sample_batch(data.tok, data.train, seq_len, batch_size, shares, rng)
+    x, y, mask = sample_batch(data.tok, data.task, data.train, seq_len, batch_size, shares, rng)
     loss, lm, recall = loss_fn(model, x, y, mask, args.recall_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -524,7 +494,7 @@ def train(model: GPT, data: Data, args: argparse.Namespace, rng: random.Random) 
             )
         if time.monotonic() - last_ckpt > args.ckpt_minutes * 60:
             save_checkpoint(ckpt, model, opt, state, rng)
-            acc, _ = recall_accuracy(model, data.tok, data.heldout, stage.seq_len, 20, args.seed)
+            acc, _ = recall_accuracy(model, data.task, data.heldout, stage.seq_len, 20, args.seed)
             tqdm.write(f"checkpoint step {state.step}: recall@{stage.seq_len} (20 cases) = {acc:.2f}")
             last_ckpt = time.monotonic()
     bar.close()
@@ -537,7 +507,7 @@ def evaluate(model: GPT, data: Data, args: argparse.Namespace) -> dict[str, Any]
     """Held-out perplexity, recall accuracy at the full context length, and a text sample."""
     block = model.config.block_size
     ppl = perplexity(model, data.heldout, block)
-    acc, per_depth = recall_accuracy(model, data.tok, data.heldout, block, args.eval_cases, args.seed + 1)
+    acc, per_depth = recall_accuracy(model, data.task, data.heldout, block, args.eval_cases, args.seed + 1)
     sample = sample_text(model, data.tok, "And God said", 80, args.seed)
     return {"val_ppl": ppl, "recall": acc, "recall_per_depth": per_depth, "sample": sample}
 
@@ -555,21 +525,19 @@ def check_litgpt_tokenizer(out_dir: Path, text: str) -> None:
 def save_model(model: GPT, config: Config, out_dir: Path, dtype: str) -> None:
     """Write ``model.safetensors`` and ``model_config.yaml`` (as litgpt's ``save_config`` does)."""
     tensors = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    with open(out_dir / "model_config.yaml", "w", encoding="utf-8") as fp:
-        yaml.safe_dump(asdict(config), fp)
+    write_atomic(out_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_text_atomic(out_dir / "model_config.yaml", yaml.safe_dump(asdict(config)))
 
 
 def export(model: GPT, config: Config, data: Data, args: argparse.Namespace, heldout_text: str) -> None:
     """Write every shipped file except the model card."""
     out = args.out_dir
-    out.mkdir(parents=True, exist_ok=True)
     save_model(model, config, out, args.dtype)
     save_tokenizer(data.tok, out, config.block_size)
     check_litgpt_tokenizer(out, heldout_text[:2000])
     fmt = {**RECALL_FORMAT, "context_length": config.block_size}
-    (out / "recall_format.json").write_text(json.dumps(fmt, indent=2) + "\n", encoding="utf-8")
-    (out / "heldout.txt").write_text(heldout_text, encoding="utf-8")
+    write_text_atomic(out / RECALL_FILE, json.dumps(fmt, indent=2) + "\n")
+    write_text_atomic(out / "heldout.txt", heldout_text)
 
 
 def model_card(config: Config, args: argparse.Namespace, state: TrainState, res: dict[str, Any]) -> str:
@@ -602,7 +570,7 @@ into single tokens, `<|endoftext|>` as BOS/EOS, no BOS added (`tokenizer.json`,
 - Synthetic pass-key recall sequences ({args.recall_share:.0%} of training sequences): a key of 5 distinct digits in
   the sentence `The pass key is 48213. Remember it. 48213 is the pass key.` at a random depth in
   Bible text, and at the end `What is the pass key? The pass key is` followed by the key. The exact
-  format is in `recall_format.json`; `scripts/train_default_model.py:make_recall_example` builds it.
+  format is in `recall_format.json`; `litkv.recall.RecallTask` builds it.
 - Auxiliary copy sequences ({args.copy_share:.0%}): Bible text with a string of 5 to 10 distinct digits
   written twice at random places (teaches content-based copying). The rest is plain Bible text.
 
@@ -636,7 +604,7 @@ def prepare_data(args: argparse.Namespace) -> tuple[Data, str]:
     train_ids = torch.tensor(encode(tok, train_text), dtype=torch.int32)
     heldout_ids = torch.tensor(encode(tok, heldout_text), dtype=torch.int32)
     tqdm.write(f"corpus: {len(train_ids)} training tokens, {len(heldout_ids)} held-out tokens")
-    return Data(tok, train_ids, heldout_ids), heldout_text
+    return Data(tok, recall_task(tok), train_ids, heldout_ids), heldout_text
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -654,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     state = train(model, data, args, rng)
     results = {**evaluate(model, data, args), "n_params": n_params}
     export(model, config, data, args, heldout_text)
-    (args.out_dir / "README.md").write_text(model_card(config, args, state, results), encoding="utf-8")
+    write_text_atomic(args.out_dir / "README.md", model_card(config, args, state, results))
     print(f"trained {state.step} steps in {state.elapsed / 60:.1f} min ({state.tokens} tokens)")
     print(f"validation perplexity: {results['val_ppl']:.2f}")
     print(f"recall accuracy @ {config.block_size} tokens: {results['recall']:.2%} ({args.eval_cases} cases)")

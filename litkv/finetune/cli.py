@@ -147,7 +147,8 @@ def finetune(
             weights, optimizer state, step and data order are restored.
         learn_eviction: Train eviction gates for the `learned` policy instead (needs
             `--kv_cache.policy learned`; the backbone stays frozen; `mode`, `train`, `eval`, `lora`,
-            `precision`, `devices` and `resume` do not apply). Writes `out_dir/final/` with the base's
+            `precision` and `devices` do not apply; `--kv_cache.*` are the caches the gates train through,
+            `--resume` a `step-XXXXXX` of an earlier gate-training run). Writes `out_dir/final/` with the base's
             weights and `eviction_gates.safetensors` (docs/learned.md).
         learn: Gate training (`--learn_eviction true`).
     """
@@ -187,10 +188,6 @@ def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> No
             f"learn_eviction={learn_eviction!r}, kv_cache.policy={args.kv_cache.policy!r} (the other policies "
             "are fine-tuned through the cache without --learn_eviction)"
         )
-    if args.resume is not None:
-        raise ValueError(
-            f"--resume does not apply to --learn_eviction true (gates are trained afresh), got --resume {args.resume}"
-        )
     protected = learn.window + learn.sinks
     if protected >= args.data.seq_length:
         raise ValueError(
@@ -198,7 +195,7 @@ def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> No
             f"({args.data.seq_length}): no token would be outside the window for the gates to learn on"
         )
     device = "cuda" if torch.cuda.is_available() else None
-    path = run_learn_eviction(args.checkpoint_dir, args.data, learn, args.out_dir, device)
+    path = run_learn_eviction(args.checkpoint_dir, args.data, learn, args.out_dir, device, args.kv_cache, args.resume)
     tqdm.write(f"saved {path}")
 
 

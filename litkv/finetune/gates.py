@@ -23,13 +23,26 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from litkv.config import KVCacheConfig
 from litkv.core.validation import require_int
+from litkv.gradient.distill import chunked_distill_backward
 from litkv.learned.gate import EvictionGates, unrotate_keys
 from litkv.learned.soft import SoftEviction, soft_eviction
 
-__all__ = ["METHODS", "GateTrainArgs", "StepLog", "train_gates"]
+__all__ = [
+    "ENGINES",
+    "METHODS",
+    "GateTrainArgs",
+    "GateTrainState",
+    "StepLog",
+    "batch_indices",
+    "step_noise",
+    "token_weights",
+    "train_gates",
+]
 
 METHODS = ("distill", "regress")
+ENGINES = ("chunked", "whole")
 IGNORE_INDEX = -100
 
 
@@ -52,6 +65,10 @@ class GateTrainArgs:
         answer_weight: extra weight of the KL at tokens that have a target in the data (recall answers).
         init_bias: the gates' initial bias (keep probability sigmoid(init_bias)).
         seed: seeds the data order and the noise.
+        engine: `chunked` (distill through the chunked gradient engine and the `--kv_cache` caches: memory
+            flat in the sequence length but for the host tapes, `litkv.gradient.distill`) or `whole`
+            (each sequence attended at once, a `(B, H, T, T)` bias per layer). `regress` always runs whole.
+        checkpoint_interval: write a resumable checkpoint every this many steps (0: none).
     """
 
     method: str = "distill"
@@ -68,14 +85,18 @@ class GateTrainArgs:
     answer_weight: float = 10.0
     init_bias: float = 2.0
     seed: int = 1234
+    engine: str = "chunked"
+    checkpoint_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         for name in ("steps", "batch_size"):
             require_int(name, getattr(self, name), 1)
-        for name in ("window", "sinks"):
+        for name in ("window", "sinks", "checkpoint_interval"):
             require_int(name, getattr(self, name), 0)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
         if not 0 < self.target_keep <= 1:
             raise ValueError(f"target_keep must be in (0, 1], got {self.target_keep!r}")
         if not 0 <= self.ramp <= 1:
@@ -109,13 +130,55 @@ class StepLog:
     target: float
 
 
+@dataclass
+class GateTrainState:
+    """Where a gate-training run stands after `step` steps (what a checkpoint holds and `--resume` reads).
+
+    Attributes:
+        step: steps done.
+        gates: the gates after them.
+        optimizer: Adam's `state_dict()` after them (only its `"state"` is read back).
+        logs: one `StepLog` per step done.
+    """
+
+    step: int
+    gates: EvictionGates
+    optimizer: dict
+    logs: list[StepLog]
+
+
+def batch_indices(num_examples: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """The examples of step `step`: the run's stream of examples is one permutation per epoch (seeded by
+    `seed` and the epoch), cut into batches; a function of the step alone, so a resumed run continues it."""
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(k, num_examples)
+        out.append(random.Random(seed * 1_000_003 + epoch).sample(range(num_examples), num_examples)[i])
+    return out
+
+
+def step_noise(shape: tuple[int, ...], seed: int, step: int) -> torch.Tensor:
+    """`shape` uniform samples in [0, 1) for step `step` (the soft decisions' noise table), from the seed
+    and the step alone."""
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + step), dtype=torch.float64)
+
+
 def train_gates(
     model: nn.Module,
     examples: Sequence[tuple[torch.Tensor, torch.Tensor]],
     args: GateTrainArgs,
     progress: Callable[[StepLog], None] | None = None,
+    kv_cache: KVCacheConfig | None = None,
+    resume: GateTrainState | None = None,
+    checkpoint: Callable[[GateTrainState], str] | None = None,
 ) -> tuple[EvictionGates, list[StepLog]]:
-    """Train fresh gates for `model` (a `litkv.GPT`, frozen) on `examples` `(ids (T,), targets (T,))`.
+    """Train gates for `model` (a `litkv.GPT`, frozen) on `examples` `(ids (T,), targets (T,))`.
+
+    Args:
+        kv_cache: the student's caches for `engine="chunked"` (default: `learned` with room for every
+            token, chunks of `min(256, T)`: the whole-sequence loss, chunk by chunk).
+        resume: continue a run from this state (bitwise: data order and noise are functions of the step).
+        checkpoint: called every `args.checkpoint_interval` steps with the state; returns where it went.
 
     Returns:
         The trained gates (on the model's device) and one `StepLog` per step.
@@ -124,44 +187,81 @@ def train_gates(
         raise ValueError("train_gates needs at least one example")
     c = model.config
     device = next(model.parameters()).device
-    gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, args.window, args.sinks, args.init_bias)
+    if resume is None:
+        gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, args.window, args.sinks, args.init_bias)
+    else:
+        gates = resume.gates
     gates = gates.to(device)
     for tensor in gates.parameters():
         tensor.requires_grad_(True)
     optimizer = torch.optim.Adam(gates.parameters(), lr=args.lr)
+    if resume is not None:
+        fresh = optimizer.state_dict()
+        optimizer.load_state_dict({"state": resume.optimizer["state"], "param_groups": fresh["param_groups"]})
     model.requires_grad_(False)
-    rng = random.Random(args.seed)
-    torch.manual_seed(args.seed)
-    order: list[int] = []
-    logs = []
-    for step in range(args.steps):
-        if len(order) < args.batch_size:
-            order += rng.sample(range(len(examples)), len(examples))
-        batch, order = order[: args.batch_size], order[args.batch_size :]
+    logs = [] if resume is None else list(resume.logs)
+    saved = "nothing was saved (set --learn.checkpoint_interval to keep checkpoints)"
+    for step in range(0 if resume is None else resume.step, args.steps):
+        batch = batch_indices(len(examples), args.batch_size, args.seed, step)
         ids = torch.stack([examples[i][0] for i in batch]).to(device)
         targets = torch.stack([examples[i][1] for i in batch]).to(device)
         target, temperature, lr = args.schedule(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if args.method == "distill":
-            loss, fit, keep = _distill_loss(model, gates, ids, targets, args, target, temperature)
-        else:
-            loss, fit, keep = _regress_loss(model, gates, ids, args)
-        if not torch.isfinite(loss):
-            raise ValueError(
-                f"gate training stopped at step {step}: the loss is {float(loss.detach())} (fit {fit}, keep {keep}); "
-                "nothing was saved (try a smaller --learn.lr, or check --learn.window against --data.seq_length)"
-            )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, fit, keep = _step_loss(model, gates, ids, targets, args, step, kv_cache)
+        if not math.isfinite(loss):
+            raise ValueError(
+                f"gate training stopped at step {step}: the loss is {loss} (fit {fit}, keep {keep}); {saved} "
+                "(try a smaller --learn.lr, or check --learn.window against --data.seq_length)"
+            )
         optimizer.step()
-        log = StepLog(step, float(loss.detach()), fit, keep, target)
+        log = StepLog(step, loss, fit, keep, target)
         logs.append(log)
         if progress is not None:
             progress(log)
+        interval = args.checkpoint_interval
+        if checkpoint is not None and interval and (step + 1) % interval == 0 and step + 1 < args.steps:
+            where = checkpoint(GateTrainState(step + 1, _detached(gates), optimizer.state_dict(), list(logs)))
+            saved = f"the last checkpoint, {where}, is intact: continue with --resume {where}"
     for tensor in gates.parameters():
         tensor.requires_grad_(False)
     return gates, logs
+
+
+def _detached(gates: EvictionGates) -> EvictionGates:
+    return EvictionGates(gates.weight.detach().clone(), gates.bias.detach().clone(), gates.window, gates.sinks)
+
+
+def _step_loss(
+    model: nn.Module,
+    gates: EvictionGates,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    args: GateTrainArgs,
+    step: int,
+    kv_cache: KVCacheConfig | None,
+) -> tuple[float, float, float]:
+    """One step's loss, its fit part and the mean keep, its gradient accumulated into the gates' `.grad`
+    (nothing when the loss is not finite)."""
+    c = model.config
+    target, temperature, _ = args.schedule(step)
+    if args.method == "regress":
+        loss, fit, keep = _regress_loss(model, gates, ids, args)
+    else:
+        b, t = ids.shape
+        noise = step_noise((c.n_layer, b, c.n_query_groups, t), args.seed, step)
+        soft = SoftEviction(gates, c.rope_n_elem, temperature=temperature, noise_table=noise)
+        weight = token_weights(targets, args.answer_weight)
+        if args.engine == "chunked":
+            if kv_cache is None:
+                kv_cache = KVCacheConfig(policy="learned", cache_length=t, chunk_size=min(256, t))
+            step_result = chunked_distill_backward(model, soft, ids, weight, kv_cache, args.compression_weight, target)
+            return step_result.loss, step_result.kl, step_result.keep
+        loss, fit, keep = _distill_loss(model, soft, ids, weight, args.compression_weight, target)
+    if torch.isfinite(loss):
+        loss.backward()
+    return float(loss.detach()), fit, keep
 
 
 def evictable(length: int, window: int, sinks: int, device: torch.device) -> torch.Tensor:
@@ -173,26 +273,32 @@ def evictable(length: int, window: int, sinks: int, device: torch.device) -> tor
 
 def _distill_loss(
     model: nn.Module,
-    gates: EvictionGates,
+    soft: SoftEviction,
     ids: torch.Tensor,
-    targets: torch.Tensor,
-    args: GateTrainArgs,
+    weight: torch.Tensor,
+    compression_weight: float,
     target: float,
-    temperature: float,
 ) -> tuple[torch.Tensor, float, float]:
-    """KL(teacher || student) + compression term, its KL part and the mean keep fraction."""
+    """KL(teacher || student) (token weights `weight` `(B, T)`) + the compression term, over the whole
+    sequence at once; its KL part and the mean keep fraction."""
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
     with torch.no_grad():
-        teacher = F.log_softmax(model(ids).float(), dim=-1)
-    soft = SoftEviction(gates, model.config.rope_n_elem, temperature=temperature)
+        teacher = F.log_softmax(model(ids).to(dtype), dim=-1)
     with soft_eviction(model, soft):
-        student = F.log_softmax(model(ids).float(), dim=-1)
+        student = F.log_softmax(model(ids).to(dtype), dim=-1)
     kl = (teacher.exp() * (teacher - student)).sum(dim=-1)  # (B, T)
-    weight = 1.0 + args.answer_weight * (targets != IGNORE_INDEX).float() * _has_sparse_targets(targets)
     kl = (kl * weight).sum() / weight.sum()
+    gates = soft.gates
     mask = evictable(ids.shape[1], gates.window, gates.sinks, ids.device)
     keep = torch.stack([k[:, :, mask] for k in soft.keep.values()]).mean()
-    loss = kl + args.compression_weight * F.relu(keep - target)
+    loss = kl + compression_weight * F.relu(keep - target)
     return loss, float(kl.detach()), float(keep.detach())
+
+
+def token_weights(targets: torch.Tensor, answer_weight: float) -> torch.Tensor:
+    """`(B, T)` float32 KL weight of each token: `1 + answer_weight` where a row with partly ignored
+    targets (recall/copy rows) has a target (the answers), else 1."""
+    return 1.0 + answer_weight * (targets != IGNORE_INDEX).float() * _has_sparse_targets(targets)
 
 
 def _has_sparse_targets(targets: torch.Tensor) -> torch.Tensor:

@@ -1,58 +1,110 @@
 """`litkv finetune --learn_eviction true`: train eviction gates for a checkpoint and write a checkpoint
-directory with them (the base's weights and files, plus `eviction_gates.safetensors` and the log)."""
+directory with them (the base's weights and files, plus `eviction_gates.safetensors` and the log).
+
+With `--learn.checkpoint_interval N`, every `N` steps the run also writes `out_dir/step-XXXXXX/` (the
+same checkpoint directory, plus Adam's state in `gate_optimizer.safetensors` and the step in
+`learn_state.json`), atomically; `--resume out_dir/step-XXXXXX` continues from it bitwise (the data
+order and the soft decisions' noise are functions of the seed and the step).
+"""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import shutil
 from functools import partial
 from pathlib import Path
 
+import torch
 import yaml
 from tqdm.auto import tqdm
 
 from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.checkpoint import find_weights_file, load_model, load_tokenizer, save_gates
+from litkv.config import KVCacheConfig
 from litkv.finetune.data import DataArgs, load_examples, split_examples
-from litkv.finetune.gates import GateTrainArgs, StepLog, train_gates
-from litkv.finetune.state import COPIED_FILES, recall_task_files, yaml_safe
+from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_gates
+from litkv.finetune.state import COPIED_FILES, checkpoint_name, recall_task_files, yaml_safe
+from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
 
-__all__ = ["LOG_FILE", "learn_eviction"]
+__all__ = ["LOG_FILE", "OPTIMIZER_FILE", "STATE_FILE", "learn_eviction", "load_gate_state"]
 
 #: Per-step record of a gate-training run, in the output checkpoint.
 LOG_FILE = "learn_eviction.csv"
+#: Adam's state in a resumable checkpoint.
+OPTIMIZER_FILE = "gate_optimizer.safetensors"
+#: The step and the settings that must not change on resume.
+STATE_FILE = "learn_state.json"
+_FIXED = ("method", "engine", "batch_size", "seed", "window", "sinks", "init_bias")
 
 
 def learn_eviction(
-    checkpoint_dir: Path, data: DataArgs, learn: GateTrainArgs, out_dir: Path, device: str | None = None
+    checkpoint_dir: Path,
+    data: DataArgs,
+    learn: GateTrainArgs,
+    out_dir: Path,
+    device: str | None = None,
+    kv_cache: KVCacheConfig | None = None,
+    resume: Path | None = None,
 ) -> Path:
     """Train gates for `checkpoint_dir` on `data` and write `out_dir/final` atomically.
 
     The backbone is frozen: the output holds the base's weights unchanged, its tokenizer, config and
     pass-key task files, the gates (`GATES_FILE`), the per-step log (`LOG_FILE`) and the settings
-    (`learn_eviction.yaml`). Returns the written directory.
+    (`learn_eviction.yaml`). `kv_cache`: the student's caches (`--learn.engine chunked`). Returns the
+    written directory.
     """
     model = load_model(checkpoint_dir, device=device)
+    model.eviction_gates = None  # gates the base may ship are not the ones trained here
+    weights_id = model_fingerprint(model)["weights"]
     tokenizer = load_tokenizer(checkpoint_dir)
     examples = load_examples(data, tokenizer, seed=learn.seed, checkpoint_dir=checkpoint_dir)
+    _check_lengths(examples, data, learn)
     train, _ = split_examples(examples, data.val_fraction, learn.seed)
-    bar = tqdm(total=learn.steps, desc=f"learn eviction ({learn.method})", unit="step")
+    state = None if resume is None else load_gate_state(resume, learn, len(train))
+    settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn, "kv_cache": kv_cache})
+    bar = tqdm(total=learn.steps, initial=0 if state is None else state.step, desc=f"learn eviction ({learn.method})")
 
     def progress(log: StepLog) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{log.loss:.4g}", fit=f"{log.fit:.4g}", keep=f"{log.keep:.3f}", goal=f"{log.target:.3f}")
 
+    def checkpoint(s: GateTrainState) -> str:
+        s.gates.weights = weights_id
+        body = partial(_write, checkpoint_dir, s.gates, s.logs, settings, (s, len(train)))
+        return str(save_dir_atomic(out_dir / checkpoint_name(s.step, False), body))
+
     try:
-        gates, logs = train_gates(model, train, learn, progress)
+        gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
     finally:
         bar.close()
-    settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn})
-    return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, gates, logs, settings))
+    gates.weights = weights_id
+    return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, gates, logs, settings, None))
 
 
-def _write(base_dir: Path, gates: EvictionGates, logs: list[StepLog], settings: dict, tmp: Path) -> None:
+def _check_lengths(examples: list, data: DataArgs, learn: GateTrainArgs) -> None:
+    """ValueError unless every example has the same length, longer than the gates' window and sinks."""
+    lengths = sorted({int(ids.shape[0]) for ids, _ in examples})
+    if len(lengths) != 1 or lengths[0] <= learn.window + learn.sinks:
+        raise ValueError(
+            f"gate training needs sequences of one length > --learn.window + --learn.sinks "
+            f"({learn.window} + {learn.sinks}), got lengths {lengths[:5]} from {str(data.path)!r} "
+            f"(--data.seq_length {data.seq_length}: is the data shorter than one sequence?)"
+        )
+
+
+def _write(
+    base_dir: Path,
+    gates: EvictionGates,
+    logs: list[StepLog],
+    settings: dict,
+    resumable: tuple[GateTrainState, int] | None,
+    tmp: Path,
+) -> None:
+    from safetensors.torch import save_file
+
     weights = find_weights_file(base_dir)
     for name in (weights.name, *COPIED_FILES, *recall_task_files(base_dir)):
         if (base_dir / name).is_file():
@@ -61,6 +113,54 @@ def _write(base_dir: Path, gates: EvictionGates, logs: list[StepLog], settings: 
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["step", "loss", "fit", "keep", "target"])
-    writer.writerows([log.step, log.loss, log.fit, log.keep, log.target] for log in logs)
+    writer.writerows([log.step, repr(log.loss), repr(log.fit), repr(log.keep), repr(log.target)] for log in logs)
     write_text_atomic(tmp / LOG_FILE, buffer.getvalue())
     write_text_atomic(tmp / "learn_eviction.yaml", yaml.safe_dump(settings, sort_keys=False))
+    if resumable is not None:
+        state, num_examples = resumable
+        tensors = _optimizer_tensors(state.optimizer)
+        write_atomic(tmp / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
+        fixed = {name: settings["learn"][name] for name in _FIXED}
+        record = {"step": state.step, "num_train_examples": num_examples, "learn": fixed}
+        write_text_atomic(tmp / STATE_FILE, json.dumps(record, indent=1))
+
+
+def _optimizer_tensors(optimizer: dict) -> dict[str, torch.Tensor]:
+    """Adam's per-parameter state as flat safetensors entries `"{index}.{name}"`."""
+    return {
+        f"{index}.{name}": value.detach().cpu().contiguous()
+        for index, entry in optimizer["state"].items()
+        for name, value in entry.items()
+    }
+
+
+def load_gate_state(resume_dir: Path, learn: GateTrainArgs, num_examples: int) -> GateTrainState:
+    """The state a checkpoint `out_dir/step-XXXXXX` of a gate-training run holds (ValueError naming the
+    directory when it is not one, or when the settings or the data differ)."""
+    from safetensors.torch import load_file
+
+    resume_dir = Path(resume_dir)
+    files = [resume_dir / name for name in (GATES_FILE, OPTIMIZER_FILE, STATE_FILE, LOG_FILE)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"--resume {str(resume_dir)!r} is not a gate-training checkpoint: missing {missing}")
+    record = json.loads((resume_dir / STATE_FILE).read_text(encoding="utf-8"))
+    now = {name: yaml_safe(getattr(learn, name)) for name in _FIXED}
+    changed = {k: (record["learn"].get(k), v) for k, v in now.items() if record["learn"].get(k) != v}
+    if changed or record["num_train_examples"] != num_examples:
+        raise ValueError(
+            f"cannot resume from {str(resume_dir)!r}: settings (saved, now) {changed} and training examples "
+            f"{record['num_train_examples']} saved, {num_examples} now must match"
+        )
+    tensors = load_file(str(resume_dir / OPTIMIZER_FILE))
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    optimizer = {"state": state}  # train_gates puts it into a fresh Adam's state_dict
+    with open(resume_dir / LOG_FILE, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    logs = [
+        StepLog(int(r["step"]), float(r["loss"]), float(r["fit"]), float(r["keep"]), float(r["target"])) for r in rows
+    ]
+    return GateTrainState(int(record["step"]), EvictionGates.load(resume_dir / GATES_FILE), optimizer, logs)

@@ -18,7 +18,7 @@ keys/values and float32 gradient accumulators of every token, `O(T * n_layer * G
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from litkv.kvcache.recurrent import RecurrentCache
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
 
-__all__ = ["chunked_loss_backward", "IGNORE_INDEX"]
+__all__ = ["IGNORE_INDEX", "backward_chunk", "chunked_loss_backward", "record_forward", "replay_caches"]
 
 IGNORE_INDEX = -100
 
@@ -99,22 +99,27 @@ def record_forward(
     input_pos: torch.Tensor,
     configs: Sequence[KVCacheConfig],
     bounds: Sequence[tuple[int, int]],
+    *,
+    grads: bool = True,
+    after_chunk: Callable[[int, int], None] | None = None,
 ) -> list[LayerTape | RecurrentTape]:
     """Run the chunks without grad through the real policy and record one `LayerTape` per attention layer
-    (a `RecurrentTape` per recurrent layer: its state before each chunk).
+    (a `RecurrentTape` per recurrent layer of a hybrid model: its state before each chunk).
 
     Args:
         idx: `(B, T)` token ids on the model's device.
         input_pos: `(B, T)` positions `0..T-1` of every row.
         configs: one cache config per layer.
         bounds: the chunks, `[(start, end), ...]` covering `[0, T)`.
+        grads: keep gradient accumulators (False: a tape that is only replayed, e.g. a teacher's).
+        after_chunk: called with `(start, end)` after each chunk's forward (still without grad).
     """
     b, t = idx.shape
     caches = model.build_kv_caches(list(configs), b)
     tapes = [
         RecurrentTape(c)
         if isinstance(c, RecurrentCache)
-        else LayerTape(c, t, stores_gradients(c.config, c.shape, idx.device, c.dtype))
+        else LayerTape(c, t, grads and stores_gradients(c.config, c.shape, idx.device, c.dtype))
         for c in caches
     ]
     with model.kv_caches_attached(caches), torch.no_grad():
@@ -122,15 +127,40 @@ def record_forward(
             before = [None if isinstance(c, RecurrentCache) else c.positions.clone() for c in caches]
             for tape, cache in zip(tapes, caches, strict=True):
                 if isinstance(tape, RecurrentTape):
-                    tape.record_start(cache)
+                    tape.record_start(cache)  # type: ignore[arg-type]
             model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
             for tape, cache, positions in zip(tapes, caches, before, strict=True):
                 if isinstance(tape, LayerTape):
                     tape.record_chunk(cache, positions, start, end)
+            if after_chunk is not None:
+                after_chunk(start, end)
     for tape, cache in zip(tapes, caches, strict=True):
         if isinstance(tape, LayerTape):
             tape.finish(cache)
     return tapes
+
+
+def replay_caches(
+    tapes: Sequence[LayerTape | RecurrentTape], chunk: int, start: int, length: int, device: torch.device
+) -> list[ReplayKVCache | RecurrentCache]:
+    """One `ReplayKVCache` per layer holding the slots chunk `chunk` (tokens `[start, start + length)`)
+    attended to in the recorded pass, on `device`, as leaves that require grad where the tape tracks
+    gradients.
+
+    Must be called for the chunks in reverse order (`LayerTape.rewind`). A recurrent layer gets a
+    `RecurrentCache` starting from its state before the chunk, as leaves (`RecurrentTape.replay_cache`)."""
+    caches: list[ReplayKVCache | RecurrentCache] = []
+    for tape in tapes:
+        if isinstance(tape, RecurrentTape):
+            caches.append(tape.replay_cache(chunk, device))
+            continue
+        positions = tape.rewind(chunk)
+        keys, values = tape.gather(positions)
+        keys = keys.to(device).requires_grad_(tape.track_grads)
+        values = values.to(device).requires_grad_(tape.track_grads)
+        recorded = tape.recorded(start, start + length) if tape.config.storage != "float" else None
+        caches.append(ReplayKVCache(keys, values, positions.to(device), tape.config, recorded))
+    return caches
 
 
 def _backward_chunk(
@@ -147,30 +177,41 @@ def _backward_chunk(
     Returns:
         The chunk's summed cross-entropy.
     """
+
+    def loss(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss_sum * weight, float(loss_sum.detach())
+
+    return backward_chunk(model, idx, input_pos, tapes, chunk, loss)
+
+
+def backward_chunk(
+    model: GPT,
+    idx: torch.Tensor,
+    input_pos: torch.Tensor,
+    tapes: Sequence[LayerTape | RecurrentTape],
+    chunk: int,
+    loss: Callable[[torch.Tensor], tuple[torch.Tensor, float]],
+) -> float:
+    """Recompute chunk `chunk` (`idx`, `input_pos`: `(B, t)`) through the recorded slots and backpropagate
+    `loss(logits)`'s tensor (the chunk's share of the total, `logits` `(B, t, V)`) together with the
+    gradients later chunks sent its keys/values; add the gradients of the slots it read to the tapes.
+
+    Returns:
+        `loss`'s float.
+    """
     device = idx.device
     start = int(input_pos[0, 0])  # every row holds positions 0..T-1: tape index == position
-    caches: list[ReplayKVCache | RecurrentCache] = []
-    leaves: dict[int, dict[str, torch.Tensor]] = {}
-    for i, tape in enumerate(tapes):
-        if isinstance(tape, RecurrentTape):
-            cache, leaves[i] = tape.replay_cache(chunk, device)
-            caches.append(cache)
-            continue
-        positions = tape.rewind(chunk)
-        keys, values = tape.gather(positions)
-        keys = keys.to(device).requires_grad_(tape.track_grads)
-        values = values.to(device).requires_grad_(tape.track_grads)
-        recorded = tape.recorded(start, start + idx.shape[1]) if tape.config.storage != "float" else None
-        caches.append(ReplayKVCache(keys, values, positions.to(device), tape.config, recorded))
+    caches = replay_caches(tapes, chunk, start, idx.shape[1], device)
     with model.kv_caches_attached(caches):
         logits = model(idx, input_pos)
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    roots: list[torch.Tensor] = [loss_sum * weight]
+    root, value = loss(logits)
+    roots: list[torch.Tensor] = [root]
     grads: list[torch.Tensor | None] = [None]
     for tape, cache in zip(tapes, caches, strict=True):
-        if isinstance(tape, RecurrentTape):
+        if isinstance(tape, RecurrentTape):  # the state after the chunk, with the next chunk's gradient
             for tensor, grad in tape.roots(cache):  # type: ignore[arg-type]
                 roots.append(tensor)
                 grads.append(grad)
@@ -184,9 +225,9 @@ def _backward_chunk(
                 roots.append(tensor)
                 grads.append(grad.to(device, tensor.dtype))
     torch.autograd.backward(roots, grads)
-    for i, (tape, cache) in enumerate(zip(tapes, caches, strict=True)):
+    for tape, cache in zip(tapes, caches, strict=True):
         if isinstance(tape, RecurrentTape):
-            tape.take_grads(leaves[i])
+            tape.take_grads()
             continue
         if tape.track_grads and cache.num_filled:
             grad_keys, grad_values = cache.cached_keys.grad, cache.cached_values.grad
@@ -196,7 +237,7 @@ def _backward_chunk(
                 zeros(cache.cached_keys) if grad_keys is None else grad_keys,
                 zeros(cache.cached_values) if grad_values is None else grad_values,
             )
-    return float(loss_sum.detach())
+    return value
 
 
 def _layer_configs(model: GPT, kv_cache: KVCacheConfig | Sequence[KVCacheConfig]) -> list[KVCacheConfig]:

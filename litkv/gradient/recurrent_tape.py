@@ -23,17 +23,18 @@ class RecurrentTape:
         self.dtype = cache.dtype
         self.starts: list[dict[str, torch.Tensor]] = []  # the state before each chunk, on the host
         self.grad: dict[str, torch.Tensor] | None = None  # d loss / d (state after the chunk being replayed)
+        self.leaves: dict[str, torch.Tensor] = {}  # the replayed chunk's starting state (leaves)
 
     def record_start(self, cache: RecurrentCache) -> None:
         """Keep the state before the next chunk."""
         self.starts.append({k: v.detach().to("cpu", copy=True) for k, v in cache.state_tensors().items()})
 
-    def replay_cache(self, chunk: int, device: torch.device) -> tuple[RecurrentCache, dict[str, torch.Tensor]]:
+    def replay_cache(self, chunk: int, device: torch.device) -> RecurrentCache:
         """A cache starting from the state before `chunk`, whose tensors are leaves that require grad."""
         cache = RecurrentCache(self.shape, device, self.dtype)
-        leaves = {k: v.to(device).requires_grad_(True) for k, v in self.starts[chunk].items()}
-        cache.conv, cache.ssm = leaves["conv"], leaves["ssm"]
-        return cache, leaves
+        self.leaves = {k: v.to(device).requires_grad_(True) for k, v in self.starts[chunk].items()}
+        cache.conv, cache.ssm = self.leaves["conv"], self.leaves["ssm"]
+        return cache
 
     def roots(self, cache: RecurrentCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The state after the replayed chunk with the gradient the next chunk sent (none for the last)."""
@@ -45,6 +46,7 @@ class RecurrentTape:
                 out.append((tensor, self.grad[name].to(tensor.device, tensor.dtype)))
         return out
 
-    def take_grads(self, leaves: dict[str, torch.Tensor]) -> None:
+    def take_grads(self) -> None:
         """After the chunk's backward: its starting state's gradient, for the chunk before."""
-        self.grad = {k: torch.zeros_like(v) if v.grad is None else v.grad.detach() for k, v in leaves.items()}
+        self.grad = {k: torch.zeros_like(v) if v.grad is None else v.grad.detach() for k, v in self.leaves.items()}
+        self.leaves = {}

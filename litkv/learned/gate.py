@@ -56,12 +56,16 @@ class EvictionGates:
         window: the recent window the gates were trained with (tokens younger than this are never
             evicted in training; the `learned` policy's default `recent`).
         sinks: the first positions that were never evicted in training (the policy's default `sinks`).
+        weights: the fingerprint of the model weights the gates were trained for
+            (`litkv.fingerprint.model_fingerprint(model)["weights"]` as the checkpoint stores them), or
+            `None` (unknown: not checked). `load_model` refuses gates whose fingerprint differs.
     """
 
     weight: torch.Tensor
     bias: torch.Tensor
     window: int
     sinks: int
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         if self.weight.dim() != 3 or self.bias.shape != self.weight.shape[:2]:
@@ -73,6 +77,8 @@ class EvictionGates:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gate {name} must be an int >= 0, got {value!r}")
+        if self.weights is not None and not isinstance(self.weights, str):
+            raise ValueError(f"gate weights fingerprint must be a str or None, got {self.weights!r}")
 
     @classmethod
     def create(
@@ -93,7 +99,11 @@ class EvictionGates:
     def to(self, device: torch.device | str) -> EvictionGates:
         """These gates on `device` (float32 always: logits are compared, not multiplied into activations)."""
         return EvictionGates(
-            self.weight.to(device, torch.float32), self.bias.to(device, torch.float32), self.window, self.sinks
+            self.weight.to(device, torch.float32),
+            self.bias.to(device, torch.float32),
+            self.window,
+            self.sinks,
+            self.weights,
         )
 
     def logits(self, layer: int, keys_pre: torch.Tensor) -> torch.Tensor:
@@ -122,7 +132,10 @@ class EvictionGates:
         """The tensors and the metadata of the gates' safetensors file (what `load` reads back; written by
         `litkv.checkpoint.save_gates`)."""
         tensors = {"weight": self.weight.detach().float().cpu().contiguous(), "bias": self.bias.detach().float().cpu()}
-        return tensors, {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
+        meta = {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
+        if self.weights is not None:
+            meta["weights"] = self.weights
+        return tensors, meta
 
     @classmethod
     def load(cls, path: str | Path) -> EvictionGates:
@@ -157,4 +170,4 @@ class EvictionGates:
         weight, bias = weight.float(), bias.float()
         if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
             raise ValueError(f"{str(path)!r}: the gates hold NaN or inf")
-        return cls(weight, bias, window, sinks)
+        return cls(weight, bias, window, sinks, meta.get("weights"))

@@ -191,20 +191,36 @@ def test_recall_task_builds_the_documented_layout(ckpt: Path) -> None:
         task.make_example(task.filler_ids, 96, 1.5, "12345")
 
 
-def test_recall_task_matches_training_script(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _training_script(monkeypatch: pytest.MonkeyPatch):
     script = REPO / "scripts" / "train_default_model.py"
     spec = importlib.util.spec_from_file_location("train_default_model", script)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_training_script_rows_are_the_recall_task(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's training rows are litkv.recall's pass-key task (the one `litkv evaluate`
+    scores), read back from the decoded text, and its copy rows repeat one digit string."""
+    module = _training_script(monkeypatch)
     tok = load_tokenizer(ckpt)
-    task = RecallTask(RecallFormat.from_dict(module.RECALL_FORMAT), tok, encode_plain(tok, TEXT))
-    for depth in (0.0, 0.3, 1.0):
-        ours = task.make_example(task.filler_ids, 200, depth, "90210")
-        ids, answer_start = module.make_recall_example(tok.processor, task.filler_ids, 200, depth, "90210")
-        assert (ours.ids, ours.answer_start) == (ids, answer_start)
-    rng_a, rng_b = random.Random(5), random.Random(5)
-    assert [task.random_key(rng_a) for _ in range(5)] == [module.random_key(rng_b) for _ in range(5)]
+    task = module.recall_task(tok.processor)
+    data = torch.tensor(encode_plain(tok, TEXT * 4))
+    rng = random.Random(3)
+    for _ in range(6):
+        ids, targets = module.sample_row(tok.processor, task, data, 150, (1.0, 0.0), rng)
+        text = tok.decode(torch.tensor(ids))
+        key = text.rsplit("The pass key is ", 1)[1]
+        assert len(ids) == 151 and len(set(key)) == 5 and key[0] != "0"
+        assert f"The pass key is {key}. Remember it. {key} is the pass key." in text
+        assert text.endswith(f"What is the pass key? The pass key is {key}")
+        assert [ids[t] for t in targets] == encode_plain(tok, f" {key}")
+    for _ in range(6):
+        ids, targets = module.sample_row(tok.processor, task, data, 150, (0.0, 1.0), rng)
+        copied = tok.decode(torch.tensor([ids[targets[0] - 1]] + [ids[t] for t in targets]))
+        assert len(ids) == 151 and copied.strip().isdigit() and 5 <= len(copied.strip()) <= 10
+        assert tok.decode(torch.tensor(ids)).count(copied) == 2
 
 
 def test_recall_format_errors(tmp_path: Path) -> None:

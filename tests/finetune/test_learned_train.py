@@ -120,8 +120,8 @@ def test_soft_bias_against_loops():
     )
 
 
-@pytest.mark.parametrize("method", ["distill", "regress"])
-def test_training_lowers_the_loss(method):
+@pytest.mark.parametrize("method, engine", [("distill", "chunked"), ("distill", "whole"), ("regress", "whole")])
+def test_training_lowers_the_loss(method, engine):
     model = random_gpt(CONFIG, seed=8)
     g = torch.Generator().manual_seed(9)
     examples = []
@@ -129,7 +129,16 @@ def test_training_lowers_the_loss(method):
         ids = torch.randint(0, 128, (65,), generator=g)
         examples.append((ids[:-1], ids[1:]))
     args = GateTrainArgs(
-        method=method, steps=30, batch_size=2, window=4, sinks=1, target_keep=0.3, ramp=0.0, lr=0.1, seed=1
+        method=method,
+        steps=30,
+        batch_size=2,
+        window=4,
+        sinks=1,
+        target_keep=0.3,
+        ramp=0.0,
+        lr=0.1,
+        seed=1,
+        engine=engine,
     )  # ramp 0: the compression target is fixed from the first step, so the total loss is comparable
     gates, logs = train_gates(model, examples, args)
     first, last = sum(log.loss for log in logs[:5]) / 5, sum(log.loss for log in logs[-5:]) / 5

@@ -51,18 +51,20 @@ def test_finetune_window_longer_than_the_sequence_is_an_error(ckpt: Path, tmp_pa
     assert not (tmp_path / "out" / "final").exists()
 
 
-def test_resume_with_learn_eviction_is_an_error(ckpt: Path, tmp_path: Path, capsys) -> None:
+def test_resume_from_a_plain_checkpoint_with_learn_eviction_is_an_error(ckpt: Path, tmp_path: Path, capsys) -> None:
     text = write_text(tmp_path / "train.txt", 500)
     line = one_error(capsys, ["finetune", str(ckpt), "--data.path", str(text), *LEARN, "--resume", str(ckpt),
                               "--out_dir", str(tmp_path / "out")])  # fmt: skip
-    assert "--resume does not apply to --learn_eviction true" in line
+    assert f"--resume {str(ckpt)!r} is not a gate-training checkpoint: missing ['eviction_gates" in line
 
 
 def test_a_nan_loss_stops_gate_training(ckpt: Path) -> None:
     """Examples no longer than the window (nothing to evict: the loss is a mean over nothing)."""
     model = load_model(ckpt)
     examples = [(torch.arange(1, 9), torch.arange(2, 10))]
-    with pytest.raises(ValueError, match=r"gate training stopped at step 0: the loss is nan .* nothing was saved"):
+    with pytest.raises(ValueError, match=r"gate training stopped at step 0: the loss is nan .*; nothing was saved"):
+        train_gates(model, examples, GateTrainArgs(steps=3, batch_size=1, window=16, engine="whole"))
+    with pytest.raises(ValueError, match=r"sequence length 8 must be > the gates' window \+ sinks \(16 \+ 4\)"):
         train_gates(model, examples, GateTrainArgs(steps=3, batch_size=1, window=16))
 
 
