@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from litkv.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
-from litkv.config import Config
+from litkv.config import Config, config_from_dict
 from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.model import GPT
@@ -177,7 +177,7 @@ def load_config(checkpoint_dir: str | Path) -> Config:
     raw = _read_yaml_mapping(path)
     _check_config_fields(raw, path)
     try:
-        return Config(**raw)
+        return config_from_dict(raw)
     except (TypeError, AssertionError, AttributeError, KeyError, ValueError) as err:
         raise ValueError(f"{path} is not a valid litgpt model config: {_one_line(err)}") from err
 

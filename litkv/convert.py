@@ -28,7 +28,8 @@ from litkv.checkpoint import (
     read_json_object,
     save_state_dict_atomic,
 )
-from litkv.config import Config
+from litkv.config import Config, HybridConfig
+from litkv.hf_hybrid import HYBRID_MODEL_TYPES, UNSUPPORTED_RECURRENT, hybrid_config_from_hf, hybrid_state_dict
 from litkv.model import GPT
 
 __all__ = ["HF_ARCHITECTURES", "TOKENIZER_FILES", "config_from_hf", "convert_hf_checkpoint"]
@@ -190,11 +191,16 @@ def convert_hf_checkpoint(
     if hf_dir.resolve() == out_dir.resolve():
         raise ValueError("out_dir must differ from hf_dir")
     hf = _read_hf_config(hf_dir)
-    config, family = _pick_config(hf_dir, hf, model_name)
-    copy_fn = _copy_fn(config, family)
-    state_dict: dict[str, torch.Tensor] = {}
-    for path in _weight_files(hf_dir):
-        copy_fn(state_dict, load_state_dict(path), saver=None, dtype=dtype)
+    if hf.get("model_type") in HYBRID_MODEL_TYPES or hf.get("model_type") in UNSUPPORTED_RECURRENT:
+        config: Config = hybrid_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
+        weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
+        state_dict = hybrid_state_dict(weights, config, dtype)  # type: ignore[arg-type]
+    else:
+        config, family = _pick_config(hf_dir, hf, model_name)
+        copy_fn = _copy_fn(config, family)
+        state_dict = {}
+        for path in _weight_files(hf_dir):
+            copy_fn(state_dict, load_state_dict(path), saver=None, dtype=dtype)
     with torch.device("meta"):
         reference = GPT(config)
     check_state_dict(reference, state_dict, f"converted weights of {str(hf_dir)!r}")
@@ -203,5 +209,8 @@ def convert_hf_checkpoint(
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
             write_atomic(out_dir / name, partial(shutil.copyfile, hf_dir / name))
-    write_text_atomic(out_dir / CONFIG_FILE, yaml.dump(asdict(config)))  # last: the directory is complete
+    fields = asdict(config)
+    if isinstance(config, HybridConfig):
+        fields["layer_kinds"] = list(config.layer_kinds)  # plain YAML (safe_load refuses a Python tuple)
+    write_text_atomic(out_dir / CONFIG_FILE, yaml.dump(fields))  # last: the directory is complete
     return out_dir

@@ -17,14 +17,16 @@ import torch.nn.functional as F
 from litgpt.model import GPT as LitGPT
 
 from litkv.attention import attend, build_mask
-from litkv.config import Config, KVCacheConfig
+from litkv.config import MAMBA2, Config, KVCacheConfig, layer_kinds
 from litkv.core.rope import apply_rope, yarn_mscale
 from litkv.core.validation import require_int
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.recurrent import RecurrentCache
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates
 from litkv.learned.soft import SoftEviction
+from litkv.mamba2 import Mamba2Mixer, recurrent_shape
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
 
@@ -109,8 +111,10 @@ class GPT(nn.Module):
         batch_size: int,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
-    ) -> list[KVCache]:
+    ) -> list[LayerCache | RecurrentCache]:
         """One fresh cache per layer (a single config for all layers, or one config per layer).
+
+        A Mamba-2 layer of a hybrid model gets a `RecurrentCache` (its config, if any, is not used).
 
         The caches take `dtype`, else the autocast dtype when autocast is on, else the model's dtype.
         """
@@ -124,9 +128,12 @@ class GPT(nn.Module):
         if dtype is None:
             autocast = torch.is_autocast_enabled(ref.device.type)
             dtype = torch.get_autocast_dtype(ref.device.type) if autocast else ref.dtype
-        caches = []
-        for cfg in configs:
+        caches: list[LayerCache | RecurrentCache] = []
+        for cfg, kind in zip(configs, layer_kinds(self.config), strict=True):
             c = self.config
+            if kind == MAMBA2:
+                caches.append(RecurrentCache(recurrent_shape(c, batch_size), device, dtype))  # type: ignore[arg-type]
+                continue
             shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
             caches.append(cfg.policy_class(cfg, shape, device, dtype))
         return caches
@@ -354,7 +361,8 @@ class Block(nn.Module):
             raise NotImplementedError("non-parallel residual with a shared attention norm is not supported")
         norm = config.norm_class
         self.norm_1 = norm(config.n_embd, eps=config.norm_eps) if config.norm_1 else nn.Identity()
-        self.attn = CausalSelfAttention(config, block_idx)
+        kind = layer_kinds(config)[block_idx]
+        self.attn = Mamba2Mixer(config, block_idx) if kind == MAMBA2 else CausalSelfAttention(config, block_idx)  # type: ignore[arg-type]
         self.post_attention_norm = (
             norm(config.n_embd, eps=config.norm_eps) if config.post_attention_norm else nn.Identity()
         )

@@ -13,7 +13,9 @@ position of each row (`GPT.last_pos`). On it are built:
 Rolling back (`keep_undo_log`, `truncate`) is `litkv.undo`; the stores of states by key are
 `litkv.state_store`.
 
-A custom policy that declares its state (`slot_state`, `row_state`) gets all of this. See docs/state.md.
+A custom policy that declares its state (`slot_state`, `row_state`) gets all of this. The Mamba-2 layers
+of a hybrid model are `RecurrentLayerState`s (convolution window and SSM state, per row) in the same list,
+copied, selected, merged and filed with the attention layers. See docs/state.md.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ from typing import Any
 
 import torch
 
-from litkv.config import KVCacheConfig
+from litkv.config import ATTENTION, KVCacheConfig, layer_kinds
 from litkv.fingerprint import model_fingerprint
 from litkv.kvcache.base import KVCache
+from litkv.kvcache.recurrent import RecurrentCache, RecurrentShape
 from litkv.kvcache.storage import CacheShape
 from litkv.model import GPT
 from litkv.state_checks import check_token_ids, validate_state
 from litkv.state_file import one_line, read_state_file, write_state_file
 from litkv.undo import attached_caches, undo_log_of, writing_mode
 
-__all__ = ["CacheState", "LayerState", "restore", "snapshot"]
+__all__ = ["CacheState", "LayerState", "RecurrentLayerState", "restore", "snapshot"]
 
 TensorFn = Callable[[str, torch.Tensor], torch.Tensor]  # (name, tensor) -> tensor
 _TRIMMABLE = ("positions", "storage.")  # slot tensors whose unwritten tail is known (-1 / zeros)
@@ -84,6 +87,34 @@ class LayerState:
         return dataclasses.replace(self, tensors=tensors, shape=dataclasses.replace(self.shape, batch_size=batch))
 
 
+@dataclass
+class RecurrentLayerState:
+    """One recurrent (Mamba-2) layer's state: `tensors` `{"conv", "ssm"}` of `RecurrentCache.state_tensors()`."""
+
+    shape: RecurrentShape
+    tensors: dict[str, torch.Tensor]
+    kind: str = RecurrentCache.kind
+    config: None = None  # no cache config: `CacheState.configs` compares the attention layers' only
+
+    def full_tensors(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The tensors as `RecurrentCache.load_state_tensors` expects them (on `device`)."""
+        return {k: v if device is None else v.to(device) for k, v in self.tensors.items()}
+
+    def map(self, fn: TensorFn) -> RecurrentLayerState:
+        """A copy with `fn(name, tensor)` applied to every tensor."""
+        tensors = {k: fn(k, v) for k, v in self.tensors.items()}
+        shape = dataclasses.replace(self.shape, batch_size=tensors["ssm"].shape[0])
+        return dataclasses.replace(self, tensors=tensors, shape=shape)
+
+
+AnyLayerState = LayerState | RecurrentLayerState
+
+
+def state_kind(layer: AnyLayerState) -> str:
+    """`"attention"` or the recurrent kind (`"mamba2"`)."""
+    return layer.kind if isinstance(layer, RecurrentLayerState) else ATTENTION
+
+
 class CacheState:
     """The KV caches of a model, all layers, as a value (see the module docstring).
 
@@ -98,7 +129,7 @@ class CacheState:
 
     def __init__(
         self,
-        layers: list[LayerState],
+        layers: list[AnyLayerState],
         last_pos: torch.Tensor | None,
         fingerprint: dict[str, str],
         dtype: torch.dtype,
@@ -119,7 +150,12 @@ class CacheState:
 
     @property
     def batch_size(self) -> int:
-        return self.layers[0].tensors["positions"].shape[0]
+        return _rows(self.layers[0])
+
+    @property
+    def kinds(self) -> list[str]:
+        """One kind per layer (`"attention"`, `"mamba2"`)."""
+        return [state_kind(layer) for layer in self.layers]
 
     @property
     def configs(self) -> list[KVCacheConfig]:
@@ -177,10 +213,15 @@ class CacheState:
         for i, s in enumerate(states[1:], start=1):
             _check_same(first, s, f"states[{i}]")
         if len(states) == 1:
-            return first.to(first.layers[0].tensors["positions"].device)
-        layers = []
+            return first.to(next(iter(first.layers[0].tensors.values())).device)
+        layers: list[AnyLayerState] = []
         for i, layer in enumerate(first.layers):
             parts = [s.layers[i] for s in states]
+            if isinstance(layer, RecurrentLayerState):
+                tensors = {name: torch.cat([p.tensors[name] for p in parts], dim=0) for name in layer.tensors}
+                shape = dataclasses.replace(layer.shape, batch_size=tensors["ssm"].shape[0])
+                layers.append(RecurrentLayerState(shape, tensors))
+                continue
             if any(set(p.tensors) != set(layer.tensors) for p in parts):
                 raise ValueError(f"cannot cat: layer {i} has policy state set in some states, not in others")
             fulls = [p.full_tensors() for p in parts]
@@ -222,6 +263,10 @@ class CacheState:
         return state if device is None else state.to(device)
 
 
+def _rows(layer: AnyLayerState) -> int:
+    return layer.tensors["ssm" if isinstance(layer, RecurrentLayerState) else "positions"].shape[0]
+
+
 def _cat_optional(parts: list[torch.Tensor | None], sizes: list[int], fill: int | None) -> torch.Tensor | None:
     """`parts` (batch first) concatenated; a missing part is `fill`ed, or the result is `None` without a fill."""
     if all(p is None for p in parts):
@@ -234,6 +279,8 @@ def _cat_optional(parts: list[torch.Tensor | None], sizes: list[int], fill: int 
 
 
 def _check_same(a: CacheState, b: CacheState, what: str) -> None:
+    if a.kinds != b.kinds:
+        raise ValueError(f"{what} has layer kinds {b.kinds}, the first state {a.kinds}")
     if a.fingerprint != b.fingerprint:
         raise ValueError(f"{what} was taken from another model (fingerprint {b.fingerprint} != {a.fingerprint})")
     if a.configs != b.configs or a.dtype != b.dtype:
@@ -281,12 +328,24 @@ def snapshot(
             device = torch.device(device)
         except (RuntimeError, TypeError) as err:
             raise ValueError(f"snapshot device {device!r} is not a torch device: {one_line(err)}") from None
-    layers = [_layer_snapshot(cache, device) for cache in caches]
+    layers = [
+        RecurrentLayerState(
+            cache.shape, {k: v.detach().to(device, copy=True) for k, v in cache.state_tensors().items()}
+        )
+        if isinstance(cache, RecurrentCache)
+        else _layer_snapshot(cache, device)
+        for cache in caches
+    ]
     last_pos = None if model.last_pos is None else model.last_pos.to(device, copy=True)
     return CacheState(layers, last_pos, model_fingerprint(model), caches[0].dtype, token_ids)
 
 
 def _check_model(model: GPT, state: CacheState) -> None:
+    kinds = list(layer_kinds(model.config))
+    if state.kinds != kinds and set(state.kinds) | set(kinds) != {ATTENTION}:  # (layer counts: checked below)
+        raise ValueError(
+            f"the cache state has layer kinds {state.kinds}, the model {kinds}: it was taken from another model"
+        )
     fp = model_fingerprint(model)
     if fp["model_config"] != state.fingerprint.get("model_config"):
         raise ValueError(
@@ -295,7 +354,7 @@ def _check_model(model: GPT, state: CacheState) -> None:
         )
     if fp["weights"] != state.fingerprint.get("weights"):
         raise ValueError("the cache state was taken from a model with other weights (or another dtype)")
-    learned = any(layer.config.policy == "learned" for layer in state.layers)
+    learned = any(isinstance(layer, LayerState) and layer.config.policy == "learned" for layer in state.layers)
     if learned and fp.get("eviction_gates") != state.fingerprint.get("eviction_gates"):
         raise ValueError("the cache state holds `learned` caches scored by other eviction gates than the model's")
     if len(state.layers) != model.config.n_layer:
@@ -304,7 +363,7 @@ def _check_model(model: GPT, state: CacheState) -> None:
 
 
 @torch.no_grad()
-def restore(model: GPT, state: CacheState) -> list[KVCache]:
+def restore(model: GPT, state: CacheState) -> list[KVCache | RecurrentCache]:
     """Set the model's caches to `state` (bitwise) and `model.last_pos` to the state's.
 
     The attached caches are reused when they have the state's configs, batch size and dtype; otherwise
@@ -322,21 +381,39 @@ def restore(model: GPT, state: CacheState) -> list[KVCache]:
     log = undo_log_of(model)
     caches = list(model.kv_caches)
     device = model.lm_head.weight.device
-    reuse = all(
-        isinstance(c, KVCache) and c.config == layer.config and c.shape == layer.shape and c.dtype == state.dtype
-        for c, layer in zip(caches, state.layers, strict=True)
-    )
+    reuse = all(_fits(c, layer, state.dtype) for c, layer in zip(caches, state.layers, strict=True))
     if not reuse:
-        caches = [layer.config.policy_class(layer.config, layer.shape, device, state.dtype) for layer in state.layers]
+        caches = [_fresh_cache(layer, device, state.dtype) for layer in state.layers]
         model.set_kv_caches(caches)
     with writing_mode(caches):
         for cache, layer in zip(caches, state.layers, strict=True):
+            if isinstance(cache, RecurrentCache):
+                cache.load_state_tensors(layer.full_tensors(cache.device))
+                continue
             cache.abort_call()  # a call interrupted between attend_inputs and evict_and_store
-            cache.load_state_tensors(layer.full_tensors(cache.positions.device), layer.num_filled)
+            cache.load_state_tensors(layer.full_tensors(cache.positions.device), layer.num_filled)  # type: ignore[call-arg]
     model.last_pos = None if state.last_pos is None else state.last_pos.to(device, copy=True)
     if log is not None:
         log.attach(model.caches)
     return caches  # type: ignore[return-value]
+
+
+def _fits(cache: object, layer: AnyLayerState, dtype: torch.dtype) -> bool:
+    """Whether an attached layer cache can take `layer`'s state in place."""
+    if isinstance(layer, RecurrentLayerState):
+        return isinstance(cache, RecurrentCache) and cache.shape == layer.shape and cache.dtype == dtype
+    return (
+        isinstance(cache, KVCache)
+        and cache.config == layer.config
+        and cache.shape == layer.shape
+        and cache.dtype == dtype
+    )
+
+
+def _fresh_cache(layer: AnyLayerState, device: torch.device, dtype: torch.dtype) -> KVCache | RecurrentCache:
+    if isinstance(layer, RecurrentLayerState):
+        return RecurrentCache(layer.shape, device, dtype)
+    return layer.config.policy_class(layer.config, layer.shape, device, dtype)
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -347,10 +424,17 @@ def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> CacheS
     dtype = getattr(torch, str(meta["dtype"]))
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {meta['dtype']!r}")
-    layers = []
+    layers: list[AnyLayerState] = []
     for i, entry in enumerate(meta["layers"]):
         prefix = f"layer.{i}."
         layer_tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if entry.get("kind", ATTENTION) != ATTENTION:
+            if entry["kind"] != RecurrentCache.kind:
+                raise ValueError(
+                    f"layer {i} has kind {entry['kind']!r}; litkv knows {ATTENTION!r} and {RecurrentCache.kind!r}"
+                )
+            layers.append(RecurrentLayerState(RecurrentShape(**entry["shape"]), layer_tensors))
+            continue
         config = KVCacheConfig(**entry["config"])
         shape = CacheShape(**entry["shape"])
         layers.append(LayerState(config, shape, layer_tensors, int(entry["num_filled"]), int(entry["length"])))

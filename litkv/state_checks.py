@@ -70,8 +70,27 @@ def _check_positions(where: str, pos: torch.Tensor, layer: LayerState, last_pos:
         _fail(f"{where} positions", "repeat a position within one (row, head) (each slot holds a distinct token)")
 
 
+def _check_recurrent_layer(where: str, layer: object, rows: int) -> None:
+    """A recurrent layer's state: the tensors its shape names, of those shapes, a float dtype, finite."""
+    shape = layer.shape  # type: ignore[attr-defined]
+    tensors: dict[str, torch.Tensor] = layer.tensors  # type: ignore[attr-defined]
+    if shape.batch_size != rows:
+        _fail(f"{where} shape.batch_size", f"is {shape.batch_size}, the state has {rows} rows")
+    expected = shape.tensor_shapes()
+    if set(tensors) != set(expected):
+        _fail(f"{where} tensors", f"must be {sorted(expected)}, got {sorted(tensors)}")
+    for name, size in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != size or not t.is_floating_point():
+            _fail(f"{where} {name}", f"must be a float tensor of shape {size}, got {t.dtype} {tuple(t.shape)}")
+        _check_finite(f"{where} {name}", t)
+
+
 def _check_layer(i: int, layer: LayerState, rows: int, last_pos: torch.Tensor | None) -> None:
     where = f"layer {i}"
+    if getattr(layer, "kind", "attention") != "attention":
+        _check_recurrent_layer(where, layer, rows)
+        return
     shape = layer.shape
     if shape.batch_size != rows:
         _fail(f"{where} shape.batch_size", f"is {shape.batch_size}, the state has {rows} rows")

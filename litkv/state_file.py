@@ -65,6 +65,10 @@ def encode(state: _State) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     for i, layer in enumerate(state.layers):
         for name, t in layer.tensors.items():
             tensors[f"layer.{i}.{name}"] = t.detach().cpu().contiguous()
+        kind = getattr(layer, "kind", "attention")
+        if kind != "attention":  # a recurrent layer: its kind and sizes (attention entries have no kind)
+            layers.append({"kind": kind, "config": {"kind": kind}, "shape": dataclasses.asdict(layer.shape)})
+            continue
         layers.append(
             {
                 "config": dataclasses.asdict(layer.config),
@@ -191,6 +195,8 @@ def _check_policies_loadable(meta: dict[str, Any], source: str) -> None:
     if not isinstance(layers, list):
         raise ValueError(f"{source} has invalid metadata: 'layers' must be a list")
     for i, entry in enumerate(layers):
+        if isinstance(entry, dict) and entry.get("kind", "attention") != "attention":
+            continue  # a recurrent layer names no policy
         config = entry.get("config") if isinstance(entry, dict) else None
         if not isinstance(config, dict):
             raise ValueError(f"{source} has invalid metadata: layer {i} has no config")

@@ -154,7 +154,9 @@ class EntryCheck:
         configs, shapes = _built_caches(model, kv_cache, batch_size, dtype)
         return cls(
             fingerprint=model_fingerprint(model),
-            configs=tuple(_json_form(dataclasses.asdict(cfg)) for cfg in configs),  # type: ignore[misc]
+            configs=tuple(
+                _json_form(dataclasses.asdict(cfg)) if dataclasses.is_dataclass(cfg) else cfg for cfg in configs
+            ),  # type: ignore[misc]
             shapes=tuple(_json_form(dataclasses.asdict(s)) for s in shapes),  # type: ignore[misc]
             dtype=str(dtype).removeprefix("torch."),
         )
@@ -188,7 +190,9 @@ def _built_caches(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a policy's warnings were given when the run's caches were built
             caches = model.build_kv_caches(kv_cache, batch_size, device=torch.device("meta"), dtype=dtype)
-        return [cache.config for cache in caches], [cache.shape for cache in caches]  # type: ignore[misc]
+        # a recurrent layer has no cache config: its entry names its kind (`litkv.state_file.encode`)
+        configs = [cache.config if cache.config is not None else {"kind": cache.kind} for cache in caches]
+        return configs, [cache.shape for cache in caches]  # type: ignore[return-value]
     except (RuntimeError, NotImplementedError):
         configs = kv_cache_configs(kv_cache) or [kv_cache] * model.config.n_layer  # type: ignore[list-item]
         c = model.config

@@ -4,7 +4,10 @@ A cache calls its `journal` once per call, before it changes anything, with the 
 overwrite. `UndoLog` records, per call and layer, what those slots hold (storage and positions), a copy
 of the policy's slot and row state and `num_filled`, plus the model's `last_pos` after the call; undoing
 a call writes them back. Dense caches (no policy state, no eviction) need no log: their slots are
-emptied. See docs/state.md.
+emptied. The recurrent (Mamba-2) layers of a hybrid model cannot be rolled back token by token: the log
+keeps their state as it was before each recorded call (a checkpoint at every call boundary), and undoing
+the call brings it back; a roll-back that ends inside a call, or goes past the log, is an error. See
+docs/state.md.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import torch
 from litkv.core.validation import require_int
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.recurrent import RecurrentCache
 from litkv.model import GPT
 
 __all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of", "writing_mode"]
 
 
-def attached_caches(model: GPT) -> list[KVCache]:
-    """The model's attached `KVCache`s, one per layer; ValueError when none are attached."""
+def attached_caches(model: GPT) -> list[KVCache | RecurrentCache]:
+    """The model's attached layer caches (`KVCache`, and `RecurrentCache` in a hybrid model), one per layer;
+    ValueError when none are attached."""
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a litkv GPT, got {type(model).__name__}")
     caches = model.kv_caches
-    if any(not isinstance(c, KVCache) for c in caches):
+    if any(not isinstance(c, (KVCache, RecurrentCache)) for c in caches):
         raise ValueError("the model has no KV caches attached: call model.set_kv_caches(model.build_kv_caches(...))")
     return caches  # type: ignore[return-value]
 
@@ -80,6 +85,10 @@ class UndoLog:
         self.depth = depth
         self.entries: deque[tuple[list[_Record], torch.Tensor | None]] = deque()
         self.base_last_pos: torch.Tensor | None = None  # last_pos before the oldest entry
+        # per entry, the recurrent layers' states before its call (references: a `RecurrentCache` rebinds,
+        # never writes in place)
+        self.recurrent: deque[list[dict[str, torch.Tensor]]] = deque()
+        self._pending: list[dict[str, torch.Tensor]] = []
         self._caches: KVCaches | None = None
 
     def attach(self, caches: KVCaches) -> None:
@@ -90,12 +99,18 @@ class UndoLog:
             cache.journal = _LayerJournal(self, i)
         self.clear(caches.last_pos)
 
+    def before_call(self, caches: KVCaches) -> None:
+        """Keep the recurrent layers' states before the call (the checkpoint its undo restores)."""
+        self._pending = [dict(cache.state_tensors()) for cache in caches.recurrent_caches]
+
     def clear(self, last_pos: torch.Tensor | None) -> None:
         self.entries.clear()
+        self.recurrent.clear()
         self.base_last_pos = None if last_pos is None else last_pos.clone()
 
     def nbytes(self) -> int:
         tensors = [t for records, _ in self.entries for r in records for t in (*r.at_dest.values(), *r.whole.values())]
+        tensors += [t for states in self.recurrent for state in states for t in state.values()]
         return sum(t.nbytes for t in tensors)
 
     @torch.no_grad()
@@ -104,8 +119,10 @@ class UndoLog:
         if layer == 0:
             after = None if last_pos is None else last_pos.clone()
             self.entries.append(([], after))
+            self.recurrent.append(self._pending)
             if len(self.entries) > self.depth:
                 _, dropped_after = self.entries.popleft()
+                self.recurrent.popleft()
                 self.base_last_pos = dropped_after
         if not self.entries:
             return
@@ -117,11 +134,19 @@ class UndoLog:
                 whole[name] = t.clone()
         self.entries[-1][0].append(_Record(dest.clone(), at_dest, whole, cache.num_filled))
 
-    def undo_last(self, caches: Sequence[KVCache]) -> None:
-        """Undo the newest recorded call in every layer."""
+    def undo_last(self, caches: Sequence[KVCache | RecurrentCache]) -> None:
+        """Undo the newest recorded call in every layer (recurrent layers: their state before the call)."""
         records, _ = self.entries.pop()
+        states = self.recurrent.pop()
+        recurrent = [c for c in caches if isinstance(c, RecurrentCache)]
+        if len(states) != len(recurrent):
+            raise ValueError(
+                f"the undo log holds {len(states)} recurrent states, the model has {len(recurrent)} layers"
+            )
         with writing_mode(caches):
-            self._undo(caches, records)
+            self._undo([c for c in caches if isinstance(c, KVCache)], records)
+        for cache, state in zip(recurrent, states, strict=True):
+            cache.load_state_tensors(state)
 
     @staticmethod
     def _undo(caches: Sequence[KVCache], records: list[_Record]) -> None:
@@ -164,8 +189,9 @@ def truncate(model: GPT, n: int) -> None:
     """Roll back the last `n` tokens of each row (positions > `last_pos - n` are forgotten).
 
     Exact for caches that never evict and keep no policy state (dense): their slots are emptied. Other
-    caches are rolled back call by call with the undo log (`keep_undo_log`): exact within its depth;
-    `n` must end on a call boundary (whole prefill chunks, decode steps).
+    caches, and every cache of a hybrid model (its recurrent layers' state cannot be cut token by token),
+    are rolled back call by call with the undo log (`keep_undo_log`): exact within its depth; `n` must end
+    on a call boundary (whole prefill chunks, decode steps), else ValueError and nothing changes.
 
     Raises:
         ValueError: `n` is not an int >= 0, goes back past the first token, past what the undo log
@@ -182,7 +208,13 @@ def truncate(model: GPT, n: int) -> None:
         row = int((target < -1).nonzero()[0])
         raise ValueError(f"cannot roll back {n} tokens: row {row} has seen {int(model.last_pos[row]) + 1}")
     log = undo_log_of(model)
-    if all(_is_dense_like(c) for c in caches):
+    recurrent = any(isinstance(c, RecurrentCache) for c in caches)
+    if recurrent and log is None:
+        raise ValueError(
+            "cannot roll back a hybrid model without an undo log: its recurrent (Mamba-2) layers' state is "
+            "restored from checkpoints taken at call boundaries; call litkv.keep_undo_log(model, depth) first"
+        )
+    if not recurrent and all(_is_dense_like(c) for c in caches):  # type: ignore[arg-type]
         _truncate_dense(caches, target)
         model.last_pos = target
         if log is not None:

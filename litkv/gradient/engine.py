@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 from litkv.config import KVCacheConfig
 from litkv.core.validation import is_number
+from litkv.gradient.recurrent_tape import RecurrentTape
 from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
+from litkv.kvcache.recurrent import RecurrentCache
 from litkv.model import GPT
 from litkv.runner import ChunkPlan
 
@@ -100,8 +102,9 @@ def record_forward(
     *,
     grads: bool = True,
     after_chunk: Callable[[int, int], None] | None = None,
-) -> list[LayerTape]:
-    """Run the chunks without grad through the real policy and record one `LayerTape` per layer.
+) -> list[LayerTape | RecurrentTape]:
+    """Run the chunks without grad through the real policy and record one `LayerTape` per attention layer
+    (a `RecurrentTape` per recurrent layer of a hybrid model: its state before each chunk).
 
     Args:
         idx: `(B, T)` token ids on the model's device.
@@ -113,30 +116,44 @@ def record_forward(
     """
     b, t = idx.shape
     caches = model.build_kv_caches(list(configs), b)
-    tapes = [LayerTape(c, t, grads and stores_gradients(c.config, c.shape, idx.device, c.dtype)) for c in caches]
+    tapes = [
+        RecurrentTape(c)
+        if isinstance(c, RecurrentCache)
+        else LayerTape(c, t, grads and stores_gradients(c.config, c.shape, idx.device, c.dtype))
+        for c in caches
+    ]
     with model.kv_caches_attached(caches), torch.no_grad():
         for start, end in bounds:
-            before = [cache.positions.clone() for cache in caches]
+            before = [None if isinstance(c, RecurrentCache) else c.positions.clone() for c in caches]
+            for tape, cache in zip(tapes, caches, strict=True):
+                if isinstance(tape, RecurrentTape):
+                    tape.record_start(cache)  # type: ignore[arg-type]
             model(idx[:, start:end], input_pos[:, start:end], lm_head=False)
             for tape, cache, positions in zip(tapes, caches, before, strict=True):
-                tape.record_chunk(cache, positions, start, end)
+                if isinstance(tape, LayerTape):
+                    tape.record_chunk(cache, positions, start, end)
             if after_chunk is not None:
                 after_chunk(start, end)
     for tape, cache in zip(tapes, caches, strict=True):
-        tape.finish(cache)
+        if isinstance(tape, LayerTape):
+            tape.finish(cache)
     return tapes
 
 
 def replay_caches(
-    tapes: Sequence[LayerTape], chunk: int, start: int, length: int, device: torch.device
-) -> list[ReplayKVCache]:
+    tapes: Sequence[LayerTape | RecurrentTape], chunk: int, start: int, length: int, device: torch.device
+) -> list[ReplayKVCache | RecurrentCache]:
     """One `ReplayKVCache` per layer holding the slots chunk `chunk` (tokens `[start, start + length)`)
     attended to in the recorded pass, on `device`, as leaves that require grad where the tape tracks
     gradients.
 
-    Must be called for the chunks in reverse order (`LayerTape.rewind`)."""
-    caches = []
+    Must be called for the chunks in reverse order (`LayerTape.rewind`). A recurrent layer gets a
+    `RecurrentCache` starting from its state before the chunk, as leaves (`RecurrentTape.replay_cache`)."""
+    caches: list[ReplayKVCache | RecurrentCache] = []
     for tape in tapes:
+        if isinstance(tape, RecurrentTape):
+            caches.append(tape.replay_cache(chunk, device))
+            continue
         positions = tape.rewind(chunk)
         keys, values = tape.gather(positions)
         keys = keys.to(device).requires_grad_(tape.track_grads)
@@ -151,7 +168,7 @@ def _backward_chunk(
     idx: torch.Tensor,
     input_pos: torch.Tensor,
     targets: torch.Tensor,
-    tapes: Sequence[LayerTape],
+    tapes: Sequence[LayerTape | RecurrentTape],
     chunk: int,
     weight: float,
 ) -> float:
@@ -174,7 +191,7 @@ def backward_chunk(
     model: GPT,
     idx: torch.Tensor,
     input_pos: torch.Tensor,
-    tapes: Sequence[LayerTape],
+    tapes: Sequence[LayerTape | RecurrentTape],
     chunk: int,
     loss: Callable[[torch.Tensor], tuple[torch.Tensor, float]],
 ) -> float:
@@ -194,6 +211,11 @@ def backward_chunk(
     roots: list[torch.Tensor] = [root]
     grads: list[torch.Tensor | None] = [None]
     for tape, cache in zip(tapes, caches, strict=True):
+        if isinstance(tape, RecurrentTape):  # the state after the chunk, with the next chunk's gradient
+            for tensor, grad in tape.roots(cache):  # type: ignore[arg-type]
+                roots.append(tensor)
+                grads.append(grad)
+            continue
         grad_keys, grad_values = tape.grads_of(start, start + idx.shape[1])
         if not tape.track_grads or cache.new_keys is None or not (bool(grad_keys.any()) or bool(grad_values.any())):
             continue
@@ -204,6 +226,9 @@ def backward_chunk(
                 grads.append(grad.to(device, tensor.dtype))
     torch.autograd.backward(roots, grads)
     for tape, cache in zip(tapes, caches, strict=True):
+        if isinstance(tape, RecurrentTape):
+            tape.take_grads()
+            continue
         if tape.track_grads and cache.num_filled:
             grad_keys, grad_values = cache.cached_keys.grad, cache.cached_values.grad
             zeros = torch.zeros_like

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from litkv.kvcache.base import KVCache, LayerCache, staged_placement
+from litkv.kvcache.recurrent import RecurrentCache
 
 __all__ = ["KVCaches", "CallRecorder"]
 
@@ -25,6 +26,9 @@ class CallRecorder(Protocol):
     """What records the calls through a `KVCaches` (the undo log, `litkv.undo.UndoLog`)."""
 
     def attach(self, caches: KVCaches) -> None: ...
+
+    def before_call(self, caches: KVCaches) -> None:
+        """A call is about to start (the recurrent layers' states are still those before it)."""
 
 
 class KVCaches:
@@ -39,10 +43,10 @@ class KVCaches:
             (`evict_waiting`); `False`: each layer in its own call (the same tokens and states, slower).
     """
 
-    def __init__(self, layers: Sequence[LayerCache]) -> None:
+    def __init__(self, layers: Sequence[LayerCache | RecurrentCache]) -> None:
         if not layers:
             raise ValueError("KVCaches needs at least one layer cache")
-        self.layers: list[LayerCache] = list(layers)
+        self.layers: list[LayerCache | RecurrentCache] = list(layers)
         self.last_pos: torch.Tensor | None = None
         self.undo_log: CallRecorder | None = None
         self.evict_layers_together = True
@@ -50,15 +54,21 @@ class KVCaches:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __iter__(self) -> Iterator[LayerCache]:
+    def __iter__(self) -> Iterator[LayerCache | RecurrentCache]:
         return iter(self.layers)
 
-    def __getitem__(self, layer: int) -> LayerCache:
+    def __getitem__(self, layer: int) -> LayerCache | RecurrentCache:
         return self.layers[layer]
 
     @property
     def batch_size(self) -> int:
-        return self.layers[0].positions.shape[0]
+        first = self.layers[0]
+        return first.batch_size if isinstance(first, RecurrentCache) else first.positions.shape[0]
+
+    @property
+    def recurrent_caches(self) -> list[RecurrentCache]:
+        """The recurrent layers' states (Mamba-2 layers of a hybrid model; none in an attention-only one)."""
+        return [cache for cache in self.layers if isinstance(cache, RecurrentCache)]
 
     @property
     def policy_caches(self) -> list[KVCache]:
@@ -100,19 +110,21 @@ class KVCaches:
         The conditions under which a call's evictions wait, in one place: a decode step (one token), not
         compiled (`static_shapes`: inductor fuses the per-layer work anyway), not recorded by an undo log
         (it records each layer's writes as they happen), not under autograd (such a call attends a
-        concatenation, no staged token), every layer a policy cache, and `evict_layers_together`.
+        concatenation, no staged token), every attention layer a policy cache, and `evict_layers_together`.
         """
         policy_caches = self.policy_caches
         for cache in policy_caches:
             cache.settle()
             cache.abort_call()
+        if self.undo_log is not None:
+            self.undo_log.before_call(self)
         return (
             num_new == 1
             and self.evict_layers_together
             and not any(cache.static_shapes for cache in policy_caches)
             and self.undo_log is None
             and not torch.is_grad_enabled()
-            and len(policy_caches) == len(self.layers)
+            and len(policy_caches) + len(self.recurrent_caches) == len(self.layers)
         )
 
     def evict_waiting(self) -> None:
@@ -162,11 +174,21 @@ class KVCaches:
         """
         if check:
             self._check_increasing(input_pos)
+            if self.recurrent_caches:  # a recurrent layer before the refusing one would have moved on
+                self._check_call_length(input_pos.shape[1])
             for cache in self.policy_caches:  # a call a cache refuses changes nothing, last_pos included
                 if not cache.static_shapes and input_pos.shape[1] <= cache.cache_length:  # else: a longer error
                     cache.check_room(input_pos)
         last = input_pos.amax(dim=1)
         self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
+
+    def _check_call_length(self, num_new: int) -> None:
+        for i, cache in enumerate(self.layers):
+            if isinstance(cache, KVCache) and not cache.static_shapes and num_new > cache.cache_length:
+                raise ValueError(
+                    f"chunk of {num_new} tokens is longer than allowed: at most cache_length={cache.cache_length} "
+                    f"new tokens per call (layer {i})"
+                )
 
     def _check_increasing(self, input_pos: torch.Tensor) -> None:
         running = torch.cummax(input_pos, dim=1).values
@@ -183,7 +205,7 @@ class KVCaches:
     # -- sizes ----------------------------------------------------------------------------------
 
     def nbytes(self) -> int:
-        """Bytes of keys and values held by all layers (quantised: codes, scales and offsets)."""
+        """Bytes held by all layers: keys and values (quantised: codes, scales and offsets) and recurrent states."""
         return sum(cache.nbytes() for cache in self.layers)
 
 

@@ -1,0 +1,130 @@
+"""`RecurrentCache`: the state of one Mamba-2 layer, a layer cache of `KVCaches` beside the attention caches.
+
+An attention layer's cache grows with the tokens it keeps; a recurrent layer's state does not: per row,
+the last `d_conv - 1` inputs of the depthwise convolution (`conv`, `(B, conv_dim, d_conv - 1)`) and the
+SSM state (`ssm`, `(B, n_heads, head_dim, d_state)`). The mixer (`litkv.mamba2.Mamba2Mixer`) reads both
+and hands back their values after the call (`update`), which rebinds them (so autograd sees the chain of
+states through the chunks of the gradient engine); a row's state is touched only by its real tokens.
+
+What every layer cache of `KVCaches` offers (`LayerStateCache`): its `kind`, its rows, its bytes, and its
+state as named tensors (`state_tensors` / `load_state_tensors`), the one way snapshots, state files and the
+undo log see it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["LayerStateCache", "RecurrentCache", "RecurrentShape"]
+
+
+@runtime_checkable
+class LayerStateCache(Protocol):
+    """What `KVCaches` and the state code need of a layer cache of any kind."""
+
+    kind: str
+
+    def nbytes(self) -> int: ...
+
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """Sizes of a recurrent layer's state: `conv` `(batch_size, conv_dim, conv_width)` and `ssm`
+    `(batch_size, n_heads, head_dim, d_state)` (`conv_width` is `d_conv - 1`)."""
+
+    batch_size: int
+    conv_dim: int
+    conv_width: int
+    n_heads: int
+    head_dim: int
+    d_state: int
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "conv_width" else 1):
+                raise ValueError(f"RecurrentShape.{name} must be a positive int, got {value!r}")
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the state tensors."""
+        b = self.batch_size
+        return {"conv": (b, self.conv_dim, self.conv_width), "ssm": (b, self.n_heads, self.head_dim, self.d_state)}
+
+
+class RecurrentCache:
+    """The convolution window and SSM state of one Mamba-2 layer, per row (zeros: nothing seen).
+
+    Attributes:
+        kind: `"mamba2"`.
+        shape: the `RecurrentShape`.
+        dtype: the state's float dtype.
+        conv: `(B, conv_dim, d_conv - 1)` the last inputs of the convolution, oldest first.
+        ssm: `(B, n_heads, head_dim, d_state)` the SSM state.
+    """
+
+    kind = "mamba2"
+    config = None  # no policy: the state keeps everything it needs, whatever the length
+
+    def __init__(self, shape: RecurrentShape, device: torch.device | str | None, dtype: torch.dtype) -> None:
+        if not isinstance(shape, RecurrentShape):
+            raise TypeError(f"shape must be a RecurrentShape, got {type(shape).__name__}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"a recurrent state needs a float dtype, got {dtype}")
+        self.shape = shape
+        self.dtype = dtype
+        sizes = shape.tensor_shapes()
+        self.conv = torch.zeros(sizes["conv"], device=device, dtype=dtype)
+        self.ssm = torch.zeros(sizes["ssm"], device=device, dtype=dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return self.shape.batch_size
+
+    @staticmethod
+    def max_tokens(config: object) -> int | None:
+        """Tokens the layer can take: no limit (`None`), as `KVCache.max_tokens` says of a policy."""
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return self.ssm.device
+
+    def update(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Take the state after a call (the mixer computed it; rows without a real token kept theirs)."""
+        if conv.shape != self.conv.shape or ssm.shape != self.ssm.shape:
+            raise ValueError(
+                f"recurrent state shapes {tuple(self.conv.shape)}, {tuple(self.ssm.shape)} expected, "
+                f"got {tuple(conv.shape)}, {tuple(ssm.shape)}"
+            )
+        self.conv, self.ssm = conv, ssm
+
+    def nbytes(self) -> int:
+        """Bytes of the state (constant in the sequence length)."""
+        return self.conv.nbytes + self.ssm.nbytes
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The state by name (the live tensors, not copies)."""
+        return {"conv": self.conv, "ssm": self.ssm}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the state to copies of `tensors` (the names and shapes of `state_tensors`), bitwise."""
+        expected = self.shape.tensor_shapes()
+        if set(tensors) != set(expected):
+            raise ValueError(f"a recurrent state holds {sorted(expected)}, got {sorted(tensors)}")
+        for name, shape in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != self.dtype:
+                raise ValueError(
+                    f"recurrent state {name!r} must be {shape} {self.dtype}, got {tuple(t.shape)} {t.dtype}"
+                )
+        self.conv = tensors["conv"].to(self.device, copy=True)
+        self.ssm = tensors["ssm"].to(self.device, copy=True)
+
+    def reset(self) -> None:
+        """Forget everything (zeros)."""
+        self.conv = torch.zeros_like(self.conv)
+        self.ssm = torch.zeros_like(self.ssm)

@@ -1,0 +1,89 @@
+"""The recurrent state as a layer cache of `KVCaches` beside every attention policy: a row in a ragged batch
+equals the row alone (tokens, attention slots, recurrent state), with eviction happening on the attention
+layers; `nbytes` counts both kinds; the recurrent bytes stay flat in the prompt length."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
+from helpers import attach_random_gates
+
+from litkv import GPT, KVCacheConfig, generate
+from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
+from litkv.kvcache.recurrent import RecurrentCache
+
+POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+CACHE = 24
+LENGTHS = (17, 45, 61)  # the two longer ones evict during the prefill
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return attach_random_gates(litkv_from_hf(random_hf_bamba(tiny_bamba_config(), seed=3)), seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in LENGTHS]
+
+
+def _run(model: GPT, prompts: list[torch.Tensor], cfg: KVCacheConfig) -> tuple[list[list[int]], list, list]:
+    """Greedy tokens, per row the attention slots' positions and the recurrent states, at the end."""
+    seen: dict[str, list] = {}
+
+    def keep(_: torch.Tensor) -> None:
+        caches = model.kv_caches
+        seen["held"] = [
+            [
+                [sorted(p for p in h.tolist() if p >= 0) for h in c.positions[r]]
+                for c in caches
+                if isinstance(c, KVCache)
+            ]
+            for r in range(len(prompts))
+        ]
+        seen["states"] = [
+            [(c.conv[r].clone(), c.ssm[r].clone()) for c in caches if isinstance(c, RecurrentCache)]
+            for r in range(len(prompts))
+        ]
+
+    out = generate(model, prompts, NEW, cfg, on_tokens=keep)
+    return [t.tolist() for t in out], seen["held"], seen["states"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@torch.inference_mode()
+def test_every_policy_on_attention_layers_row_equals_alone(
+    model: GPT, prompts: list[torch.Tensor], policy: str
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        length = max(LENGTHS) + NEW if policy == "dense" else CACHE
+        cfg = KVCacheConfig(policy, cache_length=length, chunk_size=7)
+        tokens, held, states = _run(model, prompts, cfg)
+        assert len(held[0]) == 2 and len(states[0]) == 2  # two attention and two Mamba-2 layers
+        for row, prompt in enumerate(prompts):
+            alone_tokens, alone_held, alone_states = _run(model, [prompt], cfg)
+            assert tokens[row] == alone_tokens[0]
+            assert held[row] == alone_held[0]
+            for (conv, ssm), (conv_a, ssm_a) in zip(states[row], alone_states[0], strict=True):
+                torch.testing.assert_close(conv, conv_a, atol=1e-12, rtol=1e-12)
+                torch.testing.assert_close(ssm, ssm_a, atol=1e-12, rtol=1e-12)
+            if policy != "dense":
+                assert all(len(head) <= CACHE for layer in held[row] for head in layer)
+
+
+def test_nbytes_counts_both_kinds_and_recurrent_bytes_are_flat(model: GPT) -> None:
+    c = model.config
+    for length in (16, 256):
+        caches = model.build_kv_caches(KVCacheConfig("h2o", cache_length=length), batch_size=2)
+        with model.kv_caches_attached(caches) as attached:
+            recurrent = 2 * (2 * c.mamba_conv_dim * (c.mamba_d_conv - 1) + 2 * c.mamba_inner * c.mamba_d_state) * 8
+            kv = 2 * 2 * (2 * c.n_query_groups * length * c.head_size) * 8  # 2 layers, K and V, float64
+            assert sum(x.nbytes() for x in attached.recurrent_caches) == recurrent
+            assert attached.nbytes() - recurrent == sum(x.nbytes() for x in attached.policy_caches)
+            assert sum(x.nbytes() for x in attached.policy_caches) >= kv
