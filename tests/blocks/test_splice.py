@@ -116,7 +116,8 @@ def test_spliced_positions_and_blocks_never_attend_to_later_segments(tiny_model:
         segments = head + [Segment(random_tokens(1, 9, seed=tail_seed)[0])]
         with model.kv_caches_attached(KV, 1):
             prefill_segments(model, segments, KV)
-            states.append([(c.positions.clone(), c.storage.keys.clone(), c.storage.values.clone()) for c in model.kv_caches])
+            caches = model.kv_caches
+            states.append([(c.positions.clone(), c.storage.keys.clone(), c.storage.values.clone()) for c in caches])
             assert int(model.last_pos) == 34
     for (pos_a, k_a, v_a), (pos_b, k_b, v_b) in zip(*states, strict=True):
         for row in pos_a[0]:
@@ -183,13 +184,9 @@ def test_recompute_count_and_bad_ratios(tiny_model: Callable[..., GPT]) -> None:
 
     for ratio, expected in ((0.0, 0), (0.05, 1), (0.3, 6), (1.0, 20)):
         calls.clear()
-        with model.kv_caches_attached(KV, 1):
-            original = model.forward
-            model.forward = lambda *a, **k: original(*a, **k, block_hook=hook)  # type: ignore[method-assign]
-            try:
-                prefill_segments(model, segments, KV, store, recompute=ratio)
-            finally:
-                del model.forward
+        with model.kv_caches_attached(KV, 1), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(model, "forward", lambda *a, **k: GPT.forward(model, *a, **k, block_hook=hook))
+            prefill_segments(model, segments, KV, store, recompute=ratio)
         assert sum(calls) == 4 + expected + 3 and math.ceil(ratio * 20) == expected
     for bad in (-0.1, 1.5, float("nan"), True):
         with pytest.raises(ValueError, match="recompute must be a fraction"):
