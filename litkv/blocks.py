@@ -40,21 +40,35 @@ normal prefill of the block as a text segment.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from litkv.attention import build_mask
 from litkv.block_store import BlockKV, BlockStore
+from litkv.chat_template import Format, TemplateFormat
 from litkv.config import KVCacheConfig
 from litkv.core.rope import apply_rope
 from litkv.generate import _check_dense_room, _decode, check_sampling, sample
 from litkv.kvcache.base import KVCache
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
+from litkv.recall import encode_plain
 from litkv.runner import ChunkPlan
 
-__all__ = ["Segment", "generate_segments", "prefill_segments", "rope_delta", "rotate_keys", "select_recompute"]
+__all__ = [
+    "Segment",
+    "generate_segments",
+    "kv_deviation",
+    "prefill_segments",
+    "prompt_segments",
+    "rope_delta",
+    "rotate_keys",
+    "select_recompute",
+    "splice",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,34 @@ class Segment:
             raise ValueError(f"a segment must be a non-empty 1-D tensor of token ids, got shape {shape}")
         if not isinstance(self.block, bool):
             raise TypeError(f"Segment.block must be a bool, got {type(self.block).__name__}")
+
+
+def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: str) -> list[Segment]:
+    """A user message made of `blocks` (texts) then `prompt`, as segments: each block tokenized alone
+    (no BOS/EOS, no special tokens added), so its ids are the same at every use, wherever it stands.
+
+    Raw text (`RawFormat`): BOS (when the tokenizer adds one), the blocks, the prompt. A chat template: the
+    template's text before the user's content, the blocks, then the prompt with the template's text after
+    it (the generation prompt included). Empty blocks are refused (ValueError naming the block).
+    """
+    for i, text in enumerate(blocks):
+        if not encode_plain(tokenizer, text):
+            raise ValueError(f"block {i} encodes to no tokens: give a non-empty block")
+    before, after = "", ""
+    if isinstance(fmt, TemplateFormat):
+        marker = f"<<litkv-blocks-{uuid.uuid4().hex}>>"
+        before, after = fmt.template.render([("user", marker)], add_generation_prompt=True).split(marker, 1)
+    out = []
+    bos = getattr(tokenizer, "bos_id", None)
+    if not isinstance(fmt, TemplateFormat) and getattr(tokenizer, "use_bos", False) and bos is not None:
+        out.append(Segment(torch.tensor([int(bos)])))
+    if before:
+        out.append(Segment(torch.tensor(encode_plain(tokenizer, before), dtype=torch.long)))
+    out += [Segment(torch.tensor(encode_plain(tokenizer, text), dtype=torch.long), block=True) for text in blocks]
+    tail = encode_plain(tokenizer, prompt + after)
+    if tail:
+        out.append(Segment(torch.tensor(tail, dtype=torch.long)))
+    return out
 
 
 # -- rotation ---------------------------------------------------------------------------------------
