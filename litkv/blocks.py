@@ -202,12 +202,14 @@ class _ContextView:
     def attend_inputs(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        old_keys, old_values = self.cache.storage.read()
+        cache = self.cache
+        held = cache.num_filled if cache.storage.lossless else cache.cache_length  # lossless: a filled prefix
+        old_keys, old_values = cache.storage.read_prefix(held)
         new_pos = input_pos[:, None, :].expand(*keys.shape[:3])
         return (
             torch.cat((old_keys.to(keys.dtype), keys), dim=2),
             torch.cat((old_values.to(values.dtype), values), dim=2),
-            torch.cat((self.cache.positions, new_pos), dim=2),
+            torch.cat((cache.positions[:, :, :held], new_pos), dim=2),
         )
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
