@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -145,3 +146,30 @@ def test_block_store_bounded_and_generation_unchanged_by_a_store(tiny_model: Cal
         BlockStore(-1)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         store.get(model, torch.tensor([1, 100000]), PLAN)
+
+
+@torch.inference_mode()
+def test_two_writers_of_one_block_leave_valid_entries(tiny_model: Callable[..., GPT], tmp_path: Path) -> None:
+    """Two stores on one directory compute and write the same pieces at once (atomic writes): a third
+    store restores every piece from the files, bitwise the block alone."""
+    model = tiny_model(seed=14)
+    ids = random_tokens(1, 40, seed=15)[0]
+    expected = _fresh(model, ids)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with torch.inference_mode():  # one model per writer (a model's caches are its own), same weights
+                BlockStore(1 << 24, tmp_path).get(tiny_model(seed=14), ids, PLAN)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    reader = BlockStore(1 << 24, tmp_path)
+    assert _same(reader.get(model, ids, PLAN), expected)
+    assert reader.hits == 5 and reader.misses == 0
