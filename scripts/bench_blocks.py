@@ -13,7 +13,8 @@ needle sits in one document at a random sentence; generated offline with `--seed
   forced, `--answer_tokens` positions), and the retrieval accuracy (the greedy answer contains the
   needle's value), beside the full prefill's own accuracy.
 
-    python scripts/bench_blocks.py --checkpoint smollm2-135m-instruct --threads 1
+    python scripts/bench_blocks.py --checkpoint smollm2-135m-instruct --threads 1 | tee report.txt
+    python scripts/bench_blocks.py --plot_from report.txt --plot docs/blocks.png
 """
 
 from __future__ import annotations
@@ -183,6 +184,39 @@ def run_quality(model: GPT, tokenizer: object, fmt: object, cfg: KVCacheConfig, 
         print(f"| {r:.0%} | {sum(kl[r]) / len(kl[r]):.4f} | {max(kl[r]):.4f} | {hits[r]}/{args.samples} |")
 
 
+def plot(report: Path, out: Path) -> None:
+    """Quality against r and TTFT against the number of blocks, from a report this script printed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ttft_rows, quality_rows = [], []
+    for line in report.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].isdigit() and len(cells) == 7:
+            ttft_rows.append([int(cells[0])] + [float(c.split(" ms")[0]) / 1000 for c in cells[2:]])
+        elif line.startswith("| ") and cells[0].endswith("%") and len(cells) == 4:
+            hits, total = cells[3].split("/")
+            quality_rows.append((float(cells[0][:-1]), float(cells[1]), int(hits) / int(total)))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ("full prefill", "prefix store, order repeated", "prefix store, shuffled", "blocks r=0", "blocks r=0.15")
+    for i, name in enumerate(names):
+        left.plot([r[0] for r in ttft_rows], [r[i + 1] for r in ttft_rows], marker="o", label=name)
+    left.set(xlabel="blocks of ~512 tokens (shuffled) + question", ylabel="TTFT, s", title="time to first token")
+    left.legend(fontsize=7)
+    ratios = [q[0] for q in quality_rows]
+    right.plot(ratios, [q[1] for q in quality_rows], marker="o", color="C3", label="mean KL(full || spliced)")
+    right.set(xlabel="recomputed tokens r, %", ylabel="KL, nats", title="quality against r")
+    twin = right.twinx()
+    twin.plot(ratios, [q[2] for q in quality_rows], marker="s", color="C2", label="accuracy")
+    twin.set(ylabel="needle accuracy", ylim=(0, 1.05))
+    right.legend(loc="upper center", fontsize=7)
+    twin.legend(loc="center right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default="smollm2-135m-instruct")
@@ -196,7 +230,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot_from", type=Path, default=None, help="a report of this script: plot it and exit")
+    parser.add_argument("--plot", type=Path, default=Path("docs/blocks.png"))
     args = parser.parse_args()
+    if args.plot_from is not None:
+        plot(args.plot_from, args.plot)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     ckpt = resolve_checkpoint_dir(Path(args.checkpoint) if Path(args.checkpoint).exists() else args.checkpoint)
