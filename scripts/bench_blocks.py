@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--quality_blocks", type=int, default=4)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.0, 0.05, 0.15, 0.3])
-    parser.add_argument("--answer_tokens", type=int, default=10)
+    parser.add_argument("--answer_tokens", type=int, default=20)
     parser.add_argument("--chunk_size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
