@@ -211,8 +211,8 @@ def plot(report: Path, out: Path) -> None:
     twin = right.twinx()
     twin.plot(ratios, [q[2] for q in quality_rows], marker="s", color="C2", label="accuracy")
     twin.set(ylabel="needle accuracy", ylim=(0, 1.05))
-    right.legend(loc="upper center", fontsize=7)
-    twin.legend(loc="center right", fontsize=7)
+    right.legend(loc="center right", bbox_to_anchor=(1.0, 0.6), fontsize=7)
+    twin.legend(loc="center right", bbox_to_anchor=(1.0, 0.5), fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
