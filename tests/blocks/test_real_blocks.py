@@ -40,17 +40,17 @@ def test_needle_in_a_spliced_document(real: Path) -> None:
     fmt = load_format(real, tokenizer, None)
     rng = random.Random(3)
     key, value = rng.choice(FALLBACK_WORDS), str(rng.randint(10**6, 10**7 - 1))
-    docs = [f"Document {i}.\n" + NOISE * 6 + "\n" for i in range(3)]
+    docs = [f"Document {i}.\n" + NOISE * 3 + "\n" for i in range(2)]
     docs[1] = docs[1].replace("Here we go.", f"One of the special magic numbers for {key} is: {value}.", 1)
     question = (
         f"\nWhat is the special magic number for {key} mentioned in the provided text? Answer with the number only."
     )
     segments = prompt_segments(fmt, tokenizer, docs, question)
-    cfg = KVCacheConfig("dense", cache_length=1024, chunk_size=128)
+    cfg = KVCacheConfig("dense", cache_length=512, chunk_size=64)
     full = generate(model, [torch.cat([s.ids for s in segments])], 20, cfg)[0]
     assert value in tokenizer.decode(full)
     store = BlockStore(1 << 30)
     spliced = generate_segments(model, segments, 20, cfg, store, recompute=0.15)
     assert value in tokenizer.decode(spliced)
     assert torch.equal(generate_segments(model, segments, 20, cfg, store, recompute=1.0), full)
-    assert store.hits == 6  # the documents were computed once
+    assert store.hits == store.misses  # the documents were computed once, restored at the second use
