@@ -56,6 +56,7 @@ def _option_name(token: str) -> tuple[str, str | None]:
 
 # Boolean options that may be given bare, as a switch (`--compile` is `--compile true`).
 FLAGS = ("--compile",)
+REPEATED = ("--prompt", "--block_file")  # options given several times, gathered into one list
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
@@ -64,7 +65,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     - option names may use dashes: `--max-new-tokens` is `--max_new_tokens`;
     - `--kv-cache NAME` / `--kv_cache NAME` is `--kv_cache.policy NAME` (a YAML/JSON value stays);
     - `--kv_cache.OPTION` (not a `KVCacheConfig` field) is the policy option `--kv_cache.options.OPTION`;
-    - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'`;
+    - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'` (`--block_file` likewise);
     - `litkv generate DIR ...` (and `evaluate`, `finetune`) is `litkv generate --checkpoint_dir DIR ...`;
     - a bare flag in `FLAGS` (`--compile` not followed by a value) is `--compile true`.
     """
@@ -75,8 +76,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     elif argv and argv[0] in CHECKPOINT_POSITIONAL and _stray_last(argv):
         positional = ["--checkpoint_dir", argv.pop()]  # `litkv generate --prompt hi DIR`
     out: list[str] = []
-    prompts: list[str] = []
-    prompt_at: int | None = None
+    repeated: dict[str, list[str]] = {}  # `--prompt` and `--block_file` values, in order
+    repeated_at: dict[str, int] = {}
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -99,20 +100,20 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             value = "true"
         if value is None and i < len(argv) and _is_negative_number(argv[i]):
             value, i = argv[i], i + 1  # `--kv_cache.threshold -1e30`: argparse takes -1e30 for an option
-        if name in ("--kv_cache", "--prompt") and value is None and i < len(argv):
+        if name in ("--kv_cache", *REPEATED) and value is None and i < len(argv):
             value, i = argv[i], i + 1
-        if name == "--prompt" and value is not None:
-            prompt_at = len(out) if prompt_at is None else prompt_at
-            prompts.append(value)
+        if name in REPEATED and value is not None:
+            repeated_at.setdefault(name, len(out))
+            repeated.setdefault(name, []).append(value)
         elif name == "--kv_cache" and value is not None:
             out.extend([name, value] if _is_config_value(value) else ["--kv_cache.policy", value])
         else:
             out.append(name if value is None else f"{name}={value}")
-    if prompt_at is not None:
-        _check_utf8(prompts)
+    _check_utf8(repeated.get("--prompt", []))
+    for name in sorted(repeated_at, key=repeated_at.__getitem__, reverse=True):  # later insertions first
         # ensure_ascii=False: non-BMP characters (emoji) stay as they are; escaped, they would become
         # surrogate pairs that jsonargparse's YAML loader refuses.
-        out[prompt_at:prompt_at] = ["--prompt", json.dumps(prompts, ensure_ascii=False)]
+        out[repeated_at[name] : repeated_at[name]] = [name, json.dumps(repeated[name], ensure_ascii=False)]
     return out + positional
 
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from litkv.block_store import BlockStore
+from litkv.blocks import generate_segments, prompt_segments
 from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
@@ -44,6 +46,8 @@ def generate(
     prompt_cache: Path | None = None,
     compile: bool = False,
     chat_template: bool | None = None,
+    block_file: list[Path] | None = None,
+    recompute: float = 0.0,
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -73,6 +77,11 @@ def generate(
         chat_template: Send each prompt as a user message in the checkpoint's chat template (with the
             generation prompt; the reply ends at the template's end-of-turn token or EOS): true, false
             (raw text: base models, the shipped model), or unset: when the checkpoint has one.
+        block_file: Files whose texts come before the prompt as KV blocks (repeat for several): each is
+            tokenized alone, its cache computed alone once (kept in memory, and under
+            ``--prompt_cache``/blocks across runs) and spliced at its offset (docs/blocks.md).
+        recompute: With ``--block_file``: the fraction of each spliced block's tokens recomputed with
+            their context (0: pure splice; 1: a normal prefill).
 
     Returns:
         The new tokens of each prompt.
@@ -83,6 +92,21 @@ def generate(
     model, dev = load_for_inference(ckpt, precision, device, num_threads)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
+    if block_file:
+        return [
+            _generate_blocks(
+                model,
+                tokenizer,
+                fmt,
+                block_file,
+                texts,
+                max_new_tokens,
+                kv_cache,
+                recompute,
+                (temperature, top_k, top_p, seed),
+                prompt_cache,
+            )
+        ]
     encoded = [_encode(fmt, tokenizer, text, dev) for text in texts]
     for i, ids in enumerate(encoded):
         if ids.numel() == 0:
@@ -127,6 +151,54 @@ def generate(
     if store is not None:
         print(f"prompt cache: {store.reused_tokens} of {prompt_tokens} prompt tokens reused", file=sys.stderr)
     return outputs
+
+
+def _generate_blocks(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    fmt: Format,
+    files: list[Path],
+    texts: list[str],
+    max_new_tokens: int,
+    kv_cache: KVCacheConfig,
+    recompute: float,
+    sampling: tuple[float, int | None, float | None, int],
+    prompt_cache: Path | None,
+) -> torch.Tensor:
+    """`--block_file`: one prompt after the blocks, streamed; a summary line (blocks reused) on stderr."""
+    if len(texts) != 1:
+        raise ValueError(f"--block_file takes one prompt, got {len(texts)}")
+    blocks = []
+    for path in files:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"block file {str(path)!r} does not exist")
+        blocks.append(Path(path).read_text(encoding="utf-8"))
+    segments = prompt_segments(fmt, tokenizer, blocks, texts[0])
+    store = BlockStore(PROMPT_CACHE_BYTES, None if prompt_cache is None else Path(prompt_cache) / "blocks")
+    temperature, top_k, top_p, seed = sampling
+    device = model.lm_head.weight.device
+    stream = _Stream(tokenizer, model, echo=True, stop=tuple(sorted(fmt.stop_ids)))
+    print(texts[0], end="" if isinstance(fmt, RawFormat) else "\n", flush=True)
+    stream.start()
+    out = generate_segments(
+        model,
+        segments,
+        max_new_tokens,
+        kv_cache,
+        store,
+        recompute,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_tokens=tuple(sorted(fmt.stop_ids)),
+        generator=torch.Generator(device=device).manual_seed(seed),
+        on_tokens=stream,
+    )
+    stream.finish()
+    length = sum(s.ids.numel() for s in segments)
+    print(stream.summary(1, length, out.numel(), kv_cache), file=sys.stderr)
+    print(f"blocks: {len(blocks)}, {store.reused_tokens} block tokens restored, recompute={recompute}", file=sys.stderr)
+    return out
 
 
 def _encode(fmt: Format, tokenizer: Tokenizer, text: str, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""`litkv generate --block_file A --block_file B --prompt Q` (in-process `main`), and `prompt_segments`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from litkv.__main__ import main, normalize_argv
+from litkv.block_store import BlockStore
+from litkv.blocks import Segment, generate_segments, prompt_segments
+from litkv.chat_template import RawFormat
+from litkv.checkpoint import load_model, load_tokenizer
+from litkv.config import KVCacheConfig
+from litkv.recall import encode_plain
+
+DOCS = ("The secret word is apple. ", "Nothing to see here, only sand and sea. ")
+QUESTION = "The secret word is"
+
+
+def test_repeated_block_files_become_one_list() -> None:
+    argv = ["generate", "--block_file", "a.txt", "--prompt", "q", "--block_file", "b.txt"]
+    assert normalize_argv(argv) == ["generate", "--prompt", '["q"]', "--block_file", '["a.txt", "b.txt"]']
+
+
+def test_prompt_segments_tokenize_each_block_alone(ckpt: Path) -> None:
+    tokenizer = load_tokenizer(ckpt)
+    segments = prompt_segments(RawFormat(tokenizer), tokenizer, list(DOCS), QUESTION)
+    blocks = [s for s in segments if s.block]
+    assert [s.ids.tolist() for s in blocks] == [encode_plain(tokenizer, d) for d in DOCS]
+    assert segments[-1].ids.tolist() == encode_plain(tokenizer, QUESTION) and not segments[-1].block
+    with pytest.raises(ValueError, match="block 1 encodes to no tokens"):
+        prompt_segments(RawFormat(tokenizer), tokenizer, ["x", ""], QUESTION)
+
+
+def test_generate_block_files(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    files = []
+    for i, text in enumerate(DOCS):
+        files += ["--block_file", str(tmp_path / f"doc{i}.txt")]
+        (tmp_path / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    args = ["generate", str(ckpt), *files, "--prompt", QUESTION, "--max_new_tokens", "6", "--temperature", "0"]
+    args += ["--prompt_cache", str(tmp_path / "cache"), "--chat_template", "false"]
+    outputs = []
+    for _ in range(2):
+        main(args)
+        captured = capsys.readouterr()
+        outputs.append(captured.out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith(QUESTION)
+    assert "0 block tokens restored" not in captured.err  # the second run found the blocks on disk
+    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
+    segments = prompt_segments(RawFormat(tokenizer), tokenizer, list(DOCS), QUESTION)
+    with torch.inference_mode():
+        tokens = generate_segments(model, segments, 6, KVCacheConfig(), BlockStore(0))
+    assert outputs[0] == QUESTION + tokenizer.decode(tokens) + "\n"
+    assert all(isinstance(s, Segment) for s in segments)
+
+
+def test_bad_block_file_one_line(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", str(ckpt), "--block_file", str(tmp_path / "missing.txt"), "--prompt", "q"])
+    err = capsys.readouterr().err
+    assert "block file" in err and "does not exist" in err and "Traceback" not in err
