@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,7 +272,9 @@ class LitKVAPI(ls.LitAPI):
     is an asyncio task (LitServe's `enable_async`) that submits its turn and relays its text."""
 
     def __init__(self, opts: ServeOptions) -> None:
-        super().__init__(spec=LitKVSpec(opts), max_batch_size=1, enable_async=True)
+        with warnings.catch_warnings():  # LitServe asyncifies the spec's encode_response itself
+            warnings.filterwarnings("ignore", message="encode_response should be an async")
+            super().__init__(spec=LitKVSpec(opts), max_batch_size=1, enable_async=True)
         self.opts = opts
 
     def setup(self, device: str) -> None:

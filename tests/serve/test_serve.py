@@ -109,7 +109,8 @@ def test_cancelled_turn_stores_nothing(model_and_tok: tuple) -> None:
     steps = iter(range(100))
     result = TurnResult()
     list(engine.run(TurnRequest([("user", TURNS[0])], 20), result, cancelled=lambda: next(steps) >= 3))
-    assert len(result.reply_ids) == 3 and not result.stored and len(engine.store) == 0
+    assert 1 <= len(result.reply_ids) < 20 and result.finish_reason == "cancelled"
+    assert not result.stored and len(engine.store) == 0
 
 
 # -- the HTTP API, in process ---------------------------------------------------------------------
