@@ -190,3 +190,47 @@ def test_queue_full_is_503_with_retry_after(tmp_path: Path) -> None:
     assert call() == 503
     os.remove(tmp_path / f"{INFLIGHT}a")
     assert call() == 200
+
+
+def _real_checkpoint() -> Path | None:
+    from litkv.download import cache_dir
+
+    path = cache_dir("smollm2-135m-instruct")
+    return path if (path / "model.safetensors").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_real_checkpoint() is None, reason="run `litkv download smollm2-135m-instruct`")
+def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
+    """SmolLM2-135M-Instruct with its chat template, float32: two conversations decoded together get their
+    solo replies (a CPU matmul rounds 1 row and 2-15 rows differently: the batch always runs all its
+    rows), and a fresh server given the replies as text (one cut by max_tokens) answers the same."""
+    from litkv.chat_template import load_format
+
+    ckpt = _real_checkpoint()
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    kv = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=16)
+
+    def real_engine(state_bytes: int = 1 << 30) -> Engine:
+        store = StateStore(state_bytes, model=model, kv_cache=kv)
+        return Engine(model, tok, kv, store, fmt=load_format(ckpt, tok, None), max_batch=2)
+
+    convs = [["What is the capital of France?", "Tell me more."], ["Name three colors.", "Why?"]]
+    solo = [alone(real_engine(), c, [8, 6]) for c in convs]
+    eng = real_engine()
+    messages: list[list] = [[] for _ in convs]
+    for turn in range(2):
+        jobs = []
+        for i, conv in enumerate(convs):
+            messages[i].append(("user", conv[turn]))
+            jobs.append(Job(TurnRequest(list(messages[i]), [8, 6][turn]), TurnResult()))
+            eng.scheduler.submit(jobs[-1])
+        eng.scheduler.run_until(lambda: all(j.done for j in jobs))  # noqa: B023
+        for i, job in enumerate(jobs):
+            messages[i].append(("assistant", job.result.content))
+            assert job.result.reply_ids == solo[i][0][turn]
+    for replies, history in solo:
+        assert eng.text_ids(history[1][1]) == replies[0]  # the text stands for the ids fed
+        result = TurnResult()
+        "".join(real_engine(0).run(TurnRequest(history[:-1], 6), result))
+        assert result.reused_tokens == 0 and result.reply_ids == replies[-1]
