@@ -14,6 +14,7 @@ import torch
 from litkv.checkpoint import load_model, load_tokenizer
 from litkv.config import KVCacheConfig
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve.batch import RowBatch
 from litkv.serve.guard import INFLIGHT, Guard
 from litkv.serve.scheduler import Job
 
@@ -80,25 +81,25 @@ def test_concurrent_conversations_equal_alone_with_eviction_and_arrivals_mid_dec
     assert max(total) > KV.cache_length  # the long conversations were evicted from
 
 
+def row_logits(batch: RowBatch, row: int, mates: bool, steps: int) -> torch.Tensor:
+    """Logits `(steps, V)` of `row` decoding alone in the batch, or beside busy rows."""
+    for r in range(batch.rows):
+        batch.clear(r)
+    batch.prefill(row, [5, 6, 7, 8, 9], _plan())
+    if mates:
+        for r in (r for r in range(batch.rows) if r != row):
+            batch.prefill(r, [11 + r, 12, 13, 14, 15, 16, 17][: 3 + r], _plan())
+    logits = []
+    for i in range(steps):
+        tokens = [20 + i if r == row else (40 + i + r if mates else None) for r in range(batch.rows)]
+        logits.append(batch.step(tokens, [batch.next_pos(r) for r in range(batch.rows)])[row])
+    return torch.stack(logits)
+
+
 def test_row_result_does_not_depend_on_batch_mates(model_and_tok: tuple) -> None:
     """A row's logits are bitwise the same with idle batch-mates and with busy ones, in any row."""
-    eng = engine(model_and_tok)
-    batch = eng.batch
-    outs = []
-    for row, mates in ((0, False), (2, True)):
-        for r in range(batch.rows):
-            batch.clear(r)
-        batch.prefill(row, [5, 6, 7, 8, 9], _plan())
-        if mates:
-            for r in (0, 1, 3):
-                batch.prefill(r, [11 + r, 12, 13, 14, 15, 16, 17][: 3 + r], _plan())
-        logits = []
-        for i in range(30):  # past the 24 slots: evicting
-            tokens = [20 + i if r == row else (40 + i + r if mates else None) for r in range(batch.rows)]
-            positions = [batch.next_pos(r) for r in range(batch.rows)]
-            logits.append(batch.step(tokens, positions)[row])
-        outs.append(torch.stack(logits))
-    assert torch.equal(outs[0], outs[1])
+    batch = engine(model_and_tok).batch
+    assert torch.equal(row_logits(batch, 0, False, 30), row_logits(batch, 2, True, 30))  # 30 > 24 slots: evicting
 
 
 def _plan():  # noqa: ANN202
@@ -215,6 +216,8 @@ def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
         store = StateStore(state_bytes, model=model, kv_cache=kv)
         return Engine(model, tok, kv, store, fmt=load_format(ckpt, tok, None), max_batch=2)
 
+    batch = real_engine().batch  # bitwise, on the real model's shapes too
+    assert torch.equal(row_logits(batch, 0, False, 4), row_logits(batch, 1, True, 4))
     convs = [["What is the capital of France?", "Tell me more."], ["Name three colors.", "Why?"]]
     solo = [alone(real_engine(), c, [8, 6]) for c in convs]
     eng = real_engine()
