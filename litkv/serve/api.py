@@ -36,8 +36,8 @@ from starlette.requests import Request
 from litkv.config import KVCacheConfig
 from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages, count_prompt_tokens
 from litkv.serve.fields import NO_OP, unsupported_field
-from litkv.serve.scheduler import Job
 from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
+from litkv.serve.scheduler import Job
 from litkv.serve.store import StateStore
 
 __all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]

@@ -19,7 +19,28 @@ from litkv.serve.guard import INFLIGHT, Guard
 from litkv.serve.scheduler import Job
 
 KV = KVCacheConfig(policy="h2o", cache_length=24, chunk_size=8)  # evicts during prefill and decode
-WORDS = "the quick brown fox jumps over the lazy dog in the beginning was the word and the passkey is 12345".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "in",
+    "the",
+    "beginning",
+    "was",
+    "the",
+    "word",
+    "and",
+    "the",
+    "passkey",
+    "is",
+    "12345",
+]
 
 
 def user_turns(i: int, n: int) -> list[str]:
@@ -124,7 +145,7 @@ def test_same_reply_from_memory_disk_lru_and_replay(model_and_tok: tuple, tmp_pa
     # replies replayed one id per decode step, as decoding fed them (here the ids themselves, since the
     # tiny random model's replies rarely re-tokenize; the real model's test sends the text)
     fresh = engine(model_and_tok, state_bytes=0)
-    fresh.text_ids = lambda content: next(r for r, (_, c) in zip(replies, messages[1::2]) if c == content)
+    fresh.text_ids = lambda content: next(r for r, (_, c) in zip(replies, messages[1::2], strict=True) if c == content)
     result = TurnResult()
     "".join(fresh.run(TurnRequest(messages[:-1], budgets[-1]), result))
     assert result.reused_tokens == 0 and result.reply_ids == replies[-1]
