@@ -185,6 +185,46 @@ def stop(proc: subprocess.Popen) -> None:
             child.kill()
 
 
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How do plants grow?",
+    "Tell me a fun fact about cats.",
+    "What is 12 times 7?",
+    "Give me a tip for learning Python.",
+]
+
+
+def count_retokenize(args: argparse.Namespace) -> None:
+    """In process: how many replies' text does not re-tokenize to the ids the server fed (a fresh server
+    given that text would feed other tokens), over `--retokenize` sampled single-turn replies."""
+    import torch
+
+    from litkv.chat_template import load_format
+    from litkv.checkpoint import load_model, load_tokenizer
+    from litkv.config import KVCacheConfig
+    from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.checkpoint), load_tokenizer(args.checkpoint)
+    kv = KVCacheConfig(policy=args.policy, cache_length=args.cache_length)
+    store = StateStore(0, model=model, kv_cache=kv)
+    engine = Engine(model, tok, kv, store, fmt=load_format(args.checkpoint, tok, None), stop_at_newline=False)
+    counts: dict[str, list[int]] = {}
+    for i in range(args.retokenize):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        result = TurnResult()
+        request = TurnRequest([("user", question)], args.max_tokens, temperature=0.8, seed=i)
+        "".join(engine.run(request, result))
+        seen = counts.setdefault(result.finish_reason, [0, 0])
+        seen[0] += 1
+        seen[1] += engine.text_ids(result.content) != result.reply_ids
+    for reason, (n, bad) in counts.items():
+        print(f"finish_reason {reason}: {bad} of {n} replies do not re-tokenize to their ids")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=Path(__file__).parents[1] / "litkv/assets/default")
@@ -200,6 +240,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", nargs="+", default=["litkv", "litgpt"])
+    p.add_argument("--retokenize", type=int, default=0, help="only count replies that do not re-tokenize")
     args = p.parse_args()
     from tokenizers import Tokenizer
 
@@ -207,6 +248,9 @@ def main() -> None:
         from litkv.download import cache_dir
 
         args.checkpoint = cache_dir(str(args.checkpoint))
+    if args.retokenize:
+        count_retokenize(args)
+        return
     args.tokenizer = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))  # counts both servers' replies
     results = {kind: run(kind, args) for kind in args.servers}
     turns = " | ".join(f"TTFT t{i + 1} p50 / p95 (ms)" for i in range(args.turns))

@@ -21,7 +21,6 @@ import collections
 import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +34,7 @@ from litkv.recall import encode_plain
 from litkv.serve.batch import RowBatch
 from litkv.serve.scheduler import Job, Scheduler
 from litkv.serve.store import StateStore
+from litkv.serve.turns import RequestError, TurnRequest, TurnResult
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -42,42 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["ROLES", "Engine", "RequestError", "TurnRequest", "TurnResult", "count_prompt_tokens", "message_keys"]
 
 ROLES = ("system", "user", "assistant")
-
-
-class RequestError(ValueError):
-    """A request the server refuses (HTTP 4xx): `status` and an OpenAI-style `code`."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.param = param
-
-
-@dataclass
-class TurnRequest:
-    """One chat completion request, checked."""
-
-    messages: list[Message]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    request_id: str = ""
-
-
-@dataclass
-class TurnResult:
-    """What a finished turn produced."""
-
-    content: str = ""
-    reply_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    finish_reason: str = "stop"
-    stored: bool = False
-    generated: int = 0
 
 
 def message_keys(root: str, messages: Sequence[Message]) -> list[str]:

@@ -29,16 +29,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from litkv.chat_template import Segment
 from litkv.generate import sample
 from litkv.serve.batch import RowBatch
-
-if TYPE_CHECKING:
-    from litkv.serve.engine import Engine, TurnRequest, TurnResult
+from litkv.serve.turns import TurnRequest, TurnResult
 
 __all__ = ["Job", "Scheduler"]
 
@@ -77,6 +75,17 @@ class Job:
     scanner: Any = None
 
 
+class Turns(Protocol):
+    """What the loop asks of the server's engine (`litkv.serve.engine.Engine`) about a job."""
+
+    top_k: int | None
+
+    def admit(self, job: Job) -> None: ...
+    def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor: ...
+    def on_token(self, job: Job, token: int) -> bool: ...
+    def finish(self, job: Job) -> None: ...
+
+
 class Scheduler:
     """The decode loop of `litkv serve`: at most `batch.rows` turns at once, the others wait in order.
 
@@ -85,7 +94,7 @@ class Scheduler:
         batch: the rows.
     """
 
-    def __init__(self, engine: Engine, batch: RowBatch) -> None:
+    def __init__(self, engine: Turns, batch: RowBatch) -> None:
         self.engine = engine
         self.batch = batch
         self.rows: list[Job | None] = [None] * batch.rows
