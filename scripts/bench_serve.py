@@ -211,7 +211,8 @@ def count_retokenize(args: argparse.Namespace) -> None:
     model, tok = load_model(args.checkpoint), load_tokenizer(args.checkpoint)
     kv = KVCacheConfig(policy=args.policy, cache_length=args.cache_length)
     store = StateStore(0, model=model, kv_cache=kv)
-    engine = Engine(model, tok, kv, store, fmt=load_format(args.checkpoint, tok, None), stop_at_newline=False)
+    fmt = load_format(args.checkpoint, tok, None)
+    engine = Engine(model, tok, kv, store, fmt=fmt, stop_at_newline=False, max_batch=1)
     counts: dict[str, list[int]] = {}
     for i in range(args.retokenize):
         question = QUESTIONS[i % len(QUESTIONS)]
