@@ -258,3 +258,19 @@ def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
         result = TurnResult()
         "".join(real_engine(0).run(TurnRequest(history[:-1], 6), result))
         assert result.reused_tokens == 0 and result.reply_ids == replies[-1]
+
+
+def test_queued_turns_wait_for_a_row_and_a_cancelled_one_leaves_the_queue(model_and_tok: tuple) -> None:
+    eng = engine(model_and_tok)  # 4 rows
+    jobs = [Job(TurnRequest([("user", " ".join(user_turns(i, 1)))], 6), TurnResult()) for i in range(6)]
+    gone = {"now": False}
+    jobs[5].cancelled = lambda: gone["now"]
+    for job in jobs:
+        eng.scheduler.submit(job)
+    eng.scheduler.step()
+    assert [j.row for j in jobs] == [0, 1, 2, 3, -1, -1] and len(eng.scheduler.waiting) == 2
+    gone["now"] = True
+    eng.scheduler.run_until(lambda: all(j.done for j in jobs))
+    assert jobs[5].result.finish_reason == "cancelled" and jobs[5].result.reply_ids == []
+    assert jobs[4].row >= 0 and all(len(j.result.reply_ids) > 0 for j in jobs[:5])
+    assert len(eng.store) == 5
