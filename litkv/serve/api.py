@@ -307,6 +307,8 @@ class LitKVAPI(ls.LitAPI):
             max_batch=self.opts.max_batch,
         )
         self.engine.scheduler.start()
+        rows = self.engine.batch
+        log.info("batch of %d rows: %.1f MiB of caches, allocated once", rows.rows, rows.batch.nbytes() / 2**20)
 
     async def decode_request(self, request: ChatCompletionRequest, **kwargs: Any) -> TurnRequest:
         try:
