@@ -32,7 +32,7 @@ from litkv.model import GPT
 from litkv.runner import ChunkPlan, run_chunks
 from litkv.undo import keep_undo_log
 
-__all__ = ["Conversation", "Pending", "Pick"]
+__all__ = ["Conversation", "Pending", "Pick", "segment_plan"]
 
 Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (1, V) -> next token (1,)
 
@@ -47,6 +47,16 @@ class Pending:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.ids) for s in self.segments)
+
+
+def segment_plan(seg: Segment, next_pos: int, kv_cache: KVCacheConfig) -> ChunkPlan:
+    """The calls of a segment fed at `next_pos`: a reply one token per call, the conversation's first
+    segment by `prefill_length` then `chunk_size`, a later prompt segment by `chunk_size` (chat and serve)."""
+    if seg.reply:
+        return ChunkPlan(1, 1)
+    if next_pos == 0:
+        return ChunkPlan.of(kv_cache)
+    return ChunkPlan(kv_cache.chunk_length, kv_cache.chunk_length)
 
 
 class Conversation:
@@ -210,12 +220,7 @@ class Conversation:
 
     def _run(self, seg: Segment) -> torch.Tensor:
         n = len(seg.ids)
-        if seg.reply:
-            plan = ChunkPlan(1, 1)
-        elif self.next_pos == 0:
-            plan = ChunkPlan.of(self.kv_cache)
-        else:
-            plan = ChunkPlan(self.kv_cache.chunk_length, self.kv_cache.chunk_length)
+        plan = segment_plan(seg, self.next_pos, self.kv_cache)
         idx = torch.tensor([seg.ids], dtype=torch.long, device=self.device)
         start = self.next_pos
         pos = torch.arange(start, start + n, device=self.device)[None]

@@ -1,16 +1,17 @@
 """Multi-turn chat workload against `litkv serve` and `litgpt serve` on the same checkpoint.
 
-N conversations x T turns through the `openai` client (streaming), each turn adding a user message of
-about `--words` words, replies of `--max_tokens` tokens. Reports the time to first token (TTFT) of
-each turn (median over conversations), the aggregate tokens/s of 1 client and of `--clients` clients
-at once (reply tokens counted by re-tokenising the replies, the same way for both servers), and the
-server's RSS (all its processes) after each conversation.
+For each count N of `--clients` (default 1 2 4 8), N clients at once, each running one conversation of
+`--turns` turns through the `openai` client (streaming), each turn adding a user message of about
+`--words` words, replies of at most `--max_tokens` tokens. Reports the aggregate tokens/s (reply tokens
+counted by re-tokenising the replies, the same way for both servers, over the wall time) and the time
+to first token (TTFT) of each turn, p50 and p95 over the N clients. Then `--conversations` conversations
+one after another, and the server's RSS (all its processes) after each.
 
 `litgpt serve` is litgpt's own server code (`litgpt.deploy.serve.OpenAISpecLitAPI` on LitServe, as
 `litgpt serve --openai_spec true` builds it) started here only to bind 127.0.0.1; it reads
 `lit_model.pth`, so the checkpoint is copied to a temporary directory with its weights in that file.
 
-    nice python scripts/bench_serve.py --conversations 4 --turns 10 --clients 4
+    nice python scripts/bench_serve.py --checkpoint smollm2-135m-instruct --turns 3 --clients 1 2 4 8
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import argparse
 import concurrent.futures
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,6 +89,8 @@ def start(kind: str, ckpt: Path, port: int, args: argparse.Namespace) -> subproc
             "false",
             "--state_bytes",
             str(args.state_bytes),
+            "--max_batch",
+            str(args.max_batch),
         ]
     else:
         argv = [sys.executable, "-c", LITGPT_LAUNCH, str(litgpt_checkpoint(ckpt)), str(port)]
@@ -137,23 +139,34 @@ def conversation(client: openai.OpenAI, c: int, args: argparse.Namespace) -> tup
     return ttfts, tokens, time.perf_counter() - t0
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def run(kind: str, args: argparse.Namespace) -> dict:
     proc = start(kind, args.checkpoint, args.port, args)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=600)
         client.model_name = client.models.list().data[0].id if kind == "litkv" else "litgpt"
-        ttfts, rss, tokens, seconds = [], [], 0, 0.0
+        loads = {}
+        for n in args.clients:
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                t0 = time.perf_counter()
+                results = list(pool.map(lambda c: conversation(client, c, args), [100 * n + c for c in range(n)]))
+                seconds = time.perf_counter() - t0
+            per_turn = [[r[0][t] for r in results] for t in range(args.turns)]
+            loads[n] = {
+                "tps": sum(r[1] for r in results) / seconds,
+                "p50": [percentile(t, 0.5) for t in per_turn],
+                "p95": [percentile(t, 0.95) for t in per_turn],
+            }
+            print(kind, n, "clients", loads[n], flush=True)
+        rss = []
         for c in range(args.conversations):
-            t, n, s = conversation(client, c, args)
-            ttfts.append(t)
-            tokens, seconds = tokens + n, seconds + s
+            conversation(client, 10000 + c, args)
             rss.append(rss_mib(proc))
-        with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-            t0 = time.perf_counter()
-            results = list(pool.map(lambda c: conversation(client, 1000 + c, args), range(args.clients)))
-            together = sum(r[1] for r in results) / (time.perf_counter() - t0)
-        turn_ttft = [statistics.median(t[i] for t in ttfts) for i in range(args.turns)]
-        return {"ttft": turn_ttft, "solo_tps": tokens / seconds, "together_tps": together, "rss": rss}
+        return {"loads": loads, "rss": rss}
     finally:
         stop(proc)
 
@@ -172,36 +185,87 @@ def stop(proc: subprocess.Popen) -> None:
             child.kill()
 
 
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How do plants grow?",
+    "Tell me a fun fact about cats.",
+    "What is 12 times 7?",
+    "Give me a tip for learning Python.",
+]
+
+
+def count_retokenize(args: argparse.Namespace) -> None:
+    """In process: how many replies' text does not re-tokenize to the ids the server fed (a fresh server
+    given that text would feed other tokens), over `--retokenize` sampled single-turn replies."""
+    import torch
+
+    from litkv.chat_template import load_format
+    from litkv.checkpoint import load_model, load_tokenizer
+    from litkv.config import KVCacheConfig
+    from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.checkpoint), load_tokenizer(args.checkpoint)
+    kv = KVCacheConfig(policy=args.policy, cache_length=args.cache_length)
+    store = StateStore(0, model=model, kv_cache=kv)
+    fmt = load_format(args.checkpoint, tok, None)
+    engine = Engine(model, tok, kv, store, fmt=fmt, stop_at_newline=False, max_batch=1)
+    counts: dict[str, list[int]] = {}
+    for i in range(args.retokenize):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        result = TurnResult()
+        request = TurnRequest([("user", question)], args.max_tokens, temperature=0.8, seed=i)
+        "".join(engine.run(request, result))
+        seen = counts.setdefault(result.finish_reason, [0, 0])
+        seen[0] += 1
+        seen[1] += engine.text_ids(result.content) != result.reply_ids
+    for reason, (n, bad) in counts.items():
+        print(f"finish_reason {reason}: {bad} of {n} replies do not re-tokenize to their ids")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=Path(__file__).parents[1] / "litkv/assets/default")
-    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=20, help="sequential conversations for the RSS")
     p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--words", type=int, default=30)
     p.add_argument("--max_tokens", type=int, default=24)
     p.add_argument("--policy", default="h2o")
     p.add_argument("--cache_length", type=int, default=256)
     p.add_argument("--state_bytes", type=int, default=64 << 20)
+    p.add_argument("--max_batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", nargs="+", default=["litkv", "litgpt"])
+    p.add_argument("--retokenize", type=int, default=0, help="only count replies that do not re-tokenize")
     args = p.parse_args()
     from tokenizers import Tokenizer
 
+    if not args.checkpoint.exists():  # a model name: litkv's cache directory of it
+        from litkv.download import cache_dir
+
+        args.checkpoint = cache_dir(str(args.checkpoint))
+    if args.retokenize:
+        count_retokenize(args)
+        return
     args.tokenizer = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))  # counts both servers' replies
     results = {kind: run(kind, args) for kind in args.servers}
-    print(
-        "| server | " + " | ".join(f"TTFT t{i + 1} (ms)" for i in range(args.turns)) + " | 1 client tok/s | "
-        f"{args.clients} clients tok/s | RSS first / last conv (MiB) |"
-    )
-    print("|---" * (args.turns + 5) + "|")
+    turns = " | ".join(f"TTFT t{i + 1} p50 / p95 (ms)" for i in range(args.turns))
+    print(f"| server | clients | tok/s | {turns} |")
+    print("|---" * (args.turns + 3) + "|")
     for kind, r in results.items():
-        ttft = " | ".join(f"{1000 * t:.0f}" for t in r["ttft"])
-        print(
-            f"| {kind} | {ttft} | {r['solo_tps']:.1f} | {r['together_tps']:.1f} | "
-            f"{r['rss'][0]:.0f} / {r['rss'][-1]:.0f} |"
-        )
+        for n, load in r["loads"].items():
+            ttft = " | ".join(f"{1000 * a:.0f} / {1000 * b:.0f}" for a, b in zip(load["p50"], load["p95"], strict=True))
+            print(f"| {kind} | {n} | {load['tps']:.1f} | {ttft} |")
+    print("\n| server | RSS after conversation 1 / 10 / last (MiB) | conversations |\n|---|---|---|")
+    for kind, r in results.items():
+        rss = r["rss"]
+        mid = rss[min(9, len(rss) - 1)] if rss else 0.0
+        print(f"| {kind} | {rss[0] if rss else 0:.0f} / {mid:.0f} / {rss[-1] if rss else 0:.0f} | {len(rss)} |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ def serve(
     model_name: str | None = None,
     state_bytes: int = 1 << 30,
     state_dir: Path | None = None,
+    state_dir_bytes: int | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
     max_tokens: int = 1024,
     default_max_tokens: int = 128,
     max_prompt_tokens: int = 8192,
@@ -55,10 +58,14 @@ def serve(
         port: TCP port.
         api_key: When set, /v1 requests need ``Authorization: Bearer KEY`` (else 401).
         model_name: The model id of /v1/models and of requests. Default: the checkpoint directory's name.
-        state_bytes: Bytes of conversation states kept in memory, and of files in ``state_dir`` (least
-            recently used go first).
+        state_bytes: Bytes of conversation states kept in memory (least recently used go first).
         state_dir: Also write every state here (atomically) and read it back after eviction or a restart;
             an entry is used only if it proves its key, this model and this cache config.
+        state_dir_bytes: Bytes of files kept in ``state_dir`` (least recently used deleted first).
+            Default: ``state_bytes``.
+        max_batch: Conversations decoded at once (rows of the running batch); more requests wait.
+        max_queue: Requests that may wait for a row; beyond ``max_batch + max_queue`` in flight a request
+            gets 503 (``server_overloaded``, ``Retry-After: 1``).
         max_tokens: Largest ``max_tokens`` a request may ask for.
         default_max_tokens: ``max_tokens`` of a request that gives none.
         max_prompt_tokens: Most tokens a request's messages may have.
@@ -81,12 +88,16 @@ def serve(
     for name, value, low in (
         ("port", port, 0),
         ("state_bytes", state_bytes, 0),
+        ("max_batch", max_batch, 1),
+        ("max_queue", max_queue, 0),
         ("max_tokens", max_tokens, 1),
         ("default_max_tokens", default_max_tokens, 1),
         ("max_prompt_tokens", max_prompt_tokens, 1),
         ("max_body_bytes", max_body_bytes, 1),
     ):
         require_int(name, value, low)
+    if state_dir_bytes is not None:
+        require_int("state_dir_bytes", state_dir_bytes, 0)
     if default_max_tokens > max_tokens:
         raise ValueError(f"default_max_tokens ({default_max_tokens}) must be <= max_tokens ({max_tokens})")
     _check_serving_options(host, api_key, top_k, timeout, body_timeout)
@@ -96,7 +107,8 @@ def serve(
     _check_chat_template(ckpt, chat_template)
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
-        dtype=precision, state_bytes=state_bytes, state_dir=state_dir, max_tokens=max_tokens,
+        dtype=precision, state_bytes=state_bytes, state_dir=state_dir, state_dir_bytes=state_dir_bytes,
+        max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
         body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template,
         seed=seed, api_key=api_key, num_threads=num_threads,

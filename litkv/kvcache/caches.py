@@ -202,6 +202,26 @@ class KVCaches:
                 f"after position {int(previous[row, col])}"
             )
 
+    # -- rows -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def copy_row(self, row: int, source: KVCaches, source_row: int = 0) -> None:
+        """Write row `source_row` of `source` (caches of the same configs and slots) into row `row`:
+        every layer's state tensors (in place) and `last_pos`; the other rows are not touched or copied.
+        Host counters (`num_filled`) are shared by the rows and left as they are."""
+        if len(source) != len(self):
+            raise ValueError(f"copy_row: the source has {len(source)} layers, these caches {len(self)}")
+        for i, (dst, src) in enumerate(zip(self.policy_caches, source.policy_caches, strict=True)):
+            live, given = dst.state_tensors(), src.state_tensors()
+            if set(live) != set(given):
+                raise ValueError(f"copy_row: layer {i} holds {sorted(live)}, the source {sorted(given)}")
+            for name, t in live.items():
+                t[row].copy_(given[name][source_row])
+        if source.last_pos is not None or self.last_pos is not None:
+            if self.last_pos is None:
+                self.last_pos = torch.full((self.batch_size,), -1, dtype=torch.long, device=self[0].positions.device)
+            self.last_pos[row] = -1 if source.last_pos is None else source.last_pos[source_row]
+
     # -- sizes ----------------------------------------------------------------------------------
 
     def nbytes(self) -> int:

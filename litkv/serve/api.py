@@ -9,6 +9,7 @@ next decode step and stores nothing for that turn.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -17,7 +18,8 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,6 +37,7 @@ from litkv.config import KVCacheConfig
 from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages, count_prompt_tokens
 from litkv.serve.fields import NO_OP, unsupported_field
 from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
+from litkv.serve.scheduler import Job
 from litkv.serve.store import StateStore
 
 __all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
@@ -53,6 +56,9 @@ class ServeOptions:
     dtype: str | None = None
     state_bytes: int = 1 << 30
     state_dir: Path | None = None
+    state_dir_bytes: int | None = None
+    max_batch: int = 8
+    max_queue: int = 64
     max_tokens: int = 1024
     default_max_tokens: int = 128
     max_prompt_tokens: int = 8192
@@ -262,10 +268,13 @@ async def _finish_reason(pipe: Any, seen: dict[str, str]) -> Any:
 
 
 class LitKVAPI(ls.LitAPI):
-    """The inference worker: one model, one `Engine`, one turn at a time."""
+    """The inference worker: one model, one `Engine` whose batch loop runs in its own thread; each request
+    is an asyncio task (LitServe's `enable_async`) that submits its turn and relays its text."""
 
     def __init__(self, opts: ServeOptions) -> None:
-        super().__init__(spec=LitKVSpec(opts), max_batch_size=1)
+        with warnings.catch_warnings():  # LitServe asyncifies the spec's encode_response itself
+            warnings.filterwarnings("ignore", message="encode_response should be an async")
+            super().__init__(spec=LitKVSpec(opts), max_batch_size=1, enable_async=True)
         self.opts = opts
 
     def setup(self, device: str) -> None:
@@ -283,6 +292,7 @@ class LitKVAPI(ls.LitAPI):
             model=model,
             kv_cache=self.opts.kv_cache,
             max_prompt_tokens=self.opts.max_prompt_tokens,
+            disk_bytes=self.opts.state_dir_bytes,
         )
         tokenizer = load_tokenizer(self.opts.checkpoint_dir)
         self.engine = Engine(
@@ -294,9 +304,13 @@ class LitKVAPI(ls.LitAPI):
             self.opts.stop_at_newline,
             self.opts.seed,
             load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template),
+            max_batch=self.opts.max_batch,
         )
+        self.engine.scheduler.start()
+        rows = self.engine.batch
+        log.info("batch of %d rows: %.1f MiB of caches, allocated once", rows.rows, rows.batch.nbytes() / 2**20)
 
-    def decode_request(self, request: ChatCompletionRequest, **kwargs: Any) -> TurnRequest:
+    async def decode_request(self, request: ChatCompletionRequest, **kwargs: Any) -> TurnRequest:
         try:
             return parse_request(request, self.opts)
         except RequestError as err:
@@ -307,30 +321,44 @@ class LitKVAPI(ls.LitAPI):
             self.opts.cancel_dir is not None and bool(request_id) and (Path(self.opts.cancel_dir) / request_id).exists()
         )
 
-    def predict(self, turn: TurnRequest, **kwargs: Any) -> Iterator[Any]:
+    async def predict(self, turn: TurnRequest, **kwargs: Any) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def emit(kind: str, value: Any) -> None:  # from the batch loop's thread
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
         result = TurnResult()
+        job = Job(turn, result, lambda: self._cancelled(turn.request_id), emit)
+        self.engine.scheduler.submit(job)
         try:
-            yield from self.engine.run(turn, result, lambda: self._cancelled(turn.request_id))
-        except RequestError as err:
-            raise _http_error(err) from None
+            while True:
+                kind, value = await queue.get()
+                if kind == "text":
+                    yield value
+                elif kind == "error":
+                    if isinstance(value, RequestError):
+                        raise _http_error(value)
+                    raise value
+                else:
+                    break
         finally:
             if self.opts.cancel_dir is not None and turn.request_id:
                 (Path(self.opts.cancel_dir) / turn.request_id).unlink(missing_ok=True)
-        completion = len(result.reply_ids)
         log.info(
             "turn %s: %d prompt tokens (%d reused), %d new, stored=%s",
             turn.request_id[:8],
             result.prompt_tokens,
             result.reused_tokens,
-            completion,
+            result.generated,
             result.stored,
         )
         yield {
             "role": "assistant",
             "content": "",
             "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion,
+            "completion_tokens": result.generated,
+            "total_tokens": result.prompt_tokens + result.generated,
             "finish_reason": result.finish_reason,
         }
 
@@ -383,6 +411,7 @@ def build_server(opts: ServeOptions, timeout: float = 600.0) -> ls.LitServer:
                     "max_body_bytes": opts.max_body_bytes,
                     "run_dir": opts.cancel_dir,
                     "body_timeout": opts.body_timeout,
+                    "max_inflight": opts.max_batch + opts.max_queue,
                 },
             )
         ],  # fmt: skip

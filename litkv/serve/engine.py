@@ -1,37 +1,40 @@
 """The conversation engine of `litkv serve`: messages in, reply text out, through stored cache states.
 
-A conversation is a list of `(role, content)` messages, made into tokens and fed by the conversation
-engine that `litkv chat` uses too (`litkv.conversation`): with the checkpoint's chat template when it
-has one (`litkv.chat_template`), else each message is `content + "\\n"` (BOS only at the very start).
-Prompt text is fed in chunks from its segment's first token; an assistant message generated here is the
-reply's exact token ids (all of them, the stop token included), fed one token per call, as decode fed
-them; one the server never produced is its text, tokenized.
+A conversation is a list of `(role, content)` messages, made into segments by the format that `litkv
+chat` uses too (`litkv.chat_template`: the checkpoint's chat template, else raw text), and fed by the
+batch loop (`litkv.serve.scheduler`): prompt text in chunks from its segment's first token
+(`litkv.conversation.segment_plan`), an assistant message one token per decode step, as decoding fed
+it: the reply's exact ids when this server generated it (kept next to its state), else its text's ids
+(`Engine.text_ids`: the server returns a reply as the text of exactly the tokens it fed, so the text
+stands for the same ids unless it does not re-tokenize to them).
 
 A request's messages are matched against stored states at message boundaries: the longest prefix
-that ends with an assistant message and has a state is restored, and only the messages after it are
-run. After the reply the state is stored under the prefix that includes the reply. So a turn's tokens
-are the same whether its state came from memory, from disk, or was recomputed from scratch: the
-recomputation replays the same per-segment schedule.
+that ends with an assistant message and has a state is restored into the job's row, and only the
+segments after it are fed. After the reply the row's state is stored under the prefix that includes
+the reply. So a turn's tokens are the same whether its state came from memory, from disk, or was
+recomputed from the messages, and whatever else runs in the batch (`litkv.serve.batch`).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.chat_template import ChatTemplateError, Format, Message, RawFormat, TemplateFormat
+from litkv.chat_template import ChatTemplateError, Format, Message, RawFormat, Segment, TemplateFormat
 from litkv.config import KVCacheConfig
-from litkv.conversation import Conversation, Pending
+from litkv.conversation import segment_plan
 from litkv.fingerprint import model_fingerprint
-from litkv.generate import sample
 from litkv.model import GPT
+from litkv.recall import encode_plain
+from litkv.serve.batch import RowBatch
+from litkv.serve.scheduler import Job, Scheduler
 from litkv.serve.store import StateStore
-from litkv.state import restore, snapshot
+from litkv.serve.turns import RequestError, TurnRequest, TurnResult
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -39,41 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["ROLES", "Engine", "RequestError", "TurnRequest", "TurnResult", "count_prompt_tokens", "message_keys"]
 
 ROLES = ("system", "user", "assistant")
-
-
-class RequestError(ValueError):
-    """A request the server refuses (HTTP 4xx): `status` and an OpenAI-style `code`."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.param = param
-
-
-@dataclass
-class TurnRequest:
-    """One chat completion request, checked."""
-
-    messages: list[Message]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    request_id: str = ""
-
-
-@dataclass
-class TurnResult:
-    """What a finished turn produced."""
-
-    content: str = ""
-    reply_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    finish_reason: str = "stop"
-    stored: bool = False
 
 
 def message_keys(root: str, messages: Sequence[Message]) -> list[str]:
@@ -100,8 +68,9 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 
 class Engine:
-    """Runs turns of conversations on one model (batch of one), restoring and storing cache states; the
-    conversation itself (formatting, feeding, the reply loop) is a `litkv.conversation.Conversation`.
+    """Turns of conversations on one model, continuously batched (`litkv.serve.scheduler`): restores and
+    stores cache states, plans what each turn feeds (the conversation engine's segments), samples and
+    cuts replies.
 
     Args:
         model: the GPT.
@@ -109,9 +78,11 @@ class Engine:
         kv_cache: the cache config of every layer.
         store: where conversation states live.
         top_k: sample among the k most likely tokens (as `litkv chat`'s `--top_k`).
-        stop_at_newline: end a reply at its first newline (as `litkv chat`); default: only for raw text.
+        stop_at_newline: end a reply at its first newline, which it keeps (as `litkv chat`); default:
+            only for raw text.
         default_seed: sampler seed of a request without `seed`.
         fmt: how messages become tokens (`litkv.chat_template.load_format`); default raw text.
+        max_batch: rows of the running batch (turns run at once; more wait).
     """
 
     def __init__(
@@ -124,6 +95,7 @@ class Engine:
         stop_at_newline: bool | None = None,
         default_seed: int = 1234,
         fmt: Format | None = None,
+        max_batch: int = 8,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -133,8 +105,10 @@ class Engine:
         self.format = fmt or RawFormat(tokenizer)
         self.stop_at_newline = self.format.name == "raw" if stop_at_newline is None else stop_at_newline
         self.default_seed = default_seed
-        self.conversation = Conversation(model, self.format, kv_cache)
-        identity = [model_fingerprint(model), repr(kv_cache)]
+        self.batch = RowBatch(model, kv_cache, max_batch)
+        self.scheduler = Scheduler(self, self.batch)
+        # the rows' count is in the key: a state's rounding is that of decode steps of this many rows
+        identity = [model_fingerprint(model), repr(kv_cache), f"batched-rows={max_batch}"]
         if isinstance(self.format, TemplateFormat):  # another format: other tokens, other states
             identity.append(self.format.template.source)
         self.root = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
@@ -150,111 +124,134 @@ class Engine:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
 
-    # -- caches ---------------------------------------------------------------------------------
-
-    @property
-    def next_pos(self) -> int:
-        return self.conversation.next_pos
+    def text_ids(self, content: str) -> list[int]:
+        """The ids an assistant message's text stands for, fed as a reply is (no BOS, nothing added: the
+        server returns a reply as the text of exactly the tokens it fed, stop token excluded)."""
+        if not content:
+            return []
+        if isinstance(self.format, TemplateFormat):
+            return [int(t) for t in encode_plain(self.tokenizer, content)]
+        return [int(t) for t in self.tokenizer.encode(content, bos=False).tolist()]
 
     def _replies(self, keys: list[str], messages: Sequence[Message]) -> list[list[int] | None]:
-        """The stored token ids of each assistant message generated here (else `None`)."""
-        return [
-            self.store.reply_ids(keys[i + 1]) if role == "assistant" else None for i, (role, _) in enumerate(messages)
-        ]
+        """Each assistant message's ids: those it was generated as (stored), else its text's (`text_ids`)."""
+        out: list[list[int] | None] = []
+        for i, (role, content) in enumerate(messages):
+            if role != "assistant":
+                out.append(None)
+                continue
+            known = self.store.reply_ids(keys[i + 1])
+            out.append(known if known is not None else self.text_ids(content))
+        return out
 
-    def _restore_longest(self, keys: list[str], messages: Sequence[Message], replies: list[list[int] | None]) -> int:
-        """Restore the longest stored prefix ending with an assistant message; how many messages it covers."""
-        for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1][0] != "assistant" or replies[k - 1] is None:
-                continue
-            state = self.store.get(keys[k])
-            if state is None:
-                continue
-            try:
-                restore(self.model, state)
-            except ValueError:  # taken from another model: never restored
-                continue
-            if self.conversation.adopt(messages[:k], replies[:k]):
-                return k
-        self.conversation.reset()
-        return 0
+    # -- a turn's way through the batch ---------------------------------------------------------
 
-    def _check_room(self, pending: Pending, max_tokens: int) -> None:
-        if self.limit is None:
-            return
-        filled = 0 if pending.restart else max(int(c.num_filled) for c in self.model.kv_caches)
-        needed = pending.num_tokens + max_tokens
-        if filled + needed > self.limit:
+    def admit(self, job: Job) -> None:
+        """Put `job` on its row: the longest stored state of its messages (else an empty row), and the
+        segments still to feed; RequestError when they do not fit a lossless cache."""
+        req = job.req
+        job.keys = message_keys(self.root, req.messages)
+        job.replies = self._replies(job.keys, req.messages)
+        try:
+            segments = self.format.segments(req.messages, job.replies, True, True)
+        except ChatTemplateError as err:  # the chat template refuses this conversation
+            raise RequestError(err.reason, param="messages") from None
+        held = self._restore_longest(job, segments)
+        job.pending = collections.deque(segments[held:])
+        reused = sum(len(s.ids) for s in segments[:held])
+        job.result.reused_tokens = reused
+        job.result.prompt_tokens = sum(len(s.ids) for s in segments)
+        if self.limit is not None and job.result.prompt_tokens + req.max_tokens > self.limit:
             raise RequestError(
-                f"the conversation needs {filled + needed} tokens, more than the {self.kv_cache.policy} cache's "
-                f"{self.limit} slots; use an evicting policy (--kv-cache h2o) or a larger --kv_cache.cache_length",
+                f"the conversation needs {job.result.prompt_tokens + req.max_tokens} tokens, more than the "
+                f"{self.kv_cache.policy} cache's {self.limit} slots; use an evicting policy (--kv-cache h2o) or "
+                "a larger --kv_cache.cache_length",
                 code="context_length_exceeded",
                 param="messages",
             )
+        job.generator = torch.Generator(device=self.device)
+        job.generator.manual_seed(self.default_seed if req.seed is None else req.seed)
+        job.scanner = _StopScanner(req.stop, "\n" if self.stop_at_newline else None)
 
-    # -- a turn ---------------------------------------------------------------------------------
+    def _restore_longest(self, job: Job, segments: list[Segment]) -> int:
+        """Load the longest stored prefix that ends with an assistant message into the job's row; how many
+        of `segments` it holds (0: the row starts empty)."""
+        messages = job.req.messages
+        for k in range(len(messages) - 1, 0, -1):
+            if messages[k - 1][0] != "assistant":
+                continue
+            state = self.store.get(job.keys[k])
+            if state is None:
+                continue
+            held = self.format.segments(messages[:k], job.replies[:k], True, False)
+            held = held[: max(i for i, s in enumerate(held) if s.reply) + 1]
+            count = sum(len(s.ids) for s in held)
+            last = -1 if state.last_pos is None else int(state.last_pos[0])
+            if segments[: len(held)] != held or count != last + 1:
+                continue
+            try:
+                self.batch.load(job.row, state)
+            except ValueError:  # taken with another config: never restored
+                continue
+            return len(held)
+        self.batch.clear(job.row)
+        return 0
+
+    def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor:
+        """Feed a prompt segment to the job's row; the last token's hidden state `(1, n_embd)`."""
+        plan = segment_plan(seg, self.batch.next_pos(job.row), self.kv_cache)
+        return self.batch.prefill(job.row, list(seg.ids), plan)
+
+    def on_token(self, job: Job, token: int) -> bool:
+        """A sampled token: True when it is a stop token (the reply ends before it); else it joins the reply
+        and its text goes out (up to a stop string)."""
+        result = job.result
+        if token in self.format.stop_ids:
+            result.finish_reason = "stop"
+            result.generated += 1
+            delta = job.scanner.update(self._decode(result.reply_ids), final=True)
+            if delta:
+                job.emit("text", delta)
+            return True
+        result.reply_ids.append(token)
+        result.generated += 1
+        delta = job.scanner.update(self._decode(result.reply_ids), final=False)
+        if job.scanner.stopped:
+            result.finish_reason = "stop"
+        elif len(result.reply_ids) >= job.req.max_tokens:
+            result.finish_reason = "length"
+            delta += job.scanner.update(self._decode(result.reply_ids), final=True)
+        if delta:
+            job.emit("text", delta)
+        return False
+
+    def finish(self, job: Job) -> None:
+        """The turn is done and its tokens are in its row: store the row's state under the conversation
+        with the reply."""
+        result = job.result
+        result.content = job.scanner.content
+        key = message_keys(job.keys[-1], [("assistant", result.content)])[-1]
+        self.store.put(key, self.batch.take(job.row), result.reply_ids)
+        result.stored = True
+
+    # -- one turn, in this thread ---------------------------------------------------------------
 
     def run(self, req: TurnRequest, result: TurnResult, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Run a turn; yields the reply's text as it comes and fills `result`. The state after the reply
-        is stored only when the turn ends normally (not when `cancelled()` turns true)."""
+        """Run a turn (with any others submitted) in this thread; yields the reply's text as it comes and
+        fills `result`. The state after the reply is stored only when the turn ends normally."""
         check_messages(req.messages)
-        keys = message_keys(self.root, req.messages)
-        replies = self._replies(keys, req.messages)
-        self._restore_longest(keys, req.messages, replies)
-        conv = self.conversation
-        try:
-            pending = conv.prepare(req.messages, replies)
-        except ChatTemplateError as err:  # the chat template refuses this conversation
-            raise RequestError(err.reason, param="messages") from None
-        result.reused_tokens = 0 if pending.restart else conv.next_pos
-        result.prompt_tokens = result.reused_tokens + pending.num_tokens
-        self._check_room(pending, req.max_tokens)
-        hidden = conv.feed(pending, req.messages, replies)
-        if (yield from self._reply(hidden, req, result, cancelled)):
-            self._store(keys[-1], result)
-
-    def _reply(
-        self, hidden: torch.Tensor, req: TurnRequest, result: TurnResult, cancelled: Callable[[], bool]
-    ) -> Generator[str, None, bool]:
-        """The reply loop after `hidden` `(1, T, n_embd)`: yields text, fills `result`; False when cancelled."""
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(self.default_seed if req.seed is None else req.seed)
-        stream = _StopScanner(req.stop + (["\n"] if self.stop_at_newline else []))
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            return sample(logits, req.temperature, self.top_k, req.top_p, generator)
-
-        tokens = self.conversation.reply(hidden, req.max_tokens, pick)
-        ended = False
-        while not ended:
-            if cancelled():
-                tokens.close()
-                self.conversation.end_reply(self._decode(result.reply_ids))
-                return False
-            token = next(tokens, None)
-            if token is None:
-                break
-            result.reply_ids.append(token)
-            stop = token in self.format.stop_ids
-            delta, done = stream.update(self._decode(result.reply_ids[:-1] if stop else result.reply_ids), final=stop)
-            if delta:
-                yield delta
-            ended = done or stop
-        if not ended:
-            result.finish_reason = "length"
-            delta, _ = stream.update(self._decode(result.reply_ids), final=True)
-            if delta:
-                yield delta
-        tokens.close()
-        result.content = stream.content
-        self.conversation.end_reply(result.content)
-        return True
-
-    def _store(self, last_key: str, result: TurnResult) -> None:
-        key = message_keys(last_key, [("assistant", result.content)])[-1]
-        state = snapshot(self.model, device="cpu")
-        self.store.put(key, state, result.reply_ids)
-        result.stored = True
+        out: list[tuple[str, object]] = []
+        job = Job(req, result, cancelled, lambda kind, value: out.append((kind, value)))
+        self.scheduler.submit(job)
+        while not job.done or out:
+            if not out:
+                self.scheduler.step()
+                continue
+            kind, value = out.pop(0)
+            if kind == "text":
+                yield value  # type: ignore[misc]
+            elif kind == "error":
+                raise value  # type: ignore[misc]
 
 
 def count_prompt_tokens(fmt: Format, messages: Sequence[Message]) -> int:
@@ -268,24 +265,31 @@ def count_prompt_tokens(fmt: Format, messages: Sequence[Message]) -> int:
 
 
 class _StopScanner:
-    """Cuts a reply's text at its first stop string; gives the text safe to send so far."""
+    """Cuts a reply's text at its first stop string (left out) or its first `newline` (kept); gives the
+    text safe to send so far."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], newline: str | None = None) -> None:
         self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.newline = newline
+        every = [*self.stops, *([newline] if newline else [])]
+        self.hold = max((len(s) for s in every), default=1) - 1
         self.sent = 0
         self.content = ""
+        self.stopped = False
 
-    def update(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """`(new text to send, stopped)` for the reply's whole text so far."""
-        if text.endswith("\ufffd") and not final:
-            return "", False
+    def update(self, text: str, final: bool = False) -> str:
+        """New text to send for the reply's whole text so far (`stopped` turns true at a stop)."""
+        if self.stopped or (text.endswith("\ufffd") and not final):
+            return ""
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if self.newline and self.newline in text:
+            cuts.append(text.index(self.newline) + len(self.newline))
         if cuts:
             self.content = text[: min(cuts)]
-            return self._advance(len(self.content)), True
+            self.stopped = True
+            return self._advance(len(self.content))
         self.content = text
-        return self._advance(len(text) if final else max(len(text) - self.hold, self.sent)), False
+        return self._advance(len(text) if final else max(len(text) - self.hold, self.sent))
 
     def _advance(self, upto: int) -> str:
         delta = self.content[self.sent : upto]

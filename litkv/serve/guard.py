@@ -8,7 +8,9 @@ Everything is answered with OpenAI-style error bodies before the app sees the re
   `max_body_bytes` (by Content-Length or, for chunked transfer encoding, by the bytes received) is a
   413 and reading stops there; a body that does not arrive within `body_timeout` seconds (one that
   stops short of its Content-Length) is a 408. So one request holds at most `max_body_bytes` of body.
-- each chat request in flight has a marker file in `run_dir`, so a drain waits for it.
+- each chat request in flight has a marker file in `run_dir`, so a drain waits for it; with
+  `max_inflight` chat requests in flight (the running batch and its queue full), a new one gets 503
+  with `Retry-After` (code `server_overloaded`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ class Guard:
         max_body_bytes: int,
         run_dir: Path | None = None,
         body_timeout: float = 30.0,
+        max_inflight: int | None = None,
     ) -> None:
         self.app = app
+        self.max_inflight = max_inflight
         self.run_dir = run_dir
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -64,6 +68,9 @@ class Guard:
             return
         marker = None
         if self.run_dir is not None and scope.get("path", "").startswith("/v1/chat"):
+            if self.max_inflight is not None and self._inflight() >= self.max_inflight:
+                await self._overloaded()(scope, receive, send)
+                return
             marker = Path(self.run_dir) / f"{INFLIGHT}{uuid.uuid4().hex}"
             marker.touch()
         try:
@@ -71,6 +78,13 @@ class Guard:
         finally:
             if marker is not None:
                 marker.unlink(missing_ok=True)
+
+    def _inflight(self) -> int:
+        return sum(1 for p in Path(self.run_dir).iterdir() if p.name.startswith(INFLIGHT))  # type: ignore[arg-type]
+
+    def _overloaded(self) -> JSONResponse:
+        message = f"the server is full ({self.max_inflight} requests running or queued); retry later"
+        return JSONResponse(error_body(message, "server_overloaded"), status_code=503, headers={"Retry-After": "1"})
 
     def _too_large(self) -> JSONResponse:
         message = f"the request body must be at most {self.max_body_bytes} bytes"

@@ -1,0 +1,247 @@
+"""Continuous batching: one loop runs every conversation's turn on the rows of one batch (`RowBatch`).
+
+A turn is a `Job`: what its row must be fed (the segments its restored state does not hold) and its
+reply's sampling. Each `step()` of the `Scheduler`:
+
+1. drops cancelled jobs (their row is free at once; nothing is stored) and lets waiting jobs into free
+   rows (`Engine.admit`: restore the longest stored state into the row, or start it empty);
+2. feeds one job's pending prompt text at batch one (`RowBatch.prefill`; one job per step, so a long
+   prompt delays the others' next token by one prefill only); a job with no prompt text left samples
+   its first token;
+3. runs one decode step of every row: a generating row feeds its last token, a row that replays a
+   reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
+   fed it; idle rows are padding. Each generating row then samples its next token with its own
+   settings and generator; a row that is done (stop token, stop string, `max_tokens`) leaves and its
+   state is stored (`Engine.finish`).
+
+A stop token of the format (EOS, the template's end-of-turn token) ends a reply and is not fed: the
+template's text after the reply writes it, so a reply's cache holds the same tokens whether it ended
+there or was cut by `max_tokens`, and a recomputation from the messages' text feeds them the same way.
+
+The loop runs in the caller's thread (`step`, `run_until`), or in its own (`start`), taking jobs from
+other threads (`submit`) and giving their output through `Job.emit`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from litkv.chat_template import Segment
+from litkv.generate import sample
+from litkv.serve.batch import RowBatch
+from litkv.serve.turns import TurnRequest, TurnResult
+
+__all__ = ["Job", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[str, Any], None]  # ("text", str) / ("done", TurnResult) / ("error", Exception)
+
+
+@dataclass
+class Job:
+    """One turn on its way through the batch.
+
+    Attributes:
+        req, result: the request and what it produced so far.
+        cancelled: polled once per step; true: the turn stops, stores nothing.
+        emit: receives ("text", delta), then ("done", result) or ("error", exception); from the loop's thread.
+        keys, replies: the message prefixes' keys and every assistant message's ids (`Engine.admit`).
+        pending: segments the row still has to be fed; `forced`: ids of a reply being replayed.
+        row: the job's row in the batch (-1: waiting).
+        feed: the token the next step feeds (a generated one); `finishing`: the job is done after it.
+    """
+
+    req: TurnRequest
+    result: TurnResult
+    cancelled: Callable[[], bool] = lambda: False
+    emit: Emit = lambda kind, value: None
+    keys: list[str] = field(default_factory=list)
+    replies: list[list[int] | None] = field(default_factory=list)
+    pending: collections.deque[Segment] = field(default_factory=collections.deque)
+    forced: collections.deque[int] = field(default_factory=collections.deque)
+    row: int = -1
+    feed: int | None = None
+    finishing: bool = False
+    done: bool = False
+    generator: torch.Generator | None = None
+    scanner: Any = None
+
+
+class Turns(Protocol):
+    """What the loop asks of the server's engine (`litkv.serve.engine.Engine`) about a job."""
+
+    top_k: int | None
+
+    def admit(self, job: Job) -> None: ...
+    def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor: ...
+    def on_token(self, job: Job, token: int) -> bool: ...
+    def finish(self, job: Job) -> None: ...
+
+
+class Scheduler:
+    """The decode loop of `litkv serve`: at most `batch.rows` turns at once, the others wait in order.
+
+    Args:
+        engine: turns in and out (restore, plan, sampling settings, store).
+        batch: the rows.
+    """
+
+    def __init__(self, engine: Turns, batch: RowBatch) -> None:
+        self.engine = engine
+        self.batch = batch
+        self.rows: list[Job | None] = [None] * batch.rows
+        self.waiting: collections.deque[Job] = collections.deque()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` (any thread); the loop lets it in when a row is free."""
+        with self._lock:
+            self.waiting.append(job)
+            self._lock.notify()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(job is not None for job in self.rows)
+
+    def _end(self, job: Job, kind: str, value: Any) -> None:
+        job.done = True
+        if job.row >= 0:
+            self.rows[job.row] = None
+        job.emit(kind, value)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One round: admit, one prefill, one decode step (see the module docstring)."""
+        with self._lock:
+            self._drop_cancelled()
+            self._admit()
+        job = next((j for j in self.rows if j is not None and j.pending and not j.forced and j.feed is None), None)
+        if job is not None:
+            self._guard(job, self._advance_prompt)
+        self._decode()
+        self.steps += 1
+
+    def _guard(self, job: Job, action: Callable[[Job], None]) -> None:
+        try:
+            action(job)
+        except Exception as err:  # a turn that fails ends alone; the loop and the other rows go on
+            log.exception("turn failed")
+            self._end(job, "error", err)
+
+    def _drop_cancelled(self) -> None:
+        for job in [*self.waiting, *(j for j in self.rows if j is not None)]:
+            if job.cancelled():
+                if job in self.waiting:
+                    self.waiting.remove(job)
+                job.result.finish_reason = "cancelled"
+                self._end(job, "done", job.result)
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.rows:
+            job = self.waiting.popleft()
+            job.row = self.rows.index(None)
+            self.rows[job.row] = job
+            self._guard(job, self.engine.admit)
+
+    def _advance_prompt(self, job: Job) -> None:
+        """Feed the job's prompt segments up to its next reply segment; sample its first token when none is left."""
+        hidden = None
+        while job.pending and not job.pending[0].reply:
+            seg = job.pending.popleft()
+            hidden = self.engine.feed_prompt(job, seg)
+        if job.pending:  # a reply to replay: one id per decode step
+            job.forced.extend(job.pending.popleft().ids)
+            return
+        if hidden is None:
+            raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
+        self._pick(job, self.batch.logits(hidden))
+
+    def _pick(self, job: Job, logits: torch.Tensor) -> None:
+        """Sample the job's next token from its logits `(1, V)`; hand it on; end the job at a stop token."""
+        req = job.req
+        token = int(sample(logits, req.temperature, self.engine.top_k, req.top_p, job.generator)[0])
+        stop = self.engine.on_token(job, token)
+        if stop:  # a stop token: not fed; the turn is done
+            self._finish(job)
+            return
+        job.feed = token
+        job.finishing = job.scanner.stopped or len(job.result.reply_ids) >= req.max_tokens
+
+    def _finish(self, job: Job) -> None:
+        self._guard(job, self.engine.finish)
+        if not job.done:
+            self._end(job, "done", job.result)
+
+    def _decode(self) -> None:
+        tokens: list[int | None] = [None] * self.batch.rows
+        positions = [0] * self.batch.rows
+        for r, job in enumerate(self.rows):
+            if job is None or job.done:
+                continue
+            if job.forced:
+                tokens[r] = job.forced.popleft()
+            elif job.feed is not None:
+                tokens[r] = job.feed
+            else:
+                continue
+            positions[r] = self.batch.next_pos(r)
+        if all(t is None for t in tokens):
+            return
+        logits = self.batch.step(tokens, positions)
+        for r, job in enumerate(self.rows):
+            if job is None or tokens[r] is None or job.forced:
+                continue
+            if job.feed is None:  # the last id of a replayed reply: prompt text (or the first token) next
+                continue
+            job.feed = None
+            if job.finishing:
+                self._finish(job)
+            else:
+                self._guard(job, lambda j, r=r: self._pick(j, logits[r : r + 1]))
+
+    # -- in a thread ----------------------------------------------------------------------------
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Step in this thread until `done()` (or nothing is left to do)."""
+        while not done() and self.busy:
+            self.step()
+
+    def start(self) -> None:
+        """Run the loop in a daemon thread (jobs come through `submit`)."""
+        self._thread = threading.Thread(target=self._serve, name="litkv-batch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self.busy and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # the loop itself must live: log, end every job, go on
+                log.exception("the batch loop failed; ending the turns in flight")
+                for job in [j for j in self.rows if j is not None]:
+                    self._end(job, "error", RuntimeError("the batch loop failed"))
