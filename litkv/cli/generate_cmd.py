@@ -44,6 +44,7 @@ def generate(
     prompt_cache: Path | None = None,
     compile: bool = False,
     chat_template: bool | None = None,
+    quantize: str = "none",
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -73,6 +74,8 @@ def generate(
         chat_template: Send each prompt as a user message in the checkpoint's chat template (with the
             generation prompt; the reply ends at the template's end-of-turn token or EOS): true, false
             (raw text: base models, the shipped model), or unset: when the checkpoint has one.
+        quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
+            (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
 
     Returns:
         The new tokens of each prompt.
@@ -80,7 +83,7 @@ def generate(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
-    model, dev = load_for_inference(ckpt, precision, device, num_threads)
+    model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
     encoded = [_encode(fmt, tokenizer, text, dev) for text in texts]
