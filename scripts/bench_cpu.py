@@ -13,10 +13,13 @@ state; on a shared machine, say how loaded it was):
   every layer's cache filled with `--cached` random tokens (no prefill: the state is written directly),
   dense and h2o, float / int8 / int4 storage, and the same at `--slots` slots; the ratio of each
   quantised row to the float row of its policy and length.
+- `kl`: quality of the quantised weights: KL to the float32 model per token and top-1 agreement,
+  teacher-forced on windows of the shipped held-out text.
 
     python scripts/bench_cpu.py peers --checkpoint_dir smollm2-135m-instruct \\
         --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --llamacpp_python ../venv-llamacpp/bin/python
     python scripts/bench_cpu.py kv --checkpoint_dir smollm2-135m-instruct --cached 16384
+    python scripts/bench_cpu.py kl --checkpoint_dir smollm2-135m-instruct --weights int8,int4,int4-g64
 """
 
 from __future__ import annotations
@@ -150,9 +153,31 @@ def kv(args: argparse.Namespace, bandwidth: float) -> None:
                 model.set_kv_caches(None)
 
 
+def kl(args: argparse.Namespace, _bandwidth: float) -> None:
+    """The `kl` table: mean KL(float || quantised) per token and top-1 agreement with the float model,
+    teacher-forced over `--windows` windows of `--window` tokens of the shipped held-out text."""
+    text = (Path(__file__).resolve().parents[1] / "litkv" / "assets" / "default" / "heldout.txt").read_text()
+    ids = torch.tensor(load_tokenizer(args.checkpoint_dir).encode(text).tolist())
+    starts = torch.linspace(0, len(ids) - args.window, args.windows).long().tolist()
+    batch = torch.stack([ids[s : s + args.window] for s in starts])
+    logp = {}
+    for quant in ["none", *[w for w in args.weights if w != "none"]]:
+        model, _ = load_for_inference(args.checkpoint_dir, "32-true", "cpu", args.threads, quant)
+        with torch.no_grad():
+            logp[quant] = torch.log_softmax(model(batch).double(), dim=-1)
+    print(f"\nKL to the float32 model: {args.windows} windows of {args.window} tokens, teacher-forced")
+    print("| weights | KL(float || quantised) nats/token | top-1 agreement |")
+    print("|---|---|---|")
+    ref = logp["none"]
+    for quant, lp in logp.items():
+        kl_tok = (ref.exp() * (ref - lp)).sum(dim=-1).mean().item()
+        agree = (ref.argmax(-1) == lp.argmax(-1)).double().mean().item()
+        print(f"| {quant} | {kl_tok:.5f} | {agree:.1%} |")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("peers", "kv"))
+    p.add_argument("part", choices=("peers", "kv", "kl"))
     p.add_argument("--checkpoint_dir", type=Path, required=True, help="a checkpoint directory or a known name")
     p.add_argument("--gguf", type=Path, default=None, help="the GGUF file llama.cpp reads (peers)")
     p.add_argument("--llamacpp_python", default=None, help="python of an environment with llama-cpp-python")
@@ -161,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=512, help="h2o slots (peers); the short length (kv)")
     p.add_argument("--cached", type=int, default=16384, help="cached tokens (kv)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per row (kv)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window (kl)")
+    p.add_argument("--windows", type=int, default=4, help="windows (kl)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--weights", default="none,int8,int4", help="litkv --quantize values (kv: the first)")
@@ -182,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args.checkpoint_dir = resolve_checkpoint_dir(args.checkpoint_dir)
     bandwidth = measure_bandwidth(2**29, threads=args.threads)
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} thread(s), measured in this run)")
-    (peers if args.part == "peers" else kv)(args, bandwidth)
+    {"peers": peers, "kv": kv, "kl": kl}[args.part](args, bandwidth)
     return 0
 
 
