@@ -7,9 +7,9 @@ at long contexts that conversion, not the product, is the time. Here the codes s
 
 - int8 codes are stored as int8 (`quantized.quantize` biases them by -128), so they are the matrix
   itself, read in place (key and value codes are strided views of the one buffer).
-- int4 codes are unpacked with two 32-bit mask-and-shift passes into the low nibbles (elements
-  `0 .. D/2`) and high nibbles (`D/2 .. D`) as int8, each a matrix of half the columns; the temporary is
-  the int8 size of the codes, never a float one.
+- int4 codes are unpacked with 32-bit mask-and-shift passes into the low nibbles (elements `0 .. D/2`)
+  and high nibbles (`D/2 .. D`) as int8, joined into one int8 matrix in element order; the temporary
+  is the int8 size of the codes, never a float one.
 
 The float side (the queries; the softmax weights times the scales) is split into `DIGITS` int8 digits
 per row: `x ~ sum_k s_k * d_k` with `s_1 = max|x| / 127` and `s_{k+1} = s_k / 254` (each digit rounds
@@ -60,11 +60,8 @@ def integer_parts(codes: torch.Tensor, bits: int) -> tuple[list[Part], list[Part
     words = codes.reshape(*codes.shape[:3], -1).view(torch.int32)
     low = (words & _NIBBLES).view(torch.int8).view(codes.shape)
     high = ((words >> 4) & _NIBBLES).view(torch.int8).view(codes.shape)
-    halves = (slice(0, width), slice(width, 2 * width))
-    return (
-        [(low[:, :, :, 0], halves[0]), (high[:, :, :, 0], halves[1])],
-        [(low[:, :, :, 1], halves[0]), (high[:, :, :, 1], halves[1])],
-    )
+    numbers = torch.cat((low, high), dim=-1)  # (B, G, S, 2, D) int8 in element order: one product each
+    return [(numbers[:, :, :, 0], slice(0, 2 * width))], [(numbers[:, :, :, 1], slice(0, 2 * width))]
 
 
 def _digits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
