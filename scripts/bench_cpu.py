@@ -79,6 +79,7 @@ def peers(args: argparse.Namespace, bandwidth: float) -> None:
                 rows.setdefault(f"llama.cpp Q4_1 weights, {kv} KV", []).append(
                     (prompt / r["prefill_s"], len(r["steps"]) / sum(r["steps"]))
                 )
+                print(f"# llama.cpp {kv}: {rows[f'llama.cpp Q4_1 weights, {kv} KV'][-1]}", flush=True)
             for quant, model in models.items():
                 for policy in args.policies:
                     for storage in args.storages:
@@ -86,6 +87,7 @@ def peers(args: argparse.Namespace, bandwidth: float) -> None:
                         cfg = KVCacheConfig(policy=policy, cache_length=length, storage=storage)
                         name = f"litkv {quant} weights, {policy} {storage} KV"
                         rows.setdefault(name, []).append(run_litkv(model, ids, args.new_tokens, cfg))
+                        print(f"# {name}: {rows[name][-1]}", flush=True)
                         attended = prompt + args.new_tokens / 2 if policy == "dense" else args.slots
                         info[name] = step_bytes(model, storage, attended)
         print(f"\nprompt {prompt} tokens, {args.new_tokens} new, {args.threads} thread(s), median of {args.repeats}")
