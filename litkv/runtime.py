@@ -11,6 +11,7 @@ import torch
 from litkv.checkpoint import load_model
 from litkv.core.validation import require_int
 from litkv.model import GPT
+from litkv.quant_weights import parse_quantize, quantize_model
 
 __all__ = [
     "PRECISIONS",
@@ -87,17 +88,27 @@ def apply_num_threads(num_threads: int | None) -> None:
 
 
 def load_for_inference(
-    checkpoint_dir: Path, precision: str | None, device: str | None, num_threads: int | None
+    checkpoint_dir: Path,
+    precision: str | None,
+    device: str | None,
+    num_threads: int | None,
+    quantize: str = "none",
 ) -> tuple[GPT, torch.device]:
     """Set the CPU threads, then load `checkpoint_dir`'s model (eval mode, with its eviction gates if any)
-    on the resolved device in the resolved dtype; returns the model and that device.
+    on the resolved device in the resolved dtype, its linear weights quantised as `quantize` says;
+    returns the model and that device.
 
     Args:
         checkpoint_dir: a checked checkpoint directory (`litkv.checkpoint.check_checkpoint_dir`).
         precision: `PRECISIONS` key, or `None` (bf16 on CUDA when supported, else float32).
         device: `"cpu"`, `"cuda"`, `"cuda:N"`, `"mps"`, or `None` (CUDA when available).
         num_threads: torch's CPU threads, or `None` (torch's default).
+        quantize: `"none"`, `"int8"`, `"int4"` or `"int4-gN"` (`litkv.quant_weights`; CPU only).
     """
+    quant = parse_quantize(quantize)  # a bad value is refused before the weights are read
     apply_num_threads(num_threads)
     dev = resolve_device(device)
-    return load_model(checkpoint_dir, device=dev, dtype=resolve_dtype(precision, dev)), dev
+    if quant.mode != "none" and dev.type != "cpu":
+        raise ValueError(f"--quantize {quant.name} runs on the CPU only (PyTorch's packed CPU kernels), got {dev}")
+    model = load_model(checkpoint_dir, device=dev, dtype=resolve_dtype(precision, dev))
+    return quantize_model(model, quant), dev

@@ -40,6 +40,7 @@ from litkv.config import KVCacheConfig
 from litkv.conversation import Conversation, Pick
 from litkv.generate import check_sampling, sample
 from litkv.model import GPT
+from litkv.quant_weights import WeightQuant, parse_quantize, quantize_model
 from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.state import CacheState, restore, snapshot
 from litkv.undo import truncate
@@ -422,6 +423,7 @@ def chat(
     precision: str | None = None,
     device: str | None = None,
     num_threads: int | None = None,
+    quantize: str = "none",
 ) -> None:
     """Chat with a checkpoint through a KV cache policy; each turn appends to the caches.
 
@@ -446,12 +448,17 @@ def chat(
         precision: "32-true", "bf16-true", "16-true" or "64-true". Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
         num_threads: CPU threads for torch. Default: torch's choice.
+        quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
+            (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    quant = parse_quantize(quantize)
     path = _session_path(session)
     try:
         with _session_lock(path):
-            state = _start(checkpoint_dir, kv_cache, chat_template, path, undo_depth, precision, device, num_threads)
+            state = _start(
+                checkpoint_dir, kv_cache, chat_template, path, undo_depth, (precision, device, num_threads), quant
+            )
             if stop_at_newline is None:
                 stop_at_newline = state.conversation.format.name == "raw"
             generator = torch.Generator(device=state.model.lm_head.weight.device).manual_seed(seed)
@@ -472,17 +479,18 @@ def _start(
     chat_template: bool | None,
     session: Path | None,
     undo_depth: int,
-    precision: str | None,
-    device: str | None,
-    num_threads: int | None,
+    runtime: tuple[str | None, str | None, int | None],
+    quant: WeightQuant,
 ) -> ChatSession:
-    """Load the model, the tokenizer, its chat format and the session file."""
+    """Load the model (`runtime`: precision, device, threads; weights quantised as `quant`), the tokenizer,
+    its chat format and the session file."""
+    precision, device, num_threads = runtime
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     apply_num_threads(num_threads)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
     dev = resolve_device(device)
-    model = load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev))
+    model = quantize_model(load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev)), quant)
     state = ChatSession(model, tokenizer, kv_cache, undo_depth, fmt)
     if session is not None and session.is_file():
         print(state.load(session), file=sys.stderr)

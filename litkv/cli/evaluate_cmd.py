@@ -57,6 +57,7 @@ def evaluate(
     num_threads: int | None = None,
     tasks: str | None = None,
     task_samples: int = 8,
+    quantize: str = "none",
 ) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
@@ -93,6 +94,8 @@ def evaluate(
             commas (niah_single_1,vt,...); at `window` tokens (default: the model's context); writes ruler.json
             and ruler.png.
         task_samples: Samples per RULER task (generated as one batch, or batch_size rows when larger).
+        quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
+            (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     if tasks is not None:
@@ -101,7 +104,7 @@ def evaluate(
             "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
             "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
             "text_file": text_file, "out_dir": out_dir, "precision": precision, "device": device,
-            "num_threads": num_threads,
+            "num_threads": num_threads, "quantize": quantize,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
         return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
@@ -113,7 +116,7 @@ def evaluate(
         "policies": _resolve_policies(policies),
         "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),
     }
-    model, dev = load_for_inference(ckpt, precision, device, num_threads)
+    model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
     tokenizer = load_tokenizer(ckpt)
     task = RecallTask.from_checkpoint(ckpt, tokenizer) if (ckpt / RECALL_FILE).is_file() else None
     if window is None:

@@ -48,6 +48,7 @@ def generate(
     chat_template: bool | None = None,
     block_file: list[Path] | None = None,
     recompute: float = 0.0,
+    quantize: str = "none",
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
@@ -82,6 +83,8 @@ def generate(
             ``--prompt_cache``/blocks across runs) and spliced at its offset (docs/blocks.md).
         recompute: With ``--block_file``: the fraction of each spliced block's tokens recomputed with
             their context (0: pure splice; 1: a normal prefill).
+        quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
+            (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
 
     Returns:
         The new tokens of each prompt.
@@ -89,7 +92,7 @@ def generate(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
-    model, dev = load_for_inference(ckpt, precision, device, num_threads)
+    model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
     if block_file:

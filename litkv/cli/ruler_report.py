@@ -37,7 +37,8 @@ def run_ruler(
     kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads.
     """
     names = resolve_tasks(tasks)
-    model, _ = load_for_inference(ckpt, settings["precision"], settings["device"], settings["num_threads"])
+    runtime = (settings["precision"], settings["device"], settings["num_threads"], settings["quantize"])
+    model, _ = load_for_inference(ckpt, *runtime)
     tokenizer = load_tokenizer(ckpt)
     recall = RecallFormat.load(ckpt / RECALL_FILE) if (ckpt / RECALL_FILE).is_file() else None
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)

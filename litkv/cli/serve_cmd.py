@@ -11,6 +11,7 @@ from litkv.checkpoint import check_checkpoint_dir
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.config import KVCacheConfig
 from litkv.core.validation import is_number, require_int
+from litkv.quant_weights import parse_quantize
 from litkv.runtime import resolve_device, resolve_dtype
 
 __all__ = ["serve"]
@@ -44,6 +45,7 @@ def serve(
     num_threads: int | None = None,
     timeout: float = 600.0,
     body_timeout: float = 30.0,
+    quantize: str = "none",
 ) -> None:
     """Serve a checkpoint over the OpenAI chat API; each conversation's cache state is kept and reused.
 
@@ -81,6 +83,8 @@ def serve(
         num_threads: CPU threads for torch. Default: torch's choice.
         timeout: Seconds a request may wait and run.
         body_timeout: Seconds a request's body may take to arrive (a slower one gets 408).
+        quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
+            (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
     """
     from litkv.serve.api import ServeOptions, build_server, drain_on_sigterm
 
@@ -104,6 +108,7 @@ def serve(
     require_int("--seed", seed, -(1 << 63), (1 << 64) - 1, note=" (64 bits)")
     dev = resolve_device(device)
     resolve_dtype(precision, dev)  # a bad --precision: one line now, not in the worker
+    parse_quantize(quantize)  # refused here, before the server starts
     _check_chat_template(ckpt, chat_template)
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
@@ -111,7 +116,7 @@ def serve(
         max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
         body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template,
-        seed=seed, api_key=api_key, num_threads=num_threads,
+        seed=seed, api_key=api_key, num_threads=num_threads, quantize=quantize,
     )  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = build_server(opts, timeout=timeout)

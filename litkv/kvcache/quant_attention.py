@@ -29,9 +29,12 @@ compiled decode steps compute what eager ones do.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Protocol
 
 import torch
+
+from litkv.kvcache.quant_int import int_scores, int_weighted_values, integer_parts, integer_path
 
 __all__ = ["CodeSlots", "quant_attend"]
 
@@ -120,9 +123,17 @@ def _quant_attend_eager(
     t, s = mask.shape[2], codes.shape[2]
     per_kv = m // t
     dtype = torch.promote_types(q.dtype, torch.float32)
-    numbers = _numbers(codes, bits, dtype)  # (B, G, S, 2, D): the one full-size temporary
-    keys, values = numbers[:, :, :, 0], numbers[:, :, :, 1]
     factors, shifts = (x.to(dtype).permute(0, 1, 3, 4, 2) for x in (scales, offsets))  # (B, G, 2, n, S)
+    if integer_path(codes, bits, dtype):
+        key_parts, value_parts = integer_parts(codes, bits)
+        bias = 128 if bits == 8 else 0  # int8 codes are stored biased by -128
+        score_fn = partial(_int_scores, parts=key_parts, bias=bias)
+        value_fn = partial(_int_values, parts=value_parts, bias=bias)
+        keys = values = codes  # read through the parts
+    else:
+        numbers = _numbers(codes, bits, dtype)  # (B, G, S, 2, D): a full-size float temporary
+        keys, values = numbers[:, :, :, 0], numbers[:, :, :, 1]
+        score_fn, value_fn = _scores, _weighted_values
     queries = q.to(dtype) * scale
     block = max(1, BLOCK_ELEMENTS // max(1, b * g * per_kv * s))
     outputs = []
@@ -130,13 +141,13 @@ def _quant_attend_eager(
     for start in range(0, t, block):
         n = min(block, t - start)
         part = queries if n == t else queries.view(b, g, per_kv, t, d)[:, :, :, start : start + n]
-        scores = _scores(part.reshape(b, g, per_kv * n, d), keys, factors[:, :, 0], shifts[:, :, 0])
+        scores = score_fn(part.reshape(b, g, per_kv * n, d), keys, factors[:, :, 0], shifts[:, :, 0])
         scores = scores.view(b, g, per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = torch.where(mask[:, :, None, start : start + n], scores, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = _weighted_values(probs.view(b, g, per_kv * n, s), values, factors[:, :, 1], shifts[:, :, 1])
+        out = value_fn(probs.view(b, g, per_kv * n, s), values, factors[:, :, 1], shifts[:, :, 1])
         outputs.append(out.view(b, g, per_kv, n, d))
         if need_weights:
             if query_valid is not None:
@@ -146,11 +157,23 @@ def _quant_attend_eager(
     return y.view(b, g, m, d).to(q.dtype), weight_sum
 
 
+def _int_scores(
+    q: torch.Tensor, _codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, parts: list, bias: int
+) -> torch.Tensor:
+    return int_scores(q, scales, offsets, parts, bias)
+
+
+def _int_values(
+    probs: torch.Tensor, _codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, parts: list, bias: int
+) -> torch.Tensor:
+    return int_weighted_values(probs, scales, offsets, parts, bias)
+
+
 def _numbers(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """Codes `(B, G, S, 2, D * bits / 8)` as numbers `(B, G, S, 2, D)` in `dtype`, in their stored order
     (the products read keys and values as strided matrices; a transposing conversion is much slower)."""
     if bits == 8:
-        return codes.to(dtype)
+        return codes.view(torch.int8).to(dtype).add_(128)  # stored biased (`quantized.quantize`)
     width = codes.shape[-1]
     out = torch.empty(*codes.shape[:-1], 2 * width, dtype=dtype, device=codes.device)
     out[..., :width] = codes & 0x0F  # int4: element i in the low nibble, i + D / 2 in the high one

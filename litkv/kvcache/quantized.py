@@ -5,6 +5,7 @@ numbers along the head dimension (`group_size` larger than the head size means o
 A group is quantised asymmetrically: `x ~ offset + scale * q` with `q` in `[0, 2^bits - 1]`,
 `offset` the group minimum rounded down and `scale` the range over `2^bits - 1` rounded up to 16
 bits, so the round-trip error of every number is at most `scale / 2` (up to float32 rounding).
+int8 codes are stored biased (the byte, viewed as int8, is `q - 128`: what integer matrix products take);
 int4 codes are packed two per byte: element `i` in the low nibble, element `i + head_size / 2` in the
 high nibble (so that unpacking is two contiguous halves, not an interleave).
 Scales and offsets are bfloat16 for bfloat16 models, float16 otherwise (values beyond float16's
@@ -90,6 +91,8 @@ def _quantize_eager(
     x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes, scale, offset = _codes(x.float().unflatten(-1, (-1, group_size)), bits, scale_dtype)
+    if bits == 8:  # stored biased: the byte viewed as int8 is `code - 128` (integer products take int8)
+        return codes.flatten(-2).sub_(128).to(torch.int8).view(torch.uint8), scale, offset
     codes = codes.flatten(-2).to(torch.uint8)
     if bits == 4:
         half = codes.shape[-1] // 2
@@ -118,9 +121,10 @@ def dequantize(q: QuantizedTensor, bits: int, group_size: int, dtype: torch.dtyp
 
 
 def unpack_codes(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Codes `(..., D * bits / 8)` uint8 as numbers `(..., D)` in `dtype` (int4: both nibbles, in element order)."""
+    """Codes `(..., D * bits / 8)` uint8 as numbers `(..., D)` in `dtype` (int4: both nibbles, in element order;
+    int8: the stored byte viewed as int8, plus 128)."""
     if bits == 8:
-        return codes.to(dtype)
+        return codes.view(torch.int8).to(dtype).add_(128)
     half = codes.shape[-1]  # unpacked straight into the float buffer: no unpacked uint8 copy
     x = torch.empty(*codes.shape[:-1], 2 * half, dtype=dtype, device=codes.device)
     x[..., :half] = codes & 0x0F

@@ -54,6 +54,7 @@ class ServeOptions:
     model_name: str
     device: str = "cpu"
     dtype: str | None = None
+    quantize: str = "none"
     state_bytes: int = 1 << 30
     state_dir: Path | None = None
     state_dir_bytes: int | None = None
@@ -279,13 +280,12 @@ class LitKVAPI(ls.LitAPI):
 
     def setup(self, device: str) -> None:
         from litkv.chat_template import load_format
-        from litkv.checkpoint import load_model, load_tokenizer
-        from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
+        from litkv.checkpoint import load_tokenizer
+        from litkv.runtime import load_for_inference
 
         _worker_logging(self.opts.log_level)
-        apply_num_threads(self.opts.num_threads)
-        dev = resolve_device(self.opts.device)
-        model = load_model(self.opts.checkpoint_dir, device=dev, dtype=resolve_dtype(self.opts.dtype, dev))
+        opts = self.opts
+        model, _ = load_for_inference(opts.checkpoint_dir, opts.dtype, opts.device, opts.num_threads, opts.quantize)
         store = StateStore(
             self.opts.state_bytes,
             self.opts.state_dir,

@@ -1,0 +1,268 @@
+"""Weight-only quantised linear layers (int8 per output channel, int4 group-wise), swapped into a model.
+
+The decode step of a small model on a CPU is bound by the bytes of weights it reads; storing them as
+int8 or int4 codes cuts those bytes by 4x or ~6x. The products use PyTorch's own packed CPU kernels:
+
+- int8: `torch._weight_int8pack_mm(x, codes, scales)`: symmetric codes `(N, K)` int8, one scale per
+  output channel `(N,)` (the kernel takes no groups), `w[n, k] = scales[n] * codes[n, k]`.
+- int4: `torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zeros)`: asymmetric codes
+  `c` in `[0, 15]` per group of `group_size` input columns (32, 64, 128 or 256: what the kernel
+  takes), `w[n, k] = (c[n, k] - 8) * scale[g, n] + zero[g, n]` with `g = k // group_size`; the codes
+  packed by `torch._convert_weight_to_int4pack_for_cpu` (`(N, K / 2)` uint8), `scale_zeros`
+  `(K / group_size, N, 2)`. The kernel needs `N` a multiple of 16 and `K` a multiple of the group size.
+
+Both kernels are fast on CPU only with bfloat16 activations (in float32 they fall back to a scalar
+loop, 3-10x slower than a float32 matmul), so the layers take bfloat16 scales and compute
+`x.to(bfloat16) @ w` then cast back to the input's dtype: the activations are rounded to bfloat16
+(8 significant bits) on the way in, the outputs on the way out. Calls with more than `KERNEL_ROWS`
+rows (prefill chunks) dequantise the weight to the input's dtype and use `F.linear` instead, which is
+faster there (a float32 temporary of one layer's weight).
+
+torchao is not used: it is not installed, and for weight-only int8/int4 on CPU it calls these same
+kernels. Only the CPU is supported (the packed layouts of the CUDA kernels differ): another device is
+refused with one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "INT4_GROUP_SIZES",
+    "KERNEL_ROWS",
+    "QUANTIZE_MODES",
+    "Int4Linear",
+    "Int8Linear",
+    "WeightQuant",
+    "parse_quantize",
+    "quantize_model",
+]
+
+#: `--quantize` values: `none`, `int8`, `int4` (group 32) and `int4-gN` (group N).
+QUANTIZE_MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+DEFAULT_INT4_GROUP = 32
+#: Calls with more rows than this dequantise the weight and use `F.linear` (faster for prefill chunks).
+KERNEL_ROWS = 8
+_INT4_N_MULTIPLE = 16
+_KERNEL_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How a model's linear weights are stored: `mode` `"none"`, `"int8"` or `"int4"`; `group_size`
+    (int4 only): input columns sharing a scale and zero."""
+
+    mode: str
+    group_size: int = DEFAULT_INT4_GROUP
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANTIZE_MODES:
+            raise ValueError(f"quantize mode must be one of {list(QUANTIZE_MODES)}, got {self.mode!r}")
+        if self.mode == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {list(INT4_GROUP_SIZES)}, got {self.group_size!r}")
+
+    @property
+    def name(self) -> str:
+        """The `--quantize` string of this setting."""
+        if self.mode == "int4" and self.group_size != DEFAULT_INT4_GROUP:
+            return f"int4-g{self.group_size}"
+        return self.mode
+
+
+def parse_quantize(text: str) -> WeightQuant:
+    """`"none"`, `"int8"`, `"int4"` or `"int4-gN"` (N in `INT4_GROUP_SIZES`) -> `WeightQuant`."""
+    if not isinstance(text, str):
+        raise TypeError(f"quantize must be a string, got {type(text).__name__}")
+    if text.startswith("int4-g"):
+        digits = text[len("int4-g") :]
+        if not digits.isdigit():
+            raise ValueError(f"quantize must be 'none', 'int8', 'int4' or 'int4-gN' (N a number), got {text!r}")
+        return WeightQuant("int4", int(digits))
+    return WeightQuant(text)
+
+
+class Int8Linear(nn.Module):
+    """`y = x @ w.T + bias` with `w` stored as int8 codes and one bfloat16 scale per output channel.
+
+    Attributes:
+        codes: `(out_features, in_features)` int8; scales: `(out_features,)` bfloat16.
+        bias: `(out_features,)` in the model dtype, or `None`.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("weight", torch.empty(0, dtype=_dtype_of(bias)), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        """Symmetric per-channel int8 codes of `linear`'s weight: `scale = max|w| / 127`."""
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
+        codes = (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        module = cls(codes, scales, _bias(linear))
+        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=w.device)
+        return module
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`."""
+        return (self.codes.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > KERNEL_ROWS:
+            return F.linear(x, self.dequantized(x.dtype), _cast(self.bias, x.dtype))
+        y = torch._weight_int8pack_mm(flat.to(self.scales.dtype), self.codes, self.scales).to(x.dtype)
+        return _finish(y, self.bias, x.shape)
+
+
+class Int4Linear(nn.Module):
+    """`y = x @ w.T + bias` with `w` stored as group-wise int4 codes in the CPU kernel's packed layout.
+
+    Attributes:
+        packed: `(out_features, in_features / 2)` uint8 (`torch._convert_weight_to_int4pack_for_cpu`).
+        scale_zeros: `(in_features / group_size, out_features, 2)` bfloat16: scale, then zero.
+        bias: `(out_features,)` in the model dtype, or `None`.
+    """
+
+    def __init__(
+        self, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        self.out_features = packed.shape[0]
+        self.in_features = scale_zeros.shape[0] * group_size
+        self.group_size = group_size
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.scale_zeros = nn.Parameter(scale_zeros, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("weight", torch.empty(0, dtype=_dtype_of(bias)), persistent=False)
+        self.unpackable = _layout_known(packed)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        """Asymmetric int4 codes of `linear`'s weight per group of `group_size` input columns
+        (`scale = (max - min) / 15`, codes `round((w - min) / scale)`); ValueError for shapes the kernel
+        cannot take."""
+        check_int4_shape(linear.out_features, linear.in_features, group_size)
+        n, k = linear.weight.shape
+        groups = linear.weight.detach().float().reshape(n, k // group_size, group_size)
+        low, high = torch.aminmax(groups, dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12).to(_KERNEL_DTYPE).float()
+        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
+        zero = low + 8 * scale  # the kernel computes (c - 8) * scale + zero
+        scale_zeros = torch.stack((scale.T, zero.T), dim=-1).to(_KERNEL_DTYPE).contiguous()
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 1)
+        module = cls(packed, scale_zeros, group_size, _bias(linear))
+        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=packed.device)
+        return module
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`: from the unpacked
+        codes when the packed layout is the known one, else by the kernel on an identity matrix."""
+        if not self.unpackable:
+            eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype, device=self.packed.device)
+            return self._kernel(eye).T.to(dtype)
+        n, k = self.out_features, self.in_features
+        compute = torch.promote_types(dtype, torch.float32)
+        groups = _unpack(self.packed).to(compute).view(n, k // self.group_size, self.group_size)
+        scale, zero = (part.T.to(compute)[..., None] for part in self.scale_zeros.unbind(-1))  # (N, n_groups, 1)
+        return groups.sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > KERNEL_ROWS and self.unpackable:
+            return F.linear(x, self.dequantized(x.dtype), _cast(self.bias, x.dtype))
+        y = self._kernel(flat.to(self.scale_zeros.dtype)).to(x.dtype)
+        return _finish(y, self.bias, x.shape)
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_zeros)
+
+
+def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
+    """ValueError (one line) when the int4 CPU kernel cannot take a `(out_features, in_features)` weight."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {list(INT4_GROUP_SIZES)}, got {group_size}")
+    if in_features % group_size != 0:
+        raise ValueError(
+            f"int4 weights need in_features a multiple of the group size {group_size}, got {in_features}"
+            " (choose another group size with --quantize int4-gN)"
+        )
+    if out_features % _INT4_N_MULTIPLE != 0:
+        raise ValueError(f"int4 weights need out_features a multiple of {_INT4_N_MULTIPLE}, got {out_features}")
+
+
+def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:
+    """Replace every `nn.Linear` of `model` (in place) by its `quant` counterpart; returns `model`.
+
+    Every layer's shape is checked before any is replaced, so a refused model is left as it was.
+    Embeddings and norms stay as they are (a decode step reads one embedding row). Raises ValueError for
+    a model not on the CPU or a layer shape the kernel cannot take (naming the layer).
+    """
+    if quant.mode == "none":
+        return model
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, linear in linears:
+        if linear.weight.device.type != "cpu":
+            raise ValueError(f"--quantize {quant.name} runs on the CPU only, got a model on {linear.weight.device}")
+        if quant.mode == "int4":
+            try:
+                check_int4_shape(linear.out_features, linear.in_features, quant.group_size)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+    for name, linear in linears:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if quant.mode == "int8":
+            new: nn.Module = Int8Linear.from_linear(linear)
+        else:
+            new = Int4Linear.from_linear(linear, quant.group_size)
+        setattr(parent, attr, new)
+    return model
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's packed int4 weight `(N, K / 2)` uint8 -> codes `(N, K)` uint8, for `N` a multiple
+    of 64: blocks of 64 output rows, per input column 32 bytes, row `j` in the low nibble of byte `j`
+    and row `j + 32` in its high nibble (found by experiment; `_layout_known` re-checks it)."""
+    n, half = packed.shape
+    blocks = packed.view(n // 64, 2 * half, 32)  # (row block, k, byte)
+    both = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1)  # (row block, k, 64 rows)
+    return both.transpose(1, 2).reshape(n, 2 * half)
+
+
+def _layout_known(packed: torch.Tensor) -> bool:
+    """Whether `_unpack` reads `packed` right: packing its result again gives `packed` back."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[0] % 64 != 0:
+        return False
+    codes = _unpack(packed).to(torch.int32)
+    return torch.equal(torch._convert_weight_to_int4pack_for_cpu(codes, 1), packed)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().clone()
+
+
+def _dtype_of(bias: torch.Tensor | None) -> torch.dtype:
+    return torch.float32 if bias is None else bias.dtype
+
+
+def _cast(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias.to(dtype)
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """`y` `(rows, N)` plus the bias, reshaped to `(*shape[:-1], N)`."""
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.view(*shape[:-1], y.shape[-1])
