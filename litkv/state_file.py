@@ -27,7 +27,9 @@ from litkv.kvcache.storage import CacheShape
 __all__ = ["FORMAT", "FORMAT_VERSION", "read_state_file", "read_state_header", "write_state_file"]
 
 FORMAT = "litkv-cache-state"
-FORMAT_VERSION = 1
+#: Version 2: int8 storage holds its codes biased (the byte read as int8 is the code - 128, so integer
+#: products read them in place); version 1 files are read unless they hold int8 storage.
+FORMAT_VERSION = 2
 #: Safetensors metadata key of the litkv JSON metadata.
 META_KEY = "litkv"
 
@@ -131,12 +133,23 @@ def _parse_meta(path: Path, header: dict[str, str]) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{str(path)!r} is not a litkv cache state (format {found!r})")
-    if meta.get("version") != FORMAT_VERSION:
+    version = meta.get("version")
+    if version not in (1, FORMAT_VERSION):
         raise ValueError(
-            f"cache state file {str(path)!r} has format version {meta.get('version')!r}; this litkv reads "
-            f"version {FORMAT_VERSION}"
+            f"cache state file {str(path)!r} has format version {version!r}; this litkv reads "
+            f"versions 1 and {FORMAT_VERSION}"
+        )
+    if version == 1 and any(_storage(layer) == "int8" for layer in meta.get("layers") or []):
+        raise ValueError(
+            f"cache state file {str(path)!r} (format version 1) holds int8 storage, whose codes version "
+            f"{FORMAT_VERSION} stores differently: compute the state again"
         )
     return meta
+
+
+def _storage(layer: object) -> object:
+    config = layer.get("config") if isinstance(layer, dict) else None
+    return config.get("storage") if isinstance(config, dict) else None
 
 
 def _open(path: Path, with_tensors: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

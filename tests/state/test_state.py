@@ -275,6 +275,38 @@ def test_other_format_version_is_refused(state_file: Path) -> None:
     assert "format version 99" in _one_line_error(state_file)
 
 
+def test_version_1_files_are_read_unless_they_hold_int8_codes(model: GPT, tmp_path: Path) -> None:
+    """Format version 2 stores int8 codes biased; a version-1 file (checksum intact) still restores
+    bitwise, except one with int8 storage, whose bytes now mean other codes: refused in one line."""
+    from safetensors.torch import load_file
+
+    from litkv.state_file import digest
+
+    for storage in ("int4", "int8"):
+        with torch.inference_mode():
+            _attach(model, _config("h2o", storage))
+            _run(model, _tokens(35, 15), 0, PREFIX)
+            path = tmp_path / f"{storage}.safetensors"
+            snapshot(model).save(path)
+            model.set_kv_caches(None)
+        tensors = load_file(str(path))
+
+        def as_version_1(meta: dict, tensors: dict = tensors) -> None:
+            del meta["digest"]
+            meta["version"] = 1
+            meta["digest"] = digest(meta, tensors)
+
+        expected = [{k: t.clone() for k, t in layer.tensors.items()} for layer in CacheState.load(path).layers]
+        _rewrite_metadata(path, as_version_1)
+        if storage == "int8":
+            assert "holds int8 storage" in _one_line_error(path)
+            continue
+        loaded = CacheState.load(path)
+        for layer, want in zip(loaded.layers, expected, strict=True):
+            assert layer.tensors.keys() == want.keys()
+            assert all(torch.equal(layer.tensors[k], want[k]) for k in want)
+
+
 def test_not_a_state_file(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -303,7 +335,7 @@ def test_file_holds_no_pickle(state_file: Path) -> None:
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["litkv"])
-    assert meta["format"] == "litkv-cache-state" and meta["version"] == 1 and meta["token_ids"] == [[1, 2], [3]]
+    assert meta["format"] == "litkv-cache-state" and meta["version"] == 2 and meta["token_ids"] == [[1, 2], [3]]
     assert set(meta["fingerprint"]) == {"model_config", "weights", "eviction_gates"}  # the fixture has gates
     assert meta["layers"][0]["config"]["policy"] == "h2o"
     assert b"\x80\x04" not in data[: 8 + n]  # no pickle protocol marker in the header
