@@ -28,6 +28,7 @@ import torch
 
 from litkv.chat_template import Format, Message, Replies, Segment
 from litkv.config import KVCacheConfig
+from litkv.core.validation import require_finite_logits
 from litkv.model import GPT
 from litkv.runner import ChunkPlan, run_chunks
 from litkv.undo import keep_undo_log
@@ -235,7 +236,9 @@ class Conversation:
         self._reply = []
         start = self.next_pos
         for i in range(max_new_tokens):
-            token = int(pick(self.model.logits(hidden[:, -1]))[0])
+            logits = self.model.logits(hidden[:, -1])
+            require_finite_logits(bool(torch.isfinite(logits).all()), i + 1)  # read with the token anyway
+            token = int(pick(logits)[0])
             pos = torch.tensor([[start + i]], device=self.device)
             hidden = self.model(torch.tensor([[token]], device=self.device), pos, lm_head=False)
             self._reply.append(token)

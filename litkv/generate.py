@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from litkv.config import KVCacheConfig
-from litkv.core.validation import is_int, is_number, require_int
+from litkv.core.validation import is_int, is_number, require_finite_logits, require_int
 from litkv.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.prefix import PrefixCache
 from litkv.runner import ChunkPlan, run_chunks
@@ -271,11 +271,7 @@ def _decode(
 def _check_finite(finite: torch.Tensor, step: int) -> None:
     """ValueError when a decode step's logits held NaN/inf (`finite` is a bool scalar; one host read): in a
     float16 model, an overflow; no token of such a step is handed out."""
-    if not bool(finite):
-        raise ValueError(
-            f"the model produced NaN/inf logits by decode step {step} (a float16 overflow?); use "
-            "--precision bf16-true or 32-true"
-        )
+    require_finite_logits(bool(finite), step)
 
 
 @contextmanager

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["check_bool", "check_float", "check_int", "is_int", "is_number", "one_line", "require_file", "require_int"]
+__all__ = [
+    "check_bool",
+    "check_float",
+    "check_int",
+    "is_int",
+    "is_number",
+    "one_line",
+    "require_file",
+    "require_finite_logits",
+    "require_int",
+]
 
 
 def is_int(value: object) -> bool:
@@ -75,3 +85,13 @@ def one_line(err: BaseException) -> str:
     """An exception's message on one line (a KeyError's key without quotes); its type name when empty."""
     text = str(err) if not isinstance(err, KeyError) or not err.args else str(err.args[0])
     return " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or type(err).__name__
+
+
+def require_finite_logits(finite: bool, step: int) -> None:
+    """ValueError when a decode step's logits held NaN/inf (`finite`: all of them finite, read by the
+    caller); in a float16 model, an overflow. No token of such a step may be handed out."""
+    if not finite:
+        raise ValueError(
+            f"the model produced NaN/inf logits by decode step {step} (a float16 overflow?); use "
+            "--precision bf16-true or 32-true"
+        )

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from litkv.chat_template import Segment
+from litkv.core.validation import require_finite_logits
 from litkv.generate import sample
 from litkv.serve.batch import RowBatch
 from litkv.serve.turns import TurnRequest, TurnResult
@@ -173,6 +174,7 @@ class Scheduler:
     def _pick(self, job: Job, logits: torch.Tensor) -> None:
         """Sample the job's next token from its logits `(1, V)`; hand it on; end the job at a stop token."""
         req = job.req
+        require_finite_logits(bool(torch.isfinite(logits).all()), len(job.result.reply_ids) + 1)
         token = int(sample(logits, req.temperature, self.engine.top_k, req.top_p, job.generator)[0])
         stop = self.engine.on_token(job, token)
         if stop:  # a stop token: not fed; the turn is done

@@ -97,3 +97,31 @@ def test_non_finite_decode_logits_stop_generation_with_one_line() -> None:
             generate(model, [torch.arange(5)], max_new_tokens=4, kv_cache=KVCacheConfig("h2o", cache_length=8))
     finally:
         handle.remove()
+
+
+def test_non_finite_logits_stop_a_chat_reply_before_its_token(tiny_ckpt) -> None:  # noqa: ANN001
+    """The conversation engine (chat, and serve's turns through the same check) refuses a reply step
+    whose logits hold NaN: a one-line ValueError, no token yielded from that step."""
+    from litkv.chat_template import RawFormat
+    from litkv.checkpoint import load_model, load_tokenizer
+    from litkv.conversation import Conversation
+
+    model, tokenizer = load_model(tiny_ckpt), load_tokenizer(tiny_ckpt)
+    conv = Conversation(model, RawFormat(tokenizer), KVCacheConfig("h2o", cache_length=32))
+    messages, replies = [("user", "hello there")], [None]
+    hidden = conv.feed(conv.prepare(messages, replies), messages, replies)
+    calls = []
+
+    def poison(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return output if len(calls) < 3 else output.fill_(float("nan"))  # two good steps, then NaN
+
+    handle = model.lm_head.register_forward_hook(poison)
+    tokens: list[int] = []
+    try:
+        with pytest.raises(ValueError, match=r"NaN/inf logits by decode step 3 .*bf16-true"):
+            for token in conv.reply(hidden, 6, lambda logits: logits.argmax(-1)):
+                tokens.append(token)
+    finally:
+        handle.remove()
+    assert len(tokens) == 2
