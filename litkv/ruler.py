@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 # RULER's noise haystack sentence.
+#: A prompt's text -> the token ids the model is fed.
+Encode = Callable[[str], list[int]]
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 VT_PROMPT = (
     "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
@@ -253,13 +256,13 @@ def _uuid(rng: random.Random) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def _fit(build: Callable[[int], str], tokenizer: Any, budget: int, hi: int) -> tuple[str, list[int]]:
+def _fit(build: Callable[[int], str], encode: Encode, budget: int, hi: int) -> tuple[str, list[int]]:
     """The prompt `build(n)` with the largest `n` in [0, hi] whose tokens fit in `budget` (binary search)."""
     lo, best = 0, None
     while lo <= hi:
         mid = (lo + hi) // 2
         text = build(mid)
-        ids = encode_plain(tokenizer, text)
+        ids = encode(text)
         if len(ids) <= budget:
             best, lo = (text, ids), mid + 1
         else:
@@ -352,32 +355,32 @@ def _fwe_builder(rng: random.Random, alpha: float = 2.0, vocab: int = 600) -> tu
 
 
 def _sample(
-    task: RulerTask, tokenizer: Any, words: Sequence[str], length: int, rng: random.Random, fmt: NiahFormat
+    task: RulerTask, encode: Encode, words: Sequence[str], length: int, rng: random.Random, fmt: NiahFormat
 ) -> RulerSample:
     budget = length - task.max_new_tokens
     if task.kind == "niah":
         build, refs = _niah_builder(task, words, rng, fmt)
-        text, ids = _fit(build, tokenizer, budget, hi=4096 if task.haystack == "words" else 400)
+        text, ids = _fit(build, encode, budget, hi=4096 if task.haystack == "words" else 400)
     elif task.kind == "vt":
         build, refs = _vt_builder(words, rng)
-        text, ids = _fit(build, tokenizer, budget, hi=400)
+        text, ids = _fit(build, encode, budget, hi=400)
     elif task.kind == "cwe":
-        text, ids, refs = _fit_cwe(tokenizer, words, budget, rng)
+        text, ids, refs = _fit_cwe(encode, words, budget, rng)
     else:
         build, _ = _fwe_builder(rng)
-        text, ids = _fit(build, tokenizer, budget, hi=4000)
+        text, ids = _fit(build, encode, budget, hi=4000)
         refs = _fwe_top(text)
     return RulerSample(task.name, text, ids, refs, task.max_new_tokens)
 
 
-def _fit_cwe(tokenizer: Any, words: Sequence[str], budget: int, rng: random.Random) -> tuple[str, list[int], list[str]]:
+def _fit_cwe(encode: Encode, words: Sequence[str], budget: int, rng: random.Random) -> tuple[str, list[int], list[str]]:
     """RULER's cwe frequencies (common words 10x here, 30x in RULER at 4K+ tokens; others 3x), lowered to
     6x/2x then 3x/1x when even the common words alone do not fit in `budget` tokens."""
     seed = rng.random()
     for freq_cw, freq_ucw in ((10, 3), (6, 2), (3, 1)):
         build, refs = _cwe_builder(words, random.Random(seed), freq_cw=freq_cw, freq_ucw=freq_ucw)
         try:
-            text, ids = _fit(build, tokenizer, budget, hi=400)
+            text, ids = _fit(build, encode, budget, hi=400)
         except ValueError:
             continue
         return text, ids, refs
@@ -398,11 +401,13 @@ def generate_samples(
     num_samples: int,
     seed: int = 0,
     niah_format: NiahFormat | None = None,
+    encode: Encode | None = None,
 ) -> dict[str, list[RulerSample]]:
     """`num_samples` samples per task, each at most `length` tokens with its answer; deterministic in `seed`.
 
     `words`: the local word list (`word_list`) for keys and word haystacks; `niah_format`: the needle wording
-    (default: RULER's English template).
+    (default: RULER's English template); `encode`: a prompt's text -> the token ids the model is fed
+    (default: the text alone, `encode_plain`; an instruct model's chat template: `chat_encoder`).
     """
     fmt = NiahFormat() if niah_format is None else niah_format
     if isinstance(length, bool) or not isinstance(length, int) or length < 64:
@@ -411,8 +416,9 @@ def generate_samples(
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     if len(words) < 20:
         raise ValueError(f"the word list needs at least 20 words (keys and haystack), got {len(words)}")
+    enc: Encode = encode or (lambda text: encode_plain(tokenizer, text))
     out: dict[str, list[RulerSample]] = {}
     for index, name in enumerate(resolve_tasks(list(tasks))):
         rng = random.Random(f"{seed}/{index}/{name}")
-        out[name] = [_sample(TASKS[name], tokenizer, words, length, rng, fmt) for _ in range(num_samples)]
+        out[name] = [_sample(TASKS[name], enc, words, length, rng, fmt) for _ in range(num_samples)]
     return out

@@ -58,6 +58,7 @@ def evaluate(
     tasks: str | None = None,
     task_samples: int = 8,
     quantize: str = "none",
+    chat_template: bool | None = None,
 ) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
@@ -96,6 +97,9 @@ def evaluate(
         task_samples: Samples per RULER task (generated as one batch, or batch_size rows when larger).
         quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
             (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
+        chat_template: RULER tasks only: each prompt as a user message in the checkpoint's chat template
+            (with the generation prompt), as an instruct model is used: true, false (the prompt's text
+            alone), or unset: when the checkpoint has one.
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     if tasks is not None:
@@ -104,7 +108,7 @@ def evaluate(
             "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
             "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
             "text_file": text_file, "out_dir": out_dir, "precision": precision, "device": device,
-            "num_threads": num_threads, "quantize": quantize,
+            "num_threads": num_threads, "quantize": quantize, "chat_template": chat_template,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
         return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)

@@ -11,17 +11,30 @@ from pathlib import Path
 from typing import Any
 
 from litkv.atomic import write_atomic
+from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import load_tokenizer
 from litkv.core.validation import require_file
 from litkv.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.recall import RECALL_FILE, RecallFormat
-from litkv.ruler import NiahFormat, generate_samples, resolve_tasks, word_list
+from litkv.ruler import Encode, NiahFormat, generate_samples, resolve_tasks, word_list
 from litkv.runtime import load_for_inference
 
-__all__ = ["NEAR_ZERO", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
+__all__ = ["NEAR_ZERO", "chat_encoder", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
 
 # A task on which dense scores below this is marked: it needs a stronger model, not a better policy.
 NEAR_ZERO = 0.1
+
+
+def chat_encoder(fmt: Format) -> Encode | None:
+    """A RULER prompt's text as a user message of `fmt`'s chat template, with the generation prompt (the
+    ids an instruct model is fed in chat); None for raw text (the prompt's own tokens)."""
+    if isinstance(fmt, RawFormat):
+        return None
+
+    def encode(text: str) -> list[int]:
+        return [t for seg in fmt.segments([("user", text)], [None], True, True) for t in seg.ids]
+
+    return encode
 
 
 def run_ruler(
@@ -34,7 +47,9 @@ def run_ruler(
     """Generate the samples, score dense and every (policy, budget), print the table, write ruler.json/png.
 
     `settings`: length (None: the recall format's context length, else the model's), num_samples, seed,
-    kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads.
+    kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads, quantize,
+    chat_template (None: the checkpoint's template when it has one, each prompt a user message with the
+    generation prompt; False: the prompt's text alone).
     """
     names = resolve_tasks(tasks)
     runtime = (settings["precision"], settings["device"], settings["num_threads"], settings["quantize"])
@@ -50,7 +65,8 @@ def run_ruler(
         raise FileNotFoundError(f"no word list source {str(text_path)!r}: pass --text_file (any English text)")
     words = word_list(text_path.read_text(encoding="utf-8"))
     niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
-    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah)
+    encode = chat_encoder(load_format(ckpt, tokenizer, settings["chat_template"]))
+    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
     start = time.perf_counter()
     results = evaluate_ruler(
         model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
