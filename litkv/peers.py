@@ -192,7 +192,7 @@ def _litkv_compile_available() -> bool:
 
 
 def _time_litkv(
-    model_name: str, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool, warmups: list[_Warmup],
+    model_name: str | Config, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool, warmups: list[_Warmup],
     quantize: str,
 ) -> Timed:  # fmt: skip
     from litkv.config import KVCacheConfig
@@ -332,7 +332,7 @@ def _compile_seconds(warmups: list[_Warmup], prefill: float, step: float) -> flo
 
 
 def run_peer(
-    peer: str, model_name: str, hf_dir: Path, lit_dir: Path, prompt_len: int, new: int, chunk: int, seed: int,
+    peer: str, model_name: str | Config, hf_dir: Path, lit_dir: Path, prompt_len: int, new: int, chunk: int, seed: int,
     quantize: str = "none",
 ) -> BenchResult:  # fmt: skip
     """Measure one peer in this process (meant to run in a fresh subprocess).
@@ -343,8 +343,6 @@ def run_peer(
     A peer that cannot run here (`litkv-compile` before `generate` has `compile`) comes back as a row
     whose `note` says why.
     """
-    from litgpt.config import Config
-
     quant = quantize if peer in ("litkv", "litkv-compile") else "none"
     vocab = _config(model_name).vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed))
