@@ -192,8 +192,8 @@ def _litkv_compile_available() -> bool:
 
 
 def _time_litkv(
-    model_name: str | Config, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool, warmups: list[_Warmup],
-    quantize: str,
+    model_name: str | Config, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool,
+    warmups: list[_Warmup], quantize: str,
 ) -> Timed:  # fmt: skip
     from litkv.config import KVCacheConfig
     from litkv.generate import generate
