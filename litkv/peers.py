@@ -70,6 +70,7 @@ class BenchResult:
     step_bytes: float = 0.0  # bytes one decode step reads (weights + cached keys and values)
     bandwidth: float = 0.0  # bytes/s measured in the same run
     note: str = ""  # why a peer did not run ("not available: ..."); its figures are then 0
+    quantize: str = "none"  # litkv's rows: the weight quantisation (`litkv.quant_weights`); peers: "none"
 
     @property
     def available(self) -> bool:
@@ -191,15 +192,17 @@ def _litkv_compile_available() -> bool:
 
 
 def _time_litkv(
-    model_name: str, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool, warmups: list[_Warmup]
-) -> Timed:
+    model_name: str | Config, lit_dir: Path, prompt: torch.Tensor, new: int, chunk: int, compile: bool,
+    warmups: list[_Warmup], quantize: str,
+) -> Timed:  # fmt: skip
     from litkv.config import KVCacheConfig
     from litkv.generate import generate
     from litkv.model import GPT
+    from litkv.quant_weights import parse_quantize, quantize_model
 
     if compile and not _litkv_compile_available():
         raise PeerUnavailable("not available: litkv.generate has no compile option in this version")
-    model = load_lit(model_name, lit_dir, GPT)
+    model = quantize_model(load_lit(model_name, lit_dir, GPT), parse_quantize(quantize))
     cfg = KVCacheConfig(cache_length=prompt.numel() + new, chunk_size=min(chunk, prompt.numel() + new))
     options = {"compile": True} if compile else {}
     _reset_peak_rss()  # compiled: before the warm-up, so that the peak includes compilation
@@ -329,21 +332,25 @@ def _compile_seconds(warmups: list[_Warmup], prefill: float, step: float) -> flo
 
 
 def run_peer(
-    peer: str, model_name: str, hf_dir: Path, lit_dir: Path, prompt_len: int, new: int, chunk: int, seed: int
-) -> BenchResult:
+    peer: str, model_name: str | Config, hf_dir: Path, lit_dir: Path, prompt_len: int, new: int, chunk: int, seed: int,
+    quantize: str = "none",
+) -> BenchResult:  # fmt: skip
     """Measure one peer in this process (meant to run in a fresh subprocess).
+
+    `quantize` (`"none"`, `"int8"`, `"int4"`, `"int4-gN"`) applies to litkv's own rows only: they load
+    the weights quantised (`litkv.quant_weights`); the other peers run the float weights.
 
     A peer that cannot run here (`litkv-compile` before `generate` has `compile`) comes back as a row
     whose `note` says why.
     """
-    from litgpt.config import Config
-
-    vocab = Config.from_name(model_name).vocab_size
+    quant = quantize if peer in ("litkv", "litkv-compile") else "none"
+    vocab = _config(model_name).vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     warmups: list[_Warmup] = []
     try:
         if peer in ("litkv", "litkv-compile"):
-            stamps, tokens = _time_litkv(model_name, lit_dir, prompt, new, chunk, peer == "litkv-compile", warmups)
+            compile = peer == "litkv-compile"
+            stamps, tokens = _time_litkv(model_name, lit_dir, prompt, new, chunk, compile, warmups, quantize)
         elif peer == "litgpt":
             stamps, tokens = _time_litgpt(model_name, lit_dir, prompt, new)
         elif peer in ("hf", "hf-static-compile"):
@@ -351,7 +358,7 @@ def run_peer(
         else:
             raise ValueError(f"peer must be one of {list(PEERS)}, got {peer!r}")
     except PeerUnavailable as exc:
-        return BenchResult(peer, prompt_len, 0, 0.0, 0.0, 0.0, 0.0, [], note=str(exc))
+        return BenchResult(peer, prompt_len, 0, 0.0, 0.0, 0.0, 0.0, [], note=str(exc), quantize=quant)
     peak = _status_mb("VmHWM")
     if len(stamps) < 3 or stamps[-1] <= stamps[1]:
         raise RuntimeError(f"{peer} produced {len(stamps) - 1} tokens: no decode step was timed")
@@ -367,6 +374,7 @@ def run_peer(
         peak - _BASELINE_MB[-1],
         tokens,
         compile_s=_compile_seconds(warmups, prefill, step),
+        quantize=quant,
     )
 
 
@@ -383,5 +391,6 @@ def worker_main() -> None:
         args["new"],
         args["chunk"],
         args["seed"],
+        args.get("quantize", "none"),
     )
     print("RESULT " + json.dumps(asdict(result)))

@@ -40,6 +40,7 @@ __all__ = [
     "WeightQuant",
     "parse_quantize",
     "quantize_model",
+    "stored_weight_bytes",
 ]
 
 #: `--quantize` values: `none`, `int8`, `int4` (group 32) and `int4-gN` (group N).
@@ -200,6 +201,18 @@ def check_int4_shape(out_features: int, in_features: int, group_size: int) -> No
         )
     if out_features % _INT4_N_MULTIPLE != 0:
         raise ValueError(f"int4 weights need out_features a multiple of {_INT4_N_MULTIPLE}, got {out_features}")
+
+
+def stored_weight_bytes(out_features: int, in_features: int, quant: WeightQuant) -> int:
+    """Bytes of one `(out_features, in_features)` linear weight stored as `quant` says (bias excluded):
+    int8 codes plus bfloat16 scales per output channel; int4 packed codes plus a bfloat16 scale and zero
+    per group and output channel. `"none"`: 0 (the float weight is counted where it lies)."""
+    n, k = out_features, in_features
+    if quant.mode == "int8":
+        return n * k + 2 * n
+    if quant.mode == "int4":
+        return n * k // 2 + 4 * n * (k // quant.group_size)
+    return 0
 
 
 def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:

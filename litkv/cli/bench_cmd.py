@@ -22,6 +22,7 @@ from litkv.atomic import write_text_atomic
 from litkv.bandwidth import bytes_per_step, kv_bytes_per_token, measure_bandwidth
 from litkv.core.validation import is_int
 from litkv.peers import COMPILED, PEERS, BenchResult, prepare_weights
+from litkv.quant_weights import parse_quantize, stored_weight_bytes
 
 __all__ = ["bench", "format_table"]
 
@@ -57,6 +58,7 @@ def _row(r: BenchResult, ours: BenchResult | None) -> str:
         return f"| {r.prompt_len} | {r.peer} | {r.note} |" + " - |" * 11
     ref = ours if ours is not None and ours.available else None
     bound = r.bound_tok_s
+    peer = r.peer if r.quantize == "none" else f"{r.peer} ({r.quantize} weights)"
     cells = [
         f"{r.prefill_s:.2f}",
         "-" if r.compile_s is None else f"{r.compile_s:.1f}",
@@ -71,7 +73,7 @@ def _row(r: BenchResult, ours: BenchResult | None) -> str:
         _ratio(ref.generation_mb, max(r.generation_mb, 1.0)) if ref else "-",
         ("yes" if r.tokens == ref.tokens else "no") if ref else "-",
     ]
-    return f"| {r.prompt_len} | {r.peer} | " + " | ".join(cells) + " |"
+    return f"| {r.prompt_len} | {peer} | " + " | ".join(cells) + " |"
 
 
 def format_table(results: list[BenchResult]) -> str:
@@ -84,6 +86,8 @@ def format_table(results: list[BenchResult]) -> str:
     `gen MB` is that peak minus the resident set just before generation (what generating needs); for
     compiled peers both include the warm-up call and its compilation.
     `same tokens`: the greedy tokens equal litkv's (eager) at the same prompt length.
+    litkv's rows name their weight quantisation when it is not `none` (`--quantize`); the peers' weights
+    are float, so their `same tokens` then compares against the quantised litkv row.
     """
     rows = [
         "| prompt | peer | prefill s | compile s | decode tok/s | MB/step | bound tok/s | of bound | peak MB | gen MB "
@@ -115,19 +119,28 @@ def _check_options(lengths: list[int], max_new_tokens: int, chunk_size: int, thr
         raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
 
 
-def _step_bytes(model: str, prompt_len: int, new: int) -> float:
-    """Bytes a decode step reads halfway through the decode (float32 weights, LM head tied to the embedding)."""
+def _step_bytes(model: str, prompt_len: int, new: int, quantize: str = "none") -> float:
+    """Bytes a decode step reads halfway through the decode (float32 weights, LM head tied to the embedding).
+
+    `quantize` other than `"none"`: every linear weight (LM head included) as its stored codes and
+    scales (`stored_weight_bytes`) instead of float32; the embedding then adds only the row it reads.
+    """
     from litgpt.config import Config
 
     from litkv.bandwidth import weight_bytes
     from litkv.model import GPT
 
+    quant = parse_quantize(quantize)
     config = Config.from_name(model)
     with torch.device("meta"):
         meta = GPT(config)
     meta.lm_head.weight = meta.transformer.wte.weight  # tied, as the benchmark's weights are
+    weights = weight_bytes(meta)
+    if quant.mode != "none":
+        for linear in (m for m in meta.modules() if isinstance(m, torch.nn.Linear)):
+            weights += stored_weight_bytes(linear.out_features, linear.in_features, quant) - linear.weight.nbytes
     per_token = kv_bytes_per_token(config.n_layer, config.n_query_groups, config.head_size, 4)
-    return bytes_per_step(weight_bytes(meta), per_token, prompt_len + new / 2)
+    return bytes_per_step(weights, per_token, prompt_len + new / 2)
 
 
 def _resolve_peers(peers: list[str] | None, quick: bool) -> list[str]:
@@ -142,7 +155,7 @@ def _resolve_peers(peers: list[str] | None, quick: bool) -> list[str]:
 
 def _measure_all(
     model: str, lengths: list[int], chosen: list[str], new: int, chunk: int, seed: int, threads: int | None,
-    weights_dir: Path | None, repeats: int,
+    weights_dir: Path | None, repeats: int, quantize: str,
 ) -> list[BenchResult]:  # fmt: skip
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,6 +177,7 @@ def _measure_all(
                         chunk=chunk,
                         seed=seed,
                         threads=threads,
+                        quantize=quantize,
                     )
                     r = _run_subprocess(args)
                     what = r.note or f"{r.decode_tok_s:.1f} tok/s, {r.peak_mb:.0f} MB peak"
@@ -184,6 +198,7 @@ def bench(
     weights_dir: Path | None = None,
     repeats: int = 1,
     quick: bool = False,
+    quantize: str = "none",
 ) -> list[BenchResult]:
     """Greedy decoding speed and peak memory of litkv (dense cache) against HF transformers and LitGPT,
     each as a fraction of the memory-bandwidth bound measured in the same run.
@@ -204,23 +219,28 @@ def bench(
             (rounds interleave the peers, so a busy moment of the machine hits them alike).
         quick: a smoke test: prompt 32, 8 new tokens, no compiled peer unless `peers` names one
             (explicit `prompt_lengths` still apply).
+        quantize: litkv's own rows load the weights quantised (`"none"`, `"int8"`, `"int4"`, `"int4-gN"`:
+            `litkv.quant_weights`, CPU only); the other peers run the float weights.
     """
     if quick:
         prompt_lengths = [32] if prompt_lengths is None else prompt_lengths
         max_new_tokens = 8
     lengths = [512, 2048, 4096] if prompt_lengths is None else list(prompt_lengths)
     _check_options(lengths, max_new_tokens, chunk_size, threads, repeats)
+    parse_quantize(quantize)  # a bad value is refused before any weights are written
     chosen = _resolve_peers(peers, quick)
     gib = 2**28 if quick else 2**30
     bandwidth = measure_bandwidth(gib, threads=threads)
-    results = _measure_all(model, lengths, chosen, max_new_tokens, chunk_size, seed, threads, weights_dir, repeats)
+    results = _measure_all(
+        model, lengths, chosen, max_new_tokens, chunk_size, seed, threads, weights_dir, repeats, quantize
+    )
     bandwidth = max(bandwidth, measure_bandwidth(gib, threads=threads))  # best of before and after
     used = threads or torch.get_num_threads()
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s (sum of {gib // 2**20} MiB, {used} threads)")
     results = _best_of(results)
     for r in results:
         if r.available:
-            r.step_bytes, r.bandwidth = _step_bytes(model, r.prompt_len, r.new_tokens), bandwidth
+            r.step_bytes, r.bandwidth = _step_bytes(model, r.prompt_len, r.new_tokens, r.quantize), bandwidth
     print(format_table(results))
     if json_out is not None:
         write_text_atomic(json_out, json.dumps([asdict(r) for r in results], indent=2))
