@@ -194,7 +194,7 @@ def convert_hf_checkpoint(
     if hf.get("model_type") in HYBRID_MODEL_TYPES or hf.get("model_type") in UNSUPPORTED_RECURRENT:
         config: Config = hybrid_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
         weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
-        state_dict = hybrid_state_dict(weights, config, dtype)  # type: ignore[arg-type]
+        state_dict = hybrid_state_dict(weights, config, dtype, hf)  # type: ignore[arg-type]
     else:
         config, family = _pick_config(hf_dir, hf, model_name)
         copy_fn = _copy_fn(config, family)

@@ -1,9 +1,13 @@
-"""Hugging Face hybrid checkpoints (`BambaForCausalLM`) -> litkv's `HybridConfig` and state dict.
+"""Hugging Face hybrid checkpoints (`BambaForCausalLM`, and `GraniteMoeHybridForCausalLM` in its dense-MLP
+form, as Granite-4.0-H-Micro) -> litkv's `HybridConfig` and state dict.
 
 Attention layers map to LitGPT's key names (`attn.qkv` is `q_proj`, `k_proj`, `v_proj` stacked), Mamba-2
 layers keep Bamba's mixer names under `attn.` (`litkv.mamba2.Mamba2Mixer`). What litkv does not implement
-(a Mamba-1 model, mixture-of-experts MLPs, Granite's multipliers) is refused in one line naming it,
-before any weight is read.
+(a Mamba-1 model, mixture-of-experts MLPs) is refused in one line naming it, before any weight is read.
+Granite's four multipliers are folded into the weights (`_fold_granite`): the embedding and the logit
+divisor into `wte` / `lm_head` (untied), the residual multiplier into every sublayer's output projection,
+the attention multiplier (Granite's softmax scale) into the query rows of `attn.qkv`; Granite's
+`position_embedding_type` other than `rope` is no RoPE (`rotary_percentage=0`).
 """
 
 from __future__ import annotations
@@ -18,13 +22,12 @@ from litkv.config import ATTENTION, MAMBA2, HybridConfig
 
 __all__ = ["HYBRID_MODEL_TYPES", "UNSUPPORTED_RECURRENT", "hybrid_config_from_hf", "hybrid_state_dict"]
 
-HYBRID_MODEL_TYPES = ("bamba",)
+HYBRID_MODEL_TYPES = ("bamba", "granitemoehybrid")
 # model types with layers litkv does not implement, and what they are
 UNSUPPORTED_RECURRENT = {
     "mamba": "Mamba-1 layers",
     "falcon_mamba": "Mamba-1 layers",
     "jamba": "Mamba-1 layers and mixture-of-experts MLPs",
-    "granitemoehybrid": "Granite's embedding/residual/attention/logit multipliers and mixture-of-experts MLPs",
     "nemotron_h": "Nemotron-H's MLP-only layers",
     "falcon_h1": "Falcon-H1's parallel attention and SSM",
     "mamba2": "a Mamba-2 model without attention (use a hybrid one)",
@@ -59,6 +62,13 @@ def _check_supported(hf: Mapping[str, Any]) -> None:
         raise ValueError(
             f"not a hybrid model litkv converts: model_type {model_type!r}, expected one of {HYBRID_MODEL_TYPES}"
         )
+    if int(hf.get("num_local_experts", 0) or 0) > 0:
+        raise ValueError(
+            f"mixture-of-experts MLPs (num_local_experts={hf['num_local_experts']}) are not implemented for "
+            "hybrid models; expected the dense-MLP form (num_local_experts=0)"
+        )
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("attention or MLP biases are not implemented for hybrid models; expected none")
     if int(hf.get("num_experts", 1) or 1) > 1:
         raise ValueError(
             f"mixture-of-experts MLPs (num_experts={hf['num_experts']}) are not implemented for hybrid models"
@@ -76,7 +86,7 @@ def hybrid_config_from_hf(hf: Mapping[str, Any], name: str) -> HybridConfig:
     """A `HybridConfig` from a Bamba `config.json` mapping. ValueError (one line) for what litkv lacks."""
     _check_supported(hf)
     n_layer, n_head, n_embd = hf["num_hidden_layers"], hf["num_attention_heads"], hf["hidden_size"]
-    attn = set(hf.get("attn_layer_indices") or [])
+    attn = _attention_layers(hf)
     heads = hf["mamba_n_heads"]
     head_dim = hf.get("mamba_d_head", "auto")
     head_dim = hf["mamba_expand"] * n_embd // heads if head_dim == "auto" else head_dim
@@ -91,8 +101,9 @@ def hybrid_config_from_hf(hf: Mapping[str, Any], name: str) -> HybridConfig:
         n_head=n_head,
         n_query_groups=hf.get("num_key_value_heads") or n_head,
         head_size=hf.get("head_dim") or n_embd // n_head,
-        intermediate_size=hf["intermediate_size"],
-        rotary_percentage=1.0,  # transformers' Bamba rotates the whole head (its partial_rotary_factor is unused)
+        intermediate_size=hf["shared_intermediate_size"] if _granite(hf) else hf["intermediate_size"],
+        # transformers' Bamba rotates the whole head (its partial_rotary_factor is unused); Granite: "nope" or "rope"
+        rotary_percentage=0.0 if _granite(hf) and hf.get("position_embedding_type") != "rope" else 1.0,
         rope_base=_rope_base(hf),
         parallel_residual=False,
         bias=False,
@@ -111,6 +122,23 @@ def hybrid_config_from_hf(hf: Mapping[str, Any], name: str) -> HybridConfig:
         mamba_dt_min=_number(limit[0], "time_step_limit[0]"),
         mamba_dt_max=_number(limit[1], "time_step_limit[1]"),
     )
+
+
+def _granite(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") == "granitemoehybrid"
+
+
+def _attention_layers(hf: Mapping[str, Any]) -> set[int]:
+    """Indices of the attention layers: Bamba's `attn_layer_indices`, Granite's `layer_types` ("attention")."""
+    if not _granite(hf):
+        return set(hf.get("attn_layer_indices") or [])
+    kinds = list(hf.get("layer_types") or hf.get("layers_block_type") or [])
+    if len(kinds) != hf["num_hidden_layers"] or not set(kinds) <= {"mamba", "attention"}:
+        raise ValueError(
+            f"layer_types must name 'mamba' or 'attention' for each of the {hf['num_hidden_layers']} layers, "
+            f"got {kinds!r:.120}"
+        )
+    return {i for i, kind in enumerate(kinds) if kind == "attention"}
 
 
 _MIXER = (
@@ -132,20 +160,28 @@ _LAYER = {
     "feed_forward.up_proj.weight": "mlp.fc_2.weight",
     "feed_forward.down_proj.weight": "mlp.proj.weight",
     "self_attn.o_proj.weight": "attn.proj.weight",
+    "post_attention_layernorm.weight": "norm_2.weight",  # Granite's names
+    "shared_mlp.output_linear.weight": "mlp.proj.weight",
 }
 
 
 def hybrid_state_dict(
-    hf_weights: Mapping[str, torch.Tensor], config: HybridConfig, dtype: torch.dtype | None = None
+    hf_weights: Mapping[str, torch.Tensor],
+    config: HybridConfig,
+    dtype: torch.dtype | None = None,
+    hf: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Bamba's weights (all files together) under litkv's names. ValueError naming an unknown key."""
+    """Bamba's or Granite's weights (all files together) under litkv's names. ValueError naming an unknown key.
+
+    `hf` (the `config.json` mapping) is needed for Granite: its multipliers are folded in (`_fold_granite`).
+    """
     out: dict[str, torch.Tensor] = {}
     qkv: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in hf_weights.items():
         t = tensor if dtype is None else tensor.to(dtype)
         if key == "model.embed_tokens.weight":
             out["transformer.wte.weight"] = t
-        elif key == "model.final_layernorm.weight":
+        elif key in ("model.final_layernorm.weight", "model.norm.weight"):
             out["transformer.ln_f.weight"] = t
         elif key == "lm_head.weight":
             out["lm_head.weight"] = t
@@ -154,6 +190,8 @@ def hybrid_state_dict(
             i = int(index)
             if rest in _LAYER:
                 out[f"transformer.h.{i}.{_LAYER[rest]}"] = t
+            elif rest == "shared_mlp.input_linear.weight":  # Granite: [gate; up] stacked
+                out[f"transformer.h.{i}.mlp.fc_1.weight"], out[f"transformer.h.{i}.mlp.fc_2.weight"] = t.chunk(2)
             elif rest.startswith("mamba.") and rest[len("mamba.") :] in _MIXER:
                 out[f"transformer.h.{i}.attn.{rest[len('mamba.') :]}"] = t
             elif rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
@@ -168,4 +206,35 @@ def hybrid_state_dict(
         out[f"transformer.h.{i}.attn.qkv.weight"] = torch.cat((parts["q"], parts["k"], parts["v"]), dim=0)
     if "lm_head.weight" not in out and "transformer.wte.weight" in out:
         out["lm_head.weight"] = out["transformer.wte.weight"].clone()  # tied embeddings
+    if hf is not None and _granite(hf):
+        _fold_granite(out, config, hf)
     return out
+
+
+def _fold_granite(out: dict[str, torch.Tensor], config: HybridConfig, hf: Mapping[str, Any]) -> None:
+    """Fold Granite's multipliers into the weights `out` (litkv names, in place), computed in float64.
+
+    `embedding_multiplier` scales `wte`; `logits_scaling` divides `lm_head`; `residual_multiplier` scales each
+    sublayer's output projection (`attn.proj`, the mixer's `out_proj` and its bias, `mlp.proj`);
+    `attention_multiplier` replaces the softmax scale `1 / sqrt(head_size)`, so the query rows of `attn.qkv`
+    are scaled by `attention_multiplier * sqrt(head_size)` (RoPE is linear: the same after rotation).
+    """
+    names = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
+    embed, logits, residual, attention = (_number(hf.get(n, 1.0), n) for n in names)
+    if logits == 0:
+        raise ValueError("logits_scaling must be non-zero, got 0")
+
+    def scale(key: str, factor: float) -> None:
+        if key in out:
+            out[key] = (out[key].double() * factor).to(out[key].dtype)
+
+    scale("transformer.wte.weight", embed)
+    scale("lm_head.weight", 1.0 / logits)
+    q_rows = config.n_head * config.head_size
+    for i in range(config.n_layer):
+        for key in ("attn.proj.weight", "attn.out_proj.weight", "attn.out_proj.bias", "mlp.proj.weight"):
+            scale(f"transformer.h.{i}.{key}", residual)
+        qkv = out.get(f"transformer.h.{i}.attn.qkv.weight")
+        if qkv is not None:
+            q = (qkv[:q_rows].double() * (attention * math.sqrt(config.head_size))).to(qkv.dtype)
+            out[f"transformer.h.{i}.attn.qkv.weight"] = torch.cat((q, qkv[q_rows:]))

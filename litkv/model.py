@@ -22,7 +22,7 @@ from litkv.core.rope import apply_rope, yarn_mscale
 from litkv.core.validation import require_int
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
-from litkv.kvcache.recurrent import RecurrentCache
+from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates
 from litkv.learned.soft import SoftEviction
@@ -114,7 +114,9 @@ class GPT(nn.Module):
     ) -> list[LayerCache | RecurrentCache]:
         """One fresh cache per layer (a single config for all layers, or one config per layer).
 
-        A Mamba-2 layer of a hybrid model gets a `RecurrentCache` (its config, if any, is not used).
+        A Mamba-2 layer of a hybrid model gets a `RecurrentCache`: policies cover the attention layers only
+        (`KVCaches.coverage` says which). In a per-layer list, a Mamba-2 layer's entry is a placeholder that
+        must be the config of some attention layer; one that names a policy for it alone is a ValueError.
 
         The caches take `dtype`, else the autocast dtype when autocast is on, else the model's dtype.
         """
@@ -128,8 +130,11 @@ class GPT(nn.Module):
         if dtype is None:
             autocast = torch.is_autocast_enabled(ref.device.type)
             dtype = torch.get_autocast_dtype(ref.device.type) if autocast else ref.dtype
+        kinds = layer_kinds(self.config)
+        if per_layer is not None:
+            check_recurrent_entries(per_layer, [kind == MAMBA2 for kind in kinds])
         caches: list[LayerCache | RecurrentCache] = []
-        for cfg, kind in zip(configs, layer_kinds(self.config), strict=True):
+        for cfg, kind in zip(configs, kinds, strict=True):
             c = self.config
             if kind == MAMBA2:
                 caches.append(RecurrentCache(recurrent_shape(c, batch_size), device, dtype))  # type: ignore[arg-type]

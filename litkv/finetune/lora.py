@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 #: Where adapters can go: the attention's fused QKV and output projections, every linear layer of
-#: the MLP, and the LM head.
-LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp", "lm_head")
+#: the MLP, the LM head, and in a hybrid model the Mamba-2 mixers' input and output projections
+#: (`mamba.in_proj`, `mamba.out_proj`; a model without Mamba-2 layers has none to match).
+LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp", "lm_head", "mamba.in_proj", "mamba.out_proj")
 _ADAPTER_NAMES = ("lora_A", "lora_B")
 
 
@@ -45,7 +46,8 @@ class LoRAArgs:
         r: Rank of the adapters.
         alpha: Scaling numerator: the adapter output is multiplied by ``alpha / r``.
         targets: Which linear layers get adapters, among ``attn.qkv``, ``attn.proj``, ``mlp`` (every
-            linear layer of the MLP) and ``lm_head``.
+            linear layer of the MLP), ``lm_head``, and the Mamba-2 mixers' ``mamba.in_proj`` and
+            ``mamba.out_proj`` (hybrid models: the attention targets cover only their attention layers).
     """
 
     r: int = 8
@@ -127,6 +129,8 @@ def _is_target(name: str, module: nn.Module, targets: list[str]) -> bool:
         or ("attn.proj" in targets and full.endswith(".attn.proj"))
         or ("mlp" in targets and ".mlp." in full)
         or ("lm_head" in targets and name == "lm_head")
+        or ("mamba.in_proj" in targets and full.endswith(".attn.in_proj"))  # a Mamba-2 mixer sits at `attn`
+        or ("mamba.out_proj" in targets and full.endswith(".attn.out_proj"))
     )
 
 

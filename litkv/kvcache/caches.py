@@ -71,6 +71,27 @@ class KVCaches:
         return [cache for cache in self.layers if isinstance(cache, RecurrentCache)]
 
     @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the attention layers: the layers a cache policy covers (all, in an attention-only model)."""
+        return [i for i, cache in enumerate(self.layers) if not isinstance(cache, RecurrentCache)]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Indices of the recurrent (Mamba-2) layers: constant-size state, no policy."""
+        return [i for i, cache in enumerate(self.layers) if isinstance(cache, RecurrentCache)]
+
+    def coverage(self) -> str:
+        """One line saying which layers the cache policies cover, e.g. `policy h2o on attention layers [2]
+        of 3; recurrent layers [0, 1] hold a constant-size state (no policy)`."""
+        policies = sorted({cache.config.policy for cache in self.policy_caches})
+        named = f"policy {', '.join(policies)}" if policies else "attention caches"
+        attention, recurrent = self.attention_layers, self.recurrent_layers
+        if not recurrent:
+            return f"{named} on all {len(self)} layers"
+        held = f"recurrent layers {recurrent} hold a constant-size state (no policy)"
+        return f"{named} on attention layers {attention} of {len(self)}; {held}"
+
+    @property
     def policy_caches(self) -> list[KVCache]:
         """The layers that are policy caches (all of them, except during the gradient engine's replay)."""
         return [cache for cache in self.layers if isinstance(cache, KVCache)]

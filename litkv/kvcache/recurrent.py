@@ -13,12 +13,13 @@ undo log see it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LayerStateCache", "RecurrentCache", "RecurrentShape"]
+__all__ = ["LayerStateCache", "RecurrentCache", "RecurrentShape", "check_recurrent_entries"]
 
 
 @runtime_checkable
@@ -128,3 +129,26 @@ class RecurrentCache:
         """Forget everything (zeros)."""
         self.conv = torch.zeros_like(self.conv)
         self.ssm = torch.zeros_like(self.ssm)
+
+
+def check_recurrent_entries(configs: Sequence[object], recurrent: Sequence[bool]) -> None:
+    """Refuse a per-layer cache config list that sets a policy for a recurrent layer (one line).
+
+    A recurrent layer takes no policy: its entry in a per-layer list is a placeholder and must be a config
+    that some attention layer also uses (as in a list made by repeating one config); an entry found only
+    at recurrent layers names one of them and is a ValueError naming the layer and the attention layers.
+
+    Args:
+        configs: one cache config per layer (`KVCacheConfig`, compared with `==`).
+        recurrent: per layer, whether it is a recurrent (Mamba-2) layer.
+    """
+    attention = [i for i, rec in enumerate(recurrent) if not rec]
+    used = [configs[i] for i in attention]
+    for i, (cfg, rec) in enumerate(zip(configs, recurrent, strict=True)):
+        if rec and cfg not in used:
+            policy = getattr(cfg, "policy", cfg)
+            raise ValueError(
+                f"kv_cache[{i}] sets policy {policy!r} for layer {i}, a recurrent (Mamba-2) layer that keeps a "
+                f"constant-size state and takes no policy; policies cover the attention layers {attention} only "
+                f"(give layer {i} the config of an attention layer)"
+            )

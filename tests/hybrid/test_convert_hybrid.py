@@ -46,7 +46,7 @@ def test_convert_then_load_gives_transformers_logits(hf_dir: tuple[Path, torch.n
 
 @pytest.mark.parametrize(
     ("model_type", "named"),
-    [("mamba", "Mamba-1"), ("jamba", "mixture-of-experts"), ("granitemoehybrid", "multipliers")],
+    [("mamba", "Mamba-1"), ("jamba", "mixture-of-experts"), ("nemotron_h", "MLP-only layers")],
 )
 def test_unsupported_kinds_are_one_line_at_convert(
     hf_dir: tuple[Path, torch.nn.Module], tmp_path: Path, model_type: str, named: str
