@@ -30,6 +30,7 @@ __all__ = [
     "FALLBACK_WORDS",
     "NiahFormat",
     "TASKS",
+    "split_answer_prefix",
     "RulerSample",
     "RulerTask",
     "generate_samples",
@@ -254,6 +255,18 @@ def _number(rng: random.Random, digits: int = 5, distinct: bool = False) -> str:
 def _uuid(rng: random.Random) -> str:
     h = "".join(rng.choice("0123456789abcdef") for _ in range(32))
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def split_answer_prefix(prompt: str) -> tuple[str, str]:
+    """`(question, answer_prefix)` of a RULER prompt: the prompt ends with the start of its answer (RULER's
+    `answer_prefix`, e.g. "The special magic number for X mentioned in the provided text is"), which a chat
+    model is given as the start of its reply, after the template's generation prompt, not inside the user
+    message. Split after the last "Answer: " (vt, cwe, fwe) or the last "? " (niah); no split: `(prompt, "")`."""
+    for marker in ("Answer: ", "? "):
+        at = prompt.rfind(marker)
+        if at >= 0:
+            return prompt[: at + len(marker)].rstrip(), prompt[at + len(marker) :]
+    return prompt, ""
 
 
 def _fit(build: Callable[[int], str], encode: Encode, budget: int, hi: int) -> tuple[str, list[int]]:

@@ -15,8 +15,8 @@ from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import load_tokenizer
 from litkv.core.validation import require_file
 from litkv.evaluate import DENSE, RulerResult, evaluate_ruler
-from litkv.recall import RECALL_FILE, RecallFormat
-from litkv.ruler import Encode, NiahFormat, generate_samples, resolve_tasks, word_list
+from litkv.recall import RECALL_FILE, RecallFormat, encode_plain
+from litkv.ruler import Encode, NiahFormat, generate_samples, resolve_tasks, split_answer_prefix, word_list
 from litkv.runtime import load_for_inference
 
 __all__ = ["NEAR_ZERO", "chat_encoder", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
@@ -26,13 +26,16 @@ NEAR_ZERO = 0.1
 
 
 def chat_encoder(fmt: Format) -> Encode | None:
-    """A RULER prompt's text as a user message of `fmt`'s chat template, with the generation prompt (the
-    ids an instruct model is fed in chat); None for raw text (the prompt's own tokens)."""
+    """A RULER prompt as an instruct model is fed it in chat, as RULER does: the question as a user message
+    of `fmt`'s chat template, the generation prompt, then the answer's start (`split_answer_prefix`) as the
+    first tokens of the reply; None for raw text (the prompt's own tokens)."""
     if isinstance(fmt, RawFormat):
         return None
 
     def encode(text: str) -> list[int]:
-        return [t for seg in fmt.segments([("user", text)], [None], True, True) for t in seg.ids]
+        question, prefix = split_answer_prefix(text)
+        ids = [t for seg in fmt.segments([("user", question)], [None], True, True) for t in seg.ids]
+        return ids + (encode_plain(fmt.tokenizer, prefix) if prefix else [])
 
     return encode
 

@@ -431,10 +431,11 @@ def test_session_file_without_a_valid_layout_resumes_as_a_prefix(
 
 
 def test_ruler_prompts_through_the_chat_template_equal_transformers(ckpt: Path, hf_tokenizer) -> None:  # noqa: ANN001
-    """`litkv evaluate --tasks` on an instruct model: each RULER prompt is fed as a user message with the
-    generation prompt, ids equal to transformers' `apply_chat_template`, and still fits in the length."""
+    """`litkv evaluate --tasks` on an instruct model: each RULER question is fed as a user message with the
+    generation prompt and the answer's start after it (as RULER feeds chat models), ids equal to
+    transformers' `apply_chat_template` + the prefix's tokens, and the sample still fits in the length."""
     from litkv.cli.ruler_report import chat_encoder
-    from litkv.ruler import FALLBACK_WORDS, generate_samples
+    from litkv.ruler import FALLBACK_WORDS, generate_samples, split_answer_prefix
 
     tok = load_tokenizer(ckpt)
     encode = chat_encoder(load_format(ckpt, tok))
@@ -442,6 +443,9 @@ def test_ruler_prompts_through_the_chat_template_equal_transformers(ckpt: Path, 
     raw = generate_samples(["niah_single_1", "vt", "cwe"], tok, FALLBACK_WORDS, 800, 2, seed=3)
     for name, task_samples in samples.items():
         for templated, plain in zip(task_samples, raw[name], strict=True):
-            assert templated.ids == hf_ids(hf_tokenizer, [("user", templated.prompt)], add_generation_prompt=True)
+            question, prefix = split_answer_prefix(templated.prompt)
+            assert question.endswith(("?", "Answer:")) and prefix.startswith(("The ", "According to")), (question[-40:], prefix)
+            expected = hf_ids(hf_tokenizer, [("user", question)], add_generation_prompt=True)
+            assert templated.ids == expected + hf_tokenizer.encode(prefix, add_special_tokens=False)
             assert len(templated.ids) + templated.max_new_tokens <= 800 and len(templated.ids) > 0.8 * len(plain.ids)
     assert chat_encoder(load_format(ckpt, tok, chat_template=False)) is None  # raw text: the prompt alone
