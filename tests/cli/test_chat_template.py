@@ -444,7 +444,8 @@ def test_ruler_prompts_through_the_chat_template_equal_transformers(ckpt: Path, 
     for name, task_samples in samples.items():
         for templated, plain in zip(task_samples, raw[name], strict=True):
             question, prefix = split_answer_prefix(templated.prompt)
-            assert question.endswith(("?", "Answer:")) and prefix.startswith(("The ", "According to")), (question[-40:], prefix)
+            assert question.endswith(("?", "Answer:")), question[-40:]
+            assert prefix.startswith(("The ", "According to")), prefix
             expected = hf_ids(hf_tokenizer, [("user", question)], add_generation_prompt=True)
             assert templated.ids == expected + hf_tokenizer.encode(prefix, add_special_tokens=False)
             assert len(templated.ids) + templated.max_new_tokens <= 800 and len(templated.ids) > 0.8 * len(plain.ids)
