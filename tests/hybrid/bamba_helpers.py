@@ -42,7 +42,12 @@ def tiny_bamba_config(attn_layers: tuple[int, ...] = (1, 3), n_layer: int = 4, c
 def random_hf_bamba(config: BambaConfig, seed: int = 0) -> BambaForCausalLM:
     """`BambaForCausalLM` in float64 with every parameter random (A_log, dt_bias, D, norms included)."""
     torch.manual_seed(seed)
-    model = BambaForCausalLM(config).double().eval()
+    return randomize_hybrid(BambaForCausalLM(config).double().eval())
+
+
+def randomize_hybrid(model: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter of a transformers hybrid model random (A_log, dt_bias, D, norms included), in place
+    (draws from torch's global generator); its RoPE tables, if any, in float32 as LitGPT's."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -52,7 +57,8 @@ def random_hf_bamba(config: BambaConfig, seed: int = 0) -> BambaForCausalLM:
             else:
                 p.normal_(0.0, 0.2)
         rotary = model.model.rotary_emb
-        rotary.inv_freq = rotary.inv_freq.float()  # float32 RoPE tables, as LitGPT's
+        if rotary is not None:
+            rotary.inv_freq = rotary.inv_freq.float()
     return model
 
 

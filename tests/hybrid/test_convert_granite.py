@@ -12,7 +12,7 @@ from pathlib import Path
 import helpers
 import pytest
 import torch
-from bamba_helpers import VOCAB
+from bamba_helpers import VOCAB, randomize_hybrid
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
 
@@ -38,18 +38,7 @@ def tiny_granite(position: str, tied: bool, seed: int) -> GraniteMoeHybridForCau
         max_position_embeddings=512, **MULTIPLIERS,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = GraniteMoeHybridForCausalLM(config).double().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0)
-            elif name.endswith(("dt_bias", "D")) or "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.2)
-        if model.model.rotary_emb is not None:
-            model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()  # float32 tables, as LitGPT's
-    return model
+    return randomize_hybrid(GraniteMoeHybridForCausalLM(config).double().eval())
 
 
 @contextmanager
