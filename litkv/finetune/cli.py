@@ -26,6 +26,7 @@ from litkv.checkpoint import (
 )
 from litkv.config import KVCacheConfig
 from litkv.core.validation import is_int, require_int
+from litkv.download import known_checkpoint_dir
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs
 from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
@@ -195,7 +196,11 @@ def finetune(
     require_int("num_nodes", num_nodes, 1)
     check_strategy(strategy, devices * num_nodes if is_int(devices) else devices, mode, learn_eviction)
     args = FinetuneArgs(
-        checkpoint_dir=check_checkpoint_dir(default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir),
+        checkpoint_dir=check_checkpoint_dir(
+            default_checkpoint_dir()
+            if checkpoint_dir is None
+            else (known_checkpoint_dir(checkpoint_dir) or checkpoint_dir)
+        ),
         mode=mode,
         data=data,
         kv_cache=kv_cache,

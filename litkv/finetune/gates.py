@@ -41,7 +41,7 @@ __all__ = [
     "train_gates",
 ]
 
-METHODS = ("distill", "regress")
+METHODS = ("distill", "regress", "lstsq")
 ENGINES = ("chunked", "whole")
 IGNORE_INDEX = -100
 
@@ -51,7 +51,8 @@ class GateTrainArgs:
     """Settings of a gate-training run.
 
     Args:
-        method: `distill` (through the soft cache) or `regress` (on dense attention mass).
+        method: `distill` (through the soft cache), `regress` (on dense attention mass, by Adam) or `lstsq`
+            (`regress`'s objective solved in closed form, `litkv.finetune.lstsq`).
         steps: optimizer steps.
         batch_size: sequences per step.
         lr: Adam learning rate of the gates (cosine to a tenth).

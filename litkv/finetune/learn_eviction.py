@@ -25,6 +25,7 @@ from litkv.checkpoint import find_weights_file, load_model, load_tokenizer, save
 from litkv.config import KVCacheConfig
 from litkv.finetune.data import DataArgs, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_gates
+from litkv.finetune.lstsq import fit_gates_lstsq
 from litkv.finetune.state import COPIED_FILES, checkpoint_name, recall_task_files, yaml_safe
 from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
@@ -63,6 +64,8 @@ def learn_eviction(
     examples = load_examples(data, tokenizer, seed=learn.seed, checkpoint_dir=checkpoint_dir)
     _check_lengths(examples, data, learn)
     train, _ = split_examples(examples, data.val_fraction, learn.seed)
+    if resume is not None and learn.method == "lstsq":
+        raise ValueError(f"--learn.method lstsq runs in one pass and cannot --resume (got {str(resume)!r})")
     state = None if resume is None else load_gate_state(resume, learn, len(train))
     settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn, "kv_cache": kv_cache})
     bar = tqdm(total=learn.steps, initial=0 if state is None else state.step, desc=f"learn eviction ({learn.method})")
@@ -77,7 +80,10 @@ def learn_eviction(
         return str(save_dir_atomic(out_dir / checkpoint_name(s.step, False), body))
 
     try:
-        gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
+        if learn.method == "lstsq":
+            gates, logs = fit_gates_lstsq(model, train, learn, progress)
+        else:
+            gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
     finally:
         bar.close()
     gates.weights = weights_id
