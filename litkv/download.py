@@ -28,7 +28,9 @@ from litkv.atomic import write_atomic
 
 __all__ = [
     "MODELS",
+    "SHIPPED_GATES",
     "DownloadError",
+    "add_shipped_gates",
     "GGUFPackage",
     "cache_dir",
     "download_model",
@@ -40,6 +42,8 @@ __all__ = [
 
 _CHUNK = 1 << 20
 _REQUIRED_FILES = ("model_config.yaml", "model.safetensors", "tokenizer.json")
+#: Where the package keeps eviction gates trained for the models in `MODELS` (relative to this file).
+SHIPPED_GATES = "assets/gates"
 
 
 class DownloadError(RuntimeError):
@@ -194,4 +198,20 @@ def download_model(name: str) -> tuple[Path, str]:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
     path = cache_dir(name)
     gguf_file(MODELS[name])  # the GGUF itself too (kept once): the real-model tests and checks read it
-    return path, obtain_checkpoint(MODELS[name], path)
+    how = obtain_checkpoint(MODELS[name], path)
+    if add_shipped_gates(name, path):
+        how += f"; eviction gates for --kv-cache learned added ({SHIPPED_GATES}/{name}.safetensors)"
+    return path, how
+
+
+def add_shipped_gates(name: str, checkpoint_dir: Path) -> bool:
+    """Copy the eviction gates litkv ships for model `name` (`litkv/assets/gates/NAME.safetensors`, trained
+    by `scripts/learn_real_gates.py`) into `checkpoint_dir` as `eviction_gates.safetensors` when the
+    directory has none; True when copied. The gates record the fingerprint of the weights they were
+    trained for, and `load_model` refuses them for any other weights (a conversion in another dtype)."""
+    shipped = Path(__file__).parent / SHIPPED_GATES / f"{name}.safetensors"
+    target = checkpoint_dir / "eviction_gates.safetensors"
+    if not shipped.is_file() or target.exists():
+        return False
+    write_atomic(target, lambda tmp: shutil.copyfile(shipped, tmp))
+    return True

