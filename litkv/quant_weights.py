@@ -18,6 +18,12 @@ loop, 3-10x slower than a float32 matmul), so the layers take bfloat16 scales an
 rows (prefill chunks) dequantise the weight to the input's dtype and use `F.linear` instead, which is
 faster there (a float32 temporary of one layer's weight).
 
+Under `int4` the LM head is stored as int8 (`layer_quant`): on SmolLM2-135M the int4 LM head alone
+made KL(float || int4) 0.064 nats/token, against 0.0016 with an int8 head (docs/cpu_speed.md).
+
+The stored format (`litkv.quant_store`) keeps the codes in a layout of its own (`int4_nibbles`), not the
+kernel's: `Int4Linear.from_codes` packs them at load, a block of rows at a time.
+
 torchao is not used: it is not installed, and for weight-only int8/int4 on CPU it calls these same
 kernels. Only the CPU is supported (the packed layouts of the CUDA kernels differ): another device is
 refused with one line.
@@ -34,10 +40,17 @@ from torch import nn
 __all__ = [
     "INT4_GROUP_SIZES",
     "KERNEL_ROWS",
+    "LM_HEAD",
     "QUANTIZE_MODES",
     "Int4Linear",
     "Int8Linear",
     "WeightQuant",
+    "int4_codes",
+    "int4_from_nibbles",
+    "int4_nibbles",
+    "int8_codes",
+    "layer_quant",
+    "model_quant",
     "parse_quantize",
     "quantize_model",
     "stored_weight_bytes",
@@ -51,6 +64,11 @@ DEFAULT_INT4_GROUP = 32
 KERNEL_ROWS = 8
 _INT4_N_MULTIPLE = 16
 _KERNEL_DTYPE = torch.bfloat16
+#: Rows packed per call of `torch._convert_weight_to_int4pack_for_cpu` (a multiple of its 64-row blocks),
+#: so that the int32 codes it takes are never a whole layer's.
+_PACK_ROWS = 1024
+#: The linear layer that `int4` stores as int8 (`layer_quant`).
+LM_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,14 @@ class WeightQuant:
         if self.mode == "int4" and self.group_size != DEFAULT_INT4_GROUP:
             return f"int4-g{self.group_size}"
         return self.mode
+
+
+def layer_quant(name: str, quant: WeightQuant) -> WeightQuant:
+    """The scheme of the linear layer `name` under `quant`: `quant` itself, except that the int4 modes
+    keep the LM head at int8 (its int4 codes cost SmolLM2-135M 40x the KL of the other layers')."""
+    if quant.mode == "int4" and name == LM_HEAD:
+        return WeightQuant("int8")
+    return quant
 
 
 def parse_quantize(text: str) -> WeightQuant:
@@ -105,12 +131,9 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        """Symmetric per-channel int8 codes of `linear`'s weight: `scale = max|w| / 127`."""
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
-        codes = (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        module = cls(codes, scales, _bias(linear))
-        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=w.device)
+        """Symmetric per-channel int8 codes of `linear`'s weight (`int8_codes`)."""
+        module = cls(*int8_codes(linear.weight), _bias(linear))
+        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device)
         return module
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -151,20 +174,27 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
         """Asymmetric int4 codes of `linear`'s weight per group of `group_size` input columns
-        (`scale = (max - min) / 15`, codes `round((w - min) / scale)`); ValueError for shapes the kernel
-        cannot take."""
+        (`int4_codes`); ValueError for shapes the kernel cannot take."""
         check_int4_shape(linear.out_features, linear.in_features, group_size)
-        n, k = linear.weight.shape
-        groups = linear.weight.detach().float().reshape(n, k // group_size, group_size)
-        low, high = torch.aminmax(groups, dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12).to(_KERNEL_DTYPE).float()
-        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
-        zero = low + 8 * scale  # the kernel computes (c - 8) * scale + zero
-        scale_zeros = torch.stack((scale.T, zero.T), dim=-1).to(_KERNEL_DTYPE).contiguous()
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 1)
-        module = cls(packed, scale_zeros, group_size, _bias(linear))
-        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=packed.device)
+        codes, scale_zeros = int4_codes(linear.weight, group_size)
+        module = cls.from_codes(codes, scale_zeros, group_size, _bias(linear))
+        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device)
         return module
+
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
+    ) -> Int4Linear:
+        """The layer of codes `(out_features, in_features)` uint8 in `[0, 15]` and `scale_zeros`
+        `(in_features / group_size, out_features, 2)` bfloat16, packed `_PACK_ROWS` rows at a time (the
+        packed layout works on blocks of 64 rows, so the blocks' concatenation is the whole's packing)."""
+        n = codes.shape[0]
+        step = _PACK_ROWS if n % 64 == 0 else n
+        parts = [
+            torch._convert_weight_to_int4pack_for_cpu(codes[start : start + step].to(torch.int32), 1)
+            for start in range(0, n, step)
+        ]
+        return cls(torch.cat(parts) if len(parts) > 1 else parts[0], scale_zeros, group_size, bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`: from the unpacked
@@ -188,6 +218,40 @@ class Int4Linear(nn.Module):
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_zeros)
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 codes of `weight` `(N, K)`: `scale = max|w| / 127` rounded to bfloat16,
+    codes `round(w / scale)`; returns codes `(N, K)` int8 and scales `(N,)` bfloat16."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
+    return (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
+def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 codes of `weight` `(N, K)` per group of `group_size` input columns: `scale = (max -
+    min) / 15` rounded to bfloat16, codes `round((w - min) / scale)` in `[0, 15]`, and the kernel's zero
+    `min + 8 * scale` (it computes `(c - 8) * scale + zero`); returns codes `(N, K)` uint8 and
+    `scale_zeros` `(K / group_size, N, 2)` bfloat16."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = torch.aminmax(groups, dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12).to(_KERNEL_DTYPE).float()
+    codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    zero = low + 8 * scale
+    scale_zeros = torch.stack((scale.T, zero.T), dim=-1).to(_KERNEL_DTYPE).contiguous()
+    return codes.reshape(n, k), scale_zeros
+
+
+def int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `(N, K)` uint8 in `[0, 15]` -> `(N, K / 2)` uint8: column `2j` in the low nibble of byte `j`,
+    column `2j + 1` in its high nibble (the stored format's layout, independent of the kernel's)."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def int4_from_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int4_nibbles`: `(N, K / 2)` uint8 -> codes `(N, K)` uint8."""
+    return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(nibbles.shape[0], -1)
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
@@ -215,20 +279,38 @@ def stored_weight_bytes(out_features: int, in_features: int, quant: WeightQuant)
     return 0
 
 
+def model_quant(model: nn.Module) -> WeightQuant | None:
+    """The scheme `model`'s linear layers are stored in (`int4-gN` when any layer is int4, else `int8`
+    when any is int8), or `None` for a model without quantised layers."""
+    int4 = [m.group_size for m in model.modules() if isinstance(m, Int4Linear)]
+    if int4:
+        return WeightQuant("int4", int4[0])
+    return WeightQuant("int8") if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+
+
 def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:
-    """Replace every `nn.Linear` of `model` (in place) by its `quant` counterpart; returns `model`.
+    """Replace every `nn.Linear` of `model` (in place) by its `quant` counterpart (`layer_quant`: the int4
+    modes keep the LM head at int8); returns `model`.
 
     Every layer's shape is checked before any is replaced, so a refused model is left as it was.
-    Embeddings and norms stay as they are (a decode step reads one embedding row). Raises ValueError for
-    a model not on the CPU or a layer shape the kernel cannot take (naming the layer).
+    Embeddings and norms stay as they are (a decode step reads one embedding row). A model loaded from a
+    stored quantised checkpoint is returned as it is for `none` or its own scheme, and refused for another.
+    Raises ValueError for a model not on the CPU, a layer shape the kernel cannot take (naming the
+    layer), or a model stored in another scheme (naming both).
     """
-    if quant.mode == "none":
+    stored = model_quant(model)
+    if stored is not None and quant.mode != "none" and quant != stored:
+        raise ValueError(
+            f"the checkpoint's weights are stored quantised as {stored.name}, --quantize {quant.name} asks for "
+            f"another scheme (use --quantize {stored.name} or none, or quantise the float checkpoint)"
+        )
+    if quant.mode == "none" or stored is not None:
         return model
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in linears:
         if linear.weight.device.type != "cpu":
             raise ValueError(f"--quantize {quant.name} runs on the CPU only, got a model on {linear.weight.device}")
-        if quant.mode == "int4":
+        if layer_quant(name, quant).mode == "int4":
             try:
                 check_int4_shape(linear.out_features, linear.in_features, quant.group_size)
             except ValueError as err:
@@ -236,7 +318,7 @@ def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if quant.mode == "int8":
+        if layer_quant(name, quant).mode == "int8":
             new: nn.Module = Int8Linear.from_linear(linear)
         else:
             new = Int4Linear.from_linear(linear, quant.group_size)
