@@ -29,7 +29,6 @@ from litkv.quant_weights import (
     WeightQuant,
     check_int4_shape,
     int4_codes,
-    int4_from_nibbles,
     int4_nibbles,
     int8_codes,
     layer_quant,
@@ -146,7 +145,7 @@ def attach_quantized(
         if scheme.mode == "int8":
             new: nn.Module = Int8Linear(first.clone(), second.clone(), bias)
         else:
-            new = Int4Linear.from_codes(int4_from_nibbles(first), second.clone(), scheme.group_size, bias)
+            new = Int4Linear.from_codes(first, second.clone(), scheme.group_size, bias, nibbles=True)
         del first, second
         new.weight = torch.empty(0, dtype=dtype or (torch.float32 if bias is None else bias.dtype))
         parent_name, _, attr = name.rpartition(".")

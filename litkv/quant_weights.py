@@ -183,17 +183,25 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
+        cls,
+        codes: torch.Tensor,
+        scale_zeros: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None,
+        nibbles: bool = False,
     ) -> Int4Linear:
-        """The layer of codes `(out_features, in_features)` uint8 in `[0, 15]` and `scale_zeros`
-        `(in_features / group_size, out_features, 2)` bfloat16, packed `_PACK_ROWS` rows at a time (the
-        packed layout works on blocks of 64 rows, so the blocks' concatenation is the whole's packing)."""
+        """The layer of `codes` `(out_features, in_features)` uint8 in `[0, 15]` (or, `nibbles=True`, their
+        `int4_nibbles` `(out_features, in_features / 2)`) and `scale_zeros` `(in_features / group_size,
+        out_features, 2)` bfloat16, packed `_PACK_ROWS` rows at a time (the packed layout works on blocks
+        of 64 rows, so the blocks' concatenation is the whole's packing, and no temporary is a whole
+        layer's)."""
         n = codes.shape[0]
         step = _PACK_ROWS if n % 64 == 0 else n
-        parts = [
-            torch._convert_weight_to_int4pack_for_cpu(codes[start : start + step].to(torch.int32), 1)
-            for start in range(0, n, step)
-        ]
+        parts = []
+        for start in range(0, n, step):
+            block = codes[start : start + step]
+            block = int4_from_nibbles(block) if nibbles else block
+            parts.append(torch._convert_weight_to_int4pack_for_cpu(block.to(torch.int32), 1))
         return cls(torch.cat(parts) if len(parts) > 1 else parts[0], scale_zeros, group_size, bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
