@@ -328,7 +328,8 @@ def load_model(
     stored = stored_quant(weights_file, list(state_dict)) if weights_file.suffix == ".safetensors" else None
     if stored is not None:  # quantised layers built from their codes: no float copy of their weights
         if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"{str(weights_file)!r} holds {stored.name} weights, which run on the CPU only, got {device}")
+            where = f"{str(weights_file)!r} holds {stored.name} weights"
+            raise ValueError(f"{where}, which run on the CPU only, got {device}")
         state_dict = attach_quantized(model, state_dict, stored, dtype, f"weights in {str(weights_file)!r}")
         dtype = None  # applied to the float tensors above; the scales stay bfloat16
     check_state_dict(model, state_dict, f"weights in {str(weights_file)!r}")

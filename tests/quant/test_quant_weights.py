@@ -163,7 +163,8 @@ def test_tiny_model_logits_and_greedy_tokens_match_the_dequantised_float_model(
 ) -> None:
     quantised = quantize_model(tiny_model(seed=3), WeightQuant(mode))
     reference = _dequantised_copy(tiny_model(seed=3), quantised)
-    assert isinstance(quantised.lm_head, Int8Linear if mode == "int8" else Int4Linear)
+    assert isinstance(quantised.lm_head, Int8Linear)  # int4 keeps the LM head at int8 (`layer_quant`)
+    assert isinstance(quantised.transformer.h[0].mlp.proj, Int8Linear if mode == "int8" else Int4Linear)
     idx = torch.randint(0, 128, (2, 5))
     with torch.no_grad():
         got, want = quantised(idx), reference(idx)
@@ -183,7 +184,8 @@ def test_tiny_model_logits_and_greedy_tokens_match_the_dequantised_float_model(
 
 def test_load_for_inference_quantises_and_refuses_a_bad_mode(tiny_ckpt: Path) -> None:
     model, dev = load_for_inference(tiny_ckpt, None, "cpu", 1, "int4")
-    assert dev.type == "cpu" and isinstance(model.lm_head, Int4Linear)
+    assert dev.type == "cpu" and isinstance(model.transformer.h[0].attn.qkv, Int4Linear)
+    assert isinstance(model.lm_head, Int8Linear)
     assert all(not isinstance(m, nn.Linear) for m in model.modules())
     with pytest.raises(ValueError, match="quantize mode must be one of"):
         load_for_inference(tiny_ckpt, None, "cpu", 1, "fp8")
