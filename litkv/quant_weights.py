@@ -15,8 +15,11 @@ Both kernels are fast on CPU only with bfloat16 activations (in float32 they fal
 loop, 3-10x slower than a float32 matmul), so the layers take bfloat16 scales and compute
 `x.to(bfloat16) @ w` then cast back to the input's dtype: the activations are rounded to bfloat16
 (8 significant bits) on the way in, the outputs on the way out. Calls with more than `KERNEL_ROWS`
-rows (prefill chunks) dequantise the weight to the input's dtype and use `F.linear` instead, which is
-faster there (a float32 temporary of one layer's weight).
+rows (prefill chunks) dequantise the weight to the input's dtype `_PACK_ROWS` output rows at a time
+and multiply in that dtype, which is faster there (`dense_product`: no temporary of a whole layer's
+weight). A call that needs a gradient (LoRA on a quantised base, `litkv finetune --quantize`) always
+takes that path; the weights stay frozen and the backward dequantises them again block by block, so
+no float copy of a weight is kept for it (`_FrozenWeightProduct`).
 
 Under `int4` the LM head is stored as int8 (`layer_quant`): on SmolLM2-135M the int4 LM head alone
 made KL(float || int4) 0.064 nats/token, against 0.0016 with an int8 head (docs/cpu_speed.md).
@@ -34,11 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
     "INT4_GROUP_SIZES",
+    "QuantLinear",
+    "dense_product",
+    "input_grad",
     "KERNEL_ROWS",
     "LM_HEAD",
     "QUANTIZE_MODES",
@@ -60,7 +65,7 @@ __all__ = [
 QUANTIZE_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP = 32
-#: Calls with more rows than this dequantise the weight and use `F.linear` (faster for prefill chunks).
+#: Calls with more rows than this dequantise the weight a block at a time (faster for prefill chunks).
 KERNEL_ROWS = 8
 _INT4_N_MULTIPLE = 16
 _KERNEL_DTYPE = torch.bfloat16
@@ -138,15 +143,19 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`."""
-        return (self.codes.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+        return self.dequantized_rows(0, self.out_features, dtype)
+
+    def dequantized_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `start:stop` of the weight, `(stop - start, in_features)` in `dtype`."""
+        return (self.codes[start:stop].to(dtype) * self.scales[start:stop].to(dtype)[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_ROWS:
-            return F.linear(x, self.dequantized(x.dtype), _cast(self.bias, x.dtype))
-        y = torch._weight_int8pack_mm(flat.to(self.scales.dtype), self.codes, self.scales).to(x.dtype)
-        return _finish(y, self.bias, x.shape)
+        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype (`_product`)."""
+        return _product(self, x)
+
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` `(rows, in_features)` bfloat16 -> `(rows, out_features)` bfloat16 by the packed kernel."""
+        return torch._weight_int8pack_mm(flat, self.codes, self.scales)
 
 
 class Int4Linear(nn.Module):
@@ -209,22 +218,27 @@ class Int4Linear(nn.Module):
         codes when the packed layout is the known one, else by the kernel on an identity matrix."""
         if not self.unpackable:
             eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype, device=self.packed.device)
-            return self._kernel(eye).T.to(dtype)
-        n, k = self.out_features, self.in_features
+            return self.kernel(eye).T.to(dtype)
+        return self.dequantized_rows(0, self.out_features, dtype)
+
+    def dequantized_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `start:stop` of the weight, `(stop - start, in_features)` in `dtype` (`start` and `stop`
+        multiples of 64 or the end: the packed layout's blocks of rows)."""
+        if not self.unpackable:
+            return self.dequantized(dtype)[start:stop]
+        n, k = stop - start, self.in_features
         compute = torch.promote_types(dtype, torch.float32)
-        groups = _unpack(self.packed).to(compute).view(n, k // self.group_size, self.group_size)
-        scale, zero = (part.T.to(compute)[..., None] for part in self.scale_zeros.unbind(-1))  # (N, n_groups, 1)
+        groups = _unpack(self.packed[start:stop]).to(compute).view(n, k // self.group_size, self.group_size)
+        parts = self.scale_zeros[:, start:stop].unbind(-1)
+        scale, zero = (part.T.to(compute)[..., None] for part in parts)  # (rows, n_groups, 1)
         return groups.sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_ROWS and self.unpackable:
-            return F.linear(x, self.dequantized(x.dtype), _cast(self.bias, x.dtype))
-        y = self._kernel(flat.to(self.scale_zeros.dtype)).to(x.dtype)
-        return _finish(y, self.bias, x.shape)
+        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype (`_product`)."""
+        return _product(self, x)
 
-    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` `(rows, in_features)` bfloat16 -> `(rows, out_features)` bfloat16 by the packed kernel."""
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_zeros)
 
 
@@ -260,6 +274,65 @@ def int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def int4_from_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
     """Inverse of `int4_nibbles`: `(N, K / 2)` uint8 -> codes `(N, K)` uint8."""
     return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(nibbles.shape[0], -1)
+
+
+QuantLinear = Int8Linear | Int4Linear
+
+
+def _product(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T + bias` for a quantised layer, `x` `(..., in_features)` -> `(..., out_features)` in `x`'s
+    dtype: up to `KERNEL_ROWS` rows by the packed kernel in bfloat16, more rows (prefill chunks) and every
+    call that needs a gradient by `dense_product` in `x`'s dtype. The gradient flows to `x` only (the
+    weights are frozen) and keeps no float copy of the weight (`_FrozenWeightProduct`)."""
+    flat = x.reshape(-1, layer.in_features)
+    if torch.is_grad_enabled() and flat.requires_grad:
+        y = _FrozenWeightProduct.apply(flat, layer)
+    elif flat.shape[0] > KERNEL_ROWS and getattr(layer, "unpackable", True):
+        y = dense_product(layer, flat)
+    else:
+        y = layer.kernel(flat.to(_KERNEL_DTYPE)).to(x.dtype)
+    return _finish(y, layer.bias, x.shape)
+
+
+def dense_product(layer: QuantLinear, flat: torch.Tensor) -> torch.Tensor:
+    """`flat @ w.T`, `(rows, in_features)` -> `(rows, out_features)` in `flat`'s dtype, with the weight
+    dequantised `_PACK_ROWS` output rows at a time (no temporary of the whole weight)."""
+    n = layer.out_features
+    if n <= _PACK_ROWS:
+        return flat @ layer.dequantized(flat.dtype).T
+    y = flat.new_empty(flat.shape[0], n)
+    for start in range(0, n, _PACK_ROWS):
+        stop = min(start + _PACK_ROWS, n)
+        y[:, start:stop] = flat @ layer.dequantized_rows(start, stop, flat.dtype).T
+    return y
+
+
+def input_grad(layer: QuantLinear, grad: torch.Tensor) -> torch.Tensor:
+    """`grad @ w`, `(rows, out_features)` -> `(rows, in_features)`: the gradient of `dense_product` with
+    respect to its input, the weight dequantised `_PACK_ROWS` rows at a time."""
+    n = layer.out_features
+    out = grad.new_zeros(grad.shape[0], layer.in_features)
+    for start in range(0, n, _PACK_ROWS):
+        stop = min(start + _PACK_ROWS, n)
+        out.addmm_(grad[:, start:stop], layer.dequantized_rows(start, stop, grad.dtype))
+    return out
+
+
+class _FrozenWeightProduct(torch.autograd.Function):
+    """`dense_product(layer, flat)` with a gradient for `flat` only: nothing of the weight is saved for
+    the backward, which dequantises it again a block of rows at a time (`input_grad`)."""
+
+    @staticmethod
+    def forward(flat: torch.Tensor, layer: QuantLinear) -> torch.Tensor:  # type: ignore[override]
+        return dense_product(layer, flat)
+
+    @staticmethod
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.layer = inputs[1]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return input_grad(ctx.layer, grad.contiguous()), None
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
@@ -358,10 +431,6 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
 
 def _dtype_of(bias: torch.Tensor | None) -> torch.dtype:
     return torch.float32 if bias is None else bias.dtype
-
-
-def _cast(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if bias is None else bias.to(dtype)
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
