@@ -44,7 +44,7 @@ def _pair(tiny_model: Callable[..., GPT], mode: str) -> tuple[GPT, GPT]:
         mark_only_lora_as_trainable(model)
         generator.manual_seed(0)
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for p in model.parameters():
                 if p.requires_grad:
                     p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.1)
     return quantised, reference
@@ -70,7 +70,12 @@ def test_adapter_gradients_over_quantised_weights_are_those_over_the_dequantised
     grads = []
     for model in (quantised, reference):
         saved: list[tuple[int, ...]] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+
+        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = _loss(model, idx)
         loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
