@@ -46,7 +46,8 @@ def convert(
             litkv checkpoint directory or a known model's name (`smollm2-135m-instruct`). The result loads
             into the quantised layers without a float copy of their weights (CPU only); default: "none".
     """
-    precision_as_dtype = None if precision is None else precision_dtype(precision)
+    if precision is not None:
+        precision_dtype(precision)  # a bad value is refused before any file is read
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if precision is not None and dtype is not None:
@@ -55,18 +56,28 @@ def convert(
     if quant.mode != "none":
         _convert_quantized(Path(source), Path(out_dir), quant, model_name, precision, dtype)
         return
-    if Path(source).suffix.lower() == ".gguf":
+    out = _convert_float(Path(source), Path(out_dir), model_name, precision, dtype)
+    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+
+
+def _convert_float(
+    source: Path,
+    out_dir: Path,
+    model_name: str | None,
+    precision: str | None,
+    dtype: str | None,
+) -> Path:
+    """A GGUF file or a Hugging Face directory -> a float checkpoint directory `out_dir`."""
+    if source.suffix.lower() == ".gguf":
         if model_name is not None or precision is not None:
             raise ValueError("--model_name and --precision apply to Hugging Face directories; use --dtype for GGUF")
         from litkv.gguf_convert import convert_gguf
 
-        out = convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"])
-    else:
-        from litkv.convert import convert_hf_checkpoint
+        return convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"])
+    from litkv.convert import convert_hf_checkpoint
 
-        torch_dtype = precision_as_dtype if precision_as_dtype is not None else DTYPES.get(dtype or "")
-        out = convert_hf_checkpoint(source, out_dir, model_name=model_name, dtype=torch_dtype)
-    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    torch_dtype = precision_dtype(precision) if precision is not None else DTYPES.get(dtype or "")
+    return convert_hf_checkpoint(source, out_dir, model_name=model_name, dtype=torch_dtype)
 
 
 def _convert_quantized(
@@ -86,6 +97,6 @@ def _convert_quantized(
         out = quantize_checkpoint(known or source, out_dir, quant, float_dtype)
     else:
         with tempfile.TemporaryDirectory(prefix="litkv-convert-") as tmp:
-            convert(source, Path(tmp) / "float", model_name, precision, dtype)
+            _convert_float(source, Path(tmp) / "float", model_name, precision, dtype)
             out = quantize_checkpoint(Path(tmp) / "float", out_dir, quant)
     print(f"wrote {out} ({quant.name} weights): " + ", ".join(sorted(p.name for p in out.iterdir())))

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_files import TinyGGUF, write_gguf
 from safetensors.torch import load_file, save_file
 
-from litkv.checkpoint import SAFETENSORS_FILE, load_model
+from litkv.checkpoint import SAFETENSORS_FILE, load_model, load_state_dict
 from litkv.cli.convert_cmd import convert
 from litkv.fingerprint import model_fingerprint
 from litkv.quant_store import QUANT_KEY
@@ -127,3 +128,34 @@ def test_convert_cli_quantises_a_checkpoint_directory(tiny_ckpt: Path, tmp_path:
     assert proc.returncode == 0, proc.stderr
     assert "(int4 weights)" in proc.stdout
     assert isinstance(load_model(tmp_path / "q").transformer.h[1].mlp.proj, Int4Linear)
+
+
+def test_bfloat16_float_parts_round_trip_bitwise(tiny_ckpt: Path, tmp_path: Path) -> None:
+    convert(tiny_ckpt, tmp_path / "bf16", dtype="bfloat16", quantize="int4")
+    at_load, _ = load_for_inference(tiny_ckpt, "bf16-true", "cpu", 1, "int4")
+    from_file, _ = load_for_inference(tmp_path / "bf16", "bf16-true", "cpu", 1, "none")
+    assert from_file.transformer.wte.weight.dtype == torch.bfloat16
+    assert from_file.lm_head.scales.dtype == torch.bfloat16
+    idx = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(at_load(idx), from_file(idx))
+
+
+def test_a_gguf_file_is_quantised_as_its_float_conversion(tmp_path: Path) -> None:
+    gguf_file = tmp_path / "m.gguf"
+    write_gguf(gguf_file, TinyGGUF(n_layer=1, qtypes=("Q4_1",)))
+    convert(gguf_file, tmp_path / "direct", quantize="int4")
+    convert(gguf_file, tmp_path / "float")
+    convert(tmp_path / "float", tmp_path / "two_steps", quantize="int4")
+    direct, two_steps = (load_state_dict(tmp_path / d / SAFETENSORS_FILE) for d in ("direct", "two_steps"))
+    assert set(direct) == set(two_steps) and all(torch.equal(direct[k], two_steps[k]) for k in direct)
+
+
+def test_the_cli_refuses_another_quantize_in_one_line(stored: dict[str, Path]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "litkv", "generate", str(stored["int4"]), "--prompt", "The", "--max_new_tokens", "2",
+           "--device", "cpu", "--quantize", "int8"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert "stored quantised as int4, --quantize int8 asks for another scheme" in lines[0]
