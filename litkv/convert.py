@@ -253,9 +253,10 @@ def quantize_checkpoint(
     def write(tmp: Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / SAFETENSORS_FILE), metadata=metadata)
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        write_atomic(tmp / SAFETENSORS_FILE, lambda path: save_file(contiguous, str(path), metadata=metadata))
         for name in (*TOKENIZER_FILES, CONFIG_FILE):
             if (src / name).is_file():
-                shutil.copyfile(src / name, tmp / name)
+                write_atomic(tmp / name, partial(shutil.copyfile, src / name))
 
     return save_dir_atomic(out, write)
