@@ -30,6 +30,7 @@ from litkv.config import Config, config_from_dict
 from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.model import GPT
+from litkv.quant_store import attach_quantized, stored_quant
 
 __all__ = [
     "CONFIG_FILE",
@@ -305,7 +306,11 @@ def load_model(
     Args:
         checkpoint_dir: directory with `model_config.yaml` and `model.safetensors` or `lit_model.pth`.
         device: where to put the model (default: CPU).
-        dtype: floating dtype of the parameters (default: the dtype stored in the file; gates stay float32).
+        dtype: floating dtype of the parameters (default: the dtype stored in the file; gates stay float32;
+            the scales of quantised weights stay bfloat16).
+
+    A file written with `litkv convert ... --quantize` (`litkv.quant_store`) loads into quantised linear
+    layers directly (CPU only).
 
     Raises:
         ValueError: a corrupt file, an invalid config, weights that do not match it, NaN/inf weights,
@@ -320,6 +325,13 @@ def load_model(
             model = GPT(config)
     except (TypeError, ValueError, RuntimeError, AttributeError, AssertionError) as err:
         raise ValueError(f"{path / CONFIG_FILE}: cannot build the model from this config: {_one_line(err)}") from err
+    stored = stored_quant(weights_file, list(state_dict)) if weights_file.suffix == ".safetensors" else None
+    if stored is not None:  # quantised layers built from their codes: no float copy of their weights
+        if device is not None and torch.device(device).type != "cpu":
+            where = f"{str(weights_file)!r} holds {stored.name} weights"
+            raise ValueError(f"{where}, which run on the CPU only, got {device}")
+        state_dict = attach_quantized(model, state_dict, stored, dtype, f"weights in {str(weights_file)!r}")
+        dtype = None  # applied to the float tensors above; the scales stay bfloat16
     check_state_dict(model, state_dict, f"weights in {str(weights_file)!r}")
     check_finite(state_dict, f"weights in {str(weights_file)!r}")
     model.load_state_dict(state_dict, strict=True, assign=True)

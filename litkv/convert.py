@@ -4,6 +4,9 @@ The model `Config` is a litgpt preset when one is named (`model_name`) or matche
 name; otherwise it is built from `config.json` for the architectures listed in `HF_ARCHITECTURES`
 (Llama, Mistral, Qwen2, Qwen3), which also covers small or random models that have no preset.
 Weights are read from safetensors files, or from `.bin` files with `torch.load(weights_only=True)`.
+
+`quantize_checkpoint` writes a float checkpoint directory again with its linear weights stored as int8
+or int4 codes (`litkv.quant_store`), for `litkv convert SRC OUT --quantize ...`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import yaml
 from litgpt.config import name_to_config
 from litgpt.scripts import convert_hf_checkpoint as lit_convert
 
-from litkv.atomic import write_atomic, write_text_atomic
+from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
+    check_checkpoint_dir,
+    check_finite,
     check_state_dict,
+    find_weights_file,
+    load_config,
     load_state_dict,
     read_json_object,
     save_state_dict_atomic,
@@ -31,8 +38,10 @@ from litkv.checkpoint import (
 from litkv.config import Config, HybridConfig
 from litkv.hf_hybrid import HYBRID_MODEL_TYPES, UNSUPPORTED_RECURRENT, hybrid_config_from_hf, hybrid_state_dict
 from litkv.model import GPT
+from litkv.quant_store import quantized_tensors
+from litkv.quant_weights import WeightQuant
 
-__all__ = ["HF_ARCHITECTURES", "TOKENIZER_FILES", "config_from_hf", "convert_hf_checkpoint"]
+__all__ = ["HF_ARCHITECTURES", "TOKENIZER_FILES", "config_from_hf", "convert_hf_checkpoint", "quantize_checkpoint"]
 
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 TOKENIZER_FILES = (
@@ -214,3 +223,40 @@ def convert_hf_checkpoint(
         fields["layer_kinds"] = list(config.layer_kinds)  # plain YAML (safe_load refuses a Python tuple)
     write_text_atomic(out_dir / CONFIG_FILE, yaml.dump(fields))  # last: the directory is complete
     return out_dir
+
+
+def quantize_checkpoint(
+    src_dir: str | Path, out_dir: str | Path, quant: WeightQuant, dtype: torch.dtype | None = None
+) -> Path:
+    """Write the float checkpoint directory `src_dir` again as `out_dir` with its linear weights stored as
+    `quant` says (`litkv.quant_store`); the other tensors cast to `dtype` (default: as stored). The config
+    and the tokenizer files are copied; eviction gates are not (they were trained for the float weights).
+    `out_dir` appears whole or not at all. ValueError for a source that is already quantised, a layer
+    shape the scheme cannot take, or `quant` `none`."""
+    src, out = check_checkpoint_dir(src_dir), Path(out_dir)
+    if quant.mode == "none":
+        raise ValueError("quantize_checkpoint needs int8, int4 or int4-gN, got 'none'")
+    if src.resolve() == out.resolve():
+        raise ValueError("out_dir must differ from the source checkpoint directory")
+    config = load_config(src)
+    weights_file = find_weights_file(src)
+    state_dict = load_state_dict(weights_file)
+    with torch.device("meta"):
+        reference = GPT(config)
+    check_state_dict(reference, state_dict, f"weights in {str(weights_file)!r}")  # refuses quantised sources
+    check_finite(state_dict, f"weights in {str(weights_file)!r}")
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
+    tensors, metadata = quantized_tensors(reference, state_dict, quant)
+    del state_dict
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        write_atomic(tmp / SAFETENSORS_FILE, lambda path: save_file(contiguous, str(path), metadata=metadata))
+        for name in (*TOKENIZER_FILES, CONFIG_FILE):
+            if (src / name).is_file():
+                write_atomic(tmp / name, partial(shutil.copyfile, src / name))
+
+    return save_dir_atomic(out, write)

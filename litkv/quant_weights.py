@@ -15,8 +15,17 @@ Both kernels are fast on CPU only with bfloat16 activations (in float32 they fal
 loop, 3-10x slower than a float32 matmul), so the layers take bfloat16 scales and compute
 `x.to(bfloat16) @ w` then cast back to the input's dtype: the activations are rounded to bfloat16
 (8 significant bits) on the way in, the outputs on the way out. Calls with more than `KERNEL_ROWS`
-rows (prefill chunks) dequantise the weight to the input's dtype and use `F.linear` instead, which is
-faster there (a float32 temporary of one layer's weight).
+rows (prefill chunks) dequantise the weight to the input's dtype `_PACK_ROWS` output rows at a time
+and multiply in that dtype, which is faster there (`dense_product`: no temporary of a whole layer's
+weight). A call that needs a gradient (LoRA on a quantised base, `litkv finetune --quantize`) always
+takes that path; the weights stay frozen and the backward dequantises them again block by block, so
+no float copy of a weight is kept for it (`_FrozenWeightProduct`).
+
+Under `int4` the LM head is stored as int8 (`layer_quant`): on SmolLM2-135M the int4 LM head alone
+made KL(float || int4) 0.064 nats/token, against 0.0016 with an int8 head (docs/cpu_speed.md).
+
+The stored format (`litkv.quant_store`) keeps the codes in a layout of its own (`int4_nibbles`), not the
+kernel's: `Int4Linear.from_codes` packs them at load, a block of rows at a time.
 
 torchao is not used: it is not installed, and for weight-only int8/int4 on CPU it calls these same
 kernels. Only the CPU is supported (the packed layouts of the CUDA kernels differ): another device is
@@ -28,16 +37,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
     "INT4_GROUP_SIZES",
+    "QuantLinear",
+    "dense_product",
+    "input_grad",
     "KERNEL_ROWS",
+    "LM_HEAD",
     "QUANTIZE_MODES",
     "Int4Linear",
     "Int8Linear",
     "WeightQuant",
+    "int4_codes",
+    "int4_from_nibbles",
+    "int4_nibbles",
+    "int8_codes",
+    "layer_quant",
+    "model_quant",
     "parse_quantize",
     "quantize_model",
     "stored_weight_bytes",
@@ -47,10 +65,15 @@ __all__ = [
 QUANTIZE_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP = 32
-#: Calls with more rows than this dequantise the weight and use `F.linear` (faster for prefill chunks).
+#: Calls with more rows than this dequantise the weight a block at a time (faster for prefill chunks).
 KERNEL_ROWS = 8
 _INT4_N_MULTIPLE = 16
 _KERNEL_DTYPE = torch.bfloat16
+#: Rows packed per call of `torch._convert_weight_to_int4pack_for_cpu` (a multiple of its 64-row blocks),
+#: so that the int32 codes it takes are never a whole layer's.
+_PACK_ROWS = 1024
+#: The linear layer that `int4` stores as int8 (`layer_quant`).
+LM_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
@@ -73,6 +96,14 @@ class WeightQuant:
         if self.mode == "int4" and self.group_size != DEFAULT_INT4_GROUP:
             return f"int4-g{self.group_size}"
         return self.mode
+
+
+def layer_quant(name: str, quant: WeightQuant) -> WeightQuant:
+    """The scheme of the linear layer `name` under `quant`: `quant` itself, except that the int4 modes
+    keep the LM head at int8 (its int4 codes cost SmolLM2-135M 40x the KL of the other layers')."""
+    if quant.mode == "int4" and name == LM_HEAD:
+        return WeightQuant("int8")
+    return quant
 
 
 def parse_quantize(text: str) -> WeightQuant:
@@ -105,25 +136,26 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        """Symmetric per-channel int8 codes of `linear`'s weight: `scale = max|w| / 127`."""
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
-        codes = (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        module = cls(codes, scales, _bias(linear))
-        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=w.device)
+        """Symmetric per-channel int8 codes of `linear`'s weight (`int8_codes`)."""
+        module = cls(*int8_codes(linear.weight), _bias(linear))
+        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device)
         return module
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`."""
-        return (self.codes.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+        return self.dequantized_rows(0, self.out_features, dtype)
+
+    def dequantized_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `start:stop` of the weight, `(stop - start, in_features)` in `dtype`."""
+        return (self.codes[start:stop].to(dtype) * self.scales[start:stop].to(dtype)[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_ROWS:
-            return F.linear(x, self.dequantized(x.dtype), _cast(self.bias, x.dtype))
-        y = torch._weight_int8pack_mm(flat.to(self.scales.dtype), self.codes, self.scales).to(x.dtype)
-        return _finish(y, self.bias, x.shape)
+        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype (`_product`)."""
+        return _product(self, x)
+
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` `(rows, in_features)` bfloat16 -> `(rows, out_features)` bfloat16 by the packed kernel."""
+        return torch._weight_int8pack_mm(flat, self.codes, self.scales)
 
 
 class Int4Linear(nn.Module):
@@ -151,43 +183,156 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
         """Asymmetric int4 codes of `linear`'s weight per group of `group_size` input columns
-        (`scale = (max - min) / 15`, codes `round((w - min) / scale)`); ValueError for shapes the kernel
-        cannot take."""
+        (`int4_codes`); ValueError for shapes the kernel cannot take."""
         check_int4_shape(linear.out_features, linear.in_features, group_size)
-        n, k = linear.weight.shape
-        groups = linear.weight.detach().float().reshape(n, k // group_size, group_size)
-        low, high = torch.aminmax(groups, dim=-1)
-        scale = ((high - low) / 15).clamp(min=1e-12).to(_KERNEL_DTYPE).float()
-        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
-        zero = low + 8 * scale  # the kernel computes (c - 8) * scale + zero
-        scale_zeros = torch.stack((scale.T, zero.T), dim=-1).to(_KERNEL_DTYPE).contiguous()
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 1)
-        module = cls(packed, scale_zeros, group_size, _bias(linear))
-        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=packed.device)
+        codes, scale_zeros = int4_codes(linear.weight, group_size)
+        module = cls.from_codes(codes, scale_zeros, group_size, _bias(linear))
+        module.weight = torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device)
         return module
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scale_zeros: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None,
+        nibbles: bool = False,
+    ) -> Int4Linear:
+        """The layer of `codes` `(out_features, in_features)` uint8 in `[0, 15]` (or, `nibbles=True`, their
+        `int4_nibbles` `(out_features, in_features / 2)`) and `scale_zeros` `(in_features / group_size,
+        out_features, 2)` bfloat16, packed `_PACK_ROWS` rows at a time (the packed layout works on blocks
+        of 64 rows, so the blocks' concatenation is the whole's packing, and no temporary is a whole
+        layer's)."""
+        n = codes.shape[0]
+        step = _PACK_ROWS if n % 64 == 0 else n
+        parts = []
+        for start in range(0, n, step):
+            block = codes[start : start + step]
+            block = int4_from_nibbles(block) if nibbles else block
+            parts.append(torch._convert_weight_to_int4pack_for_cpu(block.to(torch.int32), 1))
+        return cls(torch.cat(parts) if len(parts) > 1 else parts[0], scale_zeros, group_size, bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`: from the unpacked
         codes when the packed layout is the known one, else by the kernel on an identity matrix."""
         if not self.unpackable:
             eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype, device=self.packed.device)
-            return self._kernel(eye).T.to(dtype)
-        n, k = self.out_features, self.in_features
+            return self.kernel(eye).T.to(dtype)
+        return self.dequantized_rows(0, self.out_features, dtype)
+
+    def dequantized_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `start:stop` of the weight, `(stop - start, in_features)` in `dtype` (`start` and `stop`
+        multiples of 64 or the end: the packed layout's blocks of rows)."""
+        if not self.unpackable:
+            return self.dequantized(dtype)[start:stop]
+        n, k = stop - start, self.in_features
         compute = torch.promote_types(dtype, torch.float32)
-        groups = _unpack(self.packed).to(compute).view(n, k // self.group_size, self.group_size)
-        scale, zero = (part.T.to(compute)[..., None] for part in self.scale_zeros.unbind(-1))  # (N, n_groups, 1)
+        groups = _unpack(self.packed[start:stop]).to(compute).view(n, k // self.group_size, self.group_size)
+        parts = self.scale_zeros[:, start:stop].unbind(-1)
+        scale, zero = (part.T.to(compute)[..., None] for part in parts)  # (rows, n_groups, 1)
         return groups.sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > KERNEL_ROWS and self.unpackable:
-            return F.linear(x, self.dequantized(x.dtype), _cast(self.bias, x.dtype))
-        y = self._kernel(flat.to(self.scale_zeros.dtype)).to(x.dtype)
-        return _finish(y, self.bias, x.shape)
+        """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype (`_product`)."""
+        return _product(self, x)
 
-    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` `(rows, in_features)` bfloat16 -> `(rows, out_features)` bfloat16 by the packed kernel."""
         return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_zeros)
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 codes of `weight` `(N, K)`: `scale = max|w| / 127` rounded to bfloat16,
+    codes `round(w / scale)`; returns codes `(N, K)` int8 and scales `(N,)` bfloat16."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
+    return (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
+def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 codes of `weight` `(N, K)` per group of `group_size` input columns: `scale = (max -
+    min) / 15` rounded to bfloat16, codes `round((w - min) / scale)` in `[0, 15]`, and the kernel's zero
+    `min + 8 * scale` (it computes `(c - 8) * scale + zero`); returns codes `(N, K)` uint8 and
+    `scale_zeros` `(K / group_size, N, 2)` bfloat16."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = torch.aminmax(groups, dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12).to(_KERNEL_DTYPE).float()
+    codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    zero = low + 8 * scale
+    scale_zeros = torch.stack((scale.T, zero.T), dim=-1).to(_KERNEL_DTYPE).contiguous()
+    return codes.reshape(n, k), scale_zeros
+
+
+def int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `(N, K)` uint8 in `[0, 15]` -> `(N, K / 2)` uint8: column `2j` in the low nibble of byte `j`,
+    column `2j + 1` in its high nibble (the stored format's layout, independent of the kernel's)."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def int4_from_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int4_nibbles`: `(N, K / 2)` uint8 -> codes `(N, K)` uint8."""
+    return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(nibbles.shape[0], -1)
+
+
+QuantLinear = Int8Linear | Int4Linear
+
+
+def _product(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T + bias` for a quantised layer, `x` `(..., in_features)` -> `(..., out_features)` in `x`'s
+    dtype: up to `KERNEL_ROWS` rows by the packed kernel in bfloat16, more rows (prefill chunks) and every
+    call that needs a gradient by `dense_product` in `x`'s dtype. The gradient flows to `x` only (the
+    weights are frozen) and keeps no float copy of the weight (`_FrozenWeightProduct`)."""
+    flat = x.reshape(-1, layer.in_features)
+    if torch.is_grad_enabled() and flat.requires_grad:
+        y = _FrozenWeightProduct.apply(flat, layer)
+    elif flat.shape[0] > KERNEL_ROWS and getattr(layer, "unpackable", True):
+        y = dense_product(layer, flat)
+    else:
+        y = layer.kernel(flat.to(_KERNEL_DTYPE)).to(x.dtype)
+    return _finish(y, layer.bias, x.shape)
+
+
+def dense_product(layer: QuantLinear, flat: torch.Tensor) -> torch.Tensor:
+    """`flat @ w.T`, `(rows, in_features)` -> `(rows, out_features)` in `flat`'s dtype, with the weight
+    dequantised `_PACK_ROWS` output rows at a time (no temporary of the whole weight)."""
+    n = layer.out_features
+    if n <= _PACK_ROWS:
+        return flat @ layer.dequantized(flat.dtype).T
+    y = flat.new_empty(flat.shape[0], n)
+    for start in range(0, n, _PACK_ROWS):
+        stop = min(start + _PACK_ROWS, n)
+        y[:, start:stop] = flat @ layer.dequantized_rows(start, stop, flat.dtype).T
+    return y
+
+
+def input_grad(layer: QuantLinear, grad: torch.Tensor) -> torch.Tensor:
+    """`grad @ w`, `(rows, out_features)` -> `(rows, in_features)`: the gradient of `dense_product` with
+    respect to its input, the weight dequantised `_PACK_ROWS` rows at a time."""
+    n = layer.out_features
+    out = grad.new_zeros(grad.shape[0], layer.in_features)
+    for start in range(0, n, _PACK_ROWS):
+        stop = min(start + _PACK_ROWS, n)
+        out.addmm_(grad[:, start:stop], layer.dequantized_rows(start, stop, grad.dtype))
+    return out
+
+
+class _FrozenWeightProduct(torch.autograd.Function):
+    """`dense_product(layer, flat)` with a gradient for `flat` only: nothing of the weight is saved for
+    the backward, which dequantises it again a block of rows at a time (`input_grad`)."""
+
+    @staticmethod
+    def forward(flat: torch.Tensor, layer: QuantLinear) -> torch.Tensor:  # type: ignore[override]
+        return dense_product(layer, flat)
+
+    @staticmethod
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.layer = inputs[1]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return input_grad(ctx.layer, grad.contiguous()), None
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
@@ -215,20 +360,38 @@ def stored_weight_bytes(out_features: int, in_features: int, quant: WeightQuant)
     return 0
 
 
+def model_quant(model: nn.Module) -> WeightQuant | None:
+    """The scheme `model`'s linear layers are stored in (`int4-gN` when any layer is int4, else `int8`
+    when any is int8), or `None` for a model without quantised layers."""
+    int4 = [m.group_size for m in model.modules() if isinstance(m, Int4Linear)]
+    if int4:
+        return WeightQuant("int4", int4[0])
+    return WeightQuant("int8") if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+
+
 def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:
-    """Replace every `nn.Linear` of `model` (in place) by its `quant` counterpart; returns `model`.
+    """Replace every `nn.Linear` of `model` (in place) by its `quant` counterpart (`layer_quant`: the int4
+    modes keep the LM head at int8); returns `model`.
 
     Every layer's shape is checked before any is replaced, so a refused model is left as it was.
-    Embeddings and norms stay as they are (a decode step reads one embedding row). Raises ValueError for
-    a model not on the CPU or a layer shape the kernel cannot take (naming the layer).
+    Embeddings and norms stay as they are (a decode step reads one embedding row). A model loaded from a
+    stored quantised checkpoint is returned as it is for `none` or its own scheme, and refused for another.
+    Raises ValueError for a model not on the CPU, a layer shape the kernel cannot take (naming the
+    layer), or a model stored in another scheme (naming both).
     """
-    if quant.mode == "none":
+    stored = model_quant(model)
+    if stored is not None and quant.mode != "none" and quant != stored:
+        raise ValueError(
+            f"the checkpoint's weights are stored quantised as {stored.name}, --quantize {quant.name} asks for "
+            f"another scheme (use --quantize {stored.name} or none, or quantise the float checkpoint)"
+        )
+    if quant.mode == "none" or stored is not None:
         return model
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in linears:
         if linear.weight.device.type != "cpu":
             raise ValueError(f"--quantize {quant.name} runs on the CPU only, got a model on {linear.weight.device}")
-        if quant.mode == "int4":
+        if layer_quant(name, quant).mode == "int4":
             try:
                 check_int4_shape(linear.out_features, linear.in_features, quant.group_size)
             except ValueError as err:
@@ -236,7 +399,7 @@ def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if quant.mode == "int8":
+        if layer_quant(name, quant).mode == "int8":
             new: nn.Module = Int8Linear.from_linear(linear)
         else:
             new = Int4Linear.from_linear(linear, quant.group_size)
@@ -268,10 +431,6 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
 
 def _dtype_of(bias: torch.Tensor | None) -> torch.dtype:
     return torch.float32 if bias is None else bias.dtype
-
-
-def _cast(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if bias is None else bias.to(dtype)
 
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:

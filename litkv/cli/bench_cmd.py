@@ -22,7 +22,7 @@ from litkv.atomic import write_text_atomic
 from litkv.bandwidth import bytes_per_step, kv_bytes_per_token, measure_bandwidth
 from litkv.core.validation import is_int
 from litkv.peers import COMPILED, PEERS, BenchResult, prepare_weights
-from litkv.quant_weights import parse_quantize, stored_weight_bytes
+from litkv.quant_weights import layer_quant, parse_quantize, stored_weight_bytes
 
 __all__ = ["bench", "format_table"]
 
@@ -122,7 +122,7 @@ def _check_options(lengths: list[int], max_new_tokens: int, chunk_size: int, thr
 def _step_bytes(model: str, prompt_len: int, new: int, quantize: str = "none") -> float:
     """Bytes a decode step reads halfway through the decode (float32 weights, LM head tied to the embedding).
 
-    `quantize` other than `"none"`: every linear weight (LM head included) as its stored codes and
+    `quantize` other than `"none"`: every linear weight (LM head included; int8 under int4) as its stored codes and
     scales (`stored_weight_bytes`) instead of float32; the embedding then adds only the row it reads.
     """
     from litgpt.config import Config
@@ -137,8 +137,9 @@ def _step_bytes(model: str, prompt_len: int, new: int, quantize: str = "none") -
     meta.lm_head.weight = meta.transformer.wte.weight  # tied, as the benchmark's weights are
     weights = weight_bytes(meta)
     if quant.mode != "none":
-        for linear in (m for m in meta.modules() if isinstance(m, torch.nn.Linear)):
-            weights += stored_weight_bytes(linear.out_features, linear.in_features, quant) - linear.weight.nbytes
+        for name, linear in ((n, m) for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)):
+            stored = stored_weight_bytes(linear.out_features, linear.in_features, layer_quant(name, quant))
+            weights += stored - linear.weight.nbytes
     per_token = kv_bytes_per_token(config.n_layer, config.n_query_groups, config.head_size, 4)
     return bytes_per_step(weights, per_token, prompt_len + new / 2)
 

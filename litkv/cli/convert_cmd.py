@@ -1,12 +1,16 @@
-"""`litkv convert`: a Hugging Face model directory or a GGUF file -> a litkv/LitGPT checkpoint directory."""
+"""`litkv convert`: a Hugging Face model directory or a GGUF file -> a litkv/LitGPT checkpoint directory;
+with `--quantize`, a checkpoint whose linear weights are stored as int8 / int4 codes (also from a litkv
+checkpoint directory or a known model's name)."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from litkv.quant_weights import WeightQuant, parse_quantize
 from litkv.runtime import precision_dtype
 
 __all__ = ["DTYPES", "convert"]
@@ -20,6 +24,7 @@ def convert(
     model_name: str | None = None,
     precision: str | None = None,
     dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+    quantize: str = "none",
 ) -> None:
     """Convert a Hugging Face model directory or a GGUF file into a checkpoint directory for litkv (and LitGPT).
 
@@ -34,22 +39,64 @@ def convert(
         precision: Convert the weights to "32-true", "bf16-true", "16-true" or "64-true"; Hugging Face
             directories only; default: keep.
         dtype: The weights' dtype: "float32", "bfloat16" or "float16". Default: float32 for a GGUF
-            file (its weights are dequantized), the stored dtype for a Hugging Face directory.
+            file (its weights are dequantized), the stored dtype for a Hugging Face directory. With
+            --quantize: the dtype of the tensors left in float (embedding, norms).
+        quantize: Store the linear weights quantised: "int8" (per output channel), "int4" (groups of 32
+            input columns; the LM head int8) or "int4-gN" (groups of N). The source may then also be a
+            litkv checkpoint directory or a known model's name (`smollm2-135m-instruct`). The result loads
+            into the quantised layers without a float copy of their weights (CPU only); default: "none".
     """
-    precision_as_dtype = None if precision is None else precision_dtype(precision)
+    if precision is not None:
+        precision_dtype(precision)  # a bad value is refused before any file is read
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if precision is not None and dtype is not None:
         raise ValueError(f"give --dtype or --precision, not both (got {dtype!r} and {precision!r})")
-    if Path(source).suffix.lower() == ".gguf":
+    quant = parse_quantize(quantize)  # a bad value is refused before any file is read
+    if quant.mode != "none":
+        _convert_quantized(Path(source), Path(out_dir), quant, model_name, precision, dtype)
+        return
+    out = _convert_float(Path(source), Path(out_dir), model_name, precision, dtype)
+    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+
+
+def _convert_float(
+    source: Path,
+    out_dir: Path,
+    model_name: str | None,
+    precision: str | None,
+    dtype: str | None,
+) -> Path:
+    """A GGUF file or a Hugging Face directory -> a float checkpoint directory `out_dir`."""
+    if source.suffix.lower() == ".gguf":
         if model_name is not None or precision is not None:
             raise ValueError("--model_name and --precision apply to Hugging Face directories; use --dtype for GGUF")
         from litkv.gguf_convert import convert_gguf
 
-        out = convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"])
-    else:
-        from litkv.convert import convert_hf_checkpoint
+        return convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"])
+    from litkv.convert import convert_hf_checkpoint
 
-        torch_dtype = precision_as_dtype if precision_as_dtype is not None else DTYPES.get(dtype or "")
-        out = convert_hf_checkpoint(source, out_dir, model_name=model_name, dtype=torch_dtype)
-    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    torch_dtype = precision_dtype(precision) if precision is not None else DTYPES.get(dtype or "")
+    return convert_hf_checkpoint(source, out_dir, model_name=model_name, dtype=torch_dtype)
+
+
+def _convert_quantized(
+    source: Path, out_dir: Path, quant: WeightQuant, model_name: str | None, precision: str | None, dtype: str | None
+) -> None:
+    """`convert` with `--quantize`: a litkv checkpoint directory (or known name) is quantised directly; a
+    GGUF file or Hugging Face directory is converted to float in a temporary directory first."""
+    from litkv.checkpoint import CONFIG_FILE
+    from litkv.convert import quantize_checkpoint
+    from litkv.download import known_checkpoint_dir
+
+    float_dtype = DTYPES.get(dtype or "")
+    known = known_checkpoint_dir(source)
+    if known is not None or (source / CONFIG_FILE).is_file():
+        if model_name is not None or precision is not None:
+            raise ValueError("--model_name and --precision apply to Hugging Face directories; use --dtype here")
+        out = quantize_checkpoint(known or source, out_dir, quant, float_dtype)
+    else:
+        with tempfile.TemporaryDirectory(prefix="litkv-convert-") as tmp:
+            _convert_float(source, Path(tmp) / "float", model_name, precision, dtype)
+            out = quantize_checkpoint(Path(tmp) / "float", out_dir, quant)
+    print(f"wrote {out} ({quant.name} weights): " + ", ".join(sorted(p.name for p in out.iterdir())))

@@ -53,6 +53,7 @@ from litkv.finetune.state import (
     yaml_safe,
 )
 from litkv.model import GPT
+from litkv.quant_weights import model_quant, parse_quantize, quantize_model
 from litkv.runtime import precision_dtype
 
 __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "TRAINING_PRECISIONS"]
@@ -102,6 +103,7 @@ class FinetuneArgs:
     strategy: str = "auto"
     activation_checkpointing: bool = True
     num_nodes: int = 1
+    quantize: str = "none"
 
     @property
     def world_size(self) -> int:
@@ -117,6 +119,8 @@ class FinetuneArgs:
         check_strategy(self.strategy, self.world_size, self.mode, learn_eviction=False)
         if self.data.path is None:
             raise ValueError("no fine-tuning data: pass --data.path (a .json instruction file or a text file)")
+        if parse_quantize(self.quantize).mode != "none" and self.mode != "lora":
+            raise ValueError(f"--quantize {self.quantize} trains LoRA adapters over frozen weights: needs --mode lora")
 
     def to_hparams(self) -> dict[str, Any]:
         """A YAML-safe dict that `litkv finetune --config` accepts."""
@@ -153,6 +157,7 @@ def finetune(
     strategy: str = "auto",
     activation_checkpointing: bool = True,
     num_nodes: int = 1,
+    quantize: str = "none",
 ) -> None:
     """Fine-tune a model on long sequences with its KV cache policy in place (gradients through the cache).
 
@@ -191,6 +196,9 @@ def finetune(
             of keeping its activations.
         num_nodes: Machines of a multi-node run (``devices`` processes on each; started by a launcher
             such as ``torchrun`` or SLURM: docs/finetune.md).
+        quantize: QLoRA (``mode=lora``, CPU): the frozen base's linear weights quantised at load, ``int8``,
+            ``int4`` or ``int4-gN`` (a stored quantised checkpoint is used as it is); the saved checkpoints
+            hold the dequantised weights with the adapters folded in (float). Default ``none``.
     """
     _check_mode(mode)
     require_int("num_nodes", num_nodes, 1)
@@ -215,6 +223,7 @@ def finetune(
         strategy=strategy,
         activation_checkpointing=activation_checkpointing,
         num_nodes=num_nodes,
+        quantize=quantize,
     )
     if learn_eviction or args.kv_cache.policy == "learned":
         _learn(args, learn_eviction, learn)
@@ -327,6 +336,9 @@ def _load_data(args: FinetuneArgs, data_seed: int) -> tuple[list[Example], list[
 def _build_model(fabric: Fabric, args: FinetuneArgs) -> GPT:
     """The base model on this process's device, adapters applied, trained weights restored on resume."""
     model = load_model(args.checkpoint_dir, device=fabric.device, dtype=parameter_dtype(args.precision))
+    model = quantize_model(model, parse_quantize(args.quantize))  # type: ignore[assignment]
+    if args.mode != "lora" and model_quant(model) is not None:
+        raise ValueError(f"{args.checkpoint_dir} holds quantised weights, which are frozen: use --mode lora")
     if args.mode == "lora":
         apply_lora(model, args.lora)
         mark_only_lora_as_trainable(model)

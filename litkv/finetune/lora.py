@@ -5,6 +5,11 @@ so the base keys of the model's state dict do not change (`transformer.h.0.attn.
 `transformer.h.0.attn.qkv.weight`); the adapter adds `lora_A` `(r, in_features)` and `lora_B`
 `(out_features, r)`. `merged_state_dict` folds the adapters into the base weights and returns a plain
 litkv/LitGPT state dict, which is what checkpoints hold.
+
+QLoRA: over a quantised base (`Int8Linear` / `Int4Linear`, `litkv finetune --quantize int4`) the
+`LoRALinear` holds the frozen quantised layer as `base` (keys `...qkv.base.packed`, ...); its backward
+keeps no float copy of the weight (`litkv.quant_weights`). `merged_state_dict` then returns float
+weights: every quantised weight dequantised, the adapters folded in.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litkv.core.validation import is_number, require_int
+from litkv.quant_weights import Int4Linear, Int8Linear
 
 __all__ = [
     "LORA_TARGETS",
@@ -78,14 +84,19 @@ class LoRALinear(nn.Module):
     not change the output.
     """
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float) -> None:
+    def __init__(self, base: nn.Linear | Int8Linear | Int4Linear, r: int, alpha: float) -> None:
         super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
+        if not isinstance(base, (nn.Linear, Int8Linear, Int4Linear)):
+            raise TypeError(f"LoRALinear wraps an nn.Linear, Int8Linear or Int4Linear, got {type(base).__name__}")
         self.in_features = base.in_features
         self.out_features = base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
+        self.base = None if isinstance(base, nn.Linear) else base  # quantised: frozen, called as it is
+        if self.base is None:
+            self.weight = base.weight
+            self.bias = base.bias
+        else:  # the model's dtype and device, as the quantised layers keep them (no float weight)
+            self.register_buffer("weight", base.weight, persistent=False)
+            self.bias = None
         factory = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **factory))
@@ -95,25 +106,27 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `(..., in_features)` -> `(..., out_features)`."""
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias) if self.base is None else self.base(x)
         update = F.linear(F.linear(x, self.lora_A), self.lora_B)
         return out + update * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
-        """`W + (alpha / r) B A` `(out_features, in_features)`, computed in float32, in `W`'s dtype."""
-        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling
-        return (self.weight.float() + delta).to(self.weight.dtype).detach()
+        """`W + (alpha / r) B A` `(out_features, in_features)`, computed in float32 (float64 for a float64
+        model), in the model's dtype; `W` dequantised for a quantised base."""
+        compute = torch.promote_types(self.weight.dtype, torch.float32)
+        base = self.weight.to(compute) if self.base is None else self.base.dequantized(compute)
+        delta = (self.lora_B.to(compute) @ self.lora_A.to(compute)) * self.scaling
+        return (base + delta).to(self.weight.dtype).detach()
 
     def to_linear(self) -> nn.Linear:
         """A plain `nn.Linear` with the adapter folded into its weight."""
         w = self.weight
-        linear = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None, device=w.device, dtype=w.dtype
-        )
+        bias = self.bias if self.base is None else self.base.bias
+        linear = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             linear.weight.copy_(self.merged_weight())
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
+            if bias is not None:
+                linear.bias.copy_(bias)
         return linear
 
     def extra_repr(self) -> str:
@@ -121,8 +134,8 @@ class LoRALinear(nn.Module):
 
 
 def _is_target(name: str, module: nn.Module, targets: list[str]) -> bool:
-    if not isinstance(module, nn.Linear):
-        return False
+    if not isinstance(module, (nn.Linear, Int8Linear, Int4Linear)) or name.endswith(".base"):
+        return False  # `.base`: the quantised layer inside a `LoRALinear`
     full = "." + name
     return (
         ("attn.qkv" in targets and full.endswith(".attn.qkv"))
@@ -195,15 +208,26 @@ def load_lora_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The plain state dict of `model` with adapters folded in (the model is not changed).
 
-    Keys are those of the model without adapters (identical to `litgpt.GPT`'s for a `litkv.GPT`).
+    Keys are those of the model without adapters (identical to `litgpt.GPT`'s for a `litkv.GPT`); a
+    quantised layer's codes and scales become its dequantised float `weight` (QLoRA: a float checkpoint).
     """
-    merged = {f"{name}.weight" if name else "weight": m.merged_weight() for name, m in _lora_modules(model)}
+    merged = {_weight_key(name): m.merged_weight() for name, m in _lora_modules(model)}
+    quantised = {n: m for n, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    for name, m in quantised.items():
+        if not name.endswith(".base"):
+            merged[_weight_key(name)] = m.dequantized(m.weight.dtype)
     out = {}
     for key, value in model.state_dict().items():
-        if key.rpartition(".")[2] in _ADAPTER_NAMES:
+        owner, _, leaf = key.rpartition(".")
+        if leaf in _ADAPTER_NAMES or (owner in quantised and leaf != "bias"):
             continue
-        out[key] = merged.get(key, value.detach())
+        out[key.replace(".base.bias", ".bias") if owner in quantised else key] = value.detach()
+    out.update(merged)
     return out
+
+
+def _weight_key(module_name: str) -> str:
+    return f"{module_name}.weight" if module_name else "weight"
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

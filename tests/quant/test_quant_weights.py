@@ -24,6 +24,7 @@ from litkv.quant_weights import (
     Int4Linear,
     Int8Linear,
     WeightQuant,
+    int4_codes,
     parse_quantize,
     quantize_model,
 )
@@ -163,7 +164,8 @@ def test_tiny_model_logits_and_greedy_tokens_match_the_dequantised_float_model(
 ) -> None:
     quantised = quantize_model(tiny_model(seed=3), WeightQuant(mode))
     reference = _dequantised_copy(tiny_model(seed=3), quantised)
-    assert isinstance(quantised.lm_head, Int8Linear if mode == "int8" else Int4Linear)
+    assert isinstance(quantised.lm_head, Int8Linear)  # int4 keeps the LM head at int8 (`layer_quant`)
+    assert isinstance(quantised.transformer.h[0].mlp.proj, Int8Linear if mode == "int8" else Int4Linear)
     idx = torch.randint(0, 128, (2, 5))
     with torch.no_grad():
         got, want = quantised(idx), reference(idx)
@@ -183,7 +185,28 @@ def test_tiny_model_logits_and_greedy_tokens_match_the_dequantised_float_model(
 
 def test_load_for_inference_quantises_and_refuses_a_bad_mode(tiny_ckpt: Path) -> None:
     model, dev = load_for_inference(tiny_ckpt, None, "cpu", 1, "int4")
-    assert dev.type == "cpu" and isinstance(model.lm_head, Int4Linear)
+    assert dev.type == "cpu" and isinstance(model.transformer.h[0].attn.qkv, Int4Linear)
+    assert isinstance(model.lm_head, Int8Linear)
     assert all(not isinstance(m, nn.Linear) for m in model.modules())
     with pytest.raises(ValueError, match="quantize mode must be one of"):
         load_for_inference(tiny_ckpt, None, "cpu", 1, "fp8")
+
+
+def test_int4_groups_of_32_find_a_q4_1_grid_back_up_to_the_bfloat16_scales() -> None:
+    # weights already on a 4-bit grid per block of 32 (what a Q4_1 GGUF dequantises to): the int4 codes
+    # must land on that grid, so the error is the bfloat16 rounding of scale and zero, not half a step
+    gen = torch.Generator().manual_seed(0)
+    n, k = 64, 128
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=gen).double()
+    codes[..., 0], codes[..., 1] = 0, 15  # every block spans its whole grid
+    step = torch.rand(n, k // 32, 1, generator=gen, dtype=torch.float64) * 0.01 + 0.001
+    low = torch.randn(n, k // 32, 1, generator=gen, dtype=torch.float64) * 0.05
+    weight = (codes * step + low).reshape(n, k)
+    linear = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    assert torch.equal(int4_codes(linear.weight, 32)[0].double(), codes.view(n, k))  # the grid's own codes
+    error = (Int4Linear.from_linear(linear, 32).dequantized(torch.float64) - weight).abs().view(n, k // 32, 32)
+    # bfloat16 rounds to 8 significant bits (relative error <= 2^-8): the scale, times codes up to 15, and
+    # the zero (low + 8 scale)
+    assert (error <= 2**-8 * (low.abs() + 23 * step) + 1e-7).all()

@@ -98,10 +98,12 @@ def test_bench_step_bytes_count_the_quantised_weights() -> None:
     prompt, new = 512, 128
     kv = 46_080 * (prompt + new / 2)  # SmolLM2-135M: 46,080 float32 KV bytes per cached token
     floats = bench_cmd._step_bytes("SmolLM2-135M", prompt, new) - kv  # tied head: the float weights once
-    for text, bytes_per_weight in (("int8", 1 + 2 / 576), ("int4", 0.5 + 4 / 32)):
+    head = 4 * 49_152 * 576  # the LM head's float32 bytes (int4 stores it as int8)
+    int8 = (1 + 2 / 576) / 4
+    for text, per_float_byte in (("int8", int8 * floats), ("int4", (0.5 + 4 / 32) / 4 * (floats - head) + int8 * head)):
         weights = bench_cmd._step_bytes("SmolLM2-135M", prompt, new, text) - kv
-        # every weight but the norms is in a linear layer: ~ bytes_per_weight / 4 of its float32 bytes
-        assert weights / floats == pytest.approx(bytes_per_weight / 4, rel=0.01)
+        # every weight but the norms is in a linear layer: its stored bytes per float32 byte
+        assert weights == pytest.approx(per_float_byte, rel=0.01)
 
 
 def test_bench_rows_name_their_quantisation_and_bad_values_are_refused(tmp_path: Path) -> None:
