@@ -60,6 +60,8 @@ from litkv.runner import ChunkPlan
 
 __all__ = [
     "Segment",
+    "encode_document",
+    "feed_block",
     "generate_segments",
     "kv_deviation",
     "prefill_segments",
@@ -87,6 +89,17 @@ class Segment:
             raise TypeError(f"Segment.block must be a bool, got {type(self.block).__name__}")
 
 
+def encode_document(tokenizer: Any, text: str, name: str = "block") -> tuple[int, ...]:
+    """A block's (document's) ids: `text` tokenized alone, no BOS/EOS or other special tokens added, so
+    they are the same at every use wherever it stands; ValueError naming `name` when it has none."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a string, got {type(text).__name__}")
+    ids = encode_plain(tokenizer, text)
+    if not ids:
+        raise ValueError(f"{name} encodes to no tokens: give a non-empty {name.split()[0]}")
+    return tuple(int(t) for t in ids)
+
+
 def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: str) -> list[Segment]:
     """A user message made of `blocks` (texts) then `prompt`, as segments: each block tokenized alone
     (no BOS/EOS, no special tokens added), so its ids are the same at every use, wherever it stands.
@@ -95,9 +108,7 @@ def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: 
     template's text before the user's content, the blocks, then the prompt with the template's text after
     it (the generation prompt included). Empty blocks are refused (ValueError naming the block).
     """
-    for i, text in enumerate(blocks):
-        if not encode_plain(tokenizer, text):
-            raise ValueError(f"block {i} encodes to no tokens: give a non-empty block")
+    ids = [encode_document(tokenizer, text, f"block {i}") for i, text in enumerate(blocks)]
     before, after = "", ""
     if isinstance(fmt, TemplateFormat):
         marker = f"<<litkv-blocks-{uuid.uuid4().hex}>>"
@@ -108,7 +119,7 @@ def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: 
         out.append(Segment(torch.tensor([int(bos)])))
     if before:
         out.append(Segment(torch.tensor(encode_plain(tokenizer, before), dtype=torch.long)))
-    out += [Segment(torch.tensor(encode_plain(tokenizer, text), dtype=torch.long), block=True) for text in blocks]
+    out += [Segment(torch.tensor(block, dtype=torch.long), block=True) for block in ids]
     tail = encode_plain(tokenizer, prompt + after)
     if tail:
         out.append(Segment(torch.tensor(tail, dtype=torch.long)))
@@ -166,7 +177,8 @@ def _splice_layer(cache: KVCache, keys: torch.Tensor, values: torch.Tensor, pos:
 
 def splice(model: GPT, block: BlockKV, offset: int, keep: torch.Tensor, chunk: int) -> None:
     """Write the block's tokens where `keep` `(n,)` bool is set into the attached caches at positions
-    `offset + j`, keys rotated by `offset`, in calls of at most `chunk` tokens. `last_pos` is not moved."""
+    `offset + j`, keys rotated by `offset`, in calls of at most `chunk` tokens (each call through every
+    layer, as a model call: an undo log records it as one call). `last_pos` is left as it was."""
     index = keep.nonzero().flatten().to(block.keys[0].device)
     if index.numel() == 0:
         return
@@ -175,15 +187,24 @@ def splice(model: GPT, block: BlockKV, offset: int, keep: torch.Tensor, chunk: i
         raise ValueError("no KV caches are attached: call set_kv_caches() first")
     positions = (index + offset)[None]
     n_head, n_elem = model.config.n_head, model.config.rope_n_elem
-    for layer, cache in enumerate(caches.policy_caches):
+    layers = []
+    for layer in range(len(caches.policy_caches)):
         keys = block.keys[layer].index_select(2, index)
         if offset:
             cos, sin = rope_delta(model, offset, layer)
             keys = rotate_keys(keys, cos.to(keys.dtype), sin.to(keys.dtype), n_elem).to(keys.dtype)
-        values = block.values[layer].index_select(2, index)
+        layers.append((keys, block.values[layer].index_select(2, index)))
+    before = caches.last_pos
+    try:
         for s in range(0, index.numel(), chunk):
             part = slice(s, s + chunk)
-            _splice_layer(cache, keys[:, :, part], values[:, :, part], positions[:, part], n_head)
+            if caches.undo_log is not None:
+                caches.undo_log.before_call(caches)
+            caches.last_pos = positions[:, part].amax(dim=1)  # what an undo log records after the call
+            for cache, (keys, values) in zip(caches.policy_caches, layers, strict=True):
+                _splice_layer(cache, keys[:, :, part], values[:, :, part], positions[:, part], n_head)
+    finally:
+        caches.last_pos = before
 
 
 # -- selective recomputation ------------------------------------------------------------------------
@@ -314,27 +335,42 @@ def prefill_segments(
     store = BlockStore(0) if store is None else store
     plan = ChunkPlan.of(kv_cache)
     device = model.lm_head.weight.device
-    dtype = model.caches.policy_caches[0].dtype  # type: ignore[union-attr]
     offset, hidden = 0, None
     for i, seg in enumerate(segments):
         ids, n = seg.ids.to(device=device, dtype=torch.long), seg.ids.numel()
-        last = i == len(segments) - 1
         if not seg.block:
             pos = torch.arange(offset, offset + n, device=device)
             bounds = plan.bounds(n) if offset == 0 else ChunkPlan(plan.size, plan.size).bounds(n)
             hidden = _run(model, ids, pos, bounds)
         else:
-            block = store.get(model, ids, plan, dtype)
-            chosen = select_recompute(model, block, offset, ratio, last)
-            splice(model, block, offset, ~chosen, plan.size)
-            if bool(chosen.any()):
-                index = chosen.nonzero().flatten()
-                hidden = _run(model, ids[index], index + offset, ChunkPlan(plan.size, plan.size).bounds(index.numel()))
-            else:
-                hidden = block.last_hidden
-            model.last_pos = torch.tensor([offset + n - 1], device=device)
+            hidden = feed_block(model, ids, offset, plan, store, ratio, last=i == len(segments) - 1)
         offset += n
     return hidden, offset  # type: ignore[return-value]
+
+
+def feed_block(
+    model: GPT, ids: torch.Tensor, offset: int, plan: ChunkPlan, store: BlockStore, recompute: float, last: bool
+) -> torch.Tensor:
+    """One block `ids` `(n,)` at `offset` into the attached caches (one row): its KV from `store` (computed
+    alone with `plan`'s chunking if absent), spliced, `recompute` of its tokens recomputed (`last`: the
+    prompt ends with it, so its last token is recomputed too); `last_pos` becomes `offset + n - 1`.
+
+    Returns:
+        The block's last token's final hidden state `(1, n_embd)`.
+    """
+    ratio = _check_ratio(recompute)
+    device = model.lm_head.weight.device
+    ids = ids.to(device=device, dtype=torch.long)
+    dtype = model.caches.policy_caches[0].dtype  # type: ignore[union-attr]
+    block = store.get(model, ids, plan, dtype)
+    chosen = select_recompute(model, block, offset, ratio, last)
+    splice(model, block, offset, ~chosen, plan.size)
+    hidden = block.last_hidden
+    if bool(chosen.any()):
+        index = chosen.nonzero().flatten()
+        hidden = _run(model, ids[index], index + offset, ChunkPlan(plan.size, plan.size).bounds(index.numel()))
+    model.last_pos = torch.tensor([offset + ids.numel() - 1], device=device)
+    return hidden
 
 
 @torch.inference_mode()

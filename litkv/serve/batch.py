@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from litkv.block_store import BlockStore
+from litkv.blocks import feed_block
 from litkv.config import KVCacheConfig
 from litkv.fingerprint import model_fingerprint
 from litkv.kvcache.caches import KVCaches
@@ -128,6 +130,23 @@ class RowBatch:
             self.model.set_kv_caches(self.batch)
         self.batch.copy_row(row, self.scratch, 0)
         return hidden[:, -1]
+
+    @torch.inference_mode()
+    def feed_block(
+        self, row: int, ids: tuple[int, ...], store: BlockStore, recompute: float, last: bool
+    ) -> torch.Tensor:
+        """Splice a document `ids` into `row` at batch one (the scratch caches; `litkv.blocks.feed_block`,
+        its KV computed alone with the config's chunking); final hidden state `(1, n_embd)` of its last token."""
+        start = self.next_pos(row)
+        self.scratch.copy_row(0, self.batch, row)
+        self.model.set_kv_caches(self.scratch)
+        try:
+            block = torch.tensor(ids, dtype=torch.long)
+            hidden = feed_block(self.model, block, start, ChunkPlan.of(self.kv_cache), store, recompute, last)
+        finally:
+            self.model.set_kv_caches(self.batch)
+        self.batch.copy_row(row, self.scratch, 0)
+        return hidden
 
     @torch.inference_mode()
     def step(self, tokens: list[int | None], positions: list[int]) -> torch.Tensor:
