@@ -373,7 +373,7 @@ class LitKVAPI(ls.LitAPI):
             if self.opts.cancel_dir is not None and turn.request_id:
                 (Path(self.opts.cancel_dir) / turn.request_id).unlink(missing_ok=True)
         log.info(
-            "turn %s: %d prompt tokens (%d reused, %d from document blocks), %d new, stored=%s",
+            "turn %s: %d prompt tokens (%d reused), %d document tokens restored, %d new, stored=%s",
             turn.request_id[:8],
             result.prompt_tokens,
             result.reused_tokens,
