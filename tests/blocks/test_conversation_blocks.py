@@ -214,8 +214,10 @@ def test_system_prompt_before_the_documents_is_an_exact_prefix(parts: tuple) -> 
     assert all(torch.equal(a, b[:, :, : len(head)]) for a, b in zip(spliced, _layer_keys(model), strict=True))
 
 
-def test_undo_save_and_load_of_a_turn_with_documents(parts: tuple, tmp_path: Path) -> None:
+@pytest.mark.parametrize("raw", [True, False])  # raw: the turn starts with its documents
+def test_undo_save_and_load_of_a_turn_with_documents(parts: tuple, tmp_path: Path, raw: bool) -> None:
     model, tok, fmt = parts
+    fmt = RawFormat(tok) if raw else fmt
     kv = KVCacheConfig(policy="h2o", cache_length=96, chunk_size=8, prefill_length=16)  # evicts
     files = doc_files(tmp_path)
     whole = ChatSession(model, tok, kv, fmt=fmt, recompute=0.2)
