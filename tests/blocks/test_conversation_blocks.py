@@ -105,7 +105,9 @@ class AsText:
 
 
 @pytest.mark.parametrize("recompute", [0.0, 0.3])
-def test_chat_and_serve_with_documents_equal_generate_block_file(parts: tuple, tmp_path: Path, recompute: float) -> None:
+def test_chat_and_serve_with_documents_equal_generate_block_file(
+    parts: tuple, tmp_path: Path, recompute: float
+) -> None:
     model, tok, fmt = parts
     layout = prompt_segments(fmt, tok, list(DOCS), QUESTION)  # `litkv generate --block_file` with a template
     stops = tuple(sorted(fmt.stop_ids))
