@@ -293,3 +293,17 @@ def test_chat_command_block_file_and_attach(ckpt: Path, parts: tuple, tmp_path: 
     assert outs[0].startswith(expected.getvalue()) and expected.getvalue().strip()
     assert outs[1].split("\n", 2)[2].startswith(expected.getvalue())  # after the two "attached" lines
     assert "documents: 0 pieces restored" in outs[1]
+
+
+def test_chat_command_bad_documents_one_line(ckpt: Path, tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    for args in (["--block_file", str(tmp_path / "missing.txt")], ["--recompute", "2"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+        with pytest.raises(SystemExit):
+            main(["chat", str(ckpt), *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("does not exist" in err[0] or "--recompute must be" in err[0]), err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"/attach {tmp_path / 'empty.txt'}\n/attach\n"))
+    main(["chat", str(ckpt)])
+    err = capsys.readouterr().err
+    assert "error: document" in err and "encodes to no tokens" in err and "/attach needs a file name" in err
