@@ -31,9 +31,10 @@ Layer 1 is the first layer whose keys and values depend on the context (layer 0'
 its position only), so the proxy costs one layer of attention over the block (a `1 / n_layer` of
 recomputing it): layer 0 is run on the block with the context in its cache, layer 1's keys and values
 computed from its output and compared with the spliced ones (relative L2 per token, summed over KV
-heads). The chosen tokens are left out of the splice and run through the model as one ordinary call per
-chunk at their positions: they attend to the context, the spliced tokens before them and the other
-chosen tokens before them. `r = 0` is the pure splice; `r = 1` recomputes every token, which is the
+heads). The chosen tokens are left out of the splice; those of a run of consecutive blocks run through
+the model together with the text segment after the run, as one sequence of ordinary calls of the chunk
+size at their positions (`feed_blocks`): they attend to the context, the spliced tokens before them and
+the other chosen tokens before them. `r = 0` is the pure splice; `r = 1` recomputes every token, which is the
 normal prefill of the block as a text segment.
 """
 
@@ -61,7 +62,7 @@ from litkv.runner import ChunkPlan
 __all__ = [
     "Segment",
     "encode_document",
-    "feed_block",
+    "feed_blocks",
     "generate_segments",
     "kv_deviation",
     "prefill_segments",
@@ -323,8 +324,9 @@ def prefill_segments(
     """Prefill one prompt given as segments into the attached caches (one row).
 
     Text segments run through the model (the first from position 0 with the plan's first chunk, later
-    ones in chunks of `chunk_size`); blocks are taken from `store` (computed alone if absent) and spliced,
-    `recompute` of their tokens recomputed (module docstring).
+    ones in chunks of `chunk_size`); each run of consecutive blocks is taken from `store` (computed alone
+    if absent) and spliced, `recompute` of their tokens recomputed together with the text segment after
+    the run (`feed_blocks`; module docstring).
 
     Returns:
         The last token's final hidden state `(1, n_embd)` and the prompt's length (the next position).
@@ -335,42 +337,72 @@ def prefill_segments(
     store = BlockStore(0) if store is None else store
     plan = ChunkPlan.of(kv_cache)
     device = model.lm_head.weight.device
-    offset, hidden = 0, None
-    for i, seg in enumerate(segments):
-        ids, n = seg.ids.to(device=device, dtype=torch.long), seg.ids.numel()
+    offset, hidden, i = 0, None, 0
+    while i < len(segments):
+        seg = segments[i]
         if not seg.block:
+            ids, n = seg.ids.to(device=device, dtype=torch.long), seg.ids.numel()
             pos = torch.arange(offset, offset + n, device=device)
             bounds = plan.bounds(n) if offset == 0 else ChunkPlan(plan.size, plan.size).bounds(n)
             hidden = _run(model, ids, pos, bounds)
-        else:
-            hidden = feed_block(model, ids, offset, plan, store, ratio, last=i == len(segments) - 1)
-        offset += n
+            offset, i = offset + n, i + 1
+            continue
+        end = next((j for j in range(i, len(segments)) if not segments[j].block), len(segments))
+        text = segments[end].ids if end < len(segments) else None
+        hidden = feed_blocks(model, [s.ids for s in segments[i:end]], text, offset, plan, store, ratio)
+        offset += sum(int(s.ids.numel()) for s in segments[i : end + 1])
+        i = end + 1
     return hidden, offset  # type: ignore[return-value]
 
 
-def feed_block(
-    model: GPT, ids: torch.Tensor, offset: int, plan: ChunkPlan, store: BlockStore, recompute: float, last: bool
+def feed_blocks(
+    model: GPT,
+    blocks: Sequence[torch.Tensor],
+    text: torch.Tensor | None,
+    offset: int,
+    plan: ChunkPlan,
+    store: BlockStore,
+    recompute: float,
 ) -> torch.Tensor:
-    """One block `ids` `(n,)` at `offset` into the attached caches (one row): its KV from `store` (computed
-    alone with `plan`'s chunking if absent), spliced, `recompute` of its tokens recomputed (`last`: the
-    prompt ends with it, so its last token is recomputed too); `last_pos` becomes `offset + n - 1`.
+    """A run of consecutive blocks (each `(n_k,)` ids) at `offset`, then `text` `(m,)` (the text segment
+    after them; `None`: the prompt ends with the last block), into the attached caches (one row).
+
+    Each block's KV comes from `store` (computed alone with `plan`'s chunking if absent); in order, each
+    block's tokens to recompute are chosen (`select_recompute`, its probe seeing the context and the
+    blocks before it as spliced) and the others spliced. Then the chosen tokens of every block and
+    `text` run as one sequence of ordinary calls of `plan.size` tokens (fewer, fuller calls than one
+    per block): a chosen token attends to the context, the spliced tokens before it and the chosen
+    tokens before it. When `text` is `None` the last block's last token is chosen too (the prompt's
+    last hidden state must see the context). `last_pos` becomes the run's last position.
 
     Returns:
-        The block's last token's final hidden state `(1, n_embd)`.
+        The last token's final hidden state `(1, n_embd)` (of `text`'s last token when given).
     """
     ratio = _check_ratio(recompute)
     device = model.lm_head.weight.device
-    ids = ids.to(device=device, dtype=torch.long)
     dtype = model.caches.policy_caches[0].dtype  # type: ignore[union-attr]
-    block = store.get(model, ids, plan, dtype)
-    chosen = select_recompute(model, block, offset, ratio, last)
-    splice(model, block, offset, ~chosen, plan.size)
-    hidden = block.last_hidden
-    if bool(chosen.any()):
+    ids_run, pos_run, hidden, pos = [], [], None, offset
+    for k, raw in enumerate(blocks):
+        ids = raw.to(device=device, dtype=torch.long)
+        block = store.get(model, ids, plan, dtype)
+        chosen = select_recompute(model, block, pos, ratio, last=text is None and k == len(blocks) - 1)
+        splice(model, block, pos, ~chosen, plan.size)
         index = chosen.nonzero().flatten()
-        hidden = _run(model, ids[index], index + offset, ChunkPlan(plan.size, plan.size).bounds(index.numel()))
-    model.last_pos = torch.tensor([offset + ids.numel() - 1], device=device)
-    return hidden
+        ids_run.append(ids[index])
+        pos_run.append(index + pos)
+        hidden = None if bool(chosen[-1]) else block.last_hidden
+        pos += ids.numel()
+    if text is not None:
+        ids_run.append(text.to(device=device, dtype=torch.long))
+        pos_run.append(torch.arange(pos, pos + text.numel(), device=device))
+        pos += text.numel()
+        hidden = None
+    seq, seq_pos = torch.cat(ids_run), torch.cat(pos_run)
+    if seq.numel():
+        ran = _run(model, seq, seq_pos, ChunkPlan(plan.size, plan.size).bounds(seq.numel()))
+        hidden = ran if hidden is None else hidden
+    model.last_pos = torch.tensor([pos - 1], device=device)
+    return hidden  # type: ignore[return-value]
 
 
 @torch.inference_mode()

@@ -16,8 +16,9 @@ state and the rest recomputed (`litkv serve`).
 document's ids tokenized alone, `litkv.blocks.encode_document`); the format puts them at the start of the
 message's content as block segments (`chat_template`'s module docstring). A block segment is not run:
 its KV comes from the block store (`blocks`, computed alone once) and is spliced at its offset, with
-`recompute` of its tokens recomputed (`litkv.blocks.feed_block`). Everything before the first document
-(the template's header, a system prompt) is ordinary prompt text, fed as it is without documents.
+`recompute` of its tokens recomputed together with the text after the documents (`litkv.blocks.feed_blocks`).
+Everything before the first document (the template's header, a system prompt) is ordinary prompt text,
+fed as it is without documents.
 
 `reply` is the decode loop, a generator of token ids (each is in the caches when it is yielded); it
 ends at a stop token of the format (EOS, the template's end-of-turn token) or `max_new_tokens`, and the
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from litkv.block_store import BlockStore
-from litkv.blocks import feed_block
+from litkv.blocks import feed_blocks
 from litkv.chat_template import Documents, Format, Message, Replies, Segment
 from litkv.config import KVCacheConfig
 from litkv.core.validation import require_finite_logits
@@ -245,27 +246,40 @@ class Conversation:
                 stacklevel=2,
             )
             self.reset(keep_prefix=True)
-        hidden = None
-        for i, seg in enumerate(pending.segments):
-            if seg.ids:  # an empty reply (cut at once) holds no token
-                hidden = self._run(seg, last=i == len(pending.segments) - 1)
-            self.fed.append(seg)
+        hidden, segments, i = None, pending.segments, 0
+        while i < len(segments):
+            seg = segments[i]
+            if seg.block:  # a run of documents and the text after it (their recomputed tokens run with it)
+                end = next((j for j in range(i, len(segments)) if not segments[j].block), len(segments))
+                text = segments[end] if end < len(segments) and not segments[end].reply else None
+                hidden = self._run_blocks(segments[i:end], text)
+                run = segments[i : end + (text is not None)]
+            else:
+                run = [seg]
+                if seg.ids:  # an empty reply (cut at once) holds no token
+                    hidden = self._run(seg)
+            self.fed.extend(run)
+            i += len(run)
         if hidden is None:
             raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
         self._set_messages(messages, replies, documents)
         return hidden
 
-    def _run(self, seg: Segment, last: bool) -> torch.Tensor:
+    def _run(self, seg: Segment) -> torch.Tensor:
         n = len(seg.ids)
-        if seg.block:
-            ids = torch.tensor(seg.ids, dtype=torch.long)
-            plan = ChunkPlan.of(self.kv_cache)  # a block is computed alone as a prefill from 0
-            return feed_block(self.model, ids, self.next_pos, plan, self.blocks, self.recompute, last)[:, None]
         plan = segment_plan(seg, self.next_pos, self.kv_cache)
         idx = torch.tensor([seg.ids], dtype=torch.long, device=self.device)
         start = self.next_pos
         pos = torch.arange(start, start + n, device=self.device)[None]
         return run_chunks(self.model, idx, pos, plan, lm_head=False, last_only=True)
+
+    def _run_blocks(self, blocks: Sequence[Segment], text: Segment | None) -> torch.Tensor:
+        """Documents `blocks` spliced (`feed_blocks`; a block is computed alone as a prefill from 0) and
+        `text` after them; hidden states `(1, 1, n_embd)` of the last token."""
+        ids = [torch.tensor(b.ids, dtype=torch.long) for b in blocks]
+        after = None if text is None else torch.tensor(text.ids, dtype=torch.long)
+        plan = ChunkPlan.of(self.kv_cache)
+        return feed_blocks(self.model, ids, after, self.next_pos, plan, self.blocks, self.recompute)[:, None]
 
     # -- the reply ------------------------------------------------------------------------------
 

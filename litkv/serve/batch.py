@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from litkv.block_store import BlockStore
-from litkv.blocks import feed_block
+from litkv.blocks import feed_blocks
 from litkv.config import KVCacheConfig
 from litkv.fingerprint import model_fingerprint
 from litkv.kvcache.caches import KVCaches
@@ -132,17 +132,25 @@ class RowBatch:
         return hidden[:, -1]
 
     @torch.inference_mode()
-    def feed_block(
-        self, row: int, ids: tuple[int, ...], store: BlockStore, recompute: float, last: bool
+    def feed_blocks(
+        self,
+        row: int,
+        blocks: list[tuple[int, ...]],
+        text: tuple[int, ...] | None,
+        store: BlockStore,
+        recompute: float,
     ) -> torch.Tensor:
-        """Splice a document `ids` into `row` at batch one (the scratch caches; `litkv.blocks.feed_block`,
-        its KV computed alone with the config's chunking); final hidden state `(1, n_embd)` of its last token."""
+        """Splice documents `blocks` into `row`, then feed `text` (the prompt text after them, or `None`), at
+        batch one (the scratch caches; `litkv.blocks.feed_blocks`, each document's KV computed alone with the
+        config's chunking); final hidden state `(1, n_embd)` of the last token."""
         start = self.next_pos(row)
         self.scratch.copy_row(0, self.batch, row)
         self.model.set_kv_caches(self.scratch)
         try:
-            block = torch.tensor(ids, dtype=torch.long)
-            hidden = feed_block(self.model, block, start, ChunkPlan.of(self.kv_cache), store, recompute, last)
+            ids = [torch.tensor(b, dtype=torch.long) for b in blocks]
+            after = None if text is None else torch.tensor(text, dtype=torch.long)
+            plan = ChunkPlan.of(self.kv_cache)
+            hidden = feed_blocks(self.model, ids, after, start, plan, store, recompute)
         finally:
             self.model.set_kv_caches(self.batch)
         self.batch.copy_row(row, self.scratch, 0)

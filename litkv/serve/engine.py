@@ -254,12 +254,16 @@ class Engine:
         return 0
 
     def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor:
-        """Feed a prompt segment (a document: spliced) to the job's row; the last token's hidden state
+        """Feed a prompt segment to the job's row; a document: the documents after it and the text after them
+        too (taken from `job.pending`), spliced (`litkv.blocks.feed_blocks`); the last token's hidden state
         `(1, n_embd)`."""
-        if seg.block:
+        if seg.block:  # the run of documents and the text after it (their recomputed tokens run with it)
+            blocks = [seg.ids]
+            while job.pending and job.pending[0].block:
+                blocks.append(job.pending.popleft().ids)
+            text = job.pending.popleft().ids if job.pending and not job.pending[0].reply else None
             before = self.blocks.reused_tokens
-            last = not job.pending  # the prompt ends with it (its last token is then recomputed)
-            hidden = self.batch.feed_block(job.row, seg.ids, self.blocks, self.recompute, last)
+            hidden = self.batch.feed_blocks(job.row, blocks, text, self.blocks, self.recompute)
             job.result.block_tokens += self.blocks.reused_tokens - before
             return hidden
         plan = segment_plan(seg, self.batch.next_pos(job.row), self.kv_cache)

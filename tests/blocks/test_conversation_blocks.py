@@ -95,13 +95,20 @@ def engine(model: GPT, tok: object, fmt: Format, **kw: object) -> Engine:
 
 
 class AsText:
-    """A format whose documents are ordinary prompt text (the same segments, none spliced)."""
+    """A format whose documents are ordinary prompt text: each run of documents and the text after it one
+    text segment (the same ids, none spliced; what a normal prefill of the message feeds)."""
 
     def __init__(self, fmt: Format) -> None:
         self.fmt, self.name, self.stop_ids = fmt, fmt.name, fmt.stop_ids
 
     def segments(self, *args: object) -> list[Segment]:
-        return [dataclasses.replace(s, block=False) for s in self.fmt.segments(*args)]  # type: ignore[arg-type]
+        out: list[Segment] = []
+        for seg in self.fmt.segments(*args):  # type: ignore[arg-type]
+            if out and out[-1].block and not seg.reply:
+                out[-1] = Segment(out[-1].ids + seg.ids, False, block=seg.block)
+            else:
+                out.append(seg)
+        return [dataclasses.replace(s, block=False) for s in out]
 
 
 @pytest.mark.parametrize("recompute", [0.0, 0.3])
