@@ -64,6 +64,7 @@ __all__ = [
     "encode_document",
     "feed_blocks",
     "generate_segments",
+    "generate_segments_batch",
     "kv_deviation",
     "prefill_segments",
     "prompt_segments",
@@ -441,3 +442,58 @@ def generate_segments(
 
         positions = torch.tensor([next_pos], device=device)
         return _decode(model, hidden[:, None], positions, max_new_tokens, stop_tokens, pick, on_tokens)[0]
+
+
+@torch.inference_mode()
+def generate_segments_batch(
+    model: GPT,
+    prompts: Sequence[Sequence[Segment]],
+    max_new_tokens: int,
+    kv_cache: KVCacheConfig,
+    store: BlockStore | None = None,
+    recompute: float = 0.0,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    on_tokens: Callable[[torch.Tensor], None] | None = None,
+) -> list[torch.Tensor]:
+    """`generate_segments` for several prompts, decoded together: the new tokens `(m_r,)` of each.
+
+    Each prompt is prefilled alone at batch one (blocks spliced from `store`, which the prompts share),
+    its cache row copied into caches of `len(prompts)` rows, and the rows decoded in one batch (each at its
+    own positions; a shorter row's empty slots are masked). A row's tokens are those of the prompt alone
+    up to the rounding of batched matmuls. Arguments as `generate_segments`; `on_tokens` gets `(B,)`.
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(kv_cache, KVCacheConfig):
+        raise TypeError(f"kv_cache must be one KVCacheConfig for every layer, got {type(kv_cache).__name__}")
+    _check_ratio(recompute)
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of segment lists")
+    lengths = [sum(int(s.ids.numel()) for s in segments) for segments in prompts]
+    device = model.lm_head.weight.device
+    if max_new_tokens == 0:
+        return [torch.empty(0, dtype=torch.long, device=device) for _ in prompts]
+    _check_dense_room(kv_cache, max(lengths), max_new_tokens)
+    store = BlockStore(0) if store is None else store
+    with model.kv_caches_attached(kv_cache, len(prompts)) as batch:
+        hidden, filled = [], [0] * len(batch.policy_caches)
+        try:
+            for row, segments in enumerate(prompts):
+                with model.kv_caches_attached(kv_cache, 1) as alone:
+                    hidden.append(prefill_segments(model, segments, kv_cache, store, recompute)[0])
+                    alone.end_prefill()
+                    batch.copy_row(row, alone, 0)
+                    filled = [max(f, c.num_filled) for f, c in zip(filled, alone.policy_caches, strict=True)]
+        finally:
+            model.set_kv_caches(batch)
+        for cache, count in zip(batch.policy_caches, filled, strict=True):
+            cache.num_filled = count  # the rows' host counter: the fullest row's (emptier rows' slots are masked)
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return sample(logits, temperature, top_k, top_p, generator)
+
+        positions = torch.tensor(lengths, device=device)
+        return _decode(model, torch.cat(hidden)[:, None], positions, max_new_tokens, stop_tokens, pick, on_tokens)
