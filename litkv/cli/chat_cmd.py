@@ -5,10 +5,8 @@ the chunk runner, the reply loop) is `litkv.conversation.Conversation`, shared w
 module is the terminal around it. Each turn appends the user's message and the reply to the caches: the
 history is never prefilled again, and with an evicting policy the conversation can run past the
 model's context length. Commands:
-`/undo` (roll back the last turn), `/attach FILE` (a document for the next message), `/save FILE`,
-`/load FILE`, `/reset`, `/stats`, `/help`, `/quit`. Documents (`/attach`, `--block_file`) are KV blocks:
-each is tokenized alone, put at the start of the next user message, and its KV is computed once and
-spliced (docs/blocks.md).
+`/undo` (roll back the last turn), `/attach FILE` (a document for the next message: a KV block,
+docs/blocks.md), `/save FILE`, `/load FILE`, `/reset`, `/stats`, `/help`, `/quit`.
 Replies stream; Ctrl-C stops a reply (the part already produced stays in the session as a turn);
 Ctrl-D (end of input) exits. Input may come from a terminal or a pipe.
 
@@ -127,9 +125,10 @@ class ChatSession:
         """Attach the text of `path` as a document (a KV block) to the next user message."""
         if not Path(path).is_file():
             raise FileNotFoundError(f"document file {str(path)!r} does not exist")
-        ids = encode_document(self.tokenizer, Path(path).read_text(encoding="utf-8"), f"document {str(path)!r}")
-        self.attached.append(ids)
-        return f"attached {path} ({len(ids)} tokens) to the next message ({len(self.attached)} document(s))"
+        self.attached.append(encode_document(self.tokenizer, Path(path).read_text("utf-8"), f"document {str(path)!r}"))
+        return (
+            f"attached {path} ({len(self.attached[-1])} tokens) to the next message ({len(self.attached)} document(s))"
+        )
 
     # -- a turn ---------------------------------------------------------------------------------
 
@@ -318,8 +317,7 @@ def _command(session: ChatSession, line: str) -> str | None:
     if name in ("/save", "/load", "/attach"):
         if not arg:
             raise ValueError(f"{name} needs a file name: {name} FILE")
-        action = {"/save": session.save, "/load": session.load, "/attach": session.attach}[name]
-        return action(Path(arg))
+        return {"/save": session.save, "/load": session.load, "/attach": session.attach}[name](Path(arg))
     actions = {"/undo": session.undo, "/stats": session.stats, "/help": lambda: HELP}
     if name == "/reset":
         session.reset()
