@@ -31,9 +31,10 @@ Layer 1 is the first layer whose keys and values depend on the context (layer 0'
 its position only), so the proxy costs one layer of attention over the block (a `1 / n_layer` of
 recomputing it): layer 0 is run on the block with the context in its cache, layer 1's keys and values
 computed from its output and compared with the spliced ones (relative L2 per token, summed over KV
-heads). The chosen tokens are left out of the splice and run through the model as one ordinary call per
-chunk at their positions: they attend to the context, the spliced tokens before them and the other
-chosen tokens before them. `r = 0` is the pure splice; `r = 1` recomputes every token, which is the
+heads). The chosen tokens are left out of the splice; those of a run of consecutive blocks run through
+the model together with the text segment after the run, as one sequence of ordinary calls of the chunk
+size at their positions (`feed_blocks`): they attend to the context, the spliced tokens before them and
+the other chosen tokens before them. `r = 0` is the pure splice; `r = 1` recomputes every token, which is the
 normal prefill of the block as a text segment.
 """
 
@@ -60,7 +61,10 @@ from litkv.runner import ChunkPlan
 
 __all__ = [
     "Segment",
+    "encode_document",
+    "feed_blocks",
     "generate_segments",
+    "generate_segments_batch",
     "kv_deviation",
     "prefill_segments",
     "prompt_segments",
@@ -87,6 +91,17 @@ class Segment:
             raise TypeError(f"Segment.block must be a bool, got {type(self.block).__name__}")
 
 
+def encode_document(tokenizer: Any, text: str, name: str = "block") -> tuple[int, ...]:
+    """A block's (document's) ids: `text` tokenized alone, no BOS/EOS or other special tokens added, so
+    they are the same at every use wherever it stands; ValueError naming `name` when it has none."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a string, got {type(text).__name__}")
+    ids = encode_plain(tokenizer, text)
+    if not ids:
+        raise ValueError(f"{name} encodes to no tokens: give a non-empty {name.split()[0]}")
+    return tuple(int(t) for t in ids)
+
+
 def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: str) -> list[Segment]:
     """A user message made of `blocks` (texts) then `prompt`, as segments: each block tokenized alone
     (no BOS/EOS, no special tokens added), so its ids are the same at every use, wherever it stands.
@@ -95,9 +110,7 @@ def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: 
     template's text before the user's content, the blocks, then the prompt with the template's text after
     it (the generation prompt included). Empty blocks are refused (ValueError naming the block).
     """
-    for i, text in enumerate(blocks):
-        if not encode_plain(tokenizer, text):
-            raise ValueError(f"block {i} encodes to no tokens: give a non-empty block")
+    ids = [encode_document(tokenizer, text, f"block {i}") for i, text in enumerate(blocks)]
     before, after = "", ""
     if isinstance(fmt, TemplateFormat):
         marker = f"<<litkv-blocks-{uuid.uuid4().hex}>>"
@@ -108,7 +121,7 @@ def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: 
         out.append(Segment(torch.tensor([int(bos)])))
     if before:
         out.append(Segment(torch.tensor(encode_plain(tokenizer, before), dtype=torch.long)))
-    out += [Segment(torch.tensor(encode_plain(tokenizer, text), dtype=torch.long), block=True) for text in blocks]
+    out += [Segment(torch.tensor(block, dtype=torch.long), block=True) for block in ids]
     tail = encode_plain(tokenizer, prompt + after)
     if tail:
         out.append(Segment(torch.tensor(tail, dtype=torch.long)))
@@ -166,7 +179,8 @@ def _splice_layer(cache: KVCache, keys: torch.Tensor, values: torch.Tensor, pos:
 
 def splice(model: GPT, block: BlockKV, offset: int, keep: torch.Tensor, chunk: int) -> None:
     """Write the block's tokens where `keep` `(n,)` bool is set into the attached caches at positions
-    `offset + j`, keys rotated by `offset`, in calls of at most `chunk` tokens. `last_pos` is not moved."""
+    `offset + j`, keys rotated by `offset`, in calls of at most `chunk` tokens (each call through every
+    layer, as a model call: an undo log records it as one call). `last_pos` is left as it was."""
     index = keep.nonzero().flatten().to(block.keys[0].device)
     if index.numel() == 0:
         return
@@ -175,15 +189,24 @@ def splice(model: GPT, block: BlockKV, offset: int, keep: torch.Tensor, chunk: i
         raise ValueError("no KV caches are attached: call set_kv_caches() first")
     positions = (index + offset)[None]
     n_head, n_elem = model.config.n_head, model.config.rope_n_elem
-    for layer, cache in enumerate(caches.policy_caches):
+    layers = []
+    for layer in range(len(caches.policy_caches)):
         keys = block.keys[layer].index_select(2, index)
         if offset:
             cos, sin = rope_delta(model, offset, layer)
             keys = rotate_keys(keys, cos.to(keys.dtype), sin.to(keys.dtype), n_elem).to(keys.dtype)
-        values = block.values[layer].index_select(2, index)
+        layers.append((keys, block.values[layer].index_select(2, index)))
+    before = caches.last_pos
+    try:
         for s in range(0, index.numel(), chunk):
             part = slice(s, s + chunk)
-            _splice_layer(cache, keys[:, :, part], values[:, :, part], positions[:, part], n_head)
+            if caches.undo_log is not None:
+                caches.undo_log.before_call(caches)
+            caches.last_pos = positions[:, part].amax(dim=1)  # what an undo log records after the call
+            for cache, (keys, values) in zip(caches.policy_caches, layers, strict=True):
+                _splice_layer(cache, keys[:, :, part], values[:, :, part], positions[:, part], n_head)
+    finally:
+        caches.last_pos = before
 
 
 # -- selective recomputation ------------------------------------------------------------------------
@@ -302,8 +325,9 @@ def prefill_segments(
     """Prefill one prompt given as segments into the attached caches (one row).
 
     Text segments run through the model (the first from position 0 with the plan's first chunk, later
-    ones in chunks of `chunk_size`); blocks are taken from `store` (computed alone if absent) and spliced,
-    `recompute` of their tokens recomputed (module docstring).
+    ones in chunks of `chunk_size`); each run of consecutive blocks is taken from `store` (computed alone
+    if absent) and spliced, `recompute` of their tokens recomputed together with the text segment after
+    the run (`feed_blocks`; module docstring).
 
     Returns:
         The last token's final hidden state `(1, n_embd)` and the prompt's length (the next position).
@@ -314,27 +338,72 @@ def prefill_segments(
     store = BlockStore(0) if store is None else store
     plan = ChunkPlan.of(kv_cache)
     device = model.lm_head.weight.device
-    dtype = model.caches.policy_caches[0].dtype  # type: ignore[union-attr]
-    offset, hidden = 0, None
-    for i, seg in enumerate(segments):
-        ids, n = seg.ids.to(device=device, dtype=torch.long), seg.ids.numel()
-        last = i == len(segments) - 1
+    offset, hidden, i = 0, None, 0
+    while i < len(segments):
+        seg = segments[i]
         if not seg.block:
+            ids, n = seg.ids.to(device=device, dtype=torch.long), seg.ids.numel()
             pos = torch.arange(offset, offset + n, device=device)
             bounds = plan.bounds(n) if offset == 0 else ChunkPlan(plan.size, plan.size).bounds(n)
             hidden = _run(model, ids, pos, bounds)
-        else:
-            block = store.get(model, ids, plan, dtype)
-            chosen = select_recompute(model, block, offset, ratio, last)
-            splice(model, block, offset, ~chosen, plan.size)
-            if bool(chosen.any()):
-                index = chosen.nonzero().flatten()
-                hidden = _run(model, ids[index], index + offset, ChunkPlan(plan.size, plan.size).bounds(index.numel()))
-            else:
-                hidden = block.last_hidden
-            model.last_pos = torch.tensor([offset + n - 1], device=device)
-        offset += n
+            offset, i = offset + n, i + 1
+            continue
+        end = next((j for j in range(i, len(segments)) if not segments[j].block), len(segments))
+        text = segments[end].ids if end < len(segments) else None
+        hidden = feed_blocks(model, [s.ids for s in segments[i:end]], text, offset, plan, store, ratio)
+        offset += sum(int(s.ids.numel()) for s in segments[i : end + 1])
+        i = end + 1
     return hidden, offset  # type: ignore[return-value]
+
+
+def feed_blocks(
+    model: GPT,
+    blocks: Sequence[torch.Tensor],
+    text: torch.Tensor | None,
+    offset: int,
+    plan: ChunkPlan,
+    store: BlockStore,
+    recompute: float,
+) -> torch.Tensor:
+    """A run of consecutive blocks (each `(n_k,)` ids) at `offset`, then `text` `(m,)` (the text segment
+    after them; `None`: the prompt ends with the last block), into the attached caches (one row).
+
+    Each block's KV comes from `store` (computed alone with `plan`'s chunking if absent); in order, each
+    block's tokens to recompute are chosen (`select_recompute`, its probe seeing the context and the
+    blocks before it as spliced) and the others spliced. Then the chosen tokens of every block and
+    `text` run as one sequence of ordinary calls of `plan.size` tokens (fewer, fuller calls than one
+    per block): a chosen token attends to the context, the spliced tokens before it and the chosen
+    tokens before it. When `text` is `None` the last block's last token is chosen too (the prompt's
+    last hidden state must see the context). `last_pos` becomes the run's last position.
+
+    Returns:
+        The last token's final hidden state `(1, n_embd)` (of `text`'s last token when given).
+    """
+    ratio = _check_ratio(recompute)
+    device = model.lm_head.weight.device
+    dtype = model.caches.policy_caches[0].dtype  # type: ignore[union-attr]
+    ids_run, pos_run, hidden, pos = [], [], None, offset
+    for k, raw in enumerate(blocks):
+        ids = raw.to(device=device, dtype=torch.long)
+        block = store.get(model, ids, plan, dtype)
+        chosen = select_recompute(model, block, pos, ratio, last=text is None and k == len(blocks) - 1)
+        splice(model, block, pos, ~chosen, plan.size)
+        index = chosen.nonzero().flatten()
+        ids_run.append(ids[index])
+        pos_run.append(index + pos)
+        hidden = None if bool(chosen[-1]) else block.last_hidden
+        pos += ids.numel()
+    if text is not None:
+        ids_run.append(text.to(device=device, dtype=torch.long))
+        pos_run.append(torch.arange(pos, pos + text.numel(), device=device))
+        pos += text.numel()
+        hidden = None
+    seq, seq_pos = torch.cat(ids_run), torch.cat(pos_run)
+    if seq.numel():
+        ran = _run(model, seq, seq_pos, ChunkPlan(plan.size, plan.size).bounds(seq.numel()))
+        hidden = ran if hidden is None else hidden
+    model.last_pos = torch.tensor([pos - 1], device=device)
+    return hidden  # type: ignore[return-value]
 
 
 @torch.inference_mode()
@@ -373,3 +442,58 @@ def generate_segments(
 
         positions = torch.tensor([next_pos], device=device)
         return _decode(model, hidden[:, None], positions, max_new_tokens, stop_tokens, pick, on_tokens)[0]
+
+
+@torch.inference_mode()
+def generate_segments_batch(
+    model: GPT,
+    prompts: Sequence[Sequence[Segment]],
+    max_new_tokens: int,
+    kv_cache: KVCacheConfig,
+    store: BlockStore | None = None,
+    recompute: float = 0.0,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    on_tokens: Callable[[torch.Tensor], None] | None = None,
+) -> list[torch.Tensor]:
+    """`generate_segments` for several prompts, decoded together: the new tokens `(m_r,)` of each.
+
+    Each prompt is prefilled alone at batch one (blocks spliced from `store`, which the prompts share),
+    its cache row copied into caches of `len(prompts)` rows, and the rows decoded in one batch (each at its
+    own positions; a shorter row's empty slots are masked). A row's tokens are those of the prompt alone
+    up to the rounding of batched matmuls. Arguments as `generate_segments`; `on_tokens` gets `(B,)`.
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(kv_cache, KVCacheConfig):
+        raise TypeError(f"kv_cache must be one KVCacheConfig for every layer, got {type(kv_cache).__name__}")
+    _check_ratio(recompute)
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of segment lists")
+    lengths = [sum(int(s.ids.numel()) for s in segments) for segments in prompts]
+    device = model.lm_head.weight.device
+    if max_new_tokens == 0:
+        return [torch.empty(0, dtype=torch.long, device=device) for _ in prompts]
+    _check_dense_room(kv_cache, max(lengths), max_new_tokens)
+    store = BlockStore(0) if store is None else store
+    with model.kv_caches_attached(kv_cache, len(prompts)) as batch:
+        hidden, filled = [], [0] * len(batch.policy_caches)
+        try:
+            for row, segments in enumerate(prompts):
+                with model.kv_caches_attached(kv_cache, 1) as alone:
+                    hidden.append(prefill_segments(model, segments, kv_cache, store, recompute)[0])
+                    alone.end_prefill()
+                    batch.copy_row(row, alone, 0)
+                    filled = [max(f, c.num_filled) for f, c in zip(filled, alone.policy_caches, strict=True)]
+        finally:
+            model.set_kv_caches(batch)
+        for cache, count in zip(batch.policy_caches, filled, strict=True):
+            cache.num_filled = count  # the rows' host counter: the fullest row's (emptier rows' slots are masked)
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return sample(logits, temperature, top_k, top_p, generator)
+
+        positions = torch.tensor(lengths, device=device)
+        return _decode(model, torch.cat(hidden)[:, None], positions, max_new_tokens, stop_tokens, pick, on_tokens)

@@ -14,6 +14,12 @@ decoding fed them). Two formats build them:
   tokens added).
 - `RawFormat`: `litkv chat`'s text: each message is ``content + "\\n"``, BOS only at the very start.
 
+**Documents** (KV blocks, docs/blocks.md): `segments(..., documents={i: [ids, ...]})` puts each document of
+message `i` (a user message) at the start of its content, in order, as a `block` segment of its own ids
+(each document tokenized alone); the message's text follows them. A template renders a marker per
+document, replaced by its ids as a known reply is; raw text gives BOS (at the start), the documents,
+then ``content + "\\n"``.
+
 A template is data from a file: it never runs code; an error or a sandbox violation is a ValueError
 naming the file.
 """
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +52,7 @@ __all__ = [
 
 Message = tuple[str, str]
 Replies = Sequence[Sequence[int] | None]
+Documents = Mapping[int, Sequence[Sequence[int]]]  # message index -> each document's token ids
 
 
 class ChatTemplateError(ValueError):
@@ -58,10 +65,12 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True)
 class Segment:
-    """Tokens fed together: prompt text (`reply=False`, chunked) or a reply (`reply=True`, one per call)."""
+    """Tokens fed together: prompt text (`reply=False`, chunked), a reply (`reply=True`, one per call) or a
+    document (`block=True`: its KV computed alone and spliced, `litkv.blocks`)."""
 
     ids: tuple[int, ...]
     reply: bool
+    block: bool = False
 
 
 class Format(Protocol):
@@ -71,10 +80,16 @@ class Format(Protocol):
     stop_ids: frozenset[int]
 
     def segments(
-        self, messages: Sequence[Message], replies: Replies, first: bool, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        replies: Replies,
+        first: bool,
+        add_generation_prompt: bool,
+        documents: Documents | None = None,
     ) -> list[Segment]:
         """Segments of `messages`; `replies[i]`: the token ids of assistant message `i` when known (else
-        `None`); `first`: the conversation starts at position 0 (BOS); a generation prompt at the end."""
+        `None`); `first`: the conversation starts at position 0 (BOS); a generation prompt at the end;
+        `documents[i]`: block segments at the start of user message `i` (module docstring)."""
         ...
 
 
@@ -89,7 +104,12 @@ class RawFormat:
         self.stop_ids = frozenset() if tokenizer.eos_id is None else frozenset({int(tokenizer.eos_id)})
 
     def segments(
-        self, messages: Sequence[Message], replies: Replies, first: bool, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        replies: Replies,
+        first: bool,
+        add_generation_prompt: bool,
+        documents: Documents | None = None,
     ) -> list[Segment]:
         out = []
         for i, (role, content) in enumerate(messages):
@@ -98,7 +118,12 @@ class RawFormat:
                 out.append(Segment(tuple(int(t) for t in known), True))
                 continue
             bos = None if first and i == 0 else False
-            ids = tuple(self.tokenizer.encode(content + "\n", bos=bos).tolist())
+            docs = _documents_of(documents, i, role)
+            bos_id = getattr(self.tokenizer, "bos_id", None)
+            if docs and bos is None and getattr(self.tokenizer, "use_bos", False) and bos_id is not None:
+                out.append(Segment((int(bos_id),), False))
+            out += [Segment(doc, False, block=True) for doc in docs]
+            ids = tuple(self.tokenizer.encode(content + "\n", bos=False if docs else bos).tolist())
             out.append(Segment(ids, role == "assistant"))
         return out
 
@@ -201,31 +226,42 @@ class TemplateFormat:
         return max(found)[1] if found else None
 
     def segments(
-        self, messages: Sequence[Message], replies: Replies, first: bool, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        replies: Replies,
+        first: bool,
+        add_generation_prompt: bool,
+        documents: Documents | None = None,
     ) -> list[Segment]:
-        markers: dict[int, str] = {}
+        markers: list[tuple[int, str, Segment]] = []  # in the order the template writes them
         shown = []
         for i, (role, content) in enumerate(messages):
             if role == "assistant" and replies[i] is not None:
-                markers[i] = f"<<litkv-reply-{uuid.uuid4().hex}>>"
-                shown.append((role, markers[i]))
-            else:
-                shown.append((role, content))
+                marker = f"<<litkv-reply-{uuid.uuid4().hex}>>"
+                markers.append((i, marker, Segment(tuple(int(t) for t in replies[i]), True)))  # type: ignore[union-attr]
+                shown.append((role, marker))
+                continue
+            docs = [(f"<<litkv-document-{uuid.uuid4().hex}>>", doc) for doc in _documents_of(documents, i, role)]
+            markers += [(i, marker, Segment(doc, False, block=True)) for marker, doc in docs]
+            shown.append((role, "".join(marker for marker, _ in docs) + content))
         text = self.template.render(shown, add_generation_prompt)
         out: list[Segment] = []
         start = 0
-        for i, marker in markers.items():
+        for i, marker, seg in markers:
             at = text.find(marker, start)
             if at < 0 or text.count(marker) != 1:
+                what = "assistant message {} once and verbatim; litkv cannot keep its reply's tokens"
+                if not seg.block:
+                    what = "the documents of message {} once and verbatim; litkv cannot splice them"
                 raise ChatTemplateError(
-                    self.template.path,
-                    f"the chat template does not write assistant message {i} once and verbatim; litkv cannot "
-                    "keep its reply's tokens (use --chat_template false)",
+                    self.template.path, f"the chat template does not write {what.format(i)} (use --chat_template false)"
                 )
             self._add_text(out, text[start:at])
-            reply = tuple(int(t) for t in replies[i])  # type: ignore[union-attr]
-            out.append(Segment(reply, True))
+            out.append(seg)
             start = at + len(marker)
+            if not seg.reply:
+                continue
+            reply = seg.ids
             if reply and reply[-1] in self.stop_ids:  # the end-of-turn token is in the reply: not again
                 written = self.special_text.get(reply[-1])
                 if written and text.startswith(written, start):
@@ -237,6 +273,17 @@ class TemplateFormat:
         ids = encode_plain(self.tokenizer, text) if text else []
         if ids:
             out.append(Segment(tuple(ids), False))
+
+
+def _documents_of(documents: Documents | None, index: int, role: str) -> list[tuple[int, ...]]:
+    """The documents of message `index` as id tuples; ValueError for an empty one or a non-user message."""
+    docs = [] if documents is None else list(documents.get(index, ()))
+    if docs and role != "user":
+        raise ValueError(f"documents belong to a user message, message {index} is the {role}'s")
+    for k, doc in enumerate(docs):
+        if len(doc) == 0:
+            raise ValueError(f"document {k} of message {index} encodes to no tokens: give a non-empty document")
+    return [tuple(int(t) for t in doc) for doc in docs]
 
 
 def load_format(checkpoint_dir: Path, tokenizer: Tokenizer, chat_template: bool | None = None) -> Format:

@@ -12,6 +12,14 @@ by `chunk_size`), a reply one token per call, as decoding fed it. So a conversat
 whether it ran uninterrupted, was saved and resumed (`litkv chat --session`) or restored from a stored
 state and the rest recomputed (`litkv serve`).
 
+**Documents** (KV blocks, docs/blocks.md): a user message may carry documents (`documents[i]`, each
+document's ids tokenized alone, `litkv.blocks.encode_document`); the format puts them at the start of the
+message's content as block segments (`chat_template`'s module docstring). A block segment is not run:
+its KV comes from the block store (`blocks`, computed alone once) and is spliced at its offset, with
+`recompute` of its tokens recomputed together with the text after the documents (`litkv.blocks.feed_blocks`).
+Everything before the first document (the template's header, a system prompt) is ordinary prompt text,
+fed as it is without documents.
+
 `reply` is the decode loop, a generator of token ids (each is in the caches when it is yielded); it
 ends at a stop token of the format (EOS, the template's end-of-turn token) or `max_new_tokens`, and the
 caller may stop it earlier (a newline, a stop string, Ctrl-C, a client gone); `end_reply` then records
@@ -26,7 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from litkv.chat_template import Format, Message, Replies, Segment
+from litkv.block_store import BlockStore
+from litkv.blocks import feed_blocks
+from litkv.chat_template import Documents, Format, Message, Replies, Segment
 from litkv.config import KVCacheConfig
 from litkv.core.validation import require_finite_logits
 from litkv.model import GPT
@@ -68,10 +78,25 @@ class Conversation:
         fmt: how messages become tokens (`chat_template.load_format`).
         kv_cache: the cache config of every layer.
         undo_depth: when set, an undo log of this many calls is kept (`litkv.undo.truncate`).
+        blocks: where documents' KV is kept (default: a store that keeps nothing: computed at each use).
+        recompute: the fraction of each spliced document's tokens recomputed in context (0: pure splice).
     """
 
-    def __init__(self, model: GPT, fmt: Format, kv_cache: KVCacheConfig, undo_depth: int | None = None) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        fmt: Format,
+        kv_cache: KVCacheConfig,
+        undo_depth: int | None = None,
+        blocks: BlockStore | None = None,
+        recompute: float = 0.0,
+    ) -> None:
+        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+            raise ValueError(f"recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
         self.model = model
+        self.blocks = BlockStore(0) if blocks is None else blocks
+        self.recompute = float(recompute)
+        self.documents: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.undo_depth = undo_depth
         self.format = fmt
         self.kv_cache = kv_cache
@@ -103,6 +128,7 @@ class Conversation:
         if self.undo_depth is not None:
             keep_undo_log(self.model, self.undo_depth)
         self.messages, self.replies, self.fed, self._reply = [], [], [], []
+        self.documents = {}
         if not keep_prefix:
             self.prefix = None
 
@@ -117,16 +143,18 @@ class Conversation:
         self.fed = segments
         return True
 
-    def _set_messages(self, messages: Sequence[Message], replies: Replies) -> None:
+    def _set_messages(self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None) -> None:
         self.messages, self.replies = list(messages), [None if r is None else list(r) for r in replies]
+        self.documents = {i: tuple(tuple(int(t) for t in d) for d in docs) for i, docs in (documents or {}).items()}
 
     def layout(self) -> dict[str, object]:
         """What a file needs besides the token history to resume the conversation (JSON data)."""
         return {
             "format": self.format.name,
             "prefix": self.prefix is not None,
-            "segments": [[len(seg.ids), seg.reply] for seg in self.fed],
+            "segments": [[len(seg.ids), seg.reply, *([True] if seg.block else [])] for seg in self.fed],
             "messages": [list(m) for m in self.messages],
+            "documents": [[i, [list(d) for d in docs]] for i, docs in sorted(self.documents.items())],
         }
 
     def resume(self, history: list[int], layout: dict[str, object] | None) -> None:
@@ -144,19 +172,23 @@ class Conversation:
         if not isinstance(segments, list) or not isinstance(messages, list) or type(prefix) is not bool:
             raise TypeError("a layout's segments and messages are lists, its prefix a bool")
         fed, at = [], 0
-        for n, reply in segments:
-            if type(n) is not int or n < 0 or type(reply) is not bool:
-                raise TypeError("a segment is [length, reply]")
-            fed.append(Segment(tuple(history[at : at + n]), reply))
+        for entry in segments:
+            n, reply, *block = entry
+            if type(n) is not int or n < 0 or type(reply) is not bool or block not in ([], [True]):
+                raise TypeError("a segment is [length, reply] or [length, false, true] (a document)")
+            fed.append(Segment(tuple(history[at : at + n]), reply, bool(block)))
             at += n
+        documents = _read_documents(layout.get("documents", []))
         msgs = [(str(role), str(content)) for role, content in messages]
         if at != len(history) or (prefix and (not fed or fed[0].reply)):
             raise ValueError(f"the layout's segments cover {at} tokens of {len(history)}")
         reply_ids = iter([list(s.ids) for s in fed if s.reply])
         if sum(s.reply for s in fed) != sum(role == "assistant" for role, _ in msgs):
             raise ValueError("a layout has one reply segment per assistant message")
+        if sorted(d for docs in documents.values() for d in docs) != sorted(s.ids for s in fed if s.block):
+            raise ValueError("a layout's documents are not its document segments")
         self.prefix = fed[0] if prefix else None
-        self._set_messages(msgs, [next(reply_ids) if role == "assistant" else None for role, _ in msgs])
+        self._set_messages(msgs, [next(reply_ids) if role == "assistant" else None for role, _ in msgs], documents)
         self.fed = fed
 
     def plan(
@@ -165,21 +197,24 @@ class Conversation:
         replies: Replies,
         prefix: Sequence[int] = (),
         add_generation_prompt: bool = True,
+        documents: Documents | None = None,
     ) -> list[Segment]:
-        """Every segment of the conversation `prefix` + `messages` (a generation prompt at the end)."""
+        """Every segment of the conversation `prefix` + `messages` (a generation prompt at the end);
+        `documents[i]`: the documents' ids of user message `i`."""
         head = [Segment(tuple(prefix), False)] if prefix else []
-        return head + self.format.segments(messages, replies, not prefix, add_generation_prompt)
+        return head + self.format.segments(messages, replies, not prefix, add_generation_prompt, documents)
 
     @staticmethod
     def _through_last_reply(segments: list[Segment]) -> list[Segment]:
         replies = [i for i, s in enumerate(segments) if s.reply]
         return segments[: replies[-1] + 1] if replies else segments
 
-    def prepare(self, messages: Sequence[Message], replies: Replies) -> Pending:
-        """What feeding `messages` (a generation prompt at the end) needs: the segments the caches do not
-        hold yet, or, when the caches hold something else, all of them from an empty cache."""
+    def prepare(self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None) -> Pending:
+        """What feeding `messages` (a generation prompt at the end; `documents[i]`: those of user message
+        `i`) needs: the segments the caches do not hold yet, or, when the caches hold something else, all of
+        them from an empty cache."""
         prefix = self.prefix.ids if self.prefix is not None else ()
-        segments = self.plan(messages, replies, prefix)
+        segments = self.plan(messages, replies, prefix, documents=documents)
         if segments[: len(self.fed)] == self.fed:
             return Pending(segments[len(self.fed) :], restart=False)
         return Pending(segments, restart=True)
@@ -199,9 +234,11 @@ class Conversation:
     # -- feeding ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def feed(self, pending: Pending, messages: Sequence[Message], replies: Replies) -> torch.Tensor:
-        """Run `pending` through the caches (the conversation is then `messages`); hidden states
-        `(1, 1, n_embd)` of the last token."""
+    def feed(
+        self, pending: Pending, messages: Sequence[Message], replies: Replies, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """Run `pending` through the caches (the conversation is then `messages` with `documents`); hidden
+        states `(1, 1, n_embd)` of the last token."""
         if pending.restart:
             warnings.warn(
                 f"the conversation's earlier tokens differ from what the cache holds (format {self.format.name}); "
@@ -209,14 +246,23 @@ class Conversation:
                 stacklevel=2,
             )
             self.reset(keep_prefix=True)
-        hidden = None
-        for seg in pending.segments:
-            if seg.ids:  # an empty reply (cut at once) holds no token
-                hidden = self._run(seg)
-            self.fed.append(seg)
+        hidden, segments, i = None, pending.segments, 0
+        while i < len(segments):
+            seg = segments[i]
+            if seg.block:  # a run of documents and the text after it (their recomputed tokens run with it)
+                end = next((j for j in range(i, len(segments)) if not segments[j].block), len(segments))
+                text = segments[end] if end < len(segments) and not segments[end].reply else None
+                hidden = self._run_blocks(segments[i:end], text)
+                run = segments[i : end + (text is not None)]
+            else:
+                run = [seg]
+                if seg.ids:  # an empty reply (cut at once) holds no token
+                    hidden = self._run(seg)
+            self.fed.extend(run)
+            i += len(run)
         if hidden is None:
             raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
-        self._set_messages(messages, replies)
+        self._set_messages(messages, replies, documents)
         return hidden
 
     def _run(self, seg: Segment) -> torch.Tensor:
@@ -226,6 +272,14 @@ class Conversation:
         start = self.next_pos
         pos = torch.arange(start, start + n, device=self.device)[None]
         return run_chunks(self.model, idx, pos, plan, lm_head=False, last_only=True)
+
+    def _run_blocks(self, blocks: Sequence[Segment], text: Segment | None) -> torch.Tensor:
+        """Documents `blocks` spliced (`feed_blocks`; a block is computed alone as a prefill from 0) and
+        `text` after them; hidden states `(1, 1, n_embd)` of the last token."""
+        ids = [torch.tensor(b.ids, dtype=torch.long) for b in blocks]
+        after = None if text is None else torch.tensor(text.ids, dtype=torch.long)
+        plan = ChunkPlan.of(self.kv_cache)
+        return feed_blocks(self.model, ids, after, self.next_pos, plan, self.blocks, self.recompute)[:, None]
 
     # -- the reply ------------------------------------------------------------------------------
 
@@ -275,3 +329,20 @@ class Conversation:
         assistants = [i for i, (role, _) in enumerate(self.messages) if role == "assistant"]
         keep = assistants[-2] + 1 if len(assistants) >= 2 else 0
         self.messages, self.replies = self.messages[:keep], self.replies[:keep]
+        self.documents = {i: docs for i, docs in self.documents.items() if i < keep}
+
+
+def _read_documents(raw: object) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """A layout's documents `[[message index, [[ids], ...]], ...]`; TypeError when malformed."""
+    out = {}
+    if not isinstance(raw, list):
+        raise TypeError("a layout's documents are a list of [message index, [[token ids], ...]]")
+    for entry in raw:
+        shape_ok = isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
+        if not shape_ok or not isinstance(entry[1], list):
+            raise TypeError("a layout's documents are a list of [message index, [[token ids], ...]]")
+        docs = entry[1]
+        if not all(isinstance(d, list) and d and all(type(t) is int for t in d) for d in docs):
+            raise TypeError("a document is a non-empty list of token ids")
+        out[entry[0]] = tuple(tuple(d) for d in docs)
+    return out

@@ -12,6 +12,12 @@ needle sits in one document at a random sentence; generated offline with `--seed
   KL(full || spliced) of the next-token distributions over the full prefill's greedy answer (teacher-
   forced, `--answer_tokens` positions), and the retrieval accuracy (the greedy answer contains the
   needle's value), beside the full prefill's own accuracy.
+- **Batch** (`--batch_prompts P`): P questions after the same `--quality_blocks` documents, `--answer_tokens`
+  new tokens each, one after another (`generate_segments`) and as one batch (`generate_segments_batch`),
+  the blocks already stored; wall and CPU seconds, best of `--repeats`.
+- **Recomputation cost** (`--cost_blocks N`): the blocks' TTFT at each r of `--ratios` with the store
+  already holding the blocks, in CPU seconds of the process (steadier than wall time on a shared
+  machine; 1 thread) and wall seconds, best of `--repeats`, and the number of model calls.
 
     python scripts/bench_blocks.py --checkpoint smollm2-135m-instruct --threads 1 | tee report.txt
     python scripts/bench_blocks.py --plot_from report.txt --plot docs/blocks.png
@@ -29,7 +35,7 @@ import torch
 
 from litkv import GPT, KVCacheConfig, PrefixCache, restore, snapshot
 from litkv.block_store import BlockStore
-from litkv.blocks import Segment, prefill_segments, prompt_segments
+from litkv.blocks import Segment, generate_segments, generate_segments_batch, prefill_segments, prompt_segments
 from litkv.chat_template import load_format
 from litkv.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
@@ -184,6 +190,66 @@ def run_quality(model: GPT, tokenizer: object, fmt: object, cfg: KVCacheConfig, 
         print(f"| {r:.0%} | {sum(kl[r]) / len(kl[r]):.4f} | {max(kl[r]):.4f} | {hits[r]}/{args.samples} |")
 
 
+def run_cost(model: GPT, tokenizer: object, fmt: object, cfg: KVCacheConfig, args: argparse.Namespace) -> None:
+    """`--cost_blocks`: what selective recomputation costs, per r: model calls, CPU and wall time to the first token."""
+    docs, question, _ = make_sample(tokenizer, random.Random(args.seed), args.cost_blocks, args.block_tokens)
+    segments = prompt_segments(fmt, tokenizer, docs, question)
+    store = BlockStore(1 << 34)
+    ttft(model, segments, cfg, "blocks", store)  # fills the store
+    calls = [0]
+    forward = model.forward
+
+    def counted(*a: object, **k: object) -> object:
+        calls[0] += 1
+        return forward(*a, **k)
+
+    model.forward = counted  # type: ignore[method-assign]
+    length = sum(s.ids.numel() for s in segments)
+    print(f"\n{args.cost_blocks} blocks, {length} prompt tokens\n")
+    print("| r | model calls | CPU time | wall time |\n|---|---|---|---|")
+    try:
+        for ratio in args.ratios:
+            cpu, wall = [], []
+            for _ in range(args.repeats):
+                calls[0] = 0
+                start = time.process_time()
+                wall.append(ttft(model, segments, cfg, "blocks", store, ratio))
+                cpu.append(time.process_time() - start)
+            print(f"| {ratio:.0%} | {calls[0]} | {min(cpu) * 1000:.0f} ms | {min(wall) * 1000:.0f} ms |", flush=True)
+    finally:
+        model.forward = forward  # type: ignore[method-assign]
+
+
+def run_batch(model: GPT, tokenizer: object, fmt: object, cfg: KVCacheConfig, args: argparse.Namespace) -> None:
+    """`--batch_prompts`: P prompts sharing the documents, one after another and as one batch."""
+    rng = random.Random(args.seed)
+    docs, _, _ = make_sample(tokenizer, rng, args.quality_blocks, args.block_tokens)
+    prompts = []
+    for _ in range(args.batch_prompts):
+        question = QUESTION.format(key=rng.choice(FALLBACK_WORDS))
+        prompts.append(prompt_segments(fmt, tokenizer, docs, question))
+    store = BlockStore(1 << 34)
+    n = args.answer_tokens
+    generate_segments(model, prompts[0], 1, cfg, store)  # fills the store
+
+    def sequential() -> object:
+        return [generate_segments(model, p, n, cfg, store) for p in prompts]
+
+    print(f"\n{args.batch_prompts} prompts after {args.quality_blocks} documents, {n} new tokens each\n")
+    print("| decoding | wall time | CPU time |\n|---|---|---|")
+    for name, run in (
+        ("one after another", sequential),
+        ("one batch", lambda: generate_segments_batch(model, prompts, n, cfg, store)),
+    ):
+        cpu, wall = [], []
+        for _ in range(args.repeats):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            run()
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        print(f"| {name} | {min(wall) * 1000:.0f} ms | {min(cpu) * 1000:.0f} ms |", flush=True)
+
+
 def plot(report: Path, out: Path) -> None:
     """Quality against r and TTFT against the number of blocks, from a report this script printed."""
     import matplotlib
@@ -227,6 +293,8 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="*", default=[0.0, 0.05, 0.15, 0.3])
     parser.add_argument("--answer_tokens", type=int, default=20)
     parser.add_argument("--chunk_size", type=int, default=256)
+    parser.add_argument("--batch_prompts", type=int, default=0, help="prompts of the batch table (0: none)")
+    parser.add_argument("--cost_blocks", type=int, default=0, help="blocks of the recomputation cost table (0: none)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -241,7 +309,7 @@ def main() -> None:
     ckpt = resolve_checkpoint_dir(Path(args.checkpoint) if Path(args.checkpoint).exists() else args.checkpoint)
     model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, None)
-    longest = max([*args.ttft_blocks, args.quality_blocks]) * (args.block_tokens + 64) + 256
+    longest = max([*args.ttft_blocks, args.quality_blocks, args.cost_blocks]) * (args.block_tokens + 64) + 256
     cfg = KVCacheConfig("dense", cache_length=longest, chunk_size=args.chunk_size)
     print(
         f"{ckpt.name}, dense cache, chunk {args.chunk_size}, {torch.get_num_threads()} thread(s), CPU, "
@@ -252,6 +320,10 @@ def main() -> None:
             run_ttft(model, tokenizer, fmt, cfg, args)
         if args.samples:
             run_quality(model, tokenizer, fmt, cfg, args)
+        if args.cost_blocks:
+            run_cost(model, tokenizer, fmt, cfg, args)
+        if args.batch_prompts:
+            run_batch(model, tokenizer, fmt, cfg, args)
 
 
 if __name__ == "__main__":

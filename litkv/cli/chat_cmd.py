@@ -5,7 +5,8 @@ the chunk runner, the reply loop) is `litkv.conversation.Conversation`, shared w
 module is the terminal around it. Each turn appends the user's message and the reply to the caches: the
 history is never prefilled again, and with an evicting policy the conversation can run past the
 model's context length. Commands:
-`/undo` (roll back the last turn), `/save FILE`, `/load FILE`, `/reset`, `/stats`, `/help`, `/quit`.
+`/undo` (roll back the last turn), `/attach FILE` (a document for the next message: a KV block,
+docs/blocks.md), `/save FILE`, `/load FILE`, `/reset`, `/stats`, `/help`, `/quit`.
 Replies stream; Ctrl-C stops a reply (the part already produced stays in the session as a turn);
 Ctrl-D (end of input) exits. Input may come from a terminal or a pipe.
 
@@ -33,6 +34,8 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from litkv.atomic import remove_stale_temp_files
+from litkv.block_store import BlockStore
+from litkv.blocks import encode_document
 from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
@@ -51,10 +54,12 @@ if TYPE_CHECKING:
 __all__ = ["ChatSession", "chat"]
 
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
+BLOCK_STORE_BYTES = 1 << 30  # documents' KV kept in memory by a chat
 #: Safetensors metadata key of a session file's chat data: `{"turns": [tokens of each turn]}` as JSON.
 CHAT_METADATA = "litkv_chat"
 HELP = (
-    "commands: /undo (roll back the last turn), /save FILE, /load FILE, /reset, /stats, /help, /quit; "
+    "commands: /undo (roll back the last turn), /attach FILE (a document for the next message), /save FILE, "
+    "/load FILE, /reset, /stats, /help, /quit; "
     "Ctrl-C stops a reply, Ctrl-D exits"
 )
 
@@ -70,6 +75,8 @@ class ChatSession:
         undo_depth: calls (prefill chunks and decode steps) the undo log keeps; `/undo` of a turn
             with an evicting policy needs the turn's calls in it.
         fmt: how messages become tokens (default: raw text, `RawFormat`).
+        blocks: where attached documents' KV is kept (default: in memory, `BLOCK_STORE_BYTES`).
+        recompute: the fraction of each spliced document's tokens recomputed in context.
     """
 
     def __init__(
@@ -79,11 +86,15 @@ class ChatSession:
         kv_cache: KVCacheConfig,
         undo_depth: int = 1024,
         fmt: Format | None = None,
+        blocks: BlockStore | None = None,
+        recompute: float = 0.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.undo_depth = undo_depth
-        self.conversation = Conversation(model, fmt or RawFormat(tokenizer), kv_cache, undo_depth)
+        blocks = BlockStore(BLOCK_STORE_BYTES) if blocks is None else blocks
+        self.conversation = Conversation(model, fmt or RawFormat(tokenizer), kv_cache, undo_depth, blocks, recompute)
+        self.attached: list[tuple[int, ...]] = []  # documents of the next user message
         self.loaded_turns = 0  # turns restored from a file: their undo history is not in the log
         self.interrupted = False
 
@@ -105,9 +116,19 @@ class ChatSession:
         return self.conversation.turn_sizes()
 
     def reset(self) -> None:
-        """Empty caches, history and turns."""
+        """Empty caches, history and turns (and documents attached for the next message)."""
         self.conversation.reset()
         self.loaded_turns = 0
+        self.attached = []
+
+    def attach(self, path: Path) -> str:
+        """Attach the text of `path` as a document (a KV block) to the next user message."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"document file {str(path)!r} does not exist")
+        self.attached.append(encode_document(self.tokenizer, Path(path).read_text("utf-8"), f"document {str(path)!r}"))
+        return (
+            f"attached {path} ({len(self.attached[-1])} tokens) to the next message ({len(self.attached)} document(s))"
+        )
 
     # -- a turn ---------------------------------------------------------------------------------
 
@@ -119,9 +140,11 @@ class ChatSession:
         """
         conv = self.conversation
         messages, replies = [*conv.messages, ("user", text)], [*conv.replies, None]
-        pending = conv.prepare(messages, replies)
+        documents = {**conv.documents, **({len(conv.messages): tuple(self.attached)} if self.attached else {})}
+        pending = conv.prepare(messages, replies, documents)
         conv.check_room(pending, max_new_tokens)
-        hidden = conv.feed(pending, messages, replies)
+        hidden = conv.feed(pending, messages, replies, documents)
+        self.attached = []
         reply: list[int] = []
         stream = _TextStream(self.tokenizer, out)
         tokens = conv.reply(hidden, max_new_tokens, pick)
@@ -204,7 +227,8 @@ class ChatSession:
         return (
             f"tokens seen: {self.next_pos} | turns: {len(self.turns)} | slots held: {held} of "
             f"{caches[0].cache_length} per layer and head | cache: {self.kv_cache.policy}, "
-            f"{cache_bytes / 2**20:.2f} MiB"
+            f"{cache_bytes / 2**20:.2f} MiB | documents: {self.conversation.blocks.hits} pieces restored, "
+            f"{self.conversation.blocks.misses} computed"
         )
 
 
@@ -290,10 +314,10 @@ def _command(session: ChatSession, line: str) -> str | None:
     arg = arg.strip()
     if name in ("/quit", "/exit"):
         return None
-    if name in ("/save", "/load"):
+    if name in ("/save", "/load", "/attach"):
         if not arg:
             raise ValueError(f"{name} needs a file name: {name} FILE")
-        return session.save(Path(arg)) if name == "/save" else session.load(Path(arg))
+        return {"/save": session.save, "/load": session.load, "/attach": session.attach}[name](Path(arg))
     actions = {"/undo": session.undo, "/stats": session.stats, "/help": lambda: HELP}
     if name == "/reset":
         session.reset()
@@ -424,6 +448,8 @@ def chat(
     device: str | None = None,
     num_threads: int | None = None,
     quantize: str = "none",
+    block_file: list[Path] | None = None,
+    recompute: float = 0.0,
 ) -> None:
     """Chat with a checkpoint through a KV cache policy; each turn appends to the caches.
 
@@ -450,8 +476,13 @@ def chat(
         num_threads: CPU threads for torch. Default: torch's choice.
         quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
             (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
+        block_file: Documents attached to the first message as KV blocks (repeat for several; later ones
+            with /attach FILE): each tokenized alone, its KV computed once and spliced (docs/blocks.md).
+        recompute: The fraction of each spliced document's tokens recomputed in context (0: pure splice).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+        raise ValueError(f"--recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
     quant = parse_quantize(quantize)
     path = _session_path(session)
     try:
@@ -459,6 +490,9 @@ def chat(
             state = _start(
                 checkpoint_dir, kv_cache, chat_template, path, undo_depth, (precision, device, num_threads), quant
             )
+            state.conversation.recompute = float(recompute)
+            for doc in block_file or []:
+                print(state.attach(Path(doc)), file=sys.stderr)
             if stop_at_newline is None:
                 stop_at_newline = state.conversation.format.name == "raw"
             generator = torch.Generator(device=state.model.lm_head.weight.device).manual_seed(seed)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from litkv.block_store import BlockStore
-from litkv.blocks import generate_segments, prompt_segments
+from litkv.blocks import generate_segments, generate_segments_batch, prompt_segments
 from litkv.chat_template import Format, RawFormat, load_format
 from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
@@ -80,7 +80,8 @@ def generate(
             (raw text: base models, the shipped model), or unset: when the checkpoint has one.
         block_file: Files whose texts come before the prompt as KV blocks (repeat for several): each is
             tokenized alone, its cache computed alone once (kept in memory, and under
-            ``--prompt_cache``/blocks across runs) and spliced at its offset (docs/blocks.md).
+            ``--prompt_cache``/blocks across runs) and spliced at its offset (docs/blocks.md); several
+            prompts are each put after the blocks and decoded as one batch.
         recompute: With ``--block_file``: the fraction of each spliced block's tokens recomputed with
             their context (0: pure splice; 1: a normal prefill).
         quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
@@ -96,20 +97,9 @@ def generate(
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
     if block_file:
-        return [
-            _generate_blocks(
-                model,
-                tokenizer,
-                fmt,
-                block_file,
-                texts,
-                max_new_tokens,
-                kv_cache,
-                recompute,
-                (temperature, top_k, top_p, seed),
-                prompt_cache,
-            )
-        ]
+        sampling = (temperature, top_k, top_p, seed)
+        args = (model, tokenizer, fmt, block_file, texts, max_new_tokens, kv_cache, recompute, sampling, prompt_cache)
+        return _generate_blocks(*args)
     encoded = [_encode(fmt, tokenizer, text, dev) for text in texts]
     for i, ids in enumerate(encoded):
         if ids.numel() == 0:
@@ -167,19 +157,38 @@ def _generate_blocks(
     recompute: float,
     sampling: tuple[float, int | None, float | None, int],
     prompt_cache: Path | None,
-) -> torch.Tensor:
-    """`--block_file`: one prompt after the blocks, streamed; a summary line (blocks reused) on stderr."""
-    if len(texts) != 1:
-        raise ValueError(f"--block_file takes one prompt, got {len(texts)}")
+) -> list[torch.Tensor]:
+    """`--block_file`: each prompt after the blocks (one: streamed; several: decoded as one batch,
+    `generate_segments_batch`); a summary line (blocks reused) on stderr."""
     blocks = []
     for path in files:
         if not Path(path).is_file():
             raise FileNotFoundError(f"block file {str(path)!r} does not exist")
         blocks.append(Path(path).read_text(encoding="utf-8"))
-    segments = prompt_segments(fmt, tokenizer, blocks, texts[0])
+    prompts = [prompt_segments(fmt, tokenizer, blocks, text) for text in texts]
     store = BlockStore(PROMPT_CACHE_BYTES, None if prompt_cache is None else Path(prompt_cache) / "blocks")
     temperature, top_k, top_p, seed = sampling
     device = model.lm_head.weight.device
+    if len(prompts) > 1:
+        outputs = generate_segments_batch(
+            model,
+            prompts,
+            max_new_tokens,
+            kv_cache,
+            store,
+            recompute,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_tokens=tuple(sorted(fmt.stop_ids)),
+            generator=torch.Generator(device=device).manual_seed(seed),
+        )
+        for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
+            print(f"--- prompt {i} ---\n{text}{tokenizer.decode(out)}", flush=True)
+        reused = store.reused_tokens
+        print(f"blocks: {len(blocks)}, {reused} block tokens restored, recompute={recompute}", file=sys.stderr)
+        return outputs
+    segments = prompts[0]
     stream = _Stream(tokenizer, model, echo=True, stop=tuple(sorted(fmt.stop_ids)))
     print(texts[0], end="" if isinstance(fmt, RawFormat) else "\n", flush=True)
     stream.start()
@@ -201,7 +210,7 @@ def _generate_blocks(
     length = sum(s.ids.numel() for s in segments)
     print(stream.summary(1, length, out.numel(), kv_cache), file=sys.stderr)
     print(f"blocks: {len(blocks)}, {store.reused_tokens} block tokens restored, recompute={recompute}", file=sys.stderr)
-    return out
+    return [out]
 
 
 def _encode(fmt: Format, tokenizer: Tokenizer, text: str, device: torch.device) -> torch.Tensor:

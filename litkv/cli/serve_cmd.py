@@ -46,6 +46,11 @@ def serve(
     timeout: float = 600.0,
     body_timeout: float = 30.0,
     quantize: str = "none",
+    block_store_bytes: int = 1 << 30,
+    block_dir: Path | None = None,
+    recompute: float = 0.0,
+    max_documents: int = 8,
+    max_document_tokens: int = 8192,
 ) -> None:
     """Serve a checkpoint over the OpenAI chat API; each conversation's cache state is kept and reused.
 
@@ -85,6 +90,12 @@ def serve(
         body_timeout: Seconds a request's body may take to arrive (a slower one gets 408).
         quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
             (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
+        block_store_bytes: Bytes of documents' KV (a request's ``documents``, spliced as KV blocks) kept in
+            memory, least recently used first out (docs/blocks.md).
+        block_dir: Also keep the documents' KV here (read back after eviction or a restart).
+        recompute: The fraction of each spliced document's tokens recomputed in context (0: pure splice).
+        max_documents: Most ``documents`` of a request.
+        max_document_tokens: Most tokens of a request's ``documents`` in all.
     """
     from litkv.serve.api import ServeOptions, build_server, drain_on_sigterm
 
@@ -98,10 +109,15 @@ def serve(
         ("default_max_tokens", default_max_tokens, 1),
         ("max_prompt_tokens", max_prompt_tokens, 1),
         ("max_body_bytes", max_body_bytes, 1),
+        ("block_store_bytes", block_store_bytes, 0),
+        ("max_documents", max_documents, 0),
+        ("max_document_tokens", max_document_tokens, 1),
     ):
         require_int(name, value, low)
     if state_dir_bytes is not None:
         require_int("state_dir_bytes", state_dir_bytes, 0)
+    if isinstance(recompute, bool) or not is_number(recompute) or not 0.0 <= recompute <= 1.0:
+        raise ValueError(f"--recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
     if default_max_tokens > max_tokens:
         raise ValueError(f"default_max_tokens ({default_max_tokens}) must be <= max_tokens ({max_tokens})")
     _check_serving_options(host, api_key, top_k, timeout, body_timeout)
@@ -117,6 +133,8 @@ def serve(
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
         body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template,
         seed=seed, api_key=api_key, num_threads=num_threads, quantize=quantize,
+        block_store_bytes=block_store_bytes, block_dir=block_dir, recompute=float(recompute),
+        max_documents=max_documents, max_document_tokens=max_document_tokens,
     )  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = build_server(opts, timeout=timeout)

@@ -33,8 +33,17 @@ from litserve.utils import LitAPIStatus
 from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
+from litkv.block_store import BlockStore
 from litkv.config import KVCacheConfig
-from litkv.serve.engine import Engine, RequestError, TurnRequest, TurnResult, check_messages, count_prompt_tokens
+from litkv.serve.engine import (
+    Engine,
+    RequestError,
+    TurnRequest,
+    TurnResult,
+    check_messages,
+    count_prompt_tokens,
+    document_ids,
+)
 from litkv.serve.fields import NO_OP, unsupported_field
 from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
 from litkv.serve.scheduler import Job
@@ -73,6 +82,11 @@ class ServeOptions:
     num_threads: int | None = None
     cancel_dir: Path | None = None
     log_level: str = "INFO"
+    block_store_bytes: int = 1 << 30
+    block_dir: Path | None = None
+    recompute: float = 0.0
+    max_documents: int = 8
+    max_document_tokens: int = 8192
 
 
 def _not_bool(value: Any) -> Any:
@@ -105,6 +119,7 @@ class ChatRequest(ChatCompletionRequest):
     tool_choice: Any = None
     response_format: Any = None
     reasoning_effort: Any = None
+    documents: list[str] | None = None  # litkv: texts spliced as KV blocks into the last user message
 
 
 def _http_error(err: RequestError) -> HTTPException:
@@ -170,6 +185,11 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop must be a non-empty string or a list of at most 4 of them", param="stop")
     stop = [_valid_unicode(s, "stop") for s in stop]
+    documents = list(getattr(request, "documents", None) or [])
+    if len(documents) > opts.max_documents:
+        count = len(documents)
+        raise RequestError(f"documents: at most {opts.max_documents} per request, got {count}", param="documents")
+    documents = [_valid_unicode(d, f"documents[{k}]") for k, d in enumerate(documents)]
     seed = getattr(request, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise RequestError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits), got {seed}", param="seed")
@@ -181,6 +201,7 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
         seed,
         stop,
         (request.metadata or {}).get("litkv_id", ""),
+        documents,
     )
 
 
@@ -209,7 +230,9 @@ class LitKVSpec(OpenAISpec):
 
             tokenizer = load_tokenizer(self.opts.checkpoint_dir)
             self._format = load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template)
-        return count_prompt_tokens(self._format, turn.messages)
+        opts = self.opts
+        docs = document_ids(self._format.tokenizer, turn.documents, opts.max_documents, opts.max_document_tokens)
+        return count_prompt_tokens(self._format, turn.messages, {len(turn.messages) - 1: docs} if docs else None)
 
     def check(self, request: ChatCompletionRequest) -> TurnRequest:
         turn = parse_request(request, self.opts)
@@ -305,6 +328,10 @@ class LitKVAPI(ls.LitAPI):
             self.opts.seed,
             load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template),
             max_batch=self.opts.max_batch,
+            blocks=BlockStore(opts.block_store_bytes, opts.block_dir),
+            recompute=opts.recompute,
+            max_documents=opts.max_documents,
+            max_document_tokens=opts.max_document_tokens,
         )
         self.engine.scheduler.start()
         rows = self.engine.batch
@@ -346,10 +373,11 @@ class LitKVAPI(ls.LitAPI):
             if self.opts.cancel_dir is not None and turn.request_id:
                 (Path(self.opts.cancel_dir) / turn.request_id).unlink(missing_ok=True)
         log.info(
-            "turn %s: %d prompt tokens (%d reused), %d new, stored=%s",
+            "turn %s: %d prompt tokens (%d reused), %d document tokens restored, %d new, stored=%s",
             turn.request_id[:8],
             result.prompt_tokens,
             result.reused_tokens,
+            result.block_tokens,
             result.generated,
             result.stored,
         )

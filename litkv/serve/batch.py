@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from litkv.block_store import BlockStore
+from litkv.blocks import feed_blocks
 from litkv.config import KVCacheConfig
 from litkv.fingerprint import model_fingerprint
 from litkv.kvcache.caches import KVCaches
@@ -128,6 +130,31 @@ class RowBatch:
             self.model.set_kv_caches(self.batch)
         self.batch.copy_row(row, self.scratch, 0)
         return hidden[:, -1]
+
+    @torch.inference_mode()
+    def feed_blocks(
+        self,
+        row: int,
+        blocks: list[tuple[int, ...]],
+        text: tuple[int, ...] | None,
+        store: BlockStore,
+        recompute: float,
+    ) -> torch.Tensor:
+        """Splice documents `blocks` into `row`, then feed `text` (the prompt text after them, or `None`), at
+        batch one (the scratch caches; `litkv.blocks.feed_blocks`, each document's KV computed alone with the
+        config's chunking); final hidden state `(1, n_embd)` of the last token."""
+        start = self.next_pos(row)
+        self.scratch.copy_row(0, self.batch, row)
+        self.model.set_kv_caches(self.scratch)
+        try:
+            ids = [torch.tensor(b, dtype=torch.long) for b in blocks]
+            after = None if text is None else torch.tensor(text, dtype=torch.long)
+            plan = ChunkPlan.of(self.kv_cache)
+            hidden = feed_blocks(self.model, ids, after, start, plan, store, recompute)
+        finally:
+            self.model.set_kv_caches(self.batch)
+        self.batch.copy_row(row, self.scratch, 0)
+        return hidden
 
     @torch.inference_mode()
     def step(self, tokens: list[int | None], positions: list[int]) -> torch.Tensor:

@@ -13,6 +13,13 @@ that ends with an assistant message and has a state is restored into the job's r
 segments after it are fed. After the reply the row's state is stored under the prefix that includes
 the reply. So a turn's tokens are the same whether its state came from memory, from disk, or was
 recomputed from the messages, and whatever else runs in the batch (`litkv.serve.batch`).
+
+A request's `documents` belong to its last user message: each is tokenized alone and put at the start
+of the message's content as a KV block (`litkv.chat_template`), its KV taken from the server's block
+store (`litkv.block_store.BlockStore`, computed alone once) and spliced at its offset, `recompute` of its
+tokens recomputed (docs/blocks.md). They are in that message's key, so a state is restored only for the
+same documents; a later request that wants them in its history sends them again (spliced again from the
+store; the earlier turns are then recomputed from their text).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.chat_template import ChatTemplateError, Format, Message, RawFormat, Segment, TemplateFormat
+from litkv.block_store import BlockStore
+from litkv.blocks import encode_document
+from litkv.chat_template import ChatTemplateError, Documents, Format, Message, RawFormat, Segment, TemplateFormat
 from litkv.config import KVCacheConfig
 from litkv.conversation import segment_plan
 from litkv.fingerprint import model_fingerprint
@@ -39,18 +48,50 @@ from litkv.serve.turns import RequestError, TurnRequest, TurnResult
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
-__all__ = ["ROLES", "Engine", "RequestError", "TurnRequest", "TurnResult", "count_prompt_tokens", "message_keys"]
+__all__ = [
+    "ROLES",
+    "Engine",
+    "RequestError",
+    "TurnRequest",
+    "TurnResult",
+    "count_prompt_tokens",
+    "document_ids",
+    "message_keys",
+]
 
 ROLES = ("system", "user", "assistant")
 
 
-def message_keys(root: str, messages: Sequence[Message]) -> list[str]:
-    """Digest of each prefix: `keys[k]` covers `messages[:k]` (`keys[0]` is `root`)."""
+def message_keys(root: str, messages: Sequence[Message], documents: Sequence[str] = ()) -> list[str]:
+    """Digest of each prefix: `keys[k]` covers `messages[:k]` (`keys[0]` is `root`); `documents`: those of
+    the last message (in its key)."""
     keys = [root]
-    for role, content in messages:
-        text = json.dumps([keys[-1], role, content], ensure_ascii=False)
+    for i, (role, content) in enumerate(messages):
+        docs = list(documents) if i == len(messages) - 1 and documents else []
+        text = json.dumps([keys[-1], role, content, *([docs] if docs else [])], ensure_ascii=False)
         keys.append(hashlib.sha256(text.encode()).hexdigest())
     return keys
+
+
+def document_ids(
+    tokenizer: Tokenizer, documents: Sequence[str], max_count: int, max_tokens: int
+) -> list[tuple[int, ...]]:
+    """Each document's ids (tokenized alone); RequestError (400) naming the limit for more than `max_count`
+    documents, an empty one, or more than `max_tokens` tokens in all."""
+    if len(documents) > max_count:
+        raise RequestError(f"documents: at most {max_count} per request, got {len(documents)}", param="documents")
+    out = []
+    for k, text in enumerate(documents):
+        if not isinstance(text, str) or not text:
+            raise RequestError(f"documents[{k}] must be a non-empty string", param="documents")
+        try:
+            out.append(encode_document(tokenizer, text, f"documents[{k}]"))
+        except ValueError as err:
+            raise RequestError(str(err), param="documents") from None
+    total = sum(len(ids) for ids in out)
+    if total > max_tokens:
+        raise RequestError(f"documents: at most {max_tokens} tokens in all per request, got {total}", param="documents")
+    return out
 
 
 def check_messages(messages: Sequence[Message]) -> None:
@@ -83,6 +124,9 @@ class Engine:
         default_seed: sampler seed of a request without `seed`.
         fmt: how messages become tokens (`litkv.chat_template.load_format`); default raw text.
         max_batch: rows of the running batch (turns run at once; more wait).
+        blocks: where documents' KV is kept (default: a store that keeps nothing).
+        recompute: the fraction of each spliced document's tokens recomputed in context (0: pure splice).
+        max_documents, max_document_tokens: most documents of a request, and their tokens in all.
     """
 
     def __init__(
@@ -96,7 +140,16 @@ class Engine:
         default_seed: int = 1234,
         fmt: Format | None = None,
         max_batch: int = 8,
+        blocks: BlockStore | None = None,
+        recompute: float = 0.0,
+        max_documents: int = 8,
+        max_document_tokens: int = 8192,
     ) -> None:
+        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+            raise ValueError(f"recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
+        self.blocks = BlockStore(0) if blocks is None else blocks
+        self.recompute = float(recompute)
+        self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
         self.model = model
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
@@ -117,9 +170,10 @@ class Engine:
 
     # -- tokens ---------------------------------------------------------------------------------
 
-    def count_prompt_tokens(self, messages: Sequence[Message]) -> int:
+    def count_prompt_tokens(self, messages: Sequence[Message], documents: Sequence[str] = ()) -> int:
         """Tokens of the whole conversation (assistant replies re-tokenised: an estimate for limits)."""
-        return count_prompt_tokens(self.format, messages)
+        docs = document_ids(self.tokenizer, documents, self.max_documents, self.max_document_tokens)
+        return count_prompt_tokens(self.format, messages, {len(messages) - 1: docs} if docs else None)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
@@ -150,10 +204,12 @@ class Engine:
         """Put `job` on its row: the longest stored state of its messages (else an empty row), and the
         segments still to feed; RequestError when they do not fit a lossless cache."""
         req = job.req
-        job.keys = message_keys(self.root, req.messages)
+        docs = document_ids(self.tokenizer, req.documents, self.max_documents, self.max_document_tokens)
+        job.keys = message_keys(self.root, req.messages, req.documents)
         job.replies = self._replies(job.keys, req.messages)
+        documents: Documents = {len(req.messages) - 1: docs} if docs else {}
         try:
-            segments = self.format.segments(req.messages, job.replies, True, True)
+            segments = self.format.segments(req.messages, job.replies, True, True, documents)
         except ChatTemplateError as err:  # the chat template refuses this conversation
             raise RequestError(err.reason, param="messages") from None
         held = self._restore_longest(job, segments)
@@ -198,7 +254,18 @@ class Engine:
         return 0
 
     def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor:
-        """Feed a prompt segment to the job's row; the last token's hidden state `(1, n_embd)`."""
+        """Feed a prompt segment to the job's row; a document: the documents after it and the text after them
+        too (taken from `job.pending`), spliced (`litkv.blocks.feed_blocks`); the last token's hidden state
+        `(1, n_embd)`."""
+        if seg.block:  # the run of documents and the text after it (their recomputed tokens run with it)
+            blocks = [seg.ids]
+            while job.pending and job.pending[0].block:
+                blocks.append(job.pending.popleft().ids)
+            text = job.pending.popleft().ids if job.pending and not job.pending[0].reply else None
+            before = self.blocks.reused_tokens
+            hidden = self.batch.feed_blocks(job.row, blocks, text, self.blocks, self.recompute)
+            job.result.block_tokens += self.blocks.reused_tokens - before
+            return hidden
         plan = segment_plan(seg, self.batch.next_pos(job.row), self.kv_cache)
         return self.batch.prefill(job.row, list(seg.ids), plan)
 
@@ -254,11 +321,12 @@ class Engine:
                 raise value  # type: ignore[misc]
 
 
-def count_prompt_tokens(fmt: Format, messages: Sequence[Message]) -> int:
-    """Tokens of a request's messages in `fmt` with the generation prompt (assistant replies re-tokenised
-    from their text: an estimate for limits, made before the stored reply ids are looked up)."""
+def count_prompt_tokens(fmt: Format, messages: Sequence[Message], documents: Documents | None = None) -> int:
+    """Tokens of a request's messages (and `documents`) in `fmt` with the generation prompt (assistant
+    replies re-tokenised from their text: an estimate for limits, made before the stored reply ids are
+    looked up)."""
     try:
-        segments = fmt.segments(messages, [None] * len(messages), True, True)
+        segments = fmt.segments(messages, [None] * len(messages), True, True, documents)
     except ChatTemplateError as err:  # the chat template refuses this conversation (raise_exception, ...)
         raise RequestError(err.reason, param="messages") from None
     return sum(len(s.ids) for s in segments)

@@ -30,6 +30,7 @@ class TurnRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
+    documents: list[str] = field(default_factory=list)  # of the last user message, spliced as KV blocks
 
 
 @dataclass
@@ -43,3 +44,4 @@ class TurnResult:
     finish_reason: str = "stop"
     stored: bool = False
     generated: int = 0
+    block_tokens: int = 0  # documents' tokens restored from the block store

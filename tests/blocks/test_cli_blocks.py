@@ -61,3 +61,20 @@ def test_bad_block_file_one_line(ckpt: Path, tmp_path: Path, capsys: pytest.Capt
         main(["generate", str(ckpt), "--block_file", str(tmp_path / "missing.txt"), "--prompt", "q"])
     err = capsys.readouterr().err
     assert "block file" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_generate_block_files_with_several_prompts_decodes_them_as_a_batch(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "doc.txt").write_text(DOCS[0], encoding="utf-8")
+    questions = [QUESTION, "Nothing to"]
+    args = ["generate", str(ckpt), "--block_file", str(tmp_path / "doc.txt"), "--max_new_tokens", "5"]
+    main([*args, "--prompt", questions[0], "--prompt", questions[1], "--temperature", "0", "--chat_template", "false"])
+    captured = capsys.readouterr()
+    model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
+    for i, question in enumerate(questions):
+        segments = prompt_segments(RawFormat(tokenizer), tokenizer, [DOCS[0]], question)
+        with torch.inference_mode():
+            alone = generate_segments(model, segments, 5, KVCacheConfig(), BlockStore(0))
+        assert f"--- prompt {i} ---\n{question}{tokenizer.decode(alone)}\n" in captured.out
+    assert "block tokens restored" in captured.err and "0 block tokens restored" not in captured.err

@@ -193,6 +193,31 @@ def test_recompute_count_and_bad_ratios(tiny_model: Callable[..., GPT]) -> None:
             _last_logits(model, segments, KV, recompute=bad)
 
 
+@torch.inference_mode()
+def test_a_run_of_blocks_recomputes_in_the_calls_of_the_text_after_it(tiny_model: Callable[..., GPT]) -> None:
+    """The chosen tokens of consecutive blocks and the text after them: one sequence in calls of chunk_size."""
+    model = tiny_model(seed=9)
+    segments = _segments([(5, False), (20, True), (19, True), (6, False)], seed=80)
+    store = BlockStore(1 << 24)
+    for seg in segments[1:3]:
+        store.get(model, seg.ids, ChunkPlan.of(KV))
+    calls: list[list[int]] = []
+    forward = model.forward
+
+    def counted(idx: torch.Tensor, input_pos: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append(input_pos[0].tolist())
+        return forward(idx, input_pos, **kw)  # type: ignore[arg-type]
+
+    with model.kv_caches_attached(KV, 1), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "forward", counted)
+        prefill_segments(model, segments, KV, store, recompute=0.3)
+        assert int(model.last_pos[0]) == 49
+    chosen = [p for call in calls[1:] for p in call]
+    assert calls[0] == list(range(5)) and [len(c) for c in calls[1:]] == [8, 8, 2]  # 6 + 6 chosen + 6 text
+    assert chosen == sorted(chosen) and chosen[-6:] == list(range(44, 50))
+    assert sum(5 <= p < 25 for p in chosen) == 6 and sum(25 <= p < 44 for p in chosen) == 6
+
+
 @torch.no_grad()
 def test_kv_deviation_is_that_of_the_block_in_its_context(tiny_model: Callable[..., GPT]) -> None:
     """The proxy against layer 1's keys/values from the reference forward of the whole prompt."""

@@ -200,6 +200,24 @@ def test_api_errors_are_4xx_with_openai_body(client, kwargs: dict, status: int, 
     assert reply.json()["error"]["code"] == code
 
 
+def test_api_documents_are_spliced_and_bounded(client) -> None:
+    """`documents` (litkv's field): the last user message's documents as KV blocks; the server's limits
+    (ServeOptions: 8 documents, 8192 tokens, and the cache) are one 400 naming the limit."""
+    plain = client.post("/v1/chat/completions", json=chat_body()).json()["usage"]["prompt_tokens"]
+    docs = ["The passkey is 12345. ", "the quick brown fox"]
+    reply = client.post("/v1/chat/completions", json=chat_body(documents=docs))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] > plain + len(docs)
+    for documents, code, expected in [
+        (["a"] * 9, "invalid_request_error", "at most 8 per request, got 9"),
+        ([""], "invalid_request_error", "documents[0] must be a non-empty string"),
+        (["the fox " * 60], "context_length_exceeded", "do not fit the dense cache's 64 slots"),
+    ]:
+        bad = client.post("/v1/chat/completions", json=chat_body(documents=documents))
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == code, bad.text
+        assert expected in bad.json()["error"]["message"]
+
+
 def test_api_key_malformed_json_and_worker_alive(client) -> None:
     bad = client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
