@@ -25,7 +25,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
+from litkv.atomic import remove_stale_temp_files, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.checkpoint import (
     SAFETENSORS_FILE,
     check_finite,
@@ -75,6 +75,8 @@ def learn_eviction(
     `kv_cache`: the student's caches (`--learn.engine chunked`). Returns the written directory.
     """
     lora = (LoRAArgs() if lora is None else lora) if learn.lora else None
+    if Path(out_dir).is_dir():
+        remove_stale_temp_files(out_dir)  # left by a run killed while writing a checkpoint
     model = load_model(checkpoint_dir, device=device)
     model.eviction_gates = None  # gates the base may ship are not the ones trained here
     base_id = model_fingerprint(model)["weights"]
@@ -200,7 +202,7 @@ def load_gate_state(
     now = {name: yaml_safe(getattr(learn, name)) for name in _FIXED}
     changed = {k: (record["learn"].get(k), v) for k, v in now.items() if record["learn"].get(k, False) != v}
     if record.get("lora") != yaml_safe(lora):
-        changed["lora"] = (record.get("lora"), yaml_safe(lora))
+        changed["lora adapters"] = (record.get("lora"), yaml_safe(lora))
     if changed or record["num_train_examples"] != num_examples:
         raise ValueError(
             f"cannot resume from {str(resume_dir)!r}: settings (saved, now) {changed} and training examples "
