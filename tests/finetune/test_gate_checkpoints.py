@@ -194,10 +194,11 @@ def test_gates_for_other_weights_are_refused(base: Path, tmp_path: Path) -> None
     assert load_model(final, dtype=torch.float64).eviction_gates is not None  # checked as stored, before the cast
 
 
-def test_data_shorter_than_one_sequence(base: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_data_shorter_than_one_sequence(base: Path, tmp_path: Path, lora: bool) -> None:
     data = DataArgs(path=write_text(tmp_path / "short.txt", 5), seq_length=40, val_fraction=0.0)
     with pytest.raises(ValueError, match=r"short.txt has \d+ tokens, fewer than data.seq_length \+ 1 = 41: lower"):
-        learn_eviction(base, data, _learn(1), tmp_path / "out", kv_cache=KV)
+        learn_eviction(base, data, _learn(1, lora=lora), tmp_path / "out", kv_cache=KV, lora=LORA)
     assert not (tmp_path / "out").exists()
 
 
@@ -208,3 +209,17 @@ def test_shipped_gates_pass_the_fingerprint_check() -> None:
     gates = model.eviction_gates
     model.eviction_gates = None
     assert gates is not None and gates.weights == model_fingerprint(model)["weights"]
+
+
+def test_lora_settings_are_checked(base: Path) -> None:
+    with pytest.raises(ValueError, match=r"lora=True .* needs method 'distill', got 'regress'"):
+        GateTrainArgs(method="regress", lora=True)
+    with pytest.raises(ValueError, match=r"lora_lr must be > 0, got 0"):
+        GateTrainArgs(lora=True, lora_lr=0)
+    examples = [(torch.arange(10, 42), torch.arange(11, 43))]
+    with pytest.raises(ValueError, match=r"--learn.lora true needs a model with LoRA adapters, the model has none"):
+        train_gates(load_model(base), examples, _learn(1, lora=True), kv_cache=KV)
+    model = load_model(base)
+    apply_lora(model, LORA)
+    with pytest.raises(ValueError, match=r"--learn.lora false needs a model without LoRA adapters, the model has"):
+        train_gates(model, examples, _learn(1), kv_cache=KV)
