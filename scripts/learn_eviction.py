@@ -13,10 +13,17 @@
 4. Prints one table and the targets, writes `<out_dir>/learn_eviction.json` and `learned.png`
    (loss and kept fraction per step).
 
+With `--compare_lora`, it trains instead gates alone and gates with LoRA adapters (`--learn.lora true`),
+same data, steps, engine and caches, and compares them at the budgets: KL to the *base* dense model
+(the teacher; `litkv evaluate`'s KL would be to the retrofitted model's own dense run), perplexity, top-1
+agreement with the base and pass-key recall (two seeds); plus the retrofitted model's dense KL to the
+base (what the adapters cost without eviction).
+
 Usage::
 
     nice python scripts/learn_eviction.py --threads 1                    # the shipped result
     nice python scripts/learn_eviction.py --steps 2 --recall_cases 2 --tag smoke
+    nice python scripts/learn_eviction.py --threads 1 --compare_lora --steps 100 --engine chunked --tag lora
 """
 
 from __future__ import annotations
@@ -32,12 +39,16 @@ from typing import Any
 
 import jsonargparse
 import torch
+import torch.nn.functional as F
 
-from litkv.checkpoint import default_checkpoint_dir
+from litkv.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.evaluate_cmd import evaluate
 from litkv.config import KVCacheConfig
+from litkv.evaluate import text_windows
 from litkv.finetune.cli import finetune
 from litkv.finetune.learn_eviction import LOG_FILE
+from litkv.generate import forward_chunked
+from litkv.recall import RECALL_FILE, RecallFormat, encode_plain
 
 HEURISTICS = ["last-recent", "h2o", "tova", "knorm", "keydiff", "snapkv"]
 TARGETS = {64: 0.95, 128: 0.99}
@@ -57,15 +68,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ship", action="store_true", help="copy the distilled gates into litkv/assets/default")
     p.add_argument("--engine", default="whole", help="--learn.engine: whole (the shipped recipe) or chunked")
     p.add_argument("--reuse", action="store_true", help="skip the training of a method whose final/ exists")
+    p.add_argument("--compare_lora", action="store_true", help="gates alone against gates + LoRA adapters")
+    p.add_argument("--lora_lr", type=float, default=1e-3, help="--learn.lora_lr (with --compare_lora)")
+    p.add_argument("--lora_r", type=int, default=8, help="--lora.r (with --compare_lora)")
+    p.add_argument("--lora_targets", default="[attn.qkv, attn.proj]", help="--lora.targets (with --compare_lora)")
+    p.add_argument("--batch_size", type=int, default=4, help="--learn.batch_size")
     return p.parse_args(argv)
 
 
 def train(text: Path, method: str, args: argparse.Namespace, out: Path) -> tuple[Path, float]:
+    """`method`: distill, regress, or lora (distill with --learn.lora true)."""
+    lora = ["--learn.lora", "true", "--learn.lora_lr", str(args.lora_lr), "--lora.r", str(args.lora_r),
+            "--lora.alpha", str(2 * args.lora_r), "--lora.targets", args.lora_targets]  # fmt: skip
     argv = [
         "--learn_eviction", "true", "--kv_cache.policy", "learned", "--data.path", str(text),
         "--data.seq_length", "1024", "--data.recall_share", str(args.recall_share), "--data.val_fraction", "0",
-        "--learn.method", method, "--learn.steps", str(args.steps), "--learn.engine", args.engine,
-        "--out_dir", str(out),
+        "--learn.method", "distill" if method == "lora" else method, "--learn.steps", str(args.steps),
+        "--learn.engine", args.engine, "--learn.batch_size", str(args.batch_size), "--out_dir", str(out),
+        *(lora if method == "lora" else []),
     ]  # fmt: skip
     print("litkv finetune " + " ".join(argv), flush=True)
     start = time.perf_counter()
@@ -143,6 +163,58 @@ def table(all_rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@torch.inference_mode()
+def kl_to_base(base: Path, checkpoint: Path, budgets: Sequence[int], num_windows: int) -> dict[int, dict[str, float]]:
+    """Per budget (and `0`: the model's own dense run), on the held-out windows `litkv evaluate` scores:
+    the mean KL(base dense || `checkpoint` with a `learned` cache of that budget, chunks of 64) per token,
+    and the top-1 agreement with the base."""
+    tokenizer = load_tokenizer(base)
+    fmt = RecallFormat.load(base / RECALL_FILE)
+    teacher, student = load_model(base), load_model(checkpoint)
+    length = min(fmt.context_length, teacher.config.block_size)
+    ids = torch.tensor(encode_plain(tokenizer, (base / fmt.filler_file).read_text(encoding="utf-8")))
+    windows = text_windows(ids, length, num_windows)[:, :-1]
+    dense = KVCacheConfig(policy="dense", cache_length=length, chunk_size=64)
+    ref = F.log_softmax(forward_chunked(teacher, windows, dense).float(), dim=-1)
+    out = {}
+    for budget in [0, *budgets]:
+        cfg = dense if budget == 0 else KVCacheConfig(policy="learned", cache_length=budget, chunk_size=64)
+        logp = F.log_softmax(forward_chunked(student, windows, cfg).float(), dim=-1)
+        kl = F.kl_div(logp, ref, log_target=True, reduction="sum") / logp.shape[0] / logp.shape[1]
+        top1 = (logp.argmax(-1) == ref.argmax(-1)).float().mean()
+        out[budget] = {"kl_to_base": float(kl), "top1_base": float(top1)}
+    return out
+
+
+def compare_lora(args: argparse.Namespace, text: Path, base: Path, out: Path) -> None:
+    """Gates alone against gates + LoRA adapters: same data, steps, engine and caches (module docstring)."""
+    report: dict[str, Any] = {"settings": vars(args) | {"out_dir": str(args.out_dir)}, "train_seconds": {}, "rows": []}
+    for method in ("distill", "lora"):
+        ckpt = out / method / "final"
+        if not (args.reuse and (ckpt / LOG_FILE).is_file()):
+            ckpt, seconds = train(text, method, args, out / method)
+            report["train_seconds"][method] = round(seconds, 1)
+        name = "gates + LoRA" if method == "lora" else "gates"
+        main_rows = rows(run_evaluate(ckpt, ["learned"], args, 0, out / f"eval_{method}"), name)
+        held = rows(run_evaluate(ckpt, ["learned"], args, args.heldout_seed, out / f"eval_{method}_heldout"), name)
+        kl = kl_to_base(base, ckpt, args.budgets, args.num_windows)
+        for row, other in zip(main_rows, held, strict=True):
+            row["recall_heldout"] = other["recall"]
+            row.update(kl[0 if row["policy"] == "dense" else row["budget"]])
+            row["policy"] = f"{name}, dense" if row["policy"] == "dense" else name
+        report["rows"] += main_rows
+    (out / "compare_lora.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    lines = ["| model | budget | KL to base dense | top-1 vs base | ppl | recall | recall (seed "
+             f"{args.heldout_seed}) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['policy']} | {r['budget']} | {r['kl_to_base']:.4f} | {r['top1_base']:.3f} | {r['ppl']:.3f} | "
+            f"{r['recall']:.2f} | {r['recall_heldout']:.2f} |"
+        )
+    print("\n".join(lines))
+    print(f"train seconds: {report['train_seconds']}; {out / 'compare_lora.json'}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     import adapt_to_budget  # scripts/ is on sys.path when this file runs as a script
 
@@ -151,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out_dir / args.tag
     base = default_checkpoint_dir()
     text = adapt_to_budget.write_training_text(args.out_dir / "kjv_train.txt", base)
+    if args.compare_lora:
+        compare_lora(args, text, base, out)
+        return
     report: dict[str, Any] = {"settings": vars(args) | {"out_dir": str(args.out_dir)}, "train_seconds": {}}
     checkpoints = {}
     for method in ("distill", "regress"):

@@ -184,8 +184,9 @@ def finetune(
         resume: A checkpoint directory of an earlier run (`out_dir/step-XXXXXX`) to continue from: its
             weights, optimizer state, step and data order are restored.
         learn_eviction: Train eviction gates for the `learned` policy instead (needs
-            `--kv_cache.policy learned`; the backbone stays frozen; `mode`, `train`, `eval`, `lora`,
-            `precision` and `devices` do not apply; `--kv_cache.*` are the caches the gates train through,
+            `--kv_cache.policy learned`; the backbone stays frozen unless `--learn.lora true` trains LoRA
+            adapters (`--lora.*`) with the gates; `mode`, `train`, `eval`, `precision` and `devices` do not
+            apply; `--kv_cache.*` are the caches the gates train through,
             `--resume` a `step-XXXXXX` of an earlier gate-training run). Writes `out_dir/final/` with the base's
             weights and `eviction_gates.safetensors` (docs/learned.md).
         learn: Gate training (`--learn_eviction true`).
@@ -258,7 +259,9 @@ def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> No
             f"({args.data.seq_length}): no token would be outside the window for the gates to learn on"
         )
     device = "cuda" if torch.cuda.is_available() else None
-    path = run_learn_eviction(args.checkpoint_dir, args.data, learn, args.out_dir, device, args.kv_cache, args.resume)
+    path = run_learn_eviction(
+        args.checkpoint_dir, args.data, learn, args.out_dir, device, args.kv_cache, args.resume, args.lora
+    )
     tqdm.write(f"saved {path}")
 
 

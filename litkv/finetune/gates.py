@@ -10,13 +10,18 @@ Two methods, same gates, same data:
 - `regress` (Locret/KVzap-style baseline): no gradient through the attention; each gate logit is
   regressed on the log of the largest attention weight its token receives from the dense model's
   queries beyond the window.
+
+With `lora=True` (distill only), LoRA adapters of the backbone (`litkv.finetune.lora`, applied to the
+model before `train_gates`) train together with the gates (DMS retrofits the model). The teacher is
+the same model with its adapters switched off (`adapters_off`): the base weights, no second copy.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 
 from litkv.config import KVCacheConfig
 from litkv.core.validation import require_int
+from litkv.finetune.lora import LoRALinear, load_lora_state_dict, lora_state_dict, mark_only_lora_as_trainable
 from litkv.gradient.distill import chunked_distill_backward
 from litkv.learned.gate import EvictionGates, unrotate_keys
 from litkv.learned.soft import SoftEviction, soft_eviction
@@ -35,6 +41,7 @@ __all__ = [
     "GateTrainArgs",
     "GateTrainState",
     "StepLog",
+    "adapters_off",
     "batch_indices",
     "step_noise",
     "token_weights",
@@ -70,6 +77,9 @@ class GateTrainArgs:
             flat in the sequence length but for the host tapes, `litkv.gradient.distill`) or `whole`
             (each sequence attended at once, a `(B, H, T, T)` bias per layer). `regress` always runs whole.
         checkpoint_interval: write a resumable checkpoint every this many steps (0: none).
+        lora: also train the LoRA adapters the model carries (`distill` only; the teacher is the model with
+            its adapters off).
+        lora_lr: Adam learning rate of the adapters (the same cosine schedule as `lr`).
     """
 
     method: str = "distill"
@@ -88,10 +98,19 @@ class GateTrainArgs:
     seed: int = 1234
     engine: str = "chunked"
     checkpoint_interval: int = 0
+    lora: bool = False
+    lora_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        if not isinstance(self.lora, bool):
+            raise ValueError(f"lora must be true or false, got {self.lora!r}")
+        if self.lora and self.method != "distill":
+            raise ValueError(
+                f"lora=True trains the adapters through the distillation loss: it needs method 'distill', "
+                f"got {self.method!r} (regress has no gradient through the attention)"
+            )
         for name in ("steps", "batch_size"):
             require_int(name, getattr(self, name), 1)
         for name in ("window", "sinks", "checkpoint_interval"):
@@ -102,7 +121,7 @@ class GateTrainArgs:
             raise ValueError(f"target_keep must be in (0, 1], got {self.target_keep!r}")
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp must be in [0, 1], got {self.ramp!r}")
-        for name in ("lr", "temperature_start", "temperature_end"):
+        for name in ("lr", "lora_lr", "temperature_start", "temperature_end"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("compression_weight", "answer_weight"):
@@ -138,14 +157,17 @@ class GateTrainState:
     Attributes:
         step: steps done.
         gates: the gates after them.
-        optimizer: Adam's `state_dict()` after them (only its `"state"` is read back).
+        optimizer: Adam's `state_dict()` after them (only its `"state"` is read back; parameters 0 and 1
+            are the gates' weight and bias, then the adapters in the model's order).
         logs: one `StepLog` per step done.
+        adapters: with `lora`, the LoRA adapters after them (`lora_state_dict`), else `None`.
     """
 
     step: int
     gates: EvictionGates
     optimizer: dict
     logs: list[StepLog]
+    adapters: dict[str, torch.Tensor] | None = None
 
 
 def batch_indices(num_examples: int, batch_size: int, seed: int, step: int) -> list[int]:
@@ -175,10 +197,14 @@ def train_gates(
 ) -> tuple[EvictionGates, list[StepLog]]:
     """Train gates for `model` (a `litkv.GPT`, frozen) on `examples` `(ids (T,), targets (T,))`.
 
+    With `args.lora`, the model's LoRA adapters (`apply_lora` first) train too, in place; the rest stays
+    frozen.
+
     Args:
         kv_cache: the student's caches for `engine="chunked"` (default: `learned` with room for every
             token, chunks of `min(256, T)`: the whole-sequence loss, chunk by chunk).
-        resume: continue a run from this state (bitwise: data order and noise are functions of the step).
+        resume: continue a run from this state (bitwise: data order and noise are functions of the step;
+            its adapters are loaded into the model).
         checkpoint: called every `args.checkpoint_interval` steps with the state; returns where it went.
 
     Returns:
@@ -195,39 +221,89 @@ def train_gates(
     gates = gates.to(device)
     for tensor in gates.parameters():
         tensor.requires_grad_(True)
-    optimizer = torch.optim.Adam(gates.parameters(), lr=args.lr)
+    adapters = _trainable_adapters(model, args.lora, resume)
+    groups = [{"params": gates.parameters(), "lr": args.lr}]
+    if adapters:
+        groups.append({"params": adapters, "lr": args.lora_lr})
+    optimizer = torch.optim.Adam(groups, lr=args.lr)
     if resume is not None:
         fresh = optimizer.state_dict()
         optimizer.load_state_dict({"state": resume.optimizer["state"], "param_groups": fresh["param_groups"]})
-    model.requires_grad_(False)
     logs = [] if resume is None else list(resume.logs)
     saved = "nothing was saved (set --learn.checkpoint_interval to keep checkpoints)"
-    for step in range(0 if resume is None else resume.step, args.steps):
-        batch = batch_indices(len(examples), args.batch_size, args.seed, step)
-        ids = torch.stack([examples[i][0] for i in batch]).to(device)
-        targets = torch.stack([examples[i][1] for i in batch]).to(device)
-        target, temperature, lr = args.schedule(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss, fit, keep = _step_loss(model, gates, ids, targets, args, step, kv_cache)
-        if not math.isfinite(loss):
-            raise ValueError(
-                f"gate training stopped at step {step}: the loss is {loss} (fit {fit}, keep {keep}); {saved} "
-                "(try a smaller --learn.lr, or check --learn.window against --data.seq_length)"
-            )
-        optimizer.step()
-        log = StepLog(step, loss, fit, keep, target)
-        logs.append(log)
-        if progress is not None:
-            progress(log)
-        interval = args.checkpoint_interval
-        if checkpoint is not None and interval and (step + 1) % interval == 0 and step + 1 < args.steps:
-            where = checkpoint(GateTrainState(step + 1, _detached(gates), optimizer.state_dict(), list(logs)))
-            saved = f"the last checkpoint, {where}, is intact: continue with --resume {where}"
-    for tensor in gates.parameters():
-        tensor.requires_grad_(False)
+    try:
+        for step in range(0 if resume is None else resume.step, args.steps):
+            batch = batch_indices(len(examples), args.batch_size, args.seed, step)
+            ids = torch.stack([examples[i][0] for i in batch]).to(device)
+            targets = torch.stack([examples[i][1] for i in batch]).to(device)
+            target, temperature, lr = args.schedule(step)
+            for group, base_lr in zip(optimizer.param_groups, (args.lr, args.lora_lr), strict=False):
+                group["lr"] = lr * base_lr / args.lr
+            optimizer.zero_grad(set_to_none=True)
+            loss, fit, keep = _step_loss(model, gates, ids, targets, args, step, kv_cache)
+            if not math.isfinite(loss):
+                raise ValueError(
+                    f"gate training stopped at step {step}: the loss is {loss} (fit {fit}, keep {keep}); {saved} "
+                    "(try a smaller --learn.lr, or check --learn.window against --data.seq_length)"
+                )
+            optimizer.step()
+            log = StepLog(step, loss, fit, keep, target)
+            logs.append(log)
+            if progress is not None:
+                progress(log)
+            interval = args.checkpoint_interval
+            if checkpoint is not None and interval and (step + 1) % interval == 0 and step + 1 < args.steps:
+                state = GateTrainState(step + 1, _detached(gates), optimizer.state_dict(), list(logs))
+                state.adapters = _adapter_copy(model) if adapters else None
+                where = checkpoint(state)
+                saved = f"the last checkpoint, {where}, is intact: continue with --resume {where}"
+    finally:
+        for tensor in [*gates.parameters(), *adapters]:
+            tensor.requires_grad_(False)
     return gates, logs
+
+
+def _trainable_adapters(model: nn.Module, lora: bool, resume: GateTrainState | None) -> list[torch.Tensor]:
+    """Freeze `model`; with `lora`, unfreeze its LoRA adapters (loaded from `resume` when given) and return
+    them in the model's order (ValueError when the model has none, or has adapters while `lora` is off)."""
+    has = any(isinstance(m, LoRALinear) for m in model.modules())
+    if has != lora:
+        raise ValueError(
+            f"--learn.lora {str(lora).lower()} needs a model {'with' if lora else 'without'} LoRA adapters, "
+            f"the model {'has' if has else 'has none'}"
+        )
+    model.requires_grad_(False)
+    if not lora:
+        return []
+    if resume is not None:
+        if resume.adapters is None:
+            raise ValueError("cannot resume LoRA training from a state without adapters")
+        load_lora_state_dict(model, resume.adapters)
+    mark_only_lora_as_trainable(model)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _adapter_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in lora_state_dict(model).items()}
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, every `LoRALinear` of `model` computes its base layer alone (the adapter's term is
+    multiplied by 0): the model is the dense teacher, the base weights without a second copy."""
+    modules = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    scalings = [m.scaling for m in modules]
+    for m in modules:
+        m.scaling = 0.0
+    try:
+        yield model
+    finally:
+        for m, scaling in zip(modules, scalings, strict=True):
+            m.scaling = scaling
+
+
+def _teacher(model: nn.Module, lora: bool) -> Callable[[], AbstractContextManager]:
+    return (lambda: adapters_off(model)) if lora else nullcontext
 
 
 def _detached(gates: EvictionGates) -> EvictionGates:
@@ -257,9 +333,13 @@ def _step_loss(
         if args.engine == "chunked":
             if kv_cache is None:
                 kv_cache = KVCacheConfig(policy="learned", cache_length=t, chunk_size=min(256, t))
-            step_result = chunked_distill_backward(model, soft, ids, weight, kv_cache, args.compression_weight, target)
+            step_result = chunked_distill_backward(
+                model, soft, ids, weight, kv_cache, args.compression_weight, target, _teacher(model, args.lora)
+            )
             return step_result.loss, step_result.kl, step_result.keep
-        loss, fit, keep = _distill_loss(model, soft, ids, weight, args.compression_weight, target)
+        loss, fit, keep = _distill_loss(
+            model, soft, ids, weight, args.compression_weight, target, _teacher(model, args.lora)
+        )
     if torch.isfinite(loss):
         loss.backward()
     return float(loss.detach()), fit, keep
@@ -279,15 +359,16 @@ def _distill_loss(
     weight: torch.Tensor,
     compression_weight: float,
     target: float,
+    teacher: Callable[[], AbstractContextManager] = nullcontext,
 ) -> tuple[torch.Tensor, float, float]:
     """KL(teacher || student) (token weights `weight` `(B, T)`) + the compression term, over the whole
-    sequence at once; its KL part and the mean keep fraction."""
+    sequence at once; its KL part and the mean keep fraction. The teacher is the model inside `teacher()`."""
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-    with torch.no_grad():
-        teacher = F.log_softmax(model(ids).to(dtype), dim=-1)
+    with torch.no_grad(), teacher():
+        teacher_logp = F.log_softmax(model(ids).to(dtype), dim=-1)
     with soft_eviction(model, soft):
         student = F.log_softmax(model(ids).to(dtype), dim=-1)
-    kl = (teacher.exp() * (teacher - student)).sum(dim=-1)  # (B, T)
+    kl = (teacher_logp.exp() * (teacher_logp - student)).sum(dim=-1)  # (B, T)
     kl = (kl * weight).sum() / weight.sum()
     gates = soft.gates
     mask = evictable(ids.shape[1], gates.window, gates.sinks, ids.device)

@@ -5,6 +5,11 @@ With `--learn.checkpoint_interval N`, every `N` steps the run also writes `out_d
 same checkpoint directory, plus Adam's state in `gate_optimizer.safetensors` and the step in
 `learn_state.json`), atomically; `--resume out_dir/step-XXXXXX` continues from it bitwise (the data
 order and the soft decisions' noise are functions of the seed and the step).
+
+With `--learn.lora true`, LoRA adapters (`--lora.*`) train together with the gates. Every output
+directory then holds the merged weights (`model.safetensors`, adapters folded in: a plain checkpoint
+that `litkv generate --kv-cache learned` loads), the adapters alone (`lora.safetensors`, what
+`--resume` reads back) and the gates, whose fingerprint is that of the merged weights.
 """
 
 from __future__ import annotations
@@ -20,15 +25,26 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
-from litkv.checkpoint import find_weights_file, load_model, load_tokenizer, save_gates
+from litkv.atomic import remove_stale_temp_files, save_dir_atomic, write_atomic, write_text_atomic
+from litkv.checkpoint import (
+    SAFETENSORS_FILE,
+    check_finite,
+    find_weights_file,
+    load_model,
+    load_state_dict,
+    load_tokenizer,
+    save_gates,
+    save_state_dict_atomic,
+)
 from litkv.config import KVCacheConfig
 from litkv.finetune.data import DataArgs, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_gates
+from litkv.finetune.lora import LoRAArgs, apply_lora, lora_state_dict, merged_state_dict
 from litkv.finetune.lstsq import fit_gates_lstsq
-from litkv.finetune.state import COPIED_FILES, checkpoint_name, recall_task_files, yaml_safe
+from litkv.finetune.state import COPIED_FILES, LORA_FILE, checkpoint_name, recall_task_files, yaml_safe
 from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
+from litkv.model import GPT
 
 __all__ = ["LOG_FILE", "OPTIMIZER_FILE", "STATE_FILE", "learn_eviction", "load_gate_state"]
 
@@ -38,7 +54,7 @@ LOG_FILE = "learn_eviction.csv"
 OPTIMIZER_FILE = "gate_optimizer.safetensors"
 #: The step and the settings that must not change on resume.
 STATE_FILE = "learn_state.json"
-_FIXED = ("method", "engine", "batch_size", "seed", "window", "sinks", "init_bias")
+_FIXED = ("method", "engine", "batch_size", "seed", "window", "sinks", "init_bias", "lora")
 
 
 def learn_eviction(
@@ -49,25 +65,34 @@ def learn_eviction(
     device: str | None = None,
     kv_cache: KVCacheConfig | None = None,
     resume: Path | None = None,
+    lora: LoRAArgs | None = None,
 ) -> Path:
     """Train gates for `checkpoint_dir` on `data` and write `out_dir/final` atomically.
 
-    The backbone is frozen: the output holds the base's weights unchanged, its tokenizer, config and
-    pass-key task files, the gates (`GATES_FILE`), the per-step log (`LOG_FILE`) and the settings
-    (`learn_eviction.yaml`). `kv_cache`: the student's caches (`--learn.engine chunked`). Returns the
-    written directory.
+    Without `learn.lora` the backbone is frozen: the output holds the base's weights unchanged, its
+    tokenizer, config and pass-key task files, the gates (`GATES_FILE`), the per-step log (`LOG_FILE`) and
+    the settings (`learn_eviction.yaml`). With it, adapters `lora` (default `LoRAArgs()`, initialised from
+    `learn.seed`) train too and the output holds the merged weights and `LORA_FILE` (module docstring).
+    `kv_cache`: the student's caches (`--learn.engine chunked`). Returns the written directory.
     """
+    lora = (LoRAArgs() if lora is None else lora) if learn.lora else None
+    if Path(out_dir).is_dir():
+        remove_stale_temp_files(out_dir)  # left by a run killed while writing a checkpoint
     model = load_model(checkpoint_dir, device=device)
     model.eviction_gates = None  # gates the base may ship are not the ones trained here
-    weights_id = model_fingerprint(model)["weights"]
+    base_id = model_fingerprint(model)["weights"]
     tokenizer = load_tokenizer(checkpoint_dir)
     examples = load_examples(data, tokenizer, seed=learn.seed, checkpoint_dir=checkpoint_dir)
     _check_lengths(examples, data, learn)
     train, _ = split_examples(examples, data.val_fraction, learn.seed)
     if resume is not None and learn.method == "lstsq":
         raise ValueError(f"--learn.method lstsq runs in one pass and cannot --resume (got {str(resume)!r})")
-    state = None if resume is None else load_gate_state(resume, learn, len(train))
-    settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn, "kv_cache": kv_cache})
+    state = None if resume is None else load_gate_state(resume, learn, len(train), lora)
+    if lora is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(learn.seed)  # the adapters' initialisation
+            apply_lora(model, lora)
+    settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn, "kv_cache": kv_cache, "lora": lora})
     bar = tqdm(total=learn.steps, initial=0 if state is None else state.step, desc=f"learn eviction ({learn.method})")
 
     def progress(log: StepLog) -> None:
@@ -75,8 +100,8 @@ def learn_eviction(
         bar.set_postfix(loss=f"{log.loss:.4g}", fit=f"{log.fit:.4g}", keep=f"{log.keep:.3f}", goal=f"{log.target:.3f}")
 
     def checkpoint(s: GateTrainState) -> str:
-        s.gates.weights = weights_id
-        body = partial(_write, checkpoint_dir, s.gates, s.logs, settings, (s, len(train)))
+        weights = _weights(model, base_id, s.gates)
+        body = partial(_write, checkpoint_dir, weights, s.gates, s.logs, settings, (s, len(train)))
         return str(save_dir_atomic(out_dir / checkpoint_name(s.step, False), body))
 
     try:
@@ -86,8 +111,26 @@ def learn_eviction(
             gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
     finally:
         bar.close()
-    gates.weights = weights_id
-    return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, gates, logs, settings, None))
+    weights = _weights(model, base_id, gates)
+    return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, weights, gates, logs, settings, None))
+
+
+def _weights(
+    model: GPT, base_id: str, gates: EvictionGates
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """Set `gates.weights` to the fingerprint of the weights the output holds: the base's (`base_id`,
+    returns `None`: the base's file is copied) or, with LoRA adapters, the merged weights (returns them
+    and the adapters, on the host)."""
+    adapters = lora_state_dict(model)
+    if not adapters:
+        gates.weights = base_id
+        return None
+    merged = {k: v.cpu() for k, v in merged_state_dict(model).items()}
+    with torch.device("meta"):
+        plain = GPT(model.config)
+    plain.load_state_dict(merged, strict=True, assign=True)  # as load_model reads the merged file
+    gates.weights = model_fingerprint(plain)["weights"]
+    return merged, {k: v.cpu().clone() for k, v in adapters.items()}
 
 
 def _check_lengths(examples: list, data: DataArgs, learn: GateTrainArgs) -> None:
@@ -103,16 +146,24 @@ def _check_lengths(examples: list, data: DataArgs, learn: GateTrainArgs) -> None
 
 def _write(
     base_dir: Path,
+    weights: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None,
     gates: EvictionGates,
     logs: list[StepLog],
     settings: dict,
     resumable: tuple[GateTrainState, int] | None,
     tmp: Path,
 ) -> None:
+    """Write an output directory into `tmp`; `weights`: `None` (the base's file is copied) or the merged
+    weights and the adapters."""
     from safetensors.torch import save_file
 
-    weights = find_weights_file(base_dir)
-    for name in (weights.name, *COPIED_FILES, *recall_task_files(base_dir)):
+    copied = [*COPIED_FILES, *recall_task_files(base_dir)]
+    if weights is None:
+        copied.insert(0, find_weights_file(base_dir).name)
+    else:
+        save_state_dict_atomic(tmp / SAFETENSORS_FILE, weights[0])
+        save_state_dict_atomic(tmp / LORA_FILE, weights[1])
+    for name in copied:
         if (base_dir / name).is_file():
             write_atomic(tmp / name, partial(shutil.copyfile, base_dir / name))
     save_gates(gates, tmp / GATES_FILE)
@@ -127,7 +178,7 @@ def _write(
         tensors = _optimizer_tensors(state.optimizer)
         write_atomic(tmp / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
         fixed = {name: settings["learn"][name] for name in _FIXED}
-        record = {"step": state.step, "num_train_examples": num_examples, "learn": fixed}
+        record = {"step": state.step, "num_train_examples": num_examples, "learn": fixed, "lora": settings["lora"]}
         write_text_atomic(tmp / STATE_FILE, json.dumps(record, indent=1))
 
 
@@ -140,19 +191,24 @@ def _optimizer_tensors(optimizer: dict) -> dict[str, torch.Tensor]:
     }
 
 
-def load_gate_state(resume_dir: Path, learn: GateTrainArgs, num_examples: int) -> GateTrainState:
+def load_gate_state(
+    resume_dir: Path, learn: GateTrainArgs, num_examples: int, lora: LoRAArgs | None = None
+) -> GateTrainState:
     """The state a checkpoint `out_dir/step-XXXXXX` of a gate-training run holds (ValueError naming the
-    directory when it is not one, or when the settings or the data differ)."""
+    directory when it is not one, or when the settings, the LoRA adapters' settings `lora` or the data
+    differ)."""
     from safetensors.torch import load_file
 
     resume_dir = Path(resume_dir)
-    files = [resume_dir / name for name in (GATES_FILE, OPTIMIZER_FILE, STATE_FILE, LOG_FILE)]
-    missing = [f.name for f in files if not f.is_file()]
+    names = (GATES_FILE, OPTIMIZER_FILE, STATE_FILE, LOG_FILE) + ((LORA_FILE,) if learn.lora else ())
+    missing = [name for name in names if not (resume_dir / name).is_file()]
     if missing:
         raise ValueError(f"--resume {str(resume_dir)!r} is not a gate-training checkpoint: missing {missing}")
     record = json.loads((resume_dir / STATE_FILE).read_text(encoding="utf-8"))
     now = {name: yaml_safe(getattr(learn, name)) for name in _FIXED}
-    changed = {k: (record["learn"].get(k), v) for k, v in now.items() if record["learn"].get(k) != v}
+    changed = {k: (record["learn"].get(k), v) for k, v in now.items() if record["learn"].get(k, False) != v}
+    if record.get("lora") != yaml_safe(lora):
+        changed["lora adapters"] = (record.get("lora"), yaml_safe(lora))
     if changed or record["num_train_examples"] != num_examples:
         raise ValueError(
             f"cannot resume from {str(resume_dir)!r}: settings (saved, now) {changed} and training examples "
@@ -169,4 +225,9 @@ def load_gate_state(resume_dir: Path, learn: GateTrainArgs, num_examples: int) -
     logs = [
         StepLog(int(r["step"]), float(r["loss"]), float(r["fit"]), float(r["keep"]), float(r["target"])) for r in rows
     ]
-    return GateTrainState(int(record["step"]), EvictionGates.load(resume_dir / GATES_FILE), optimizer, logs)
+    adapters = None
+    if learn.lora:
+        adapters = load_state_dict(resume_dir / LORA_FILE)
+        check_finite(adapters, f"LoRA adapters in {str(resume_dir / LORA_FILE)!r}")
+    gates = EvictionGates.load(resume_dir / GATES_FILE)
+    return GateTrainState(int(record["step"]), gates, optimizer, logs, adapters)

@@ -19,7 +19,8 @@ on the host (`O(T)`), the device one chunk's graph and one cache snapshot per la
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,12 +53,14 @@ def chunked_distill_backward(
     kv_cache: KVCacheConfig,
     compression_weight: float,
     target: float,
+    teacher: Callable[[], AbstractContextManager] = nullcontext,
 ) -> DistillStep:
-    """The distillation loss of `soft.gates`; accumulates its exact gradient into the gates' `.grad`.
+    """The distillation loss of `soft.gates`; accumulates its exact gradient into the gates' `.grad` and
+    into that of every model parameter that requires grad (LoRA adapters trained with the gates).
 
     Args:
-        model: the GPT (frozen: no parameter needs grad); its `eviction_gates` are replaced by
-            `soft.gates` during the call (the `learned` policy ranks slots by them).
+        model: the GPT; its `eviction_gates` are replaced by `soft.gates` during the call (the `learned`
+            policy ranks slots by them).
         soft: the soft eviction whose gates (tensors requiring grad) are trained; a `noise_table` covering
             the batch makes the noise the same in the recording and the replay (needed with `noise`).
         input_ids: `(B, T)` token ids; every row starts at position 0.
@@ -65,6 +68,8 @@ def chunked_distill_backward(
         kv_cache: the student's caches (the `learned` or `dense` policy, float storage; `cache_length >= T`
             evicts nothing).
         compression_weight, target: the compression term `compression_weight * relu(mean keep - target)`.
+        teacher: inside `teacher()` the model is the teacher (e.g. its LoRA adapters switched off); the
+            default: the model itself, without eviction.
 
     Returns:
         The step's loss, its KL part and the mean keep fraction.
@@ -86,7 +91,10 @@ def chunked_distill_backward(
     teacher_config = replace(
         kv_cache, policy="dense", cache_length=max(t, kv_cache.cache_length), storage="float", options={}
     )
-    teacher = record_forward(model, idx, input_pos, [teacher_config] * model.config.n_layer, bounds, grads=False)
+    with teacher():
+        teacher_tapes = record_forward(
+            model, idx, input_pos, [teacher_config] * model.config.n_layer, bounds, grads=False
+        )
     evictable = (torch.arange(t, device=device) >= sinks) & (torch.arange(t, device=device) < t - window)
     kept = [0.0]
 
@@ -106,7 +114,9 @@ def chunked_distill_backward(
         weight = weight / weight.sum()
         kl_total = 0.0
         for chunk in reversed(range(len(bounds))):
-            kl_total += _chunk(model, soft, idx, input_pos, weight, evictable, coef, teacher, student, chunk, bounds)
+            kl_total += _chunk(
+                model, soft, idx, input_pos, weight, evictable, coef, (teacher, teacher_tapes), student, chunk, bounds
+            )
     finally:
         model.eviction_gates = previous
     loss = kl_total + compression_weight * max(0.0, keep_mean - target)
@@ -121,15 +131,17 @@ def _chunk(
     weight: torch.Tensor,
     evictable: torch.Tensor,
     coef: float,
-    teacher: Sequence[LayerTape],
+    teacher: tuple[Callable[[], AbstractContextManager], Sequence[LayerTape]],
     student: Sequence[LayerTape],
     chunk: int,
     bounds: Sequence[tuple[int, int]],
 ) -> float:
-    """Replay chunk `chunk`: the teacher without grad, then the student with its backward; its weighted KL."""
+    """Replay chunk `chunk`: the teacher (its context, its tapes) without grad, then the student with its
+    backward; its weighted KL."""
     start, end = bounds[chunk]
     ids, pos = idx[:, start:end], input_pos[:, start:end]
-    with torch.no_grad(), model.kv_caches_attached(replay_caches(teacher, chunk, start, end - start, idx.device)):
+    caches = replay_caches(teacher[1], chunk, start, end - start, idx.device)
+    with torch.no_grad(), teacher[0](), model.kv_caches_attached(caches):
         logits = model(ids, pos)
         teacher_logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     mask = evictable[start:end]

@@ -215,20 +215,28 @@ class LearnedKVCache(ScoreKVCache):
 
     @classmethod
     def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
-        """The layers' scores with the new tokens' gate logits of every layer computed at once: the keys
-        of all layers, side by side on the head axis `(B, n_layers * G, 1, D)`, rotated back and gated in
-        one pass (per element the same operations as one layer alone)."""
+        """The layers' scores `(n_layers, B, G, L + 1)` built at once: the new tokens' gate logits of every
+        layer in one pass (the keys of all layers side by side on the head axis `(B, n_layers * G, 1, D)`,
+        rotated back and gated; per element the same operations as one layer alone), then the slots'
+        carried logits stacked and the new ones appended in one copy. Each layer's record gets its view
+        (what `score` returns for it), so the values are those of `score` layer by layer."""
         rope = caches[0]._bound()[1]
-        if all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in caches):
-            gates = [c._bound()[0] for c in caches]  # type: ignore[attr-defined]
-            stacked = EvictionGates(
-                torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1), 0, 0
-            )
-            keys = torch.cat([r.new_keys for r in records], dim=1)
-            logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)
-            for record, part in zip(records, logits.chunk(len(caches), dim=1), strict=True):
-                record.scratch[_NEW] = part
-        return super().stacked_scores(caches, records)
+        if not all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in caches):
+            return super().stacked_scores(caches, records)
+        gates = [c._bound()[0] for c in caches]  # type: ignore[attr-defined]
+        stacked = EvictionGates(
+            torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1), 0, 0
+        )
+        keys = torch.cat([r.new_keys for r in records], dim=1)
+        logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)  # (B, n * G, T)
+        b, _, t = logits.shape
+        new = logits.view(b, len(caches), -1, t).transpose(0, 1)  # (n, B, G, T)
+        slots = torch.stack([c.logits for c in caches])  # type: ignore[attr-defined]  # (n, B, G, L)
+        scores = torch.cat((slots, new.to(slots.dtype)), dim=3)
+        for i, record in enumerate(records):
+            record.scratch[_NEW] = new[i]
+            record.scratch["learned.score"] = scores[i]
+        return scores
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones (built once
@@ -252,7 +260,7 @@ class LearnedKVCache(ScoreKVCache):
             protected = self._protected(self.positions)
             below = logits < self.threshold
             self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
-        self.logits = logits.masked_fill(self.positions < 0, 0.0)
+        self.logits = logits.masked_fill_(self.positions < 0, 0.0)  # `carry` made a new tensor
 
     def _bound(self) -> tuple[EvictionGates, BoundRope]:
         if self._gates is None or self._rope is None:

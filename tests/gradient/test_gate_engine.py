@@ -1,8 +1,13 @@
 """Gate gradients through the chunked engine (`chunked_distill_backward`) against plain autograd: the
 whole-sequence soft eviction when the cache keeps every token, `forward_chunked` through the evicting
-`learned` caches otherwise; and the comparison fails when a chunk's contribution is dropped."""
+`learned` caches otherwise; and the comparison fails when a chunk's contribution is dropped. With LoRA
+adapters training with the gates (the teacher: the model with its adapters off), the adapters'
+gradients too."""
 
 from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -11,6 +16,8 @@ from helpers import float64_model, random_gpt, random_tokens, tiny_config
 
 import litkv.gradient.distill as distill
 from litkv.config import KVCacheConfig
+from litkv.finetune.gates import adapters_off
+from litkv.finetune.lora import LoRAArgs, LoRALinear, apply_lora, mark_only_lora_as_trainable
 from litkv.generate import forward_chunked
 from litkv.gradient import LayerTape
 from litkv.gradient.distill import chunked_distill_backward
@@ -55,10 +62,11 @@ class _Recording(SoftEviction):
         return out
 
 
-def _reference(model, idx, soft: SoftEviction, kv_cache: KVCacheConfig | None, target: float):
-    """Plain autograd: the teacher is the whole dense forward; the student the whole soft forward
-    (`kv_cache` None) or `forward_chunked` through the caches with soft eviction."""
-    with torch.no_grad():
+def _reference(model, idx, soft: SoftEviction, kv_cache: KVCacheConfig | None, target: float, teacher=nullcontext):
+    """Plain autograd: the teacher is the whole dense forward (inside `teacher()`); the student the whole
+    soft forward (`kv_cache` None) or `forward_chunked` through the caches with soft eviction. Gradients of
+    the gates, then of the model's trainable parameters."""
+    with torch.no_grad(), teacher():
         teacher = F.log_softmax(model(idx), dim=-1)
     evictable = (torch.arange(T) >= SINKS) & (torch.arange(T) < T - WINDOW)
     model.eviction_gates = soft.gates
@@ -78,14 +86,19 @@ def _reference(model, idx, soft: SoftEviction, kv_cache: KVCacheConfig | None, t
     kl = (kl * weight).sum() / weight.sum()
     keep = torch.cat([k.flatten() for k in keeps]).mean()
     loss = kl + WEIGHT * F.relu(keep - target)
-    grads = torch.autograd.grad(loss, soft.gates.parameters())
+    grads = torch.autograd.grad(loss, _trained(model, soft))
     return float(loss.detach()), float(keep.detach()), grads
 
 
-def _engine(model, idx, soft: SoftEviction, kv_cache: KVCacheConfig, target: float):
-    step = chunked_distill_backward(model, soft, idx, _token_weight(), kv_cache, WEIGHT, target)
-    grads = [p.grad.clone() for p in soft.gates.parameters()]
-    for p in soft.gates.parameters():
+def _trained(model, soft: SoftEviction) -> list[torch.Tensor]:
+    return [*soft.gates.parameters(), *(p for p in model.parameters() if p.requires_grad)]
+
+
+def _engine(model, idx, soft: SoftEviction, kv_cache: KVCacheConfig, target: float, teacher=nullcontext):
+    step = chunked_distill_backward(model, soft, idx, _token_weight(), kv_cache, WEIGHT, target, teacher)
+    params = _trained(model, soft)
+    grads = [p.grad.clone() for p in params]
+    for p in params:
         p.grad = None
     return step, grads
 
@@ -152,3 +165,71 @@ def test_noise_needs_a_table(model):
     kv = KVCacheConfig(policy="learned", cache_length=T, chunk_size=6)
     with pytest.raises(ValueError, match="noise_table"):
         chunked_distill_backward(model, soft, random_tokens(B, T, seed=1), _token_weight(), kv, WEIGHT, 0.2)
+
+
+@pytest.fixture(scope="module")
+def lora_model(model):
+    """The float64 model with LoRA adapters on every target of the blocks, their `lora_B` random (a fresh
+    adapter is zero: the student would equal the teacher but for eviction)."""
+    m = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(17)
+        apply_lora(m, LoRAArgs(r=2, alpha=4.0, targets=["attn.qkv", "attn.proj", "mlp"]))
+        with torch.no_grad():
+            for module in m.modules():
+                if isinstance(module, LoRALinear):
+                    module.lora_B.normal_(0.0, 0.3)
+    mark_only_lora_as_trainable(m)
+    return m
+
+
+def test_adapters_off_is_the_base_model(model, lora_model):
+    idx = random_tokens(B, T, seed=18)
+    with torch.no_grad():
+        assert not torch.allclose(lora_model(idx), model(idx))
+        with adapters_off(lora_model):
+            assert torch.equal(lora_model(idx), model(idx))
+        assert not torch.allclose(lora_model(idx), model(idx))  # switched back on
+
+
+@pytest.mark.parametrize("straight_through", [True, False])
+@pytest.mark.parametrize("chunk", [(5, None), (4, 9)])
+def test_lora_and_gates_keep_everything_equal_whole_sequence(lora_model, straight_through, chunk):
+    """Gates and adapters: the engine's gradients equal autograd on the whole sequence, the teacher being
+    the model with its adapters off."""
+    idx = random_tokens(B, T, seed=14)
+    gates = _gates()
+    kv = KVCacheConfig(policy="learned", cache_length=T, chunk_size=chunk[0], prefill_length=chunk[1])
+    teacher = lambda: adapters_off(lora_model)  # noqa: E731
+    loss, keep, want = _reference(lora_model, idx, _soft(gates, straight_through), None, 0.2, teacher)
+    step, got = _engine(lora_model, idx, _soft(gates, straight_through), kv, 0.2, teacher)
+    assert len(got) == 2 + 2 * 4 * CONFIG.n_layer  # gates; A and B of qkv, proj, fc, mlp.proj per layer
+    assert step.loss == pytest.approx(loss, rel=1e-10) and step.keep == pytest.approx(keep, rel=1e-12)
+    assert all(g.abs().sum() > 0 for g in got)
+    assert _close(got, want), [float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True)]
+
+
+def test_lora_and_gates_through_an_evicting_cache(lora_model):
+    idx = random_tokens(B, T, seed=15)
+    gates = _gates(16)
+    kv = KVCacheConfig(policy="learned", cache_length=14, chunk_size=4, options={"recent": 5})
+    teacher = lambda: adapters_off(lora_model)  # noqa: E731
+    soft = _Recording(gates, CONFIG.rope_n_elem, TAU, True, True, _soft(gates, True).noise_table)
+    loss, keep, want = _reference(lora_model, idx, soft, kv, 0.2, teacher)
+    step, got = _engine(lora_model, idx, _soft(gates, True), kv, 0.2, teacher)
+    assert step.loss == pytest.approx(loss, rel=1e-10)
+    assert _close(got, want)
+
+
+def test_lora_teacher_with_adapters_on_is_caught(lora_model, monkeypatch):
+    """The teacher left with its adapters on, or the cached keys' gradients dropped, changes the gradients."""
+    idx = random_tokens(B, T, seed=14)
+    gates = _gates()
+    kv = KVCacheConfig(policy="learned", cache_length=T, chunk_size=6)
+    teacher = lambda: adapters_off(lora_model)  # noqa: E731
+    want = _reference(lora_model, idx, _soft(gates, True), None, 0.2, teacher)[2]
+    assert _close(_engine(lora_model, idx, _soft(gates, True), kv, 0.2, teacher)[1], want)
+    assert not _close(_engine(lora_model, idx, _soft(gates, True), kv, 0.2)[1], want)
+    monkeypatch.setattr(LayerTape, "accumulate", lambda self, positions, gk, gv: None)
+    got = _engine(lora_model, idx, _soft(gates, True), kv, 0.2, teacher)[1]
+    assert not _close(got[2:], want[2:])  # the adapters' gradients too
