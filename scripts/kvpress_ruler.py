@@ -20,6 +20,7 @@ tokens come on top of b here.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import time
 from collections.abc import Callable
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         mean = sum(rows[label].values()) / len(tasks)
         print(f"| {label} | {cells} | {mean:.2f} | {time.perf_counter() - start:.0f} s |", flush=True)
     if args.json_out:
-        args.json_out.write_text(json.dumps({"tasks": tasks, "rows": rows, "kvpress": kvpress.__version__}))
+        args.json_out.write_text(
+            json.dumps({"tasks": tasks, "rows": rows, "kvpress": importlib.metadata.version("kvpress")})
+        )
     return 0
 
 
