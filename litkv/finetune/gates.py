@@ -71,8 +71,6 @@ class GateTrainArgs:
         temperature_end: ... to this at the end of the ramp.
         compression_weight: weight of the compression term.
         answer_weight: extra weight of the KL at tokens that have a target in the data (recall answers).
-        mass_weight: `lstsq` only: a token's weight in the least squares is `1 + mass_weight * m`, `m` its
-            largest attention weight from a far query (so that strongly attended tokens are fitted first).
         init_bias: the gates' initial bias (keep probability sigmoid(init_bias)).
         seed: seeds the data order and the noise.
         engine: `chunked` (distill through the chunked gradient engine and the `--kv_cache` caches: memory
@@ -96,7 +94,6 @@ class GateTrainArgs:
     temperature_end: float = 0.25
     compression_weight: float = 10.0
     answer_weight: float = 10.0
-    mass_weight: float = 0.0
     init_bias: float = 2.0
     seed: int = 1234
     engine: str = "chunked"
@@ -127,7 +124,7 @@ class GateTrainArgs:
         for name in ("lr", "lora_lr", "temperature_start", "temperature_end"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("compression_weight", "answer_weight", "mass_weight"):
+        for name in ("compression_weight", "answer_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 

@@ -4,8 +4,7 @@ sequence and no backward.
 The objective is `regress`'s (Locret/KVzap-style): each gate logit `k_pre . w / sqrt(D) + b` should
 equal `log(m + 1e-4)`, where `m` is the largest attention weight the token receives from a dense query
 at distance `>= window` (`litkv.finetune.gates.attention_mass`). The logit is linear in `(w, b)`, so the
-(weighted, `--learn.mass_weight`: a token's weight is `1 + mass_weight * m`) mean squared error over
-all training tokens has one minimiser per layer and KV head, found from the
+mean squared error over all training tokens has one minimiser per layer and KV head, found from the
 normal equations accumulated over the sequences:
 
     [w / sqrt(D); b] = (X^T X + lambda * mean(diag(X^T X)) * I)^-1 X^T y,   X = [k_pre / sqrt(D), 1]
@@ -49,17 +48,15 @@ class NormalEquations:
         self.yty = torch.zeros(shape, dtype=torch.float64)
         self.count = torch.zeros(shape, dtype=torch.float64)
 
-    def add(self, layer: int, keys_pre: torch.Tensor, goal: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """Add the tokens of one layer: pre-RoPE keys `(B, G, N, D)`, their targets `(B, G, N)` and optional
-        weights `(B, G, N)` (default 1)."""
+    def add(self, layer: int, keys_pre: torch.Tensor, goal: torch.Tensor) -> None:
+        """Add the tokens of one layer: pre-RoPE keys `(B, G, N, D)` and their targets `(B, G, N)`."""
         x = keys_pre.detach().to("cpu", torch.float64) / math.sqrt(keys_pre.shape[-1])
         x = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)  # (B, G, N, D+1)
         y = goal.detach().to("cpu", torch.float64)
-        w = torch.ones_like(y) if weight is None else weight.detach().to("cpu", torch.float64)
-        self.xtx[layer] += torch.einsum("bgnd,bgn,bgne->gde", x, w, x)
-        self.xty[layer] += torch.einsum("bgnd,bgn->gd", x, w * y)
-        self.yty[layer] += (w * y * y).sum(dim=(0, 2))
-        self.count[layer] += w.sum(dim=(0, 2))
+        self.xtx[layer] += torch.einsum("bgnd,bgne->gde", x, x)
+        self.xty[layer] += torch.einsum("bgnd,bgn->gd", x, y)
+        self.yty[layer] += (y * y).sum(dim=(0, 2))
+        self.count[layer] += y.shape[0] * y.shape[2]
 
     def solve(self, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
         """The minimiser `(w, b)`: `w` `(L, G, D)` (the gates' `weight`), `b` `(L, G)`, float64."""
@@ -106,8 +103,7 @@ def fit_gates_lstsq(
         ids = torch.stack([examples[i][0] for i in batch]).to(device)
         mask = evictable(ids.shape[1], args.window, args.sinks, ids.device)
         for layer, (keys_pre, mass) in enumerate(attention_mass(model, ids, args.window)):
-            far = mass[:, :, mask].double()
-            sums.add(layer, keys_pre[:, :, mask], torch.log(far + 1e-4), 1 + args.mass_weight * far)
+            sums.add(layer, keys_pre[:, :, mask], torch.log(mass[:, :, mask].double() + 1e-4))
         weight, bias = sums.solve()
         gates = EvictionGates(weight.float(), bias.float(), args.window, args.sinks)
         fit = sums.mse(weight, bias)
