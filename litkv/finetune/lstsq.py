@@ -97,17 +97,15 @@ def fit_gates_lstsq(
     device = next(model.parameters()).device
     sums = NormalEquations(c.n_layer, c.n_query_groups, c.head_size)
     logs: list[StepLog] = []
-    gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, args.window, args.sinks, args.init_bias)
     for step in range(args.steps):
         batch = batch_indices(len(examples), args.batch_size, args.seed, step)
         ids = torch.stack([examples[i][0] for i in batch]).to(device)
         mask = evictable(ids.shape[1], args.window, args.sinks, ids.device)
         for layer, (keys_pre, mass) in enumerate(attention_mass(model, ids, args.window)):
             sums.add(layer, keys_pre[:, :, mask], torch.log(mass[:, :, mask].double() + 1e-4))
-        weight, bias = sums.solve()
-        gates = EvictionGates(weight.float(), bias.float(), args.window, args.sinks)
-        fit = sums.mse(weight, bias)
+        fit = sums.mse(*sums.solve())  # the log: the in-sample error of the gates solved so far
         logs.append(StepLog(step, fit, fit, float("nan"), float("nan")))
         if progress is not None:
             progress(logs[-1])
-    return gates.to(device), logs
+    weight, bias = sums.solve()
+    return EvictionGates(weight.float(), bias.float(), args.window, args.sinks).to(device), logs
