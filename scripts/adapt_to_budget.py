@@ -36,9 +36,9 @@ import torch
 import yaml
 
 from litkv.cli.evaluate_cmd import evaluate
-from litkv.config import KVCacheConfig
-from litkv.evaluate import PolicyResult
+from litkv.eval.evaluate import PolicyResult
 from litkv.finetune.cli import finetune
+from litkv.modeling.config import KVCacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 #: "Clearly less": the control's gain is at most this share of the adapted model's gain.
@@ -180,9 +180,10 @@ def needle_digits_kept(checkpoint_dir: Path, kv: dict[str, Any], per_depth: int 
     Returns:
         ``{depth: [mean digit tokens held, per layer]}``.
     """
-    from litkv.checkpoint import load_model, load_tokenizer
-    from litkv.recall import RecallTask, encode_plain
-    from litkv.runner import ChunkPlan, run_chunks
+    from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+    from litkv.core.tokens import encode_plain
+    from litkv.eval.recall import RecallTask
+    from litkv.modeling.runner import ChunkPlan, run_chunks
 
     model, tokenizer = load_model(checkpoint_dir).eval(), load_tokenizer(checkpoint_dir)
     task = RecallTask.from_checkpoint(checkpoint_dir, tokenizer)

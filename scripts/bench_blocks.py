@@ -34,13 +34,19 @@ from pathlib import Path
 import torch
 
 from litkv import GPT, KVCacheConfig, PrefixCache, restore, snapshot
-from litkv.block_store import BlockStore
-from litkv.blocks import Segment, generate_segments, generate_segments_batch, prefill_segments, prompt_segments
-from litkv.chat_template import load_format
-from litkv.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.recall import encode_plain
-from litkv.ruler import FALLBACK_WORDS, NOISE, NiahFormat
+from litkv.core.tokens import encode_plain
+from litkv.eval.ruler import FALLBACK_WORDS, NOISE, NiahFormat
+from litkv.inference.blocks import (
+    Segment,
+    generate_segments,
+    generate_segments_batch,
+    prefill_segments,
+    prompt_segments,
+)
+from litkv.inference.chat_template import load_format
+from litkv.states.block_store import BlockStore
 
 # RULER's niah question, asked as a chat user would (a small instruct model answers it with the number).
 QUESTION = "\nWhat is the special magic number for {key} mentioned in the provided text? Answer with the number only."

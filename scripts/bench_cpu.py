@@ -8,7 +8,7 @@ state; on a shared machine, say how loaded it was):
   the checkpoint converted from that file, with float32 / int8 / int4 weights (`--quantize`) x float /
   int8 / int4 KV storage, dense and h2o, greedy, at each prompt length: prefill tok/s, decode tok/s
   (median over `--repeats`), and each litkv row's bytes per decode step and the tok/s that the memory
-  bandwidth measured in the same run allows (`litkv.bandwidth`).
+  bandwidth measured in the same run allows (`litkv.eval.bandwidth`).
 - `kv`: the KV cache alone at long contexts: decode steps of the real model (float32 weights) with
   every layer's cache filled with `--cached` random tokens (no prefill: the state is written directly),
   dense and h2o, float / int8 / int4 storage, and the same at `--slots` slots; the ratio of each
@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 from bench_llamacpp import run_llamacpp
 
-from litkv.bandwidth import measure_bandwidth
-from litkv.checkpoint import load_tokenizer
+from litkv.checkpoints.checkpoint import load_tokenizer
+from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.config import KVCacheConfig
-from litkv.generate import generate
+from litkv.eval.bandwidth import measure_bandwidth
+from litkv.inference.generate import generate
 from litkv.kvcache.caches import KVCaches
-from litkv.model import GPT
-from litkv.runtime import load_for_inference
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
 
 STORAGE_BYTES = {"float": 4.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}  # per number, 16-bit scale+offset
 

@@ -1,6 +1,6 @@
 """Cost of `model_fingerprint` (an integer digest of every parameter element, then sha256) for the shipped model.
 
-Prints seconds per billion parameters and bytes/s, next to the memory bandwidth `litkv.bandwidth` measures.
+Prints seconds per billion parameters and bytes/s, next to the memory bandwidth `litkv.eval.bandwidth` measures.
 Usage: python scripts/bench_fingerprint.py [--checkpoint litkv/assets/default] [--repeats 3]
 """
 
@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from litkv.bandwidth import measure_bandwidth
-from litkv.checkpoint import load_model
-from litkv.fingerprint import _WEIGHT_HASHES, model_fingerprint
+from litkv.checkpoints.checkpoint import load_model
+from litkv.eval.bandwidth import measure_bandwidth
+from litkv.modeling.fingerprint import _WEIGHT_HASHES, model_fingerprint
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ import time
 import torch
 
 from litkv import GPT, KVCacheConfig
-from litkv.config import Config
-from litkv.hf_hybrid import hybrid_config_from_hf
 from litkv.kvcache.config import ChunkPlan
-from litkv.runner import run_chunks
+from litkv.modeling.config import Config
+from litkv.modeling.hf_hybrid import hybrid_config_from_hf
+from litkv.modeling.runner import run_chunks
 
 
 def parse_args() -> argparse.Namespace:

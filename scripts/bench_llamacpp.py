@@ -14,7 +14,7 @@ Rows:
   and `h2o` on `int8` and `int4` storage.
 
 Decode tok/s is the number of decode steps over their time (the prompt's prefill is timed apart and
-printed as prefill tok/s). The memory bandwidth is measured in the same run (`litkv.bandwidth`) and
+printed as prefill tok/s). The memory bandwidth is measured in the same run (`litkv.eval.bandwidth`) and
 each litkv row shows the bytes a step reads (weights + cache) and the tok/s that bandwidth allows.
 
     python3 -m venv ../venv-llamacpp    # llama.cpp is built from source; GGML_NATIVE=OFF: the native build
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
-from litkv.bandwidth import measure_bandwidth
-from litkv.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.config import KVCacheConfig
-from litkv.generate import generate
+from litkv.eval.bandwidth import measure_bandwidth
+from litkv.inference.generate import generate
+from litkv.modeling.config import KVCacheConfig
 
 # Runs inside the llama.cpp environment: argv[1] is a JSON job; prints one JSON line with the timings.
 LLAMACPP_WORKER = r"""

@@ -2,10 +2,10 @@
 bound and Hugging Face `transformers`, SmolLM2-135M architecture.
 
 Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU, written once in both
-formats by `litkv.peers.prepare_weights` so that the `transformers` row (`hf-dynamic`:
+formats by `litkv.eval.peers.prepare_weights` so that the `transformers` row (`hf-dynamic`:
 `LlamaForCausalLM`, its default `DynamicCache`, not compiled) runs on the same weights; a preset that
 is not Llama-family (or `--no-hf`) runs without it. For each configuration (batch x prompt length)
-every (mode, policy) generation runs `litkv.generate` on the same prompts (greedy) with streamed steps
+every (mode, policy) generation runs `litkv.inference.generate` on the same prompts (greedy) with streamed steps
 timed: prefill is the time to the first token; decode tokens/s is `batch x steps` over the steps' time;
 end-to-end is prefill plus every step. `compiled` is `generate(..., compile=True)` after one untimed
 warm-up call with the same shapes (it compiles the decode step; the prefill is not compiled). All the
@@ -18,7 +18,7 @@ Bytes a decode step reads: the weights once, plus every row's cached keys and va
 slots for an evicting policy, counted from the cache's own `nbytes()` so that int4/int8 scales and
 offsets count; the tokens cached halfway through the decode for dense and `transformers`). The
 machine's memory bandwidth is measured in the same run with the same thread count
-(`litkv.bandwidth.measure_bandwidth`: best of five sums of a 1 GiB tensor, before and after each
+(`litkv.eval.bandwidth.measure_bandwidth`: best of five sums of a 1 GiB tensor, before and after each
 configuration; the better of the two counts). Each row shows:
 
 - `prefill tok/s`: batch x prompt over the prefill time (eager run);
@@ -60,9 +60,9 @@ from pathlib import Path
 import torch
 
 from litkv import GPT, Config, KVCacheConfig, generate
-from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
+from litkv.eval.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
+from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
 from litkv.learned import EvictionGates
-from litkv.peers import hf_generate, load_hf, load_lit, prepare_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside its report module
 from policy_report import HF, MODES, PolicyRun, e2e_lines, evaluate_targets, format_table, format_targets  # noqa: E402
@@ -284,7 +284,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], 
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     if "compiled" in modes and "compile" not in inspect.signature(generate).parameters:
-        raise ValueError("--modes compiled: litkv.generate has no compile option in this version")
+        raise ValueError("--modes compiled: litkv.inference.generate has no compile option in this version")
     plan = {m: compiled if m == "compiled" else policies for m in MODES if m in modes}
     return configs, {m: p for m, p in plan.items() if p}
 

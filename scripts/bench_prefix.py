@@ -17,7 +17,7 @@ import time
 import torch
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
-from litkv.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 
 QUESTIONS = (
     "\n\nAnd the king said unto the prophet, what shall we do",

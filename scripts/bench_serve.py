@@ -202,9 +202,9 @@ def count_retokenize(args: argparse.Namespace) -> None:
     given that text would feed other tokens), over `--retokenize` sampled single-turn replies."""
     import torch
 
-    from litkv.chat_template import load_format
-    from litkv.checkpoint import load_model, load_tokenizer
-    from litkv.config import KVCacheConfig
+    from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+    from litkv.inference.chat_template import load_format
+    from litkv.modeling.config import KVCacheConfig
     from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 
     torch.set_num_threads(args.threads)
@@ -246,7 +246,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     if not args.checkpoint.exists():  # a model name: litkv's cache directory of it
-        from litkv.download import cache_dir
+        from litkv.checkpoints.download import cache_dir
 
         args.checkpoint = cache_dir(str(args.checkpoint))
     if args.retokenize:

@@ -416,7 +416,7 @@ def evaluate(model: LlamaForCausalLM, data: dict[str, Any], args: argparse.Names
         results[name] = run_press(model, name, args.budgets, data)
         print(f"{name}: " + ", ".join(f"@{b} {results[name][b]['mean']:.2f}" for b in args.budgets), flush=True)
     if args.litkv:
-        from litkv.checkpoint import load_model
+        from litkv.checkpoints.checkpoint import load_model
 
         lit = load_model(args.checkpoint_dir, dtype=torch.float32)
         for policy in args.litkv:

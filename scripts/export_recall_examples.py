@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from litkv.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.evaluate_cmd import DEFAULT_DEPTHS
-from litkv.recall import RecallTask
+from litkv.eval.recall import RecallTask
 
 EXAMPLES_FILE = "recall_examples.json"
 REFERENCE_FILE = "reference_logits.safetensors"

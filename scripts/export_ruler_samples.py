@@ -11,9 +11,9 @@ import argparse
 import json
 from pathlib import Path
 
-from litkv.checkpoint import load_tokenizer
+from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.ruler import NiahFormat, generate_samples, word_list
+from litkv.eval.ruler import NiahFormat, generate_samples, word_list
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,14 +1,14 @@
 """Decode speed and GPU memory in bf16: litkv against transformers' dynamic and static caches on the same
 random weights, then the policy table; markdown on stdout (scripts/gpu_check.sh appends it to its report).
 
-SmolLM2-135M architecture (random weights written once by `litkv.peers.prepare_weights`, loaded by litkv
+SmolLM2-135M architecture (random weights written once by `litkv.eval.peers.prepare_weights`, loaded by litkv
 and by `LlamaForCausalLM`, both moved to the device in `--dtype`). Per prompt length (batch 1, greedy):
 
 - `prefill s`: a generation of one token; `decode tok/s`: `(new - 1)` over the time of a generation of
   `new` tokens minus the one-token generation; both the best of `--repeats` after one untimed warm-up;
 - `peak MiB`: `torch.cuda.max_memory_allocated` during the timed generation, minus the weights;
 - rows: litkv dense, litkv dense with `compile=True`, transformers `DynamicCache`, transformers
-  `StaticCache` with its forward compiled (`litkv.peers.load_hf`: fullgraph, static shapes); `same tokens`: the
+  `StaticCache` with its forward compiled (`litkv.eval.peers.load_hf`: fullgraph, static shapes); `same tokens`: the
   greedy tokens equal litkv dense's (bf16 rounding may part them after a near tie).
 
 The policy table: every policy of `--policies` with `--cache-length` slots at a `--policy-prompt` prompt: prefill s,
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import litkv
-from litkv.config import KVCacheConfig
-from litkv.peers import hf_generate, load_hf, load_lit, prepare_weights
+from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
+from litkv.modeling.config import KVCacheConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POLICIES = "h2o,last-recent,tova,snapkv,knorm,keydiff,qh2o"
@@ -86,7 +86,9 @@ def _timed(run: Callable[[int], list[int]], new: int, repeats: int, device: torc
 def _litkv_run(model: litkv.GPT, prompt: torch.Tensor, cfg: KVCacheConfig, compile: bool) -> Callable[[int], list[int]]:
     def run(n: int) -> list[int]:
         with torch.inference_mode():
-            return litkv.generate(model, [prompt[0]], max_new_tokens=n, kv_cache=cfg, compile=compile)[0].tolist()
+            return litkv.inference.generate(model, [prompt[0]], max_new_tokens=n, kv_cache=cfg, compile=compile)[
+                0
+            ].tolist()
 
     return run
 

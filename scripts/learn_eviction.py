@@ -41,14 +41,15 @@ import jsonargparse
 import torch
 import torch.nn.functional as F
 
-from litkv.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.evaluate_cmd import evaluate
-from litkv.config import KVCacheConfig
-from litkv.evaluate import text_windows
+from litkv.core.tokens import encode_plain
+from litkv.eval.evaluate import text_windows
+from litkv.eval.recall import RECALL_FILE, RecallFormat
 from litkv.finetune.cli import finetune
 from litkv.finetune.learn_eviction import LOG_FILE
-from litkv.generate import forward_chunked
-from litkv.recall import RECALL_FILE, RecallFormat, encode_plain
+from litkv.inference.generate import forward_chunked
+from litkv.modeling.config import KVCacheConfig
 
 HEURISTICS = ["last-recent", "h2o", "tova", "knorm", "keydiff", "snapkv"]
 TARGETS = {64: 0.95, 128: 0.99}

@@ -6,7 +6,7 @@
    RULER samples and the text of its KL rows) are excluded and checked to be.
 2. `litkv finetune NAME --learn_eviction true --learn.method lstsq`: the gates in closed form from the
    dense model's attention (`litkv.finetune.lstsq`), on `--sequences` windows of `--seq_length` tokens,
-   `--recall_share` of them pass-key rows (`litkv.recall`'s format, not RULER's tasks).
+   `--recall_share` of them pass-key rows (`litkv.eval.recall`'s format, not RULER's tasks).
 3. With `--ship`, copies the gates into the package; `litkv download NAME` (or any command given the
    name) then adds them to the converted checkpoint, and `load_model` checks their fingerprint.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import jsonargparse
 
-from litkv.checkpoint import default_checkpoint_dir
+from litkv.checkpoints.checkpoint import default_checkpoint_dir
+from litkv.checkpoints.download import SHIPPED_GATES
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.download import SHIPPED_GATES
 from litkv.finetune.cli import finetune
 from litkv.learned.gate import GATES_FILE
 

@@ -54,11 +54,11 @@ def one(engine: str, length: int, cache_length: int, chunk: int, threads: int, b
     """One training step in this process; its peak memory and time."""
     import torch
 
-    from litkv.checkpoint import load_model
+    from litkv.checkpoints.checkpoint import load_model
     from litkv.cli.common import resolve_checkpoint_dir
-    from litkv.config import KVCacheConfig
     from litkv.finetune.gates import GateTrainArgs, _step_loss
     from litkv.learned.gate import EvictionGates
+    from litkv.modeling.config import KVCacheConfig
 
     torch.set_num_threads(threads)
     model = load_model(resolve_checkpoint_dir(MODEL))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from litkv.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.finetune.gates import attention_mass
 

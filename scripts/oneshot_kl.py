@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from litkv import GPT, KVCacheConfig
-from litkv.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 from litkv.kvcache.score import compress_all
 
 EA = {"recent": 0, "n_sink": 4, "n_future_positions": 512}  # kvpress's ExpectedAttentionPress settings

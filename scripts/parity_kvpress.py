@@ -42,9 +42,9 @@ from compare_kvpress import DEFAULT_CHECKPOINT, build_twin, ratio_for_budget  # 
 from kvpress_pairs import ADAKV, PAIRS, WINDOW  # noqa: E402
 
 from litkv import KVCacheConfig  # noqa: E402
-from litkv.checkpoint import load_model, load_tokenizer  # noqa: E402
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer  # noqa: E402
 from litkv.kvcache.score import compress_all  # noqa: E402
-from litkv.model import GPT  # noqa: E402
+from litkv.modeling.model import GPT  # noqa: E402
 
 PRESS_NAMES = {
     "adakv-expected-attention": "AdaKVPress(ExpectedAttentionPress), alpha 0.2",
@@ -67,7 +67,7 @@ def random_gqa_checkpoint(out_dir: Path, seed: int) -> Path:
     cfg.update(intermediate_size=512, rope_base=500000)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "model_config.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    from litkv.checkpoint import load_config
+    from litkv.checkpoints.checkpoint import load_config
 
     torch.manual_seed(seed)
     model = GPT(load_config(out_dir))

@@ -15,8 +15,8 @@ Written to ``out_dir``: ``model.safetensors``, ``model_config.yaml``, ``tokenize
 Intermediate checkpoints go to ``--ckpt_dir`` (``--resume`` continues from the last one).
 
 The pass-key task is defined by `RECALL_FORMAT` (also written to ``recall_format.json``) and built by
-`litkv.recall.RecallTask`, the same code that ``litkv evaluate`` rebuilds it with from the JSON file.
-Every file is written through `litkv.atomic` (a crash never leaves a half-written checkpoint or model).
+`litkv.eval.recall.RecallTask`, the same code that ``litkv evaluate`` rebuilds it with from the JSON file.
+Every file is written through `litkv.core.atomic` (a crash never leaves a half-written checkpoint or model).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from litkv.atomic import write_atomic, write_text_atomic
-from litkv.recall import RECALL_FILE, RecallFormat, RecallTask
+from litkv.core.atomic import write_atomic, write_text_atomic
+from litkv.eval.recall import RECALL_FILE, RecallFormat, RecallTask
 
 EOS_TOKEN = "<|endoftext|>"
 KJV_DATA = Path("/usr/lib/bible.data")
@@ -207,7 +207,7 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
 
 # --------------------------------------------------------------------------------------- recall task
 def recall_task(tok: Tokenizer) -> RecallTask:
-    """`litkv.recall.RecallTask` for `RECALL_FORMAT` on a `tokenizers.Tokenizer` (windows passed per example)."""
+    """`litkv.eval.recall.RecallTask` for `RECALL_FORMAT` on a `tokenizers.Tokenizer` (windows passed per example)."""
     return RecallTask(RecallFormat.from_dict(RECALL_FORMAT), SimpleNamespace(backend="huggingface", processor=tok), [])
 
 
@@ -419,7 +419,7 @@ class TrainState:
 
 
 def save_checkpoint(path: Path, model: GPT, opt: torch.optim.Optimizer, state: TrainState, rng: random.Random) -> None:
-    """Save model, optimizer, progress and RNG state (written atomically: `litkv.atomic`)."""
+    """Save model, optimizer, progress and RNG state (written atomically: `litkv.core.atomic`)."""
     version, internal, gauss = rng.getstate()
     payload = {
         "model": model.state_dict(),
@@ -570,7 +570,7 @@ into single tokens, `<|endoftext|>` as BOS/EOS, no BOS added (`tokenizer.json`,
 - Synthetic pass-key recall sequences ({args.recall_share:.0%} of training sequences): a key of 5 distinct digits in
   the sentence `The pass key is 48213. Remember it. 48213 is the pass key.` at a random depth in
   Bible text, and at the end `What is the pass key? The pass key is` followed by the key. The exact
-  format is in `recall_format.json`; `litkv.recall.RecallTask` builds it.
+  format is in `recall_format.json`; `litkv.eval.recall.RecallTask` builds it.
 - Auxiliary copy sequences ({args.copy_share:.0%}): Bible text with a string of 5 to 10 distinct digits
   written twice at random places (teaches content-based copying). The rest is plain Bible text.
 

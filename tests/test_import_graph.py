@@ -1,11 +1,11 @@
 """Layers that only point down, for modules and for folders.
 
 Every `import`/`from ... import` of a litkv module, anywhere in a file (module level, `TYPE_CHECKING`
-blocks and function bodies alike), is an edge. Module level: the graph has no circle. Folder level: a
-package's own modules and each of its subpackages are folders (`litkv/*.py` is the folder `root`,
-`litkv/kvcache/` is `kvcache`, ...; `litkv/__init__.py`, the package's face that only re-exports, is
-the folder `face`); `LAYERS` declares their order bottom up, and no import runs from a folder to one
-above it (so no two folders import each other).
+blocks and function bodies alike), is an edge. Module level: the graph has no circle. Folder level: each
+subpackage of litkv is a folder (`litkv/kvcache/` is `kvcache`, ...); `litkv/__init__.py` (the package's
+face, which only re-exports) and `litkv/__main__.py` (the command table) are the folder `face`; no other
+module may sit in the package root. `FLOORS` declares the folders' order bottom up: a folder may import
+folders on floors below its own, never one on its own floor or above (so no two folders import each other).
 """
 
 from __future__ import annotations
@@ -15,18 +15,19 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "litkv"
 
-# The folders bottom up: a folder may import its own layer and those below it, never one above.
-LAYERS = (
-    "core",  # validation, rope: imports nothing of litkv
-    "learned",  # eviction gates and their soft attention: tensors the caches and the model read
-    "kvcache",  # the cache contract, policies, storage formats and their kernels
-    "root",  # model, attention, runner, state, generate, evaluate, checkpoint, runtime, the commands' table
-    "gradient",  # gradients through the cache
-    "finetune",  # LoRA / full fine-tuning and the gate training
-    "serve",  # the OpenAI-compatible server
-    "cli",  # the command functions
-    "face",  # litkv/__init__.py: public re-exports
+# The floors bottom up: a folder imports only folders on floors below its own.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("core",),  # validation, rope, atomic files, tokenizer helpers: imports nothing of litkv
+    ("learned",),  # eviction gates and their soft attention: tensors the caches and the model read
+    ("kvcache",),  # the cache contract, policies, storage formats and their kernels
+    ("modeling",),  # config, the GPT, attention, Mamba-2, the chunked runner, fingerprints, quantised weights
+    ("states", "checkpoints", "gradient"),  # cache state values/files/stores; checkpoint I/O; gradients
+    ("inference",),  # generate, KV blocks, the conversation engine, chat templates
+    ("eval", "serve"),  # evaluation tasks and benchmarks; the OpenAI-compatible server
+    ("finetune", "cli"),  # the training commands; the command functions
+    ("face",),  # litkv/__init__.py (public re-exports) and litkv/__main__.py (the command table)
 )
+LAYERS = tuple(folder for floor in FLOORS for folder in floor)
 
 
 def _module_name(path: Path) -> str:
@@ -56,9 +57,10 @@ def graph() -> dict[str, set[str]]:
 
 
 def folder_of(module: str) -> str:
-    """The folder a module belongs to: `face` for `litkv` itself, a subpackage's name, or `root`."""
+    """The folder a module belongs to: `face` for `litkv` and `litkv.__main__`, else its subpackage's name
+    (`root` for any other module in the package root, which `test_the_root_holds_only_the_face` refuses)."""
     parts = module.split(".")
-    if len(parts) == 1:
+    if len(parts) == 1 or parts[1] == "__main__":
         return "face"
     return parts[1] if (PACKAGE / parts[1]).is_dir() else "root"
 
@@ -74,14 +76,14 @@ def folder_graph(edges: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def imports_up(edges: dict[str, set[str]], layers: tuple[str, ...]) -> list[str]:
-    """The module imports that run from a folder to one above it in `layers`."""
-    rank = {name: i for i, name in enumerate(layers)}
+def imports_up(edges: dict[str, set[str]], floors: tuple[tuple[str, ...], ...]) -> list[str]:
+    """The module imports that run from a folder to one on its own floor or above in `floors`."""
+    rank = {name: i for i, floor in enumerate(floors) for name in floor}
     return [
         f"{a} -> {b}: {how}"
         for a, targets in folder_graph(edges).items()
         for b, hows in targets.items()
-        if rank[a] < rank[b]
+        if rank[a] <= rank[b]
         for how in hows
     ]
 
@@ -117,22 +119,32 @@ def test_find_cycle_finds_one() -> None:
 def test_graph_reads_type_checking_and_face_imports() -> None:
     edges = graph()
     assert "litkv.kvcache.base" in edges["litkv.kvcache.registry"]  # a module-level import is seen
-    assert "litkv.model" in edges["litkv.runner"]  # a TYPE_CHECKING import is seen
+    assert "litkv.modeling.model" in edges["litkv.modeling.runner"]  # a TYPE_CHECKING import is seen
     assert "litkv.kvcache" in edges["litkv"]  # `from litkv.kvcache import KVCache`: the subpackage's face
 
 
-def test_folders_are_the_subpackages_the_root_and_the_face() -> None:
-    assert folder_of("litkv") == "face"
-    assert folder_of("litkv.model") == "root"
+def test_folders_are_the_subpackages_and_the_face() -> None:
+    assert folder_of("litkv") == folder_of("litkv.__main__") == "face"
+    assert folder_of("litkv.modeling.model") == "modeling"
     assert folder_of("litkv.kvcache") == folder_of("litkv.kvcache.h2o") == "kvcache"
-    on_disk = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} | {"root", "face"}
-    assert on_disk == set(LAYERS), f"declare every folder in LAYERS: on disk {sorted(on_disk)}, LAYERS {LAYERS}"
+    on_disk = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} | {"face"}
+    assert on_disk == set(LAYERS), f"declare every folder in FLOORS: on disk {sorted(on_disk)}, FLOORS {FLOORS}"
+
+
+def test_the_root_holds_only_the_face() -> None:
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"modules in the package root (move each into the folder of its job): {loose}"
 
 
 def test_imports_up_names_an_import_against_the_order() -> None:
-    edges = {"litkv.model": {"litkv.cli.common"}, "litkv.cli.common": {"litkv.model"}}
-    assert imports_up(edges, LAYERS) == ["root -> cli: litkv.model -> litkv.cli.common"]
-    assert imports_up({"litkv.cli.common": {"litkv.model"}}, LAYERS) == []
+    edges = {"litkv.modeling.model": {"litkv.cli.common"}, "litkv.cli.common": {"litkv.modeling.model"}}
+    assert imports_up(edges, FLOORS) == ["modeling -> cli: litkv.modeling.model -> litkv.cli.common"]
+    assert imports_up({"litkv.cli.common": {"litkv.modeling.model"}}, FLOORS) == []
+    # folders on one floor may not import each other
+    same_floor = {"litkv.states.state": {"litkv.checkpoints.checkpoint"}}
+    assert imports_up(same_floor, FLOORS) == [
+        "states -> checkpoints: litkv.states.state -> litkv.checkpoints.checkpoint"
+    ]
 
 
 def test_litkv_has_no_import_circle() -> None:
@@ -146,6 +158,6 @@ def test_no_folder_imports_a_folder_that_imports_it() -> None:
     assert cycle is None, "folder circle: " + " -> ".join(cycle or [])
 
 
-def test_no_import_runs_up_the_layers() -> None:
-    up = imports_up(graph(), LAYERS)
-    assert not up, f"{len(up)} imports run up the layers {LAYERS}:\n" + "\n".join(up)
+def test_no_import_runs_up_the_floors() -> None:
+    up = imports_up(graph(), FLOORS)
+    assert not up, f"{len(up)} imports run up the floors {FLOORS}:\n" + "\n".join(up)

@@ -12,10 +12,10 @@ import torch
 from helpers import random_gates
 from litgpt.utils import save_config
 
-from litkv.checkpoint import save_gates, save_state_dict_atomic
-from litkv.config import Config
+from litkv.checkpoints.checkpoint import save_gates, save_state_dict_atomic
 from litkv.learned.gate import GATES_FILE
-from litkv.model import GPT
+from litkv.modeling.config import Config
+from litkv.modeling.model import GPT
 
 __all__ = ["TEXT", "checkpoint_config", "make_tiny_checkpoint", "train_tiny_tokenizer"]
 

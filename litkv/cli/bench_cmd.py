@@ -1,8 +1,8 @@
 """`litkv bench`: decode speed and peak memory of litkv (dense cache) against Hugging Face
-`transformers` and LitGPT (the peers and their timing: `litkv.peers`), each run in a fresh subprocess.
+`transformers` and LitGPT (the peers and their timing: `litkv.eval.peers`), each run in a fresh subprocess.
 
 Each row also shows the bytes a decode step reads (weights once, plus the keys and values of the
-tokens cached halfway through the decode: `litkv.bandwidth`), the machine's memory bandwidth measured
+tokens cached halfway through the decode: `litkv.eval.bandwidth`), the machine's memory bandwidth measured
 in the same run with the same thread count, the bound tokens/s they give, and the fraction reached.
 """
 
@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from litkv.atomic import write_text_atomic
-from litkv.bandwidth import bytes_per_step, kv_bytes_per_token, measure_bandwidth
+from litkv.core.atomic import write_text_atomic
 from litkv.core.validation import is_int
-from litkv.peers import COMPILED, PEERS, BenchResult, prepare_weights
-from litkv.quant_weights import layer_quant, parse_quantize, stored_weight_bytes
+from litkv.eval.bandwidth import bytes_per_step, kv_bytes_per_token, measure_bandwidth
+from litkv.eval.peers import COMPILED, PEERS, BenchResult, prepare_weights
+from litkv.modeling.quant_weights import layer_quant, parse_quantize, stored_weight_bytes
 
 __all__ = ["bench", "format_table"]
 
 
 def _run_subprocess(args: dict) -> BenchResult:
-    code = "from litkv.peers import worker_main; worker_main()"
+    code = "from litkv.eval.peers import worker_main; worker_main()"
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, env=os.environ.copy()
     )
@@ -127,8 +127,8 @@ def _step_bytes(model: str, prompt_len: int, new: int, quantize: str = "none") -
     """
     from litgpt.config import Config
 
-    from litkv.bandwidth import weight_bytes
-    from litkv.model import GPT
+    from litkv.eval.bandwidth import weight_bytes
+    from litkv.modeling.model import GPT
 
     quant = parse_quantize(quantize)
     config = Config.from_name(model)
@@ -221,7 +221,7 @@ def bench(
         quick: a smoke test: prompt 32, 8 new tokens, no compiled peer unless `peers` names one
             (explicit `prompt_lengths` still apply).
         quantize: litkv's own rows load the weights quantised (`"none"`, `"int8"`, `"int4"`, `"int4-gN"`:
-            `litkv.quant_weights`, CPU only); the other peers run the float weights.
+            `litkv.modeling.quant_weights`, CPU only); the other peers run the float weights.
     """
     if quick:
         prompt_lengths = [32] if prompt_lengths is None else prompt_lengths

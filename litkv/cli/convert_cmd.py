@@ -10,8 +10,8 @@ from typing import Literal
 
 import torch
 
-from litkv.quant_weights import WeightQuant, parse_quantize
-from litkv.runtime import precision_dtype
+from litkv.checkpoints.runtime import precision_dtype
+from litkv.modeling.quant_weights import WeightQuant, parse_quantize
 
 __all__ = ["DTYPES", "convert"]
 
@@ -71,10 +71,10 @@ def _convert_float(
     if source.suffix.lower() == ".gguf":
         if model_name is not None or precision is not None:
             raise ValueError("--model_name and --precision apply to Hugging Face directories; use --dtype for GGUF")
-        from litkv.gguf_convert import convert_gguf
+        from litkv.checkpoints.gguf_convert import convert_gguf
 
         return convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"])
-    from litkv.convert import convert_hf_checkpoint
+    from litkv.checkpoints.convert import convert_hf_checkpoint
 
     torch_dtype = precision_dtype(precision) if precision is not None else DTYPES.get(dtype or "")
     return convert_hf_checkpoint(source, out_dir, model_name=model_name, dtype=torch_dtype)
@@ -85,9 +85,9 @@ def _convert_quantized(
 ) -> None:
     """`convert` with `--quantize`: a litkv checkpoint directory (or known name) is quantised directly; a
     GGUF file or Hugging Face directory is converted to float in a temporary directory first."""
-    from litkv.checkpoint import CONFIG_FILE
-    from litkv.convert import quantize_checkpoint
-    from litkv.download import known_checkpoint_dir
+    from litkv.checkpoints.checkpoint import CONFIG_FILE
+    from litkv.checkpoints.convert import quantize_checkpoint
+    from litkv.checkpoints.download import known_checkpoint_dir
 
     float_dtype = DTYPES.get(dtype or "")
     known = known_checkpoint_dir(source)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from litkv.download import MODELS, DownloadError, download_model, litkv_home
+from litkv.checkpoints.download import MODELS, DownloadError, download_model, litkv_home
 
 __all__ = ["download"]
 

@@ -15,16 +15,17 @@ from typing import Any
 
 import torch
 
-from litkv.atomic import write_atomic, write_text_atomic
-from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.cli.ruler_report import run_ruler
-from litkv.config import KVCacheConfig
+from litkv.core.atomic import write_atomic, write_text_atomic
+from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file, require_int
-from litkv.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
+from litkv.eval.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
+from litkv.eval.recall import RECALL_FILE, RecallTask
+from litkv.eval.ruler_report import run_ruler
 from litkv.kvcache.registry import known_policies
-from litkv.recall import RECALL_FILE, RecallTask, encode_plain
-from litkv.runtime import load_for_inference
+from litkv.modeling.config import KVCacheConfig
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.block_store import BlockStore
-from litkv.blocks import generate_segments, generate_segments_batch, prompt_segments
-from litkv.chat_template import Format, RawFormat, load_format
-from litkv.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.config import KVCacheConfig
-from litkv.generate import check_sampling
-from litkv.generate import generate as generate_tokens
-from litkv.prefix import PrefixCache
-from litkv.runtime import load_for_inference
+from litkv.inference.blocks import generate_segments, generate_segments_batch, prompt_segments
+from litkv.inference.chat_template import Format, RawFormat, load_format
+from litkv.inference.generate import check_sampling
+from litkv.inference.generate import generate as generate_tokens
+from litkv.modeling.config import KVCacheConfig
+from litkv.states.block_store import BlockStore
+from litkv.states.prefix import PrefixCache
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer

@@ -7,12 +7,12 @@ import math
 import sys
 from pathlib import Path
 
-from litkv.checkpoint import check_checkpoint_dir
+from litkv.checkpoints.checkpoint import check_checkpoint_dir
+from litkv.checkpoints.runtime import resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.config import KVCacheConfig
 from litkv.core.validation import is_number, require_int
-from litkv.quant_weights import parse_quantize
-from litkv.runtime import resolve_device, resolve_dtype
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.quant_weights import parse_quantize
 
 __all__ = ["serve"]
 
@@ -165,7 +165,7 @@ def _check_serving_options(
 
 def _check_chat_template(ckpt: Path, chat_template: bool | None) -> None:
     """The checkpoint's chat template, checked at start (compiles; present when asked for)."""
-    from litkv.chat_template import load_format
-    from litkv.checkpoint import load_tokenizer
+    from litkv.checkpoints.checkpoint import load_tokenizer
+    from litkv.inference.chat_template import load_format
 
     load_format(ckpt, load_tokenizer(ckpt), chat_template)

@@ -17,16 +17,16 @@ from lightning.fabric.loggers import CSVLogger
 from lightning.fabric.strategies import ModelParallelStrategy
 from tqdm.auto import tqdm
 
-from litkv.checkpoint import (
+from litkv.checkpoints.checkpoint import (
     check_checkpoint_dir,
     default_checkpoint_dir,
     load_model,
     load_tokenizer,
     remove_stale_temp_files,
 )
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.download import known_checkpoint_dir
+from litkv.checkpoints.runtime import precision_dtype
 from litkv.core.validation import is_int, require_int
-from litkv.download import known_checkpoint_dir
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs
 from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
@@ -52,16 +52,16 @@ from litkv.finetune.state import (
     save_checkpoint,
     yaml_safe,
 )
-from litkv.model import GPT
-from litkv.quant_weights import model_quant, parse_quantize, quantize_model
-from litkv.runtime import precision_dtype
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.modeling.quant_weights import model_quant, parse_quantize, quantize_model
 
 __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "TRAINING_PRECISIONS"]
 
 #: `--mode` values (checked explicitly: jsonargparse's error for a `Literal` does not list the choices).
 MODES = ("lora", "full")
 
-#: Supported `--precision` values: `litkv.runtime.PRECISIONS`' parameter dtypes, and ``bf16-mixed``
+#: Supported `--precision` values: `litkv.checkpoints.runtime.PRECISIONS`' parameter dtypes, and ``bf16-mixed``
 #: (float32 parameters and optimizer state, products in bfloat16 under autocast; the caches hold what
 #: the projections give). ``16-mixed`` is not offered: its loss scaling would not reach the gradient
 #: engine's own backward calls.

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from litkv.core.validation import require_file, require_int
+from litkv.eval.recall import RECALL_FILE
 from litkv.finetune.recall_data import check_shares, load_recall_task, mix_recall_rows
-from litkv.recall import RECALL_FILE
 
 __all__ = [
     "IGNORE_INDEX",

@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from litkv.config import KVCacheConfig
 from litkv.core.validation import require_int
 from litkv.finetune.lora import LoRALinear, load_lora_state_dict, lora_state_dict, mark_only_lora_as_trainable
 from litkv.gradient.distill import chunked_distill_backward
 from litkv.learned.gate import EvictionGates, unrotate_keys
 from litkv.learned.soft import SoftEviction, soft_eviction
+from litkv.modeling.config import KVCacheConfig
 
 __all__ = [
     "ENGINES",

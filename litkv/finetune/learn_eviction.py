@@ -25,8 +25,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from litkv.atomic import remove_stale_temp_files, save_dir_atomic, write_atomic, write_text_atomic
-from litkv.checkpoint import (
+from litkv.checkpoints.checkpoint import (
     SAFETENSORS_FILE,
     check_finite,
     find_weights_file,
@@ -36,15 +35,16 @@ from litkv.checkpoint import (
     save_gates,
     save_state_dict_atomic,
 )
-from litkv.config import KVCacheConfig
+from litkv.core.atomic import remove_stale_temp_files, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.finetune.data import DataArgs, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_gates
 from litkv.finetune.lora import LoRAArgs, apply_lora, lora_state_dict, merged_state_dict
 from litkv.finetune.lstsq import fit_gates_lstsq
 from litkv.finetune.state import COPIED_FILES, LORA_FILE, checkpoint_name, recall_task_files, yaml_safe
-from litkv.fingerprint import model_fingerprint
 from litkv.learned.gate import GATES_FILE, EvictionGates
-from litkv.model import GPT
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.model import GPT
 
 __all__ = ["LOG_FILE", "OPTIMIZER_FILE", "STATE_FILE", "learn_eviction", "load_gate_state"]
 

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from tqdm.auto import tqdm
 
-from litkv.config import KVCacheConfig
 from litkv.core.validation import require_int
 from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
 from litkv.gradient import chunked_loss_backward
-from litkv.model import GPT
-from litkv.runner import ChunkPlan
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.modeling.runner import ChunkPlan
 
 __all__ = [
     "TrainArgs",

@@ -8,7 +8,7 @@ litkv/LitGPT state dict, which is what checkpoints hold.
 
 QLoRA: over a quantised base (`Int8Linear` / `Int4Linear`, `litkv finetune --quantize int4`) the
 `LoRALinear` holds the frozen quantised layer as `base` (keys `...qkv.base.packed`, ...); its backward
-keeps no float copy of the weight (`litkv.quant_weights`). `merged_state_dict` then returns float
+keeps no float copy of the weight (`litkv.modeling.quant_weights`). `merged_state_dict` then returns float
 weights: every quantised weight dequantised, the adapters folded in.
 """
 
@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litkv.core.validation import is_number, require_int
-from litkv.quant_weights import Int4Linear, Int8Linear
+from litkv.modeling.quant_weights import Int4Linear, Int8Linear
 
 __all__ = [
     "LORA_TARGETS",

@@ -1,7 +1,7 @@
 """Pass-key recall and digit-copy rows mixed into text fine-tuning data (the default model's training mix).
 
 `scripts/train_default_model.py` trains the shipped model on natural text in which half of the rows
-carry a pass-key needle and a question at the end (`recall_format.json`, built by `litkv.recall`)
+carry a pass-key needle and a question at the end (`recall_format.json`, built by `litkv.eval.recall`)
 and a quarter carry a string of digits written twice. `mix_recall_rows` turns text windows into the
 same mix for `litkv finetune` (`--data.recall_share`, `--data.copy_share`):
 
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from litkv.core.tokens import encode_plain
 from litkv.core.validation import is_number
-from litkv.recall import RecallFormat, RecallTask, encode_plain
+from litkv.eval.recall import RecallFormat, RecallTask
 
 __all__ = ["check_shares", "copy_row", "load_recall_task", "mix_recall_rows", "recall_row"]
 

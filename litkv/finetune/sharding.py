@@ -29,9 +29,9 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from litkv.atomic import TMP_PREFIX, write_text_atomic
-from litkv.checkpoint import load_state_dict, save_state_dict_atomic
-from litkv.model import GPT
+from litkv.checkpoints.checkpoint import load_state_dict, save_state_dict_atomic
+from litkv.core.atomic import TMP_PREFIX, write_text_atomic
+from litkv.modeling.model import GPT
 
 __all__ = [
     "SHARDED_DIR",

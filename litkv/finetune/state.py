@@ -7,8 +7,8 @@ tokenizer files, `hyperparameters.yaml` (a valid `--config` for `litkv finetune`
 `training_state.pt`: optimizer state, step, data-order seed and RNG states, tensors and plain
 containers only, so it loads with `torch.load(weights_only=True)`.
 
-A directory is written under a temporary name (`litkv.atomic.TMP_PREFIX...`) and renamed into place
-when complete (`save_dir_atomic`; each file in it through `litkv.atomic.write_atomic`), so a run killed
+A directory is written under a temporary name (`litkv.core.atomic.TMP_PREFIX...`) and renamed into place
+when complete (`save_dir_atomic`; each file in it through `litkv.core.atomic.write_atomic`), so a run killed
 mid-write never leaves an incomplete `step-XXXXXX/`; the next run removes the temporary leftovers
 (`remove_stale_temp_files`).
 """
@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import yaml
 
-from litkv.atomic import save_dir_atomic, write_atomic, write_text_atomic
-from litkv.checkpoint import (
+from litkv.checkpoints.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
     check_finite,
@@ -36,9 +35,10 @@ from litkv.checkpoint import (
     safe_torch_load,
     save_state_dict_atomic,
 )
+from litkv.core.atomic import save_dir_atomic, write_atomic, write_text_atomic
+from litkv.eval.recall import RECALL_FILE, RecallFormat
 from litkv.finetune.lora import lora_state_dict, merged_state_dict
-from litkv.model import GPT
-from litkv.recall import RECALL_FILE, RecallFormat
+from litkv.modeling.model import GPT
 
 __all__ = [
     "LORA_FILE",

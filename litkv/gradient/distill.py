@@ -26,12 +26,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from litkv.config import KVCacheConfig
 from litkv.gradient.engine import backward_chunk, record_forward, replay_caches
 from litkv.gradient.tape import LayerTape
 from litkv.learned.soft import SoftEviction, soft_eviction
-from litkv.model import GPT
-from litkv.runner import ChunkPlan
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.modeling.runner import ChunkPlan
 
 __all__ = ["DistillStep", "chunked_distill_backward"]
 

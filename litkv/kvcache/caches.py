@@ -23,7 +23,7 @@ __all__ = ["KVCaches", "CallRecorder"]
 
 
 class CallRecorder(Protocol):
-    """What records the calls through a `KVCaches` (the undo log, `litkv.undo.UndoLog`)."""
+    """What records the calls through a `KVCaches` (the undo log, `litkv.states.undo.UndoLog`)."""
 
     def attach(self, caches: KVCaches) -> None: ...
 

@@ -1,7 +1,7 @@
 """`KVCacheConfig`: how each attention layer caches keys and values (plain, validated data).
 
 Building caches from it is `GPT.build_kv_caches` / `KVCaches.build`; chunking a run from it is
-`litkv.runner.ChunkPlan.of`. The policy and storage names resolve through their registries.
+`litkv.modeling.runner.ChunkPlan.of`. The policy and storage names resolve through their registries.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class ChunkPlan:
     """How a run cuts each row: a first chunk of `first` tokens, then chunks of `size` tokens.
 
     Chunking is a setting of the run, taken from the cache config's `prefill_length` and `chunk_size`
-    (`ChunkPlan.of`); `litkv.runner` applies it to each row from its own first token.
+    (`ChunkPlan.of`); `litkv.modeling.runner` applies it to each row from its own first token.
     """
 
     first: int

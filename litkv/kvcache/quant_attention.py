@@ -15,7 +15,7 @@ one float buffer, the only full-size temporary) with the scales and offsets appl
 `(queries, slots)` and `(queries, groups)` results. With several groups per head the queries are
 spread block-diagonally (one row per (query, group), zeros outside the group), so the codes are
 read in their stored layout and never copied. Grouped-query attention folds a KV group's query heads
-into the query axis as `litkv.attention` does. Scores, softmax and products run in float32 (float64
+into the query axis as `litkv.modeling.attention` does. Scores, softmax and products run in float32 (float64
 for float64 models); the softmax weights summed over the queries and each group's heads come back
 on request, as from `attention.attend(..., need_weights=True)`.
 

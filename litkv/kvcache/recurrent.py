@@ -2,7 +2,7 @@
 
 An attention layer's cache grows with the tokens it keeps; a recurrent layer's state does not: per row,
 the last `d_conv - 1` inputs of the depthwise convolution (`conv`, `(B, conv_dim, d_conv - 1)`) and the
-SSM state (`ssm`, `(B, n_heads, head_dim, d_state)`). The mixer (`litkv.mamba2.Mamba2Mixer`) reads both
+SSM state (`ssm`, `(B, n_heads, head_dim, d_state)`). The mixer (`litkv.modeling.mamba2.Mamba2Mixer`) reads both
 and hands back their values after the call (`update`), which rebinds them (so autograd sees the chain of
 states through the chunks of the gradient engine); a row's state is touched only by its real tokens.
 

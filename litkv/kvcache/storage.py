@@ -89,7 +89,7 @@ ROOM = 1
 class PackedSlots:
     """Slots in a storage's own format, attended by that format's own kernel (`attend`; for
     `QuantizedStorage`: `litkv.kvcache.quant_attention`), so that a decode step does not convert every
-    slot and `litkv.attention.attend` dispatches to it without knowing the format.
+    slot and `litkv.modeling.attention.attend` dispatches to it without knowing the format.
 
     `shape` is that of the keys, `(B, G, S, key_size)`; `unpack()` gives the keys and values in the model
     dtype, `(B, G, S, key_size)` and `(B, G, S, value_size)`, for whoever needs them as tensors.
@@ -111,7 +111,7 @@ class PackedSlots:
         need_weights: bool,
         query_valid: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Masked grouped-query attention of `q` over these slots, as `litkv.attention.attend` (same
+        """Masked grouped-query attention of `q` over these slots, as `litkv.modeling.attention.attend` (same
         arguments and results: `q` `(B, n_head, T, hs)`, `mask` `(B, G or 1, T, S)` -> `y`
         `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 or `None`)."""
         raise NotImplementedError

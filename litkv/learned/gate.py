@@ -57,7 +57,7 @@ class EvictionGates:
             evicted in training; the `learned` policy's default `recent`).
         sinks: the first positions that were never evicted in training (the policy's default `sinks`).
         weights: the fingerprint of the model weights the gates were trained for
-            (`litkv.fingerprint.model_fingerprint(model)["weights"]` as the checkpoint stores them), or
+            (`litkv.modeling.fingerprint.model_fingerprint(model)["weights"]` as the checkpoint stores them), or
             `None` (unknown: not checked). `load_model` refuses gates whose fingerprint differs.
     """
 
@@ -130,7 +130,7 @@ class EvictionGates:
 
     def file_contents(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The tensors and the metadata of the gates' safetensors file (what `load` reads back; written by
-        `litkv.checkpoint.save_gates`)."""
+        `litkv.checkpoints.checkpoint.save_gates`)."""
         tensors = {"weight": self.weight.detach().float().cpu().contiguous(), "bias": self.bias.detach().float().cpu()}
         meta = {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
         if self.weights is not None:
@@ -139,7 +139,7 @@ class EvictionGates:
 
     @classmethod
     def load(cls, path: str | Path) -> EvictionGates:
-        """Read gates written by `litkv.checkpoint.save_gates` (safetensors only; ValueError naming the file
+        """Read gates written by `litkv.checkpoints.checkpoint.save_gates` (safetensors only; ValueError naming the file
         on anything else)."""
         from safetensors import SafetensorError, safe_open
 

@@ -33,8 +33,7 @@ from litserve.utils import LitAPIStatus
 from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
-from litkv.block_store import BlockStore
-from litkv.config import KVCacheConfig
+from litkv.modeling.config import KVCacheConfig
 from litkv.serve.engine import (
     Engine,
     RequestError,
@@ -48,6 +47,7 @@ from litkv.serve.fields import NO_OP, unsupported_field
 from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
 from litkv.serve.scheduler import Job
 from litkv.serve.store import StateStore
+from litkv.states.block_store import BlockStore
 
 __all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
 
@@ -225,8 +225,8 @@ class LitKVSpec(OpenAISpec):
 
     def _count_tokens(self, turn: TurnRequest) -> int:
         if self._format is None:
-            from litkv.chat_template import load_format
-            from litkv.checkpoint import load_tokenizer
+            from litkv.checkpoints.checkpoint import load_tokenizer
+            from litkv.inference.chat_template import load_format
 
             tokenizer = load_tokenizer(self.opts.checkpoint_dir)
             self._format = load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template)
@@ -302,9 +302,9 @@ class LitKVAPI(ls.LitAPI):
         self.opts = opts
 
     def setup(self, device: str) -> None:
-        from litkv.chat_template import load_format
-        from litkv.checkpoint import load_tokenizer
-        from litkv.runtime import load_for_inference
+        from litkv.checkpoints.checkpoint import load_tokenizer
+        from litkv.checkpoints.runtime import load_for_inference
+        from litkv.inference.chat_template import load_format
 
         _worker_logging(self.opts.log_level)
         opts = self.opts

@@ -15,8 +15,8 @@ tokens alone and under load, and from a stored state or recomputed. Two things w
   the same steps as decoding fed it.
 
 Prompt text is fed at batch one, in a scratch set of caches of one row: the row's state is copied
-there, the segment runs through the chunk runner (`litkv.runner.run_chunks`, the chunking of
-`litkv.conversation.segment_plan`), and the row is copied back: the other rows are neither run nor
+there, the segment runs through the chunk runner (`litkv.modeling.runner.run_chunks`, the chunking of
+`litkv.inference.conversation.segment_plan`), and the row is copied back: the other rows are neither run nor
 copied. Joining and leaving the batch is one row's copy (`KVCaches.copy_row`).
 """
 
@@ -27,14 +27,14 @@ import warnings
 
 import torch
 
-from litkv.block_store import BlockStore
-from litkv.blocks import feed_blocks
-from litkv.config import KVCacheConfig
-from litkv.fingerprint import model_fingerprint
+from litkv.inference.blocks import feed_blocks
 from litkv.kvcache.caches import KVCaches
-from litkv.model import GPT
-from litkv.runner import ChunkPlan, run_chunks
-from litkv.state import CacheState, LayerState
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.model import GPT
+from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.states.block_store import BlockStore
+from litkv.states.state import CacheState, LayerState
 
 __all__ = ["RowBatch"]
 
@@ -141,7 +141,7 @@ class RowBatch:
         recompute: float,
     ) -> torch.Tensor:
         """Splice documents `blocks` into `row`, then feed `text` (the prompt text after them, or `None`), at
-        batch one (the scratch caches; `litkv.blocks.feed_blocks`, each document's KV computed alone with the
+        batch one (the scratch caches; `litkv.inference.blocks.feed_blocks`, each document's KV computed alone with the
         config's chunking); final hidden state `(1, n_embd)` of the last token."""
         start = self.next_pos(row)
         self.scratch.copy_row(0, self.batch, row)

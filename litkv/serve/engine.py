@@ -1,9 +1,9 @@
 """The conversation engine of `litkv serve`: messages in, reply text out, through stored cache states.
 
 A conversation is a list of `(role, content)` messages, made into segments by the format that `litkv
-chat` uses too (`litkv.chat_template`: the checkpoint's chat template, else raw text), and fed by the
+chat` uses too (`litkv.inference.chat_template`: the checkpoint's chat template, else raw text), and fed by the
 batch loop (`litkv.serve.scheduler`): prompt text in chunks from its segment's first token
-(`litkv.conversation.segment_plan`), an assistant message one token per decode step, as decoding fed
+(`litkv.inference.conversation.segment_plan`), an assistant message one token per decode step, as decoding fed
 it: the reply's exact ids when this server generated it (kept next to its state), else its text's ids
 (`Engine.text_ids`: the server returns a reply as the text of exactly the tokens it fed, so the text
 stands for the same ids unless it does not re-tokenize to them).
@@ -15,8 +15,8 @@ the reply. So a turn's tokens are the same whether its state came from memory, f
 recomputed from the messages, and whatever else runs in the batch (`litkv.serve.batch`).
 
 A request's `documents` belong to its last user message: each is tokenized alone and put at the start
-of the message's content as a KV block (`litkv.chat_template`), its KV taken from the server's block
-store (`litkv.block_store.BlockStore`, computed alone once) and spliced at its offset, `recompute` of its
+of the message's content as a KV block (`litkv.inference.chat_template`), its KV taken from the server's block
+store (`litkv.states.block_store.BlockStore`, computed alone once) and spliced at its offset, `recompute` of its
 tokens recomputed (docs/blocks.md). They are in that message's key, so a state is restored only for the
 same documents; a later request that wants them in its history sends them again (spliced again from the
 store; the earlier turns are then recomputed from their text).
@@ -32,18 +32,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.block_store import BlockStore
-from litkv.blocks import encode_document
-from litkv.chat_template import ChatTemplateError, Documents, Format, Message, RawFormat, Segment, TemplateFormat
-from litkv.config import KVCacheConfig
-from litkv.conversation import segment_plan
-from litkv.fingerprint import model_fingerprint
-from litkv.model import GPT
-from litkv.recall import encode_plain
+from litkv.core.tokens import encode_plain
+from litkv.inference.blocks import encode_document
+from litkv.inference.chat_template import (
+    ChatTemplateError,
+    Documents,
+    Format,
+    Message,
+    RawFormat,
+    Segment,
+    TemplateFormat,
+)
+from litkv.inference.conversation import segment_plan
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.model import GPT
 from litkv.serve.batch import RowBatch
 from litkv.serve.scheduler import Job, Scheduler
 from litkv.serve.store import StateStore
 from litkv.serve.turns import RequestError, TurnRequest, TurnResult
+from litkv.states.block_store import BlockStore
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -122,7 +130,7 @@ class Engine:
         stop_at_newline: end a reply at its first newline, which it keeps (as `litkv chat`); default:
             only for raw text.
         default_seed: sampler seed of a request without `seed`.
-        fmt: how messages become tokens (`litkv.chat_template.load_format`); default raw text.
+        fmt: how messages become tokens (`litkv.inference.chat_template.load_format`); default raw text.
         max_batch: rows of the running batch (turns run at once; more wait).
         blocks: where documents' KV is kept (default: a store that keeps nothing).
         recompute: the fraction of each spliced document's tokens recomputed in context (0: pure splice).
@@ -255,7 +263,7 @@ class Engine:
 
     def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor:
         """Feed a prompt segment to the job's row; a document: the documents after it and the text after them
-        too (taken from `job.pending`), spliced (`litkv.blocks.feed_blocks`); the last token's hidden state
+        too (taken from `job.pending`), spliced (`litkv.inference.blocks.feed_blocks`); the last token's hidden state
         `(1, n_embd)`."""
         if seg.block:  # the run of documents and the text after it (their recomputed tokens run with it)
             blocks = [seg.ids]

@@ -33,9 +33,9 @@ from typing import Any, Protocol
 
 import torch
 
-from litkv.chat_template import Segment
 from litkv.core.validation import require_finite_logits
-from litkv.generate import sample
+from litkv.inference.chat_template import Segment
+from litkv.inference.generate import sample
 from litkv.serve.batch import RowBatch
 from litkv.serve.turns import TurnRequest, TurnResult
 

@@ -1,4 +1,4 @@
-"""Conversation states of `litkv serve`: the one state store (`litkv.state_store`) with the server's checks.
+"""Conversation states of `litkv serve`: the one state store (`litkv.states.state_store`) with the server's checks.
 
 A state is keyed by the digest of a conversation prefix that ends with an assistant message (see
 `litkv.serve.engine.message_keys`; the digest's root is the model fingerprint and the cache config).
@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from litkv.config import KVCacheConfig
-from litkv.model import GPT
-from litkv.state import CacheState
-from litkv.state_store import EntryCheck
-from litkv.state_store import StateStore as _Store
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.states.state import CacheState
+from litkv.states.state_store import EntryCheck
+from litkv.states.state_store import StateStore as _Store
 
 __all__ = ["StateStore"]
 

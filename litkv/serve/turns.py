@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from litkv.chat_template import Message
+from litkv.inference.chat_template import Message
 
 __all__ = ["RequestError", "TurnRequest", "TurnResult"]
 

@@ -11,8 +11,8 @@ import torch
 from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
 
 from litkv import GPT, KVCacheConfig
-from litkv.block_store import BlockStore
-from litkv.blocks import Segment, generate_segments, generate_segments_batch
+from litkv.inference.blocks import Segment, generate_segments, generate_segments_batch
+from litkv.states.block_store import BlockStore
 
 DOCS = [random_tokens(1, n, seed=90 + i)[0] for i, n in enumerate((20, 13, 17))]
 

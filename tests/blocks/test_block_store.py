@@ -1,4 +1,4 @@
-"""The block store (litkv.block_store): keyed by token ids and weights, pieces shared along a token
+"""The block store (litkv.states.block_store): keyed by token ids and weights, pieces shared along a token
 trie, entries that prove their keys; a bad entry is recomputed, never spliced.
 
 The reference for every restored block is the same block computed in a fresh store (bitwise).
@@ -18,10 +18,10 @@ from helpers import random_tokens
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv import GPT, KVCacheConfig
-from litkv.block_store import BlockKV, BlockStore
-from litkv.blocks import Segment, generate_segments
-from litkv.checkpoint import load_tokenizer
-from litkv.runner import ChunkPlan
+from litkv.checkpoints.checkpoint import load_tokenizer
+from litkv.inference.blocks import Segment, generate_segments
+from litkv.modeling.runner import ChunkPlan
+from litkv.states.block_store import BlockKV, BlockStore
 
 PLAN = ChunkPlan(8, 8)
 KV = KVCacheConfig(policy="dense", cache_length=128, chunk_size=8)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from litkv.__main__ import main, normalize_argv
-from litkv.block_store import BlockStore
-from litkv.blocks import Segment, generate_segments, prompt_segments
-from litkv.chat_template import RawFormat
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.config import KVCacheConfig
-from litkv.recall import encode_plain
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.core.tokens import encode_plain
+from litkv.inference.blocks import Segment, generate_segments, prompt_segments
+from litkv.inference.chat_template import RawFormat
+from litkv.modeling.config import KVCacheConfig
+from litkv.states.block_store import BlockStore
 
 DOCS = ("The secret word is apple. ", "Nothing to see here, only sand and sea. ")
 QUESTION = "The secret word is"

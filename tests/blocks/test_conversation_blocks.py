@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from litkv.__main__ import main
-from litkv.block_store import BlockStore
-from litkv.blocks import generate_segments, prefill_segments, prompt_segments
-from litkv.chat_template import ChatTemplate, Format, RawFormat, Segment, TemplateFormat
-from litkv.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.chat_cmd import ChatSession
-from litkv.config import KVCacheConfig
-from litkv.generate import sample
-from litkv.model import GPT
-from litkv.recall import encode_plain
-from litkv.runner import ChunkPlan, run_chunks
+from litkv.core.tokens import encode_plain
+from litkv.inference.blocks import generate_segments, prefill_segments, prompt_segments
+from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, Segment, TemplateFormat
+from litkv.inference.generate import sample
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.modeling.runner import ChunkPlan, run_chunks
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 from litkv.serve.engine import RequestError
+from litkv.states.block_store import BlockStore
 
 TEMPLATE = (  # SmolLM2-135M-Instruct's chat template (a default system prompt)
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

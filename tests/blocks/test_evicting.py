@@ -11,12 +11,12 @@ import torch
 from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
 
 from litkv import GPT, KVCacheConfig
-from litkv.block_store import BlockStore
-from litkv.blocks import Segment, generate_segments, prefill_segments, rope_delta, rotate_keys, splice
+from litkv.inference.blocks import Segment, generate_segments, prefill_segments, rope_delta, rotate_keys, splice
 from litkv.kvcache import get_kv_cache_class, known_policies
 from litkv.kvcache.storage import FloatStorage
 from litkv.kvcache.storage_kinds import known_storages
-from litkv.runner import ChunkPlan
+from litkv.modeling.runner import ChunkPlan
+from litkv.states.block_store import BlockStore
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
 LENGTHS = [(6, False), (20, True), (15, True), (5, False)]  # 46 tokens through 24 slots

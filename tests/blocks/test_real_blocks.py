@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from litkv import BlockStore, KVCacheConfig, generate, generate_segments
-from litkv.blocks import prompt_segments
-from litkv.chat_template import load_format
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.download import known_checkpoint_dir
-from litkv.ruler import FALLBACK_WORDS, NOISE
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.download import known_checkpoint_dir
+from litkv.eval.ruler import FALLBACK_WORDS, NOISE
+from litkv.inference.blocks import prompt_segments
+from litkv.inference.chat_template import load_format
 
 NAME = "smollm2-135m-instruct"
 

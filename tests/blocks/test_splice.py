@@ -1,4 +1,4 @@
-"""KV blocks spliced into a prompt (litkv.blocks): rotation, positions and masks, exactness at offset 0,
+"""KV blocks spliced into a prompt (litkv.inference.blocks): rotation, positions and masks, exactness at offset 0,
 full recomputation, the recomputation proxy.
 
 The independent reference is `helpers.reference_forward` (float64 attention and RoPE written from
@@ -17,9 +17,9 @@ import torch
 from helpers import random_tokens, reference_forward
 
 from litkv import GPT, KVCacheConfig, PrefixCache, forward_chunked, generate
-from litkv.block_store import BlockStore
-from litkv.blocks import Segment, generate_segments, kv_deviation, prefill_segments, rope_delta, rotate_keys
-from litkv.runner import ChunkPlan
+from litkv.inference.blocks import Segment, generate_segments, kv_deviation, prefill_segments, rope_delta, rotate_keys
+from litkv.modeling.runner import ChunkPlan
+from litkv.states.block_store import BlockStore
 
 KV = KVCacheConfig(policy="dense", cache_length=160, chunk_size=8, prefill_length=16)
 

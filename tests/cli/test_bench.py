@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from litkv import peers
-from litkv.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth, weight_bytes
 from litkv.cli import bench_cmd
 from litkv.cli.bench_cmd import format_table
-from litkv.peers import BenchResult
+from litkv.eval import peers
+from litkv.eval.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth, weight_bytes
+from litkv.eval.peers import BenchResult
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def _load_report():
     return sys.modules["policy_report"]
 
 
-# -- litkv.bandwidth ------------------------------------------------------------------------------
+# -- litkv.eval.bandwidth ------------------------------------------------------------------------------
 
 
 def test_kv_bytes_per_token_of_smollm2_135m() -> None:

@@ -294,7 +294,7 @@ def test_sigterm_and_sighup_save_and_exit_cleanly(tmp_path: Path, signum: int) -
 
 def _saved_turns(session: Path) -> int:
     from litkv.cli.chat_cmd import _read_turns
-    from litkv.state import CacheState
+    from litkv.states.state import CacheState
 
     try:
         state = CacheState.load(session)

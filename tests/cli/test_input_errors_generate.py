@@ -18,12 +18,12 @@ from test_cli import main_error
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.__main__ import main, normalize_argv
+from litkv.checkpoints.runtime import resolve_device
 from litkv.cli import generate_cmd
 from litkv.cli.generate_cmd import _Stream
-from litkv.evaluate import cache_config, evaluate_policies, recall_accuracy
-from litkv.generate import pad_prompts, sample
-from litkv.recall import RecallExample
-from litkv.runtime import resolve_device
+from litkv.eval.evaluate import cache_config, evaluate_policies, recall_accuracy
+from litkv.eval.recall import RecallExample
+from litkv.inference.generate import pad_prompts, sample
 
 H2O = KVCacheConfig(policy="h2o", cache_length=16, chunk_size=4)
 # The shipped default model with a small H2O cache, greedy: a fast, deterministic `litkv generate`.

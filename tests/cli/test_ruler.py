@@ -1,4 +1,4 @@
-"""litkv.ruler (offline RULER tasks): generators, scorers, evaluate_ruler and `litkv evaluate --tasks`."""
+"""litkv.eval.ruler (offline RULER tasks): generators, scorers, evaluate_ruler and `litkv evaluate --tasks`."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ import torch
 from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
 from litkv.__main__ import main
-from litkv.checkpoint import load_tokenizer
-from litkv.cli.ruler_report import format_ruler_table, near_zero_tasks
-from litkv.config import KVCacheConfig
-from litkv.evaluate import RulerResult, evaluate_ruler, ruler_score
-from litkv.model import GPT
-from litkv.recall import RecallFormat, encode_plain
-from litkv.ruler import (
+from litkv.checkpoints.checkpoint import load_tokenizer
+from litkv.core.tokens import encode_plain
+from litkv.eval.evaluate import RulerResult, evaluate_ruler, ruler_score
+from litkv.eval.recall import RecallFormat
+from litkv.eval.ruler import (
     FALLBACK_WORDS,
     NOISE,
     TASKS,
@@ -31,6 +29,9 @@ from litkv.ruler import (
     string_match_part,
     word_list,
 )
+from litkv.eval.ruler_report import format_ruler_table, near_zero_tasks
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
 
 LENGTH = 800
 RECALL = {
@@ -167,7 +168,7 @@ def test_resolve_tasks_and_word_list() -> None:
 
 
 def test_ruler_score_and_evaluate_ruler(ckpt: Path, tokenizer: Any) -> None:
-    from litkv.checkpoint import load_model
+    from litkv.checkpoints.checkpoint import load_model
 
     model: GPT = load_model(ckpt, device=torch.device("cpu"), dtype=torch.float32)
     rows = generate_samples(["niah_single_1", "vt"], tokenizer, FALLBACK_WORDS, 512, 2, seed=3)

@@ -1,4 +1,4 @@
-"""`litkv.runtime`: device, dtype and threads resolved once, and `load_for_inference` for every command."""
+"""`litkv.checkpoints.runtime`: device, dtype and threads resolved once, and `load_for_inference` for every command."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_checkpoint import make_tiny_checkpoint
 
+from litkv.checkpoints.runtime import PRECISIONS, load_for_inference, precision_dtype, resolve_dtype
 from litkv.learned.gate import GATES_FILE
-from litkv.runtime import PRECISIONS, load_for_inference, precision_dtype, resolve_dtype
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Safe checkpoint loading/saving (litkv.checkpoint), checked against litgpt's own GPT on the same weights."""
+"""Safe checkpoint loading/saving (litkv.checkpoints.checkpoint),
+checked against litgpt's own GPT on the same weights."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from litgpt.model import GPT as LitGPT
 from litgpt.utils import save_config
 from tiny_checkpoint import checkpoint_config, make_tiny_checkpoint, train_tiny_tokenizer
 
-from litkv.atomic import write_atomic
-from litkv.checkpoint import (
+from litkv.checkpoints.checkpoint import (
     check_checkpoint_dir,
     default_checkpoint_dir,
     load_config,
@@ -22,7 +22,8 @@ from litkv.checkpoint import (
     load_tokenizer,
     save_state_dict_atomic,
 )
-from litkv.model import GPT
+from litkv.core.atomic import write_atomic
+from litkv.modeling.model import GPT
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pth"])

@@ -10,11 +10,11 @@ from helpers import forward_depth, max_diff, rounding_bound
 from tiny_checkpoint import train_tiny_tokenizer
 from tokenizers import Tokenizer
 
-from litkv.checkpoint import load_config, load_model
+from litkv.checkpoints.checkpoint import load_config, load_model
+from litkv.checkpoints.convert import config_from_hf, convert_hf_checkpoint
 from litkv.cli.convert_cmd import convert
 from litkv.cli.generate_cmd import generate
-from litkv.config import KVCacheConfig
-from litkv.convert import config_from_hf, convert_hf_checkpoint
+from litkv.modeling.config import KVCacheConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,10 +24,10 @@ from gguf_files import (
 from tokenizers import Tokenizer
 
 from litkv.__main__ import main
-from litkv.atomic import temp_files
-from litkv.checkpoint import load_model, load_state_dict, load_tokenizer
-from litkv.gguf_convert import convert_gguf
-from litkv.gguf_tokenizer import tokenizer_files
+from litkv.checkpoints.checkpoint import load_model, load_state_dict, load_tokenizer
+from litkv.checkpoints.gguf_convert import convert_gguf
+from litkv.checkpoints.gguf_tokenizer import tokenizer_files
+from litkv.core.atomic import temp_files
 
 transformers = pytest.importorskip("transformers")
 

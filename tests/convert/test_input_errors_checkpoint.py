@@ -28,8 +28,7 @@ from safetensors.torch import load_file, save_file
 from tiny_checkpoint import checkpoint_config, make_tiny_checkpoint
 
 from litkv.__main__ import main
-from litkv.atomic import save_dir_atomic, write_atomic
-from litkv.checkpoint import (
+from litkv.checkpoints.checkpoint import (
     TMP_PREFIX,
     check_finite,
     default_checkpoint_dir,
@@ -39,13 +38,14 @@ from litkv.checkpoint import (
     remove_stale_temp_files,
     save_state_dict_atomic,
 )
-from litkv.config import KVCacheConfig
-from litkv.convert import convert_hf_checkpoint
+from litkv.checkpoints.convert import convert_hf_checkpoint
+from litkv.core.atomic import save_dir_atomic, write_atomic
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs, read_json_records
 from litkv.finetune.state import STATE_FILE, TrainingState, load_training_state
 from litkv.gradient import chunked_loss_backward
-from litkv.model import GPT
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/, where tiny_checkpoint.py lives
 HELDOUT = default_checkpoint_dir() / "heldout.txt"
@@ -482,9 +482,9 @@ sys.path.insert(0, {tests!r})
 import torch
 import safetensors.torch as st
 from tiny_checkpoint import checkpoint_config
-from litkv.checkpoint import save_state_dict_atomic
+from litkv.checkpoints.checkpoint import save_state_dict_atomic
 from litkv.finetune.state import TrainingState, save_checkpoint
-from litkv.model import GPT
+from litkv.modeling.model import GPT
 
 def slow_save_file(tensors, filename, metadata=None):  # the real bytes, written slowly
     data = st.save(tensors, metadata)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from gguf_files import LLAMA_CPP_REGEXES, llama_cpp_split
 
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.download import MODELS, gguf_file, obtain_checkpoint
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.checkpoints.download import MODELS, gguf_file, obtain_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,9 +95,9 @@ def test_shipped_gates_load_on_a_fresh_conversion_and_evict(real: tuple[Path, Pa
     """The gates litkv ships for the real model pass the fingerprint check on a fresh conversion (so they
     were trained for exactly these weights), and `learned` decodes with them: with room for every token it
     gives dense's greedy tokens, with 48 slots it evicts and still runs."""
-    from litkv.config import KVCacheConfig
-    from litkv.download import add_shipped_gates
-    from litkv.generate import generate
+    from litkv.checkpoints.download import add_shipped_gates
+    from litkv.inference.generate import generate
+    from litkv.modeling.config import KVCacheConfig
 
     _, out = real
     assert add_shipped_gates(NAME, out) and not add_shipped_gates(NAME, out)  # copied once

@@ -21,15 +21,15 @@ from tiny_checkpoint import TEXT
 
 import litkv
 from litkv.__main__ import main as litkv_main
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.core.tokens import encode_plain
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import IGNORE_INDEX, DataArgs, collate, load_examples
 from litkv.finetune.loop import chunked_loss_sum
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
 from litkv.finetune.recall_data import copy_row, load_recall_task, mix_recall_rows, recall_row
 from litkv.gradient import chunked_loss_backward
-from litkv.recall import encode_plain
+from litkv.modeling.config import KVCacheConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "adapt_h2o_256.yaml"

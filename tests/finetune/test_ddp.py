@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from test_finetune import SEQ, make_checkpoint, windows, write_text
 
 import litkv
-from litkv.checkpoint import load_model
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import load_model
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
+from litkv.modeling.config import KVCacheConfig
 
 LR = 0.01
 KV = dict(policy="h2o", cache_length=8, chunk_size=4)
@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 import litkv.finetune.cli as cli
-from litkv.config import KVCacheConfig
+from litkv.modeling.config import KVCacheConfig
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 from litkv.finetune.lora import LoRAArgs

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import litkv
-from litkv.checkpoint import load_model, load_tokenizer, save_state_dict_atomic
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer, save_state_dict_atomic
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import IGNORE_INDEX, DataArgs, DataOrder, collate, load_examples, split_examples
 from litkv.finetune.loop import TrainArgs, lr_at
+from litkv.modeling.config import KVCacheConfig
 
 WORDS = ["the", "a", "cache", "key", "value", "token", "slot", "policy", "keeps", "drops", "attention", "head",
          "layer", "model", "long", "short", "context"]  # fmt: skip
@@ -245,7 +245,7 @@ def test_lora_run_writes_loadable_checkpoints(ckpt, tmp_path):
     assert len(adapters) == 2 * 4 * 2  # (A, B) x (qkv, fc_1, fc_2, proj) x 2 layers
     # `litkv generate` can load and run the final checkpoint.
     model = load_model(final)
-    tokens = litkv.generate(
+    tokens = litkv.inference.generate(
         model, [torch.tensor([3, 4, 5])], 4, KVCacheConfig(policy="h2o", cache_length=8, chunk_size=4)
     )
     assert tokens[0].numel() == 4

@@ -29,11 +29,11 @@ from safetensors.torch import load_file
 from test_finetune import SEQ, make_checkpoint, write_text
 
 from litkv.cli.generate_cmd import generate
-from litkv.config import KVCacheConfig
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 from litkv.finetune.sharding import SHARDING_FILE, check_sharded_resume, check_strategy
+from litkv.modeling.config import KVCacheConfig
 
 STEPS = 3
 KV = dict(policy="h2o", cache_length=8, chunk_size=4)
@@ -43,7 +43,7 @@ SCRIPT = """
 import sys
 from pathlib import Path
 
-from litkv.config import KVCacheConfig
+from litkv.modeling.config import KVCacheConfig
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs

@@ -19,16 +19,16 @@ import torch
 from test_finetune import write_text
 from tiny_checkpoint import make_tiny_checkpoint
 
-from litkv.atomic import TMP_PREFIX
-from litkv.checkpoint import SAFETENSORS_FILE, load_model, load_state_dict
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import SAFETENSORS_FILE, load_model, load_state_dict
+from litkv.core.atomic import TMP_PREFIX
 from litkv.finetune.data import DataArgs
 from litkv.finetune.gates import GateTrainArgs, batch_indices, train_gates
 from litkv.finetune.learn_eviction import LOG_FILE, STATE_FILE, learn_eviction, load_gate_state
 from litkv.finetune.lora import LoRAArgs, apply_lora
 from litkv.finetune.state import LORA_FILE
-from litkv.fingerprint import model_fingerprint
 from litkv.learned import GATES_FILE, EvictionGates
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.fingerprint import model_fingerprint
 
 KV = KVCacheConfig(policy="learned", cache_length=24, chunk_size=8)
 
@@ -203,7 +203,7 @@ def test_data_shorter_than_one_sequence(base: Path, tmp_path: Path, lora: bool) 
 
 
 def test_shipped_gates_pass_the_fingerprint_check() -> None:
-    from litkv.checkpoint import default_checkpoint_dir
+    from litkv.checkpoints.checkpoint import default_checkpoint_dir
 
     model = load_model(default_checkpoint_dir())
     gates = model.eviction_gates

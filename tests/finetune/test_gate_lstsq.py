@@ -98,7 +98,7 @@ def test_finetune_lstsq_writes_loadable_gates_and_refuses_checkpoints(tmp_path):
     from test_finetune import write_text
     from tiny_checkpoint import make_tiny_checkpoint
 
-    from litkv.checkpoint import load_model
+    from litkv.checkpoints.checkpoint import load_model
     from litkv.finetune.cli import finetune
 
     base = tmp_path / "base"

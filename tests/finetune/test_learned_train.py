@@ -166,7 +166,7 @@ def test_finetune_learn_eviction_writes_a_loadable_checkpoint(tmp_path):
     from test_finetune import write_text
     from tiny_checkpoint import make_tiny_checkpoint
 
-    from litkv.checkpoint import load_model
+    from litkv.checkpoints.checkpoint import load_model
     from litkv.finetune.cli import finetune
     from litkv.learned import GATES_FILE
 

@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import litkv
-from litkv.config import KVCacheConfig
 from litkv.finetune.lora import (
     LoRAArgs,
     LoRALinear,
@@ -23,6 +22,7 @@ from litkv.finetune.lora import (
     merged_state_dict,
 )
 from litkv.gradient import chunked_loss_backward
+from litkv.modeling.config import KVCacheConfig
 
 B, T, VOCAB = 2, 40, 64
 TOLERANCE = 1e-4

@@ -19,7 +19,7 @@ from test_finetune import write_text
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.__main__ import main, normalize_argv
-from litkv.checkpoint import load_model
+from litkv.checkpoints.checkpoint import load_model
 from litkv.finetune.gates import GateTrainArgs, train_gates
 from litkv.learned import GATES_FILE, EvictionGates
 

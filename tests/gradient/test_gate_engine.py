@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from helpers import float64_model, random_gpt, random_tokens, tiny_config
 
 import litkv.gradient.distill as distill
-from litkv.config import KVCacheConfig
 from litkv.finetune.gates import adapters_off
 from litkv.finetune.lora import LoRAArgs, LoRALinear, apply_lora, mark_only_lora_as_trainable
-from litkv.generate import forward_chunked
 from litkv.gradient import LayerTape
 from litkv.gradient.distill import chunked_distill_backward
+from litkv.inference.generate import forward_chunked
 from litkv.learned import EvictionGates, SoftEviction, soft_eviction
+from litkv.modeling.config import KVCacheConfig
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 B, T, WINDOW, SINKS, TAU, WEIGHT = 2, 30, 4, 1, 0.7, 3.0

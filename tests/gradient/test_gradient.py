@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import litkv
-from litkv.config import KVCacheConfig
 from litkv.gradient import chunked_loss_backward
+from litkv.modeling.config import KVCacheConfig
 
 B, T, VOCAB = 2, 40, 64
 TOLERANCE = 1e-4

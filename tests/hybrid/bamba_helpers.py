@@ -11,7 +11,7 @@ from transformers import BambaConfig, BambaForCausalLM
 from transformers.models.bamba import modeling_bamba
 
 from litkv import GPT
-from litkv.hf_hybrid import hybrid_config_from_hf, hybrid_state_dict
+from litkv.modeling.hf_hybrid import hybrid_config_from_hf, hybrid_state_dict
 
 VOCAB = 96
 

@@ -8,7 +8,7 @@ import torch
 from bamba_helpers import VOCAB, hf_in_float64, litkv_from_hf, random_hf_bamba, tiny_bamba_config
 
 from litkv import GPT, KVCacheConfig
-from litkv.generate import forward_chunked, generate
+from litkv.inference.generate import forward_chunked, generate
 from litkv.kvcache.recurrent import RecurrentCache
 
 

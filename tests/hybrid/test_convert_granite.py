@@ -17,8 +17,8 @@ from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
 
 from litkv import KVCacheConfig, generate
-from litkv.checkpoint import load_model
-from litkv.convert import convert_hf_checkpoint
+from litkv.checkpoints.checkpoint import load_model
+from litkv.checkpoints.convert import convert_hf_checkpoint
 
 MULTIPLIERS = {
     "embedding_multiplier": 3.0,

@@ -15,8 +15,8 @@ import torch
 import yaml
 from bamba_helpers import VOCAB, hf_in_float64, random_hf_bamba, tiny_bamba_config
 
-from litkv.checkpoint import CONFIG_FILE, load_config, load_model
-from litkv.convert import convert_hf_checkpoint
+from litkv.checkpoints.checkpoint import CONFIG_FILE, load_config, load_model
+from litkv.checkpoints.convert import convert_hf_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from litkv import GPT, KVCacheConfig
-from litkv.checkpoint import load_model
-from litkv.convert import convert_hf_checkpoint
+from litkv.checkpoints.checkpoint import load_model
+from litkv.checkpoints.convert import convert_hf_checkpoint
 from litkv.finetune.lora import LoRAArgs, LoRALinear, apply_lora, mark_only_lora_as_trainable
 from litkv.gradient import chunked_loss_backward
 

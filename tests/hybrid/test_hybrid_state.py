@@ -12,8 +12,8 @@ from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_conf
 
 from litkv import GPT, KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache
-from litkv.state import CacheState, RecurrentLayerState, restore, snapshot
-from litkv.undo import keep_undo_log, truncate
+from litkv.states.state import CacheState, RecurrentLayerState, restore, snapshot
+from litkv.states.undo import keep_undo_log, truncate
 
 CFG = KVCacheConfig("h2o", cache_length=16)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litkv.mamba2 import causal_conv, ssd_scan, ssd_step
+from litkv.modeling.mamba2 import causal_conv, ssd_scan, ssd_step
 
 
 def _naive(x, dt, a, b, c, h):  # noqa: ANN001, ANN202 -- the reference: h = exp(dt a) h + dt x b^T, y = h c

@@ -4,7 +4,7 @@ positions each (layer, KV head) holds) of the same prompt run alone, at chunk si
 default, with eviction happening (prompts up to 2.2x the cache). Also: the prefix store warm ==
 cold ragged batch == alone.
 
-Batch invariance is structural: each row is cut and evicted as it would be alone (`litkv.runner`),
+Batch invariance is structural: each row is cut and evicted as it would be alone (`litkv.modeling.runner`),
 and equal scores are broken by position (`drop_lowest`). Rounding is not: CPU and GPU matmul kernels
 round a row differently with the batch's shape (on this CPU, M=1, M in {2, 3} and M >= 4 give three
 different results), so in float32 two candidates whose scores are equal up to rounding (KNorm: one

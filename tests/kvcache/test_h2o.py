@@ -9,10 +9,10 @@ import torch
 from helpers import forward_depth, max_diff, rounding_bound
 
 import litkv
-from litkv.attention import attend, build_mask
-from litkv.config import KVCacheConfig
 from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.storage import CacheShape
+from litkv.modeling.attention import attend, build_mask
+from litkv.modeling.config import KVCacheConfig
 
 B, N_HEAD, G, HS, L = 2, 8, 2, 16, 12
 PADS = 5  # row 1 is left-padded
@@ -158,7 +158,7 @@ def test_h2o_generates_with_eviction() -> None:
     prompts = [torch.randint(0, 96, (30,)), torch.randint(0, 96, (21,))]
     caches = []
     config = KVCacheConfig("h2o", cache_length=8, chunk_size=3, options=dict(sinks=1))
-    out = litkv.generate(model, prompts, 10, config, on_tokens=lambda _: caches.append(model.kv_caches))
+    out = litkv.inference.generate(model, prompts, 10, config, on_tokens=lambda _: caches.append(model.kv_caches))
     assert [len(o) for o in out] == [10, 10]
     last_fed = torch.tensor([30 + 9 - 1, 21 + 9 - 1])  # the 10th new token is never fed back
     for cache in caches[-1]:

@@ -10,7 +10,7 @@ import torch
 from helpers import max_diff, random_tokens
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
-from litkv.generate import pad_prompts
+from litkv.inference.generate import pad_prompts
 from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.quantized import dequantize, quantize
 from litkv.kvcache.storage import CacheShape

@@ -11,7 +11,7 @@ from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.__main__ import normalize_argv
 from litkv.kvcache import known_policies
 from litkv.kvcache.h2o import H2OOptions
-from litkv.runner import ChunkPlan
+from litkv.modeling.runner import ChunkPlan
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The `learned` policy (litkv/kvcache/learned.py) and the loading of eviction gates (litkv/checkpoint.py).
+"""The `learned` policy (litkv/kvcache/learned.py) and the loading of eviction gates (litkv/checkpoints/checkpoint.py).
 
 The oracle is independent of the policy's code path: the pre-RoPE key of every token is recomputed from
 the block's input (captured with a block hook) through the layer's own norm and qkv projection, no RoPE
@@ -20,7 +20,7 @@ from helpers import attach_random_gates, random_gates, random_gpt, tiny_config
 from safetensors.torch import save_file
 
 from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncate
-from litkv.checkpoint import load_model, save_gates
+from litkv.checkpoints.checkpoint import load_model, save_gates
 from litkv.kvcache.learned import NO_GATES, LearnedKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
@@ -335,7 +335,7 @@ def test_states_and_prefix_seeds_know_the_gates() -> None:
     """A `learned` state restores only into a model with the same gates; the prefix store's seed (the
     fingerprint) changes with the gates; a state of another policy ignores them."""
     from litkv import restore
-    from litkv.fingerprint import model_fingerprint
+    from litkv.modeling.fingerprint import model_fingerprint
 
     model = attach_random_gates(random_gpt(tiny_config("pythia-14m"), seed=3), seed=4)
     prompt = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(5))

@@ -10,12 +10,12 @@ import torch
 from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
-from litkv.attention import attend, build_mask
-from litkv.generate import pad_prompts
+from litkv.inference.generate import pad_prompts
 from litkv.kvcache import CacheShape, get_kv_cache_class
 from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.expected_attention import ExpectedAttentionKVCache
 from litkv.kvcache.snapkv import SnapKVKVCache
+from litkv.modeling.attention import attend, build_mask
 
 B, N_HEAD, G, HS, L = 2, 8, 2, 16, 12
 PER_KV = N_HEAD // G

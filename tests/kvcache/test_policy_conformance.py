@@ -38,9 +38,9 @@ from helpers import (
 )
 
 from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
-from litkv.generate import pad_prompts
+from litkv.inference.generate import pad_prompts
 from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
-from litkv.runner import ChunkPlan
+from litkv.modeling.runner import ChunkPlan
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples"
 if str(EXAMPLES_DIR) not in sys.path:

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import litkv
-from litkv.attention import attend, build_mask
-from litkv.config import KVCacheConfig
 from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.qh2o import QuantizedH2OKVCache
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.storage import CacheShape
-from litkv.runner import ChunkPlan
+from litkv.modeling.attention import attend, build_mask
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.runner import ChunkPlan
 
 HS = 8
 OUTLIER = torch.tensor([8.0, 0.3, -0.2, 0.1, 0.7, -0.5, 0.2, 0.4])  # one int4 group: coarse steps
@@ -133,5 +133,5 @@ def test_qh2o_generates() -> None:
     model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
     prompts = [torch.randint(0, 96, (25,)), torch.randint(0, 96, (9,))]
     config = KVCacheConfig("qh2o", cache_length=8, chunk_size=4, storage="int8", options=dict(sinks=1))
-    out = litkv.generate(model, prompts, 6, config)
+    out = litkv.inference.generate(model, prompts, 6, config)
     assert [len(o) for o in out] == [6, 6]

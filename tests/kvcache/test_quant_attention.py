@@ -11,10 +11,10 @@ import torch
 import litkv.kvcache.quant_attention as qa
 import litkv.kvcache.quant_int as quant_int
 from litkv import KVCacheConfig
-from litkv.attention import attend, build_mask
 from litkv.kvcache.base import CacheShape
 from litkv.kvcache.quantized import QuantizedSlots, quantize
 from litkv.kvcache.registry import get_kv_cache_class
+from litkv.modeling.attention import attend, build_mask
 
 TOLERANCE = {torch.float64: {"atol": 1e-10, "rtol": 1e-10}, torch.float32: {"atol": 1e-5, "rtol": 1e-4}}
 

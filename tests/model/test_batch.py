@@ -3,7 +3,7 @@ and the same generated tokens as each prompt alone, with dense and last-recent c
 
 The models run in float64 (`float64_model`), so that batched and alone differ by float64 rounding
 only and the logits are compared with `rounding_bound`; gemma2's soft-capped attention computes its
-scores in float32 (litkv/attention.py) and is bounded by float32's rounding."""
+scores in float32 (litkv/modeling/attention.py) and is bounded by float32's rounding."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
-from litkv.generate import pad_prompts
+from litkv.inference.generate import pad_prompts
 
 LENGTHS = (5, 17, 40)
 MODELS = {

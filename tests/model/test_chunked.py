@@ -12,7 +12,7 @@ import torch
 from helpers import float64_model, forward_depth, max_diff, random_gpt, random_tokens, rounding_bound, tiny_config
 
 from litkv import GPT, KVCacheConfig, forward_chunked
-from litkv.runner import ChunkPlan
+from litkv.modeling.runner import ChunkPlan
 
 T = 40
 MODELS = {
@@ -24,7 +24,7 @@ MODELS = {
     "gemma3": ("gemma-3-1b-it", dict(n_query_groups=1, sliding_window_size=8)),
 }
 # Soft-capping runs litkv's eager attention, whose scores are float32 even in a float64 model
-# (litkv/attention.py, `_attend_eager`): those models are bounded by float32's rounding.
+# (litkv/modeling/attention.py, `_attend_eager`): those models are bounded by float32's rounding.
 FLOAT32_SCORES = {"gemma2"}
 
 

@@ -218,7 +218,7 @@ def test_inductor_quantised_storage_gives_eager_tokens_on_the_shipped_model(
     A ragged batch of three prompts, 40 tokens each."""
     from pathlib import Path
 
-    from litkv.checkpoint import load_model, load_tokenizer
+    from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 
     ckpt = Path(__file__).resolve().parents[2] / "litkv" / "assets" / "default"
     model, tokenizer = load_model(ckpt).eval(), load_tokenizer(ckpt)

@@ -194,7 +194,10 @@ def test_unknown_policy_lists_known_ones() -> None:
     [
         ("no_such_module_xyz:Cache", r"cannot import module 'no_such_module_xyz'"),
         ("litkv.kvcache.dense:Missing", r"'Missing' in 'litkv.kvcache.dense' is not a KVCache subclass"),
-        ("litkv.config:KVCacheConfig", r"'KVCacheConfig' in 'litkv.config' is not a KVCache subclass"),
+        (
+            "litkv.modeling.config:KVCacheConfig",
+            r"'KVCacheConfig' in 'litkv.modeling.config' is not a KVCache subclass",
+        ),
     ],
 )
 def test_bad_policy_path(model: GPT, path: str, message: str) -> None:

@@ -46,7 +46,7 @@ PRESETS = {
     "Mixtral-8x7B-v0.1": dict(n_expert=4, n_expert_per_token=2),  # MoE MLP
 }
 # Soft-capping runs litkv's eager attention, whose scores are float32 even in a float64 model
-# (litkv/attention.py): bounded by float32's rounding.
+# (litkv/modeling/attention.py): bounded by float32's rounding.
 FLOAT32_SCORES = {"gemma-2-2b"}
 
 

@@ -18,9 +18,9 @@ from half import HALF_DTYPES, LOGIT_EPS, dtype_id, half_bound, half_pair
 from helpers import max_diff
 
 from litkv import GPT, KVCacheConfig
-from litkv.generate import pad_prompts
+from litkv.inference.generate import pad_prompts
 from litkv.kvcache import get_kv_cache_class, known_policies
-from litkv.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import ChunkPlan, run_chunks
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
 POSITIONAL = ("dense", "last-recent")

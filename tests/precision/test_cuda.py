@@ -13,7 +13,7 @@ from half import LOGIT_EPS, half_bound, half_pair
 from helpers import max_diff, random_tokens
 
 from litkv import KVCacheConfig, forward_chunked, generate
-from litkv.attention import attend, build_mask
+from litkv.modeling.attention import attend, build_mask
 
 pytestmark = [
     pytest.mark.cuda,

@@ -14,7 +14,7 @@ from half import half_pair
 from helpers import max_diff
 
 from litkv import KVCacheConfig, generate
-from litkv.attention import attend, build_mask
+from litkv.modeling.attention import attend, build_mask
 
 B, H, G, T, S, HS = 1, 4, 2, 5, 12, 16
 
@@ -102,9 +102,9 @@ def test_non_finite_decode_logits_stop_generation_with_one_line() -> None:
 def test_non_finite_logits_stop_a_chat_reply_before_its_token(tiny_ckpt) -> None:  # noqa: ANN001
     """The conversation engine (chat, and serve's turns through the same check) refuses a reply step
     whose logits hold NaN: a one-line ValueError, no token yielded from that step."""
-    from litkv.chat_template import RawFormat
-    from litkv.checkpoint import load_model, load_tokenizer
-    from litkv.conversation import Conversation
+    from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+    from litkv.inference.chat_template import RawFormat
+    from litkv.inference.conversation import Conversation
 
     model, tokenizer = load_model(tiny_ckpt), load_tokenizer(tiny_ckpt)
     conv = Conversation(model, RawFormat(tokenizer), KVCacheConfig("h2o", cache_length=32))

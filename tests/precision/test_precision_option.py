@@ -1,5 +1,5 @@
 """`--precision` is one option with one meaning in generate, chat, serve, evaluate and finetune: the
-inference commands take `litkv.runtime.PRECISIONS` (and refuse anything else in one line, before any
+inference commands take `litkv.checkpoints.runtime.PRECISIONS` (and refuse anything else in one line, before any
 work), finetune takes the same `*-true` strings plus ``bf16-mixed``; ``bf16-mixed`` fine-tuning takes
 the step that autograd through the cache under bfloat16 autocast takes, on float32 weights."""
 
@@ -16,16 +16,16 @@ from lightning.fabric import Fabric
 from safetensors.torch import load_file
 
 import litkv
-from litkv.checkpoint import load_model
+from litkv.checkpoints.checkpoint import load_model
+from litkv.checkpoints.runtime import PRECISIONS
 from litkv.cli.chat_cmd import chat
 from litkv.cli.evaluate_cmd import evaluate
 from litkv.cli.generate_cmd import generate
 from litkv.cli.serve_cmd import serve
-from litkv.config import KVCacheConfig
 from litkv.finetune.cli import TRAINING_PRECISIONS, finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs, autocast
-from litkv.runtime import PRECISIONS
+from litkv.modeling.config import KVCacheConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "finetune"))
 from test_finetune import SEQ, make_checkpoint, windows, write_text  # noqa: E402

@@ -1,4 +1,4 @@
-"""QLoRA: LoRA adapters over frozen int8 / int4 weights (`litkv.finetune.lora` over `litkv.quant_weights`).
+"""QLoRA: LoRA adapters over frozen int8 / int4 weights (`litkv.finetune.lora` over `litkv.modeling.quant_weights`).
 
 The reference is the same model with each quantised weight replaced by its dequantised float64 weight
 in a plain `nn.Linear`, the same adapters on top: the adapters' gradients must agree to float64
@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from litkv import GPT
-from litkv.checkpoint import load_model
+from litkv.checkpoints.checkpoint import load_model
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import EvalArgs, TrainArgs
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable, merged_state_dict
-from litkv.quant_weights import Int4Linear, Int8Linear, WeightQuant, quantize_model
+from litkv.modeling.quant_weights import Int4Linear, Int8Linear, WeightQuant, quantize_model
 
 TARGETS = ["attn.qkv", "attn.proj", "mlp", "lm_head"]
 

@@ -1,4 +1,4 @@
-"""Stored quantised checkpoints (`litkv convert --quantize`, `litkv.quant_store`): the round trip against
+"""Stored quantised checkpoints (`litkv convert --quantize`, `litkv.checkpoints.quant_store`): the round trip against
 quantising the float checkpoint at load (bitwise), the packing in blocks of rows against packing the
 whole weight, and the refusals (another scheme, missing metadata, misshapen codes, truncated file)."""
 
@@ -14,12 +14,12 @@ import torch
 from gguf_files import TinyGGUF, write_gguf
 from safetensors.torch import load_file, save_file
 
-from litkv.checkpoint import SAFETENSORS_FILE, load_model, load_state_dict
+from litkv.checkpoints.checkpoint import SAFETENSORS_FILE, load_model, load_state_dict
+from litkv.checkpoints.quant_store import QUANT_KEY
+from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.convert_cmd import convert
-from litkv.fingerprint import model_fingerprint
-from litkv.quant_store import QUANT_KEY
-from litkv.quant_weights import Int4Linear, Int8Linear, int4_from_nibbles, int4_nibbles
-from litkv.runtime import load_for_inference
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.quant_weights import Int4Linear, Int8Linear, int4_from_nibbles, int4_nibbles
 
 REPO = Path(__file__).resolve().parents[2]
 

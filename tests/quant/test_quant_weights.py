@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 linear layers (`litkv.quant_weights`) against float references.
+"""Weight-only int8/int4 linear layers (`litkv.modeling.quant_weights`) against float references.
 
 Tolerances: the packed kernels take bfloat16 activations and return bfloat16 outputs, so a product
 differs from the float32 product with the same (dequantised) weight by at most the bfloat16 rounding
@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from litkv import GPT
-from litkv.config import KVCacheConfig
-from litkv.generate import generate
-from litkv.quant_weights import (
+from litkv.checkpoints.runtime import load_for_inference
+from litkv.inference.generate import generate
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.quant_weights import (
     KERNEL_ROWS,
     Int4Linear,
     Int8Linear,
@@ -28,7 +29,6 @@ from litkv.quant_weights import (
     parse_quantize,
     quantize_model,
 )
-from litkv.runtime import load_for_inference
 
 
 def _linear(out_features: int, in_features: int, bias: bool = True) -> nn.Linear:

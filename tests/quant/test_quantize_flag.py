@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from litkv import peers
-from litkv.checkpoint import load_tokenizer
+from litkv.checkpoints.checkpoint import load_tokenizer
+from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli import bench_cmd
 from litkv.cli.bench_cmd import format_table
-from litkv.config import KVCacheConfig
-from litkv.generate import generate
-from litkv.peers import BenchResult
-from litkv.quant_weights import Int4Linear, Int8Linear, parse_quantize, quantize_model, stored_weight_bytes
-from litkv.runtime import load_for_inference
+from litkv.eval import peers
+from litkv.eval.peers import BenchResult
+from litkv.inference.generate import generate
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.quant_weights import Int4Linear, Int8Linear, parse_quantize, quantize_model, stored_weight_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
@@ -76,7 +76,7 @@ def test_load_for_inference_refuses_meta_and_a_non_cpu_device(tiny_ckpt: Path, m
     with pytest.raises(ValueError, match="device 'meta' cannot run generation"):
         load_for_inference(tiny_ckpt, None, "meta", 1, "int8")
     # a machine where MPS (or CUDA) resolves: refused by the quantisation check before loading
-    monkeypatch.setattr("litkv.runtime.resolve_device", torch.device)
+    monkeypatch.setattr("litkv.checkpoints.runtime.resolve_device", torch.device)
     with pytest.raises(ValueError, match=r"^--quantize int4 runs on the CPU only .* got mps$"):
         load_for_inference(tiny_ckpt, None, "mps", 1, "int4")
     model, dev = load_for_inference(tiny_ckpt, None, "cpu", 1, "none")  # no quantisation: any device
@@ -120,7 +120,7 @@ def test_bench_rows_name_their_quantisation_and_bad_values_are_refused(tmp_path:
 def test_bench_worker_quantises_litkv_only(tiny_config, tmp_path: Path) -> None:
     hf_dir, lit_dir = peers.prepare_weights(tiny_config, 0, tmp_path)
     r = peers.run_peer("litkv", tiny_config, hf_dir, lit_dir, 12, 6, 8, 0, quantize="int8")
-    from litkv.model import GPT
+    from litkv.modeling.model import GPT
 
     model = quantize_model(peers.load_lit(tiny_config, lit_dir, GPT), parse_quantize("int8"))
     prompt = torch.randint(0, tiny_config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.modeling.config import KVCacheConfig
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 from litkv.serve.batch import RowBatch
 from litkv.serve.guard import INFLIGHT, Guard
@@ -124,7 +124,7 @@ def test_row_result_does_not_depend_on_batch_mates(model_and_tok: tuple) -> None
 
 
 def _plan():  # noqa: ANN202
-    from litkv.runner import ChunkPlan
+    from litkv.modeling.runner import ChunkPlan
 
     return ChunkPlan(8, 8)
 
@@ -215,7 +215,7 @@ def test_queue_full_is_503_with_retry_after(tmp_path: Path) -> None:
 
 
 def _real_checkpoint() -> Path | None:
-    from litkv.download import cache_dir
+    from litkv.checkpoints.download import cache_dir
 
     path = cache_dir("smollm2-135m-instruct")
     return path if (path / "model.safetensors").is_file() else None
@@ -227,7 +227,7 @@ def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
     """SmolLM2-135M-Instruct with its chat template, float32: two conversations decoded together get their
     solo replies (a CPU matmul rounds 1 row and 2-15 rows differently: the batch always runs all its
     rows), and a fresh server given the replies as text (one cut by max_tokens) answers the same."""
-    from litkv.chat_template import load_format
+    from litkv.inference.chat_template import load_format
 
     ckpt = _real_checkpoint()
     model, tok = load_model(ckpt), load_tokenizer(ckpt)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.modeling.config import KVCacheConfig
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)

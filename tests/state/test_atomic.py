@@ -1,4 +1,4 @@
-"""`litkv.atomic`: the one write path. Modes from the umask, no partial file on any failure, one clear
+"""`litkv.core.atomic`: the one write path. Modes from the umask, no partial file on any failure, one clear
 error for space/permission/read-only failures, stale temporary files, and a scan of the package proving
 that no other module writes a file by itself."""
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import litkv
-from litkv.atomic import (
+from litkv.core.atomic import (
     TMP_PREFIX,
     FileWriteError,
     is_temp_name,
@@ -29,7 +29,7 @@ from litkv.atomic import (
     write_bytes_atomic,
     write_text_atomic,
 )
-from litkv.state import CacheState, snapshot
+from litkv.states.state import CacheState, snapshot
 
 PACKAGE = Path(litkv.__file__).parent
 
@@ -84,7 +84,7 @@ def _callbacks(tree: ast.AST) -> tuple[set[int], set[str]]:
 
 
 def unsafe_writes(source: str, filename: str) -> list[str]:
-    """`file:line: call` for each call that writes a file outside a callback given to `litkv.atomic`."""
+    """`file:line: call` for each call that writes a file outside a callback given to `litkv.core.atomic`."""
     tree = ast.parse(source, filename)
     lambdas, names = _callbacks(tree)
     found: list[str] = []
@@ -113,7 +113,7 @@ def _package_sources() -> Iterator[Path]:
 
 def test_no_module_writes_a_file_outside_the_atomic_module() -> None:
     found = [w for p in _package_sources() for w in unsafe_writes(p.read_text(), str(p.relative_to(PACKAGE)))]
-    assert found == [], "files written without litkv.atomic:\n" + "\n".join(found)
+    assert found == [], "files written without litkv.core.atomic:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(
@@ -305,7 +305,7 @@ def test_temp_names_of_dead_writers_are_removed_live_ones_kept(tmp_path: Path) -
 def test_a_killed_writer_leaves_only_a_temp_name_that_no_reader_takes(tmp_path: Path) -> None:
     """A real process SIGKILLed in the middle of writing: the target is absent or complete."""
     code = (
-        "import sys, time; from litkv.atomic import write_atomic\n"
+        "import sys, time; from litkv.core.atomic import write_atomic\n"
         "def slow(tmp):\n"
         "    tmp.write_bytes(b'partial'); print('writing', flush=True); time.sleep(60)\n"
         "write_atomic(sys.argv[1], slow)\n"

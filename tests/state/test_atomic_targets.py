@@ -1,9 +1,9 @@
-"""What is at a write's target decides how `litkv.atomic` writes it: a symlink is followed (its target
+"""What is at a write's target decides how `litkv.core.atomic` writes it: a symlink is followed (its target
 written atomically, the link kept), a character device, FIFO or `/dev/stdout` is written through, a
 block device, socket or directory is refused with one line; none of them is ever replaced.
 
 As root (device nodes made with mknod in the test's directory, never the machine's own /dev), as an
-ordinary user (`setpriv` to nobody, running `litkv/atomic.py` under the system Python: it needs only the
+ordinary user (`setpriv` to nobody, running `litkv/core/atomic.py` under the system Python: it needs only the
 standard library), and through a real `litkv chat` process (`/save` onto each kind of target).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from litkv.atomic import FileWriteError, save_dir_atomic, write_text_atomic
+from litkv.core.atomic import FileWriteError, save_dir_atomic, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0
@@ -110,7 +110,7 @@ def test_dev_stdout_is_written_through_to_a_pipe_and_a_redirected_file(tmp_path:
     replace this link, never the machine's own /dev/stdout), written through to a pipe or a file."""
     stdout = tmp_path / "stdout"
     stdout.symlink_to("/proc/self/fd/1")
-    code = f"print('before', flush=True); import litkv.atomic as a; a.write_text_atomic({str(stdout)!r}, 'J')"
+    code = f"print('before', flush=True); import litkv.core.atomic as a; a.write_text_atomic({str(stdout)!r}, 'J')"
     code += "; a.write_text_atomic('/dev/fd/1', 'K')"  # a link inside /proc: never replaceable, written through
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

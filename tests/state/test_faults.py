@@ -25,11 +25,11 @@ import pytest
 import torch
 from tiny_checkpoint import TEXT
 
-from litkv.atomic import is_temp_name
 from litkv.cli.chat_cmd import _read_turns
+from litkv.core.atomic import is_temp_name
 from litkv.finetune.state import check_resume_dir
-from litkv.state import CacheState
-from litkv.state_store import PROOF_KEY
+from litkv.states.state import CacheState
+from litkv.states.state_store import PROOF_KEY
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where fork_server.py lives
 REPO = TESTS.parent

@@ -1,4 +1,4 @@
-"""Prefix reuse (litkv.prefix.PrefixCache, generate(..., prefix_cache=...), litkv generate --prompt_cache).
+"""Prefix reuse (litkv.states.prefix.PrefixCache, generate(..., prefix_cache=...), litkv generate --prompt_cache).
 
 A row prefilled from a stored prefix continues exactly where a cold run of its prompt alone would be,
 so its tokens are those of the prompt alone, whatever prefix length each row of a batch finds.
@@ -124,7 +124,7 @@ def test_store_on_disk_across_instances(model: GPT, tmp_path: Path, caplog: pyte
     for f in files:  # corrupt files are skipped with a warning, and recomputed
         f.write_bytes(f.read_bytes()[:100])
     third = PrefixCache(10**9, tmp_path / "store")
-    with caplog.at_level(logging.WARNING, logger="litkv.prefix"):
+    with caplog.at_level(logging.WARNING, logger="litkv.states.prefix"):
         assert [t.tolist() for t in generate(model, prompts[:2], NEW, cfg, prefix_cache=third)] == expected
     assert "ignoring and removing" in caplog.text
     assert third.hits == 1 and third.reused_tokens == 24  # row 1 finds what row 0 recomputed
@@ -204,7 +204,7 @@ def test_an_entry_proves_its_key(model: GPT, tmp_path: Path, caplog: pytest.LogC
     assert len(files) == 4  # 32 tokens: blocks of 8
     files[-1].write_bytes(files[0].read_bytes())  # the longest prefix's name now holds the first block's state
     store = PrefixCache(10**9, tmp_path / "s")
-    with caplog.at_level(logging.WARNING, logger="litkv.prefix"):
+    with caplog.at_level(logging.WARNING, logger="litkv.states.prefix"):
         assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=store)[0].tolist() == expected
     assert "does not prove key" in caplog.text and store.hits == 1 and store.reused_tokens == 24
     again = PrefixCache(10**9, tmp_path / "s")  # recomputed and written again under its own key
@@ -251,7 +251,7 @@ def test_an_entry_removed_by_another_process_is_a_miss(
     model: GPT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Between `is_file` and the read, another process removes the entry: a plain miss, no error, no warning."""
-    from litkv import state as state_module
+    from litkv.states import state as state_module
 
     cfg = _config("tova")
     _, prompts = _prompts(seed=7)
@@ -265,7 +265,7 @@ def test_an_entry_removed_by_another_process_is_a_miss(
 
     monkeypatch.setattr(state_module.CacheState, "load", classmethod(load_after_removal))
     store = PrefixCache(10**9, tmp_path / "s")
-    with caplog.at_level(logging.WARNING, logger="litkv.prefix"):
+    with caplog.at_level(logging.WARNING, logger="litkv.states.prefix"):
         assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=store)[0].tolist() == expected
     assert store.hits == 0 and store.misses == 1 and caplog.text == ""
 
@@ -289,8 +289,8 @@ def test_a_store_that_cannot_write_serves_from_memory_with_one_warning(
 ) -> None:
     import errno
 
-    from litkv import state as state_module
-    from litkv.atomic import FileWriteError
+    from litkv.core.atomic import FileWriteError
+    from litkv.states import state as state_module
 
     def full_disk(self: object, path: Path, extra_metadata: object = None) -> None:
         raise FileWriteError(errno.ENOSPC, f"cannot write {str(path)!r}: No space left on device")
@@ -315,7 +315,7 @@ def test_leftover_temp_files_removed_at_open_live_ones_counted(model: GPT, tmp_p
     import subprocess
     import sys
 
-    from litkv.atomic import TMP_PREFIX
+    from litkv.core.atomic import TMP_PREFIX
 
     directory = tmp_path / "s"
     directory.mkdir()
@@ -339,7 +339,7 @@ def test_a_write_whose_temp_file_vanished_is_skipped_quietly(
 ) -> None:
     """Another process's cleanup removed this writer's temporary file (its rename fails): that entry is not
     written, no warning, and the store keeps writing the others."""
-    from litkv import state as state_module
+    from litkv.states import state as state_module
 
     save = state_module.CacheState.save
     calls = []

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 import litkv
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
-from litkv.state import CacheState, restore, snapshot
-from litkv.undo import truncate
+from litkv.states.state import CacheState, restore, snapshot
+from litkv.states.undo import truncate
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
 PACKAGE = str(Path(litkv.__file__).parent)
@@ -254,7 +254,7 @@ def test_truncate_of_an_evicting_cache_equals_never_having_made_the_calls(
     """Calls of random sizes through an 8-slot evicting cache (it evicts), then random `truncate(n)`:
     allowed exactly when `n` ends on a call boundary within the undo log's `depth` calls, and then the
     caches are bitwise those of a fresh run of the calls that remain."""
-    from litkv.undo import keep_undo_log
+    from litkv.states.undo import keep_undo_log
 
     cfg = KVCacheConfig(policy, cache_length=8, chunk_size=6)
     gen = torch.Generator().manual_seed(seed)

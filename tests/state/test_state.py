@@ -1,4 +1,4 @@
-"""Cache state (litkv.state): snapshot/restore, files, forks, merges and roll-back, for every built-in
+"""Cache state (litkv.states.state): snapshot/restore, files, forks, merges and roll-back, for every built-in
 policy and storage, on CPU in float32.
 
 Exactness is bitwise: a restored (or reloaded) cache continues with the very logits of the run that
@@ -280,7 +280,7 @@ def test_version_1_files_are_read_unless_they_hold_int8_codes(model: GPT, tmp_pa
     bitwise, except one with int8 storage, whose bytes now mean other codes: refused in one line."""
     from safetensors.torch import load_file
 
-    from litkv.state_file import digest
+    from litkv.states.state_file import digest
 
     for storage in ("int4", "int8"):
         with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""The one state store (litkv.state_store) under the server's conversation store (litkv.serve.store):
+"""The one state store (litkv.states.state_store) under the server's conversation store (litkv.serve.store):
 it degrades instead of failing a turn, trims its directory, removes dead writers' temporary files, and
 restores an entry only when it proves everything it claims (key, tokens, model, caches, reply ids).
 
@@ -23,14 +23,14 @@ from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
 from torch.overrides import TorchFunctionMode
 
-from litkv import atomic
-from litkv.checkpoint import load_model, load_tokenizer
-from litkv.config import KVCacheConfig
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.core import atomic
+from litkv.modeling.config import KVCacheConfig
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
-from litkv.state import CacheState, restore
-from litkv.state_file import digest
-from litkv.state_store import PROOF_KEY, EntryCheck
+from litkv.states.state import CacheState, restore
+from litkv.states.state_file import digest
+from litkv.states.state_store import PROOF_KEY, EntryCheck
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = ["The quick brown fox", "What is the passkey?", "Remember it.", "the lazy dog"]
@@ -67,15 +67,15 @@ def _key_after(engine: Engine, messages: list[tuple[str, str]], n: int) -> str:
 
 
 def _fails_to_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every write of a state file or a note fails as `litkv.atomic` fails on a full disk (ENOSPC)."""
-    import litkv.state_file
-    import litkv.state_store
+    """Every write of a state file or a note fails as `litkv.core.atomic` fails on a full disk (ENOSPC)."""
+    import litkv.states.state_file
+    import litkv.states.state_store
 
     def full(path: Path, *args: object) -> None:
         raise atomic.FileWriteError(errno.ENOSPC, f"cannot write {str(path)!r}: No space left on device")
 
-    monkeypatch.setattr(litkv.state_file, "write_atomic", full)
-    monkeypatch.setattr(litkv.state_store, "write_text_atomic", full)
+    monkeypatch.setattr(litkv.states.state_file, "write_atomic", full)
+    monkeypatch.setattr(litkv.states.state_store, "write_text_atomic", full)
 
 
 # -- degrades, never fails ------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def _craft_huge_dense_state(model: object, path: Path, key: str) -> None:
     dense = KVCacheConfig(policy="dense", cache_length=32, chunk_size=8)
     model.set_kv_caches(model.build_kv_caches(dense, 1))  # type: ignore[attr-defined]
     model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None])  # type: ignore[operator]
-    from litkv.state import snapshot
+    from litkv.states.state import snapshot
 
     small = path.parent / "small.safetensors"
     snapshot(model).save(small)  # type: ignore[arg-type]

@@ -18,9 +18,9 @@ import torch
 from helpers import random_gpt, tiny_config
 
 from litkv import CacheState, KVCacheConfig, restore, snapshot
-from litkv.fingerprint import model_fingerprint
-from litkv.model import GPT
-from litkv.state_file import digest as _digest
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.model import GPT
+from litkv.states.state_file import digest as _digest
 
 REPO = Path(__file__).resolve().parents[2]
 EVIL = "litkv_evil_side_effect_mod"

@@ -1,0 +1,181 @@
+"""`litkv evaluate --tasks ...`: the offline RULER tasks (`litkv.eval.ruler`) per policy and budget;
+table, JSON, plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from litkv.checkpoints.checkpoint import load_tokenizer
+from litkv.checkpoints.runtime import load_for_inference
+from litkv.core.atomic import write_atomic
+from litkv.core.tokens import encode_plain
+from litkv.core.validation import require_file
+from litkv.eval.evaluate import DENSE, RulerResult, evaluate_ruler
+from litkv.eval.recall import RECALL_FILE, RecallFormat
+from litkv.eval.ruler import Encode, NiahFormat, generate_samples, resolve_tasks, split_answer_prefix, word_list
+from litkv.inference.chat_template import Format, RawFormat, load_format
+
+__all__ = ["NEAR_ZERO", "chat_encoder", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
+
+# A task on which dense scores below this is marked: it needs a stronger model, not a better policy.
+NEAR_ZERO = 0.1
+
+
+def chat_encoder(fmt: Format) -> Encode | None:
+    """A RULER prompt as an instruct model is fed it in chat, as RULER does: the question as a user message
+    of `fmt`'s chat template, the generation prompt, then the answer's start (`split_answer_prefix`) as the
+    first tokens of the reply; None for raw text (the prompt's own tokens)."""
+    if isinstance(fmt, RawFormat):
+        return None
+
+    def encode(text: str) -> list[int]:
+        question, prefix = split_answer_prefix(text)
+        ids = [t for seg in fmt.segments([("user", question)], [None], True, True) for t in seg.ids]
+        return ids + (encode_plain(fmt.tokenizer, prefix) if prefix else [])
+
+    return encode
+
+
+def run_ruler(
+    ckpt: Path,
+    tasks: str | Sequence[str],
+    policies: Sequence[str],
+    budgets: Sequence[int],
+    settings: dict[str, Any],
+) -> list[RulerResult]:
+    """Generate the samples, score dense and every (policy, budget), print the table, write ruler.json/png.
+
+    `settings`: length (None: the recall format's context length, else the model's), num_samples, seed,
+    kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads, quantize,
+    chat_template (None: the checkpoint's template when it has one, each prompt a user message with the
+    generation prompt; False: the prompt's text alone).
+    """
+    names = resolve_tasks(tasks)
+    runtime = (settings["precision"], settings["device"], settings["num_threads"], settings["quantize"])
+    model, _ = load_for_inference(ckpt, *runtime)
+    tokenizer = load_tokenizer(ckpt)
+    recall = RecallFormat.load(ckpt / RECALL_FILE) if (ckpt / RECALL_FILE).is_file() else None
+    length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)
+    if not 64 <= length <= model.config.block_size:
+        raise ValueError(f"the RULER length must be in [64, {model.config.block_size}] (the model's), got {length}")
+    if settings["text_file"] is not None:
+        text_path = require_file("--text_file", settings["text_file"])
+    elif not (text_path := ckpt / "heldout.txt").is_file():
+        raise FileNotFoundError(f"no word list source {str(text_path)!r}: pass --text_file (any English text)")
+    words = word_list(text_path.read_text(encoding="utf-8"))
+    niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
+    encode = chat_encoder(load_format(ckpt, tokenizer, settings["chat_template"]))
+    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
+    start = time.perf_counter()
+    results = evaluate_ruler(
+        model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
+        settings["policy_options"], length,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    print(format_ruler_table(results))
+    print(
+        f"{settings['num_samples']} samples per task, {length} tokens (prompt + answer), seed {settings['seed']}; "
+        f"niah wording: {'the checkpoint recall format' if recall else 'RULER'}; {elapsed:.0f} s"
+    )
+    info = {
+        "command": " ".join(getattr(sys, "orig_argv", sys.argv)),
+        "checkpoint_dir": str(ckpt),
+        "tasks": names,
+        "length": length,
+        "num_samples": settings["num_samples"],
+        "seed": settings["seed"],
+        "words_from": str(text_path),
+        "niah_format": niah.__dict__,
+        "near_zero_dense": near_zero_tasks(results),
+        "elapsed_s": round(elapsed, 1),
+    }
+    _write(Path(settings["out_dir"]), results, info)
+    return results
+
+
+def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {**info, "results": [r.to_dict() for r in results]}
+    json_path = out_dir / "ruler.json"
+    write_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+    try:
+        plot_ruler(results, out_dir / "ruler.png")
+    except ImportError:
+        print("note: matplotlib is not installed: no plot (pip install 'litkv[plot]')", file=sys.stderr)
+        print(f"wrote {json_path}")
+        return
+    print(f"wrote {json_path} and {out_dir / 'ruler.png'}")
+
+
+def near_zero_tasks(results: Sequence[RulerResult]) -> list[str]:
+    """Tasks on which dense scores below `NEAR_ZERO` (none when there is no dense row)."""
+    dense = next((r for r in results if r.policy == DENSE), None)
+    return [] if dense is None else [t for t, s in dense.scores.items() if s < NEAR_ZERO]
+
+
+def format_ruler_table(results: Sequence[RulerResult]) -> str:
+    """One row per (policy, budget), one column per task (marked * when dense is near zero), and the mean."""
+    if not results:
+        raise ValueError("format_ruler_table needs at least one result")
+    tasks = list(results[0].scores)
+    zero = set(near_zero_tasks(results))
+    head = ["policy", "budget", *[f"{t}*" if t in zero else t for t in tasks], "mean"]
+    rows = []
+    for r in results:
+        budget = f"{r.cache_length} (full)" if r.policy == DENSE else str(r.cache_length)
+        rows.append([r.policy, budget, *[f"{r.scores.get(t, math.nan):.2f}" for t in tasks], f"{r.mean:.2f}"])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in [head, *rows]]  # fmt: skip
+    if zero:
+        lines.append(
+            f"* dense scores < {NEAR_ZERO:g} on {', '.join(sorted(zero))}: the model cannot do the task; "
+            "it needs a stronger model, not a better policy"
+        )
+    return "\n".join(lines)
+
+
+def plot_ruler(results: Sequence[RulerResult], path: Path) -> None:
+    """Score against cache budget per task (and the mean), one line per policy, dense dashed. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [*results[0].scores, "mean"]
+    cols = min(5, len(tasks))
+    rows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    dense = next((r for r in results if r.policy == DENSE), None)
+    zero = set(near_zero_tasks(results))
+    budgets = sorted({r.cache_length for r in results if r.policy != DENSE})
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        for policy in dict.fromkeys(r.policy for r in results if r.policy != DENSE):
+            pts = sorted((r.cache_length, _score(r, task)) for r in results if r.policy == policy)
+            ax.plot([b for b, _ in pts], [s for _, s in pts], marker="o", label=policy)
+        if dense is not None:
+            ax.axhline(_score(dense, task), color="black", linestyle="--", linewidth=1, label="dense")
+        if budgets:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{task} (dense ~0)" if task in zero else task, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks) :]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=7)
+    fig.supxlabel("cache budget (slots per layer and KV head)", fontsize=9)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def _score(result: RulerResult, task: str) -> float:
+    return result.mean if task == "mean" else result.scores[task]

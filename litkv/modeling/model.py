@@ -1,0 +1,518 @@
+"""GPT with a pluggable per-layer KV cache. `state_dict` keys are identical to `litgpt.GPT`'s.
+
+LitGPT's configs, MLP and norm classes and RoPE tables are reused; the attention, the masks (built
+from token positions for the call at hand, never a `block_size^2` buffer) and the forward are ours.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from litgpt.model import GPT as LitGPT
+
+from litkv.core.rope import apply_rope, yarn_mscale
+from litkv.core.validation import require_int
+from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
+from litkv.kvcache.storage import CacheShape
+from litkv.learned.gate import EvictionGates
+from litkv.learned.soft import SoftEviction
+from litkv.modeling.attention import attend, build_mask
+from litkv.modeling.config import MAMBA2, Config, KVCacheConfig, layer_kinds
+from litkv.modeling.mamba2 import Mamba2Mixer, recurrent_shape
+
+__all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
+
+# Called with (block index, block input `(B, T, n_embd)`); a returned tensor replaces the input.
+BlockHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+def check_integer_tensor(name: str, value: object, what: str = "token ids") -> None:
+    """Raise TypeError unless `value` is a tensor of an integer dtype (bool, float, complex refused).
+
+    Token ids and positions are never cast from a float or bool tensor: that would silently truncate.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an integer (int64) tensor of {what}, got {type(value).__name__}")
+    dtype = value.dtype
+    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(
+            f"{name} must be an integer (int64) tensor of {what}, got dtype {dtype}: float and bool "
+            "tensors are not converted silently"
+        )
+
+
+def kv_cache_configs(kv_cache: object) -> list[KVCacheConfig] | None:
+    """Check a `kv_cache` argument: a `KVCacheConfig` (returns `None`) or a non-empty list/tuple of them.
+
+    Raises TypeError naming the type given (e.g. a dict or a policy name string).
+    """
+    if isinstance(kv_cache, KVCacheConfig):
+        return None
+    if not isinstance(kv_cache, (list, tuple)) or not kv_cache:
+        hint = " (build one: KVCacheConfig(policy=...))" if isinstance(kv_cache, (str, dict)) else ""
+        raise TypeError(
+            "kv_cache must be a KVCacheConfig or a non-empty list of them (one per layer), "
+            f"got {type(kv_cache).__name__} {kv_cache!r:.80}{hint}"
+        )
+    for i, cfg in enumerate(kv_cache):
+        if not isinstance(cfg, KVCacheConfig):
+            raise TypeError(
+                f"kv_cache must be a KVCacheConfig or a list of them (one per layer), "
+                f"but kv_cache[{i}] is {type(cfg).__name__} {cfg!r:.80}"
+            )
+    return list(kv_cache)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer for any `litgpt.Config` preset (except latent attention)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        if config.padded_vocab_size is None:
+            raise ValueError("config.padded_vocab_size must be set")
+        if config.latent_attention:
+            raise NotImplementedError("multi-head latent attention (DeepSeek-V3 configs) is not supported")
+        self.config = config
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+                ln_f=config.norm_class(config.n_embd, eps=config.norm_eps),
+            )
+        )
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The attached caches (the run's cache state lives there, `last_pos` included); `None`: none.
+        self.caches: KVCaches | None = None
+        # Trained eviction gates (`litkv.learned`), read by the `learned` policy; `None`: none loaded.
+        self.eviction_gates: EvictionGates | None = None
+        # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
+        self._checks = True
+        self._compiled_decode: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
+
+    @classmethod
+    def from_name(cls, name: str) -> GPT:
+        """Build from a LitGPT preset name, e.g. ``"pythia-14m"``."""
+        return cls(Config.from_name(name))
+
+    # -- KV caches ------------------------------------------------------------------------------
+
+    def build_kv_caches(
+        self,
+        kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
+        batch_size: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> list[LayerCache | RecurrentCache]:
+        """One fresh cache per layer (a single config for all layers, or one config per layer).
+
+        A Mamba-2 layer of a hybrid model gets a `RecurrentCache`: policies cover the attention layers only
+        (`KVCaches.coverage` says which). In a per-layer list, a Mamba-2 layer's entry is a placeholder that
+        must be the config of some attention layer; one that names a policy for it alone is a ValueError.
+
+        The caches take `dtype`, else the autocast dtype when autocast is on, else the model's dtype.
+        """
+        per_layer = kv_cache_configs(kv_cache)
+        configs = [kv_cache] * self.config.n_layer if per_layer is None else per_layer
+        require_int("batch_size", batch_size, 1)
+        if len(configs) != self.config.n_layer:
+            raise ValueError(f"expected one KVCacheConfig per layer ({self.config.n_layer}), got {len(configs)}")
+        ref = self.lm_head.weight
+        device = ref.device if device is None else device
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(ref.device.type)
+            dtype = torch.get_autocast_dtype(ref.device.type) if autocast else ref.dtype
+        kinds = layer_kinds(self.config)
+        if per_layer is not None:
+            check_recurrent_entries(per_layer, [kind == MAMBA2 for kind in kinds])
+        caches: list[LayerCache | RecurrentCache] = []
+        for cfg, kind in zip(configs, kinds, strict=True):
+            c = self.config
+            if kind == MAMBA2:
+                caches.append(RecurrentCache(recurrent_shape(c, batch_size), device, dtype))  # type: ignore[arg-type]
+                continue
+            shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
+            caches.append(cfg.policy_class(cfg, shape, device, dtype))
+        return caches
+
+    def set_kv_caches(self, caches: KVCaches | Sequence[LayerCache] | None) -> KVCaches | None:
+        """Attach the caches of a run (a `KVCaches`, or one layer cache per layer; `None`: detach all).
+
+        Returns:
+            The attached `KVCaches` (a list is wrapped in a fresh one: position checks restart).
+        """
+        if caches is not None and not isinstance(caches, KVCaches):
+            caches = KVCaches(caches)
+        if caches is not None and len(caches) != self.config.n_layer:
+            raise ValueError(f"expected {self.config.n_layer} caches (one per layer), got {len(caches)}")
+        for i, block in enumerate(self.transformer.h):
+            block.attn.kv_cache = None if caches is None else caches[i]
+            cache = block.attn.kv_cache
+            if isinstance(cache, KVCache) and cache.needs_rope:  # policies that score with RoPE (expected-attention)
+                column = None if self.config.rope_indices is None else self.config.rope_indices[i]
+                cache.bind_rope(self._rope_table, self.config.rope_n_elem, column)
+            if isinstance(cache, KVCache) and cache.needs_gates:  # the `learned` policy
+                cache.bind_gates(self.eviction_gates, i)
+        self.caches = caches
+        return caches
+
+    @property
+    def last_pos(self) -> torch.Tensor | None:
+        """`(B,)` int64 largest position each row has seen through the attached caches (`KVCaches.last_pos`)."""
+        return None if self.caches is None else self.caches.last_pos
+
+    @last_pos.setter
+    def last_pos(self, value: torch.Tensor | None) -> None:
+        if self.caches is None:
+            raise ValueError("no KV caches are attached: call set_kv_caches() first")
+        self.caches.last_pos = value
+
+    @contextmanager
+    def kv_caches_attached(
+        self,
+        kv_cache: KVCacheConfig | Sequence[KVCacheConfig] | Sequence[LayerCache] | KVCaches,
+        batch_size: int | None = None,
+    ) -> Iterator[KVCaches]:
+        """Attach caches for the duration of a `with` block, and detach them however it ends.
+
+        Args:
+            kv_cache: a config for all layers, one config per layer (fresh caches for `batch_size` rows
+                are built), one ready cache per layer, or a `KVCaches`.
+            batch_size: rows of the fresh caches (needed with configs).
+
+        Yields:
+            The attached `KVCaches` (a sequence of the layer caches).
+        """
+        if isinstance(kv_cache, KVCaches):
+            caches = kv_cache
+        elif isinstance(kv_cache, (list, tuple)) and kv_cache and not isinstance(kv_cache[0], KVCacheConfig):
+            caches = list(kv_cache)
+        else:
+            if batch_size is None:
+                raise ValueError("batch_size is needed to build caches from KVCacheConfig")
+            caches = self.build_kv_caches(kv_cache, batch_size)
+        attached = self.set_kv_caches(caches)
+        try:
+            yield attached
+        finally:
+            self.set_kv_caches(None)
+
+    @contextmanager
+    def trusted_inputs(self, max_position: int) -> Iterator[None]:
+        """Skip the checks that read tensors on the host (token ids in the vocabulary, positions
+        increasing, RoPE table long enough) for calls made inside the block.
+
+        For callers whose inputs are valid by construction (`generate`'s decode loop: sampled tokens,
+        positions one past the last); a decode step then never waits for the device, and `torch.compile`
+        sees no graph break. The RoPE table is built for `max_position` first.
+        """
+        self._rope_table(max_position + 1)
+        previous = self._checks
+        self._checks = False
+        try:
+            yield
+        finally:
+            self._checks = previous
+
+    @property
+    def kv_caches(self) -> list[KVCache | None]:
+        """The attached layer caches (`None` per layer when none are attached)."""
+        return [block.attn.kv_cache for block in self.transformer.h]
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        *,
+        lm_head: bool = True,
+        block_hook: BlockHook | None = None,
+    ) -> torch.Tensor:
+        """Run the model.
+
+        Args:
+            idx: `(B, T)` token ids.
+            input_pos: `None` for the plain training forward (positions `0..T-1`, no cache), or `(B, T)`
+                int64 token positions (`-1` for padding) to run through the attached KV caches.
+            lm_head: if False, return the final hidden states (after the final norm).
+            block_hook: called at the start of every block with `(block_idx, x)`; may return a
+                replacement for `x`.
+
+        Returns:
+            `(B, T, padded_vocab_size)` logits, or `(B, T, n_embd)` hidden states.
+        """
+        idx = self._check_idx(idx)
+        t = idx.shape[1]
+        if input_pos is None:
+            positions = torch.arange(t, device=idx.device)[None]
+        else:
+            input_pos = self._check_positions(idx, input_pos)
+            positions = input_pos
+        cos, sin = self.rope(positions)
+        x = self.transformer.wte(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        rope_indices = self.config.rope_indices
+        # a multi-token call without pads may use SDPA's causal kernel where a layer's cache held nothing
+        # before (one host read, outside trusted decode steps)
+        no_pads = input_pos is not None and t > 1 and self._checks and bool((input_pos >= 0).all())
+        caches = self.caches if input_pos is not None else None
+        # a decode step: each layer attends, then every layer evicts at once after the loop
+        evict_later = caches is not None and caches.begin_call(t)
+        for i, block in enumerate(self.transformer.h):
+            if block_hook is not None:
+                replaced = block_hook(i, x)
+                x = x if replaced is None else replaced
+            c, s = (cos, sin) if rope_indices is None else (cos[..., rope_indices[i]], sin[..., rope_indices[i]])
+            x = block(x, c, s, input_pos, no_pads, evict_later)
+        if caches is not None and evict_later:
+            caches.evict_waiting()
+        x = self.transformer.ln_f(x)
+        return self.logits(x) if lm_head else x
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One call through the attached caches: `(B, T)` tokens and positions -> `(B, V)` last logits."""
+        return self(tokens, positions)[:, -1]
+
+    def compiled_decode_step(self, backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`decode_step` through `torch.compile` (static shapes), built once per model and reused.
+
+        Dynamo compiles again only when what the step depends on changes (another cache policy or
+        shape); over the steps of one `generate` it does not. `backend`: a `torch.compile` backend
+        (default: the one built before, else `"inductor"`); naming another one rebuilds the step.
+        """
+        if self._compiled_decode is None or (backend is not None and backend != self._compiled_decode[0]):
+            name = backend or "inductor"
+            self._compiled_decode = (name, torch.compile(self.decode_step, backend=name, dynamic=False, fullgraph=True))
+        return self._compiled_decode[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head (and final soft-capping): `(B, T, n_embd)` -> `(B, T, padded_vocab_size)`."""
+        out = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for `(B, T)` positions (`-1` treated as 0): `(B, T, rope_n_elem[, 2])` each."""
+        if self._checks:
+            cos, sin = self._rope_table(int(positions.max()) + 1 if positions.numel() else 1)
+        elif self._rope is None:
+            raise RuntimeError("trusted_inputs() builds the RoPE table; it was not built")
+        else:
+            cos, sin = self._rope
+        index = positions.clamp(min=0)
+        return cos[index], sin[index]
+
+    def _rope_table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables for at least `needed` positions (rebuilt when shorter or on another device)."""
+        ref = self.lm_head.weight
+        if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].device != ref.device:
+            length = max(needed, min(self.config.block_size, 4096))
+            length = 1 << (length - 1).bit_length()
+            # LitGPT's RoPE table (all its scaling variants), built for `length` positions only.
+            spec = SimpleNamespace(config=self.config, max_seq_length=length)
+            self._rope = LitGPT.rope_cache(spec, device=ref.device)  # type: ignore[arg-type]
+        return self._rope
+
+    def _check_idx(self, idx: torch.Tensor) -> torch.Tensor:
+        """`idx` itself, or widened to int64 when it has a narrower integer dtype (lossless)."""
+        check_integer_tensor("idx", idx)
+        if idx.dtype not in (torch.int32, torch.int64):
+            idx = idx.long()
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+        if idx.numel() and self._checks:
+            low, high = int(idx.min()), int(idx.max())
+            vocab = self.config.padded_vocab_size
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary: ids must be in [0, {vocab})")
+        return idx
+
+    def _check_positions(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """`input_pos` itself, or widened to int64 when it has a narrower integer dtype (lossless)."""
+        check_integer_tensor("input_pos", input_pos, what="token positions")
+        if input_pos.dtype not in (torch.int32, torch.int64):
+            input_pos = input_pos.long()
+        if input_pos.shape != idx.shape:
+            raise ValueError(f"input_pos must have the shape of idx {tuple(idx.shape)}, got {tuple(input_pos.shape)}")
+        caches = self.caches
+        if caches is None:
+            raise ValueError("input_pos was given but no KV caches are attached: call set_kv_caches() first")
+        if idx.shape[0] != caches.batch_size:
+            raise ValueError(
+                f"batch size changed mid-sequence: the KV caches were built for batch size "
+                f"{caches.batch_size}, got idx with batch size {idx.shape[0]}"
+            )
+        caches.observe(input_pos, check=self._checks)
+        return input_pos
+
+
+class Block(nn.Module):
+    """Transformer block: (parallel or sequential) residual attention and MLP, LitGPT's layout."""
+
+    def __init__(self, config: Config, block_idx: int) -> None:
+        super().__init__()
+        if not config.parallel_residual and config.shared_attention_norm:
+            raise NotImplementedError("non-parallel residual with a shared attention norm is not supported")
+        norm = config.norm_class
+        self.norm_1 = norm(config.n_embd, eps=config.norm_eps) if config.norm_1 else nn.Identity()
+        kind = layer_kinds(config)[block_idx]
+        self.attn = Mamba2Mixer(config, block_idx) if kind == MAMBA2 else CausalSelfAttention(config, block_idx)  # type: ignore[arg-type]
+        self.post_attention_norm = (
+            norm(config.n_embd, eps=config.norm_eps) if config.post_attention_norm else nn.Identity()
+        )
+        if not config.norm_2:
+            self.norm_2: nn.Module | None = nn.Identity()
+        else:
+            self.norm_2 = None if config.shared_attention_norm else norm(config.n_embd, eps=config.norm_eps)
+        if config.first_k_dense_replace is not None and block_idx < config.first_k_dense_replace:
+            from litgpt.model import LLaMAMLP
+
+            self.mlp = LLaMAMLP(config)
+        else:
+            self.mlp = config.mlp_class(config)
+        self.post_mlp_norm = norm(config.n_embd, eps=config.norm_eps) if config.post_mlp_norm else nn.Identity()
+        self.config = config
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        no_pads: bool = False,
+        evict_later: bool = False,
+    ) -> torch.Tensor:
+        """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`; `no_pads`: `input_pos` has no `-1`;
+        `evict_later`: the cache's eviction waits for `KVCaches.evict_waiting` (`CausalSelfAttention`)."""
+        x_normed = self.norm_1(x)
+        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, no_pads, evict_later))
+        if self.config.parallel_residual:
+            if self.norm_2 is not None:
+                x_normed = self.norm_2(x)
+            x = attn_out + x
+        else:
+            x = attn_out + x
+            x_normed = self.norm_2(x)
+        return self.post_mlp_norm(self.mlp(x_normed)) + x
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention through an optional per-layer `KVCache`."""
+
+    def __init__(self, config: Config, block_idx: int) -> None:
+        super().__init__()
+        shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
+        self.qkv = nn.Linear(config.n_embd, shape, bias=config.bias or config.attn_bias)
+        self.proj = nn.Linear(config.head_size * config.n_head, config.n_embd, bias=config.bias)
+        if config.norm_qk:
+            olmo2 = config.norm_qk_type == "olmo2"
+            q_size = config.n_head * config.head_size if olmo2 else config.head_size
+            k_size = config.n_query_groups * config.head_size if olmo2 else config.head_size
+            self.norm_q = config.norm_class(q_size, eps=config.norm_eps)
+            self.norm_k = config.norm_class(k_size, eps=config.norm_eps)
+        else:
+            self.norm_q = self.norm_k = None
+        self.window: int | None = None
+        indices = config.sliding_window_indices
+        if config.sliding_window_size is not None and indices is not None and indices[block_idx]:
+            self.window = config.sliding_window_size
+        mscale = 1.0
+        adjustments = config.rope_adjustments or {}
+        if adjustments.get("mscale_all_dim") and adjustments.get("factor"):
+            mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
+        self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
+        self.kv_cache: KVCache | None = None
+        # Set while eviction gates are trained (`litkv.learned.soft.soft_eviction`): calls attend with the
+        # gates' soft keep decisions as an additive bias (without a cache, or through one, `attend_cached`).
+        self.soft_eviction: SoftEviction | None = None
+        self.config = config
+        self.block_idx = block_idx
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        no_pads: bool = False,
+        evict_later: bool = False,
+    ) -> torch.Tensor:
+        """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `no_pads`: `input_pos` holds no `-1` (then a call
+        that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel).
+        `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
+        loop (`KVCache.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
+        q, k, v = self._qkv(x, cos, sin)
+        softcap = self.config.attention_logit_softcapping
+        if input_pos is None and self.soft_eviction is not None:
+            y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
+        elif input_pos is None:
+            y = self._attend_full(q, k, v, softcap)
+        else:
+            cache = self.kv_cache
+            if cache is None:
+                raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
+            keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
+            if self.soft_eviction is not None:  # eviction gates trained through caches
+                if cache.needs_attn_weights:
+                    raise ValueError(
+                        f"soft eviction needs a cache that reads no attention weights, got {type(cache).__name__}"
+                    )
+                y = self.soft_eviction.attend_cached(
+                    self.block_idx, q, keys, values, k_pos, input_pos, self.scale, self.window
+                )
+                weights = None
+            elif no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights and self.window is None:
+                # positions increase along the call, so causal by index is causal by position (a sliding
+                # window is not: positions may skip)
+                y = self._attend_full(q, keys, values, softcap)
+                weights = None
+            else:
+                mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
+                need = cache.needs_attn_weights
+                y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
+            if evict_later:
+                cache.wait_for_eviction(weights)
+            else:
+                cache.evict_and_store(weights)
+        return self.proj(y)
+
+    def _qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `(B, n_head, T, hs)`, keys and values `(B, G, T, hs)`, RoPE applied."""
+        c = self.config
+        b, t, _ = x.shape
+        kv_size = c.n_query_groups * c.head_size
+        q, k, v = self.qkv(x).split((c.n_head * c.head_size, kv_size, kv_size), dim=-1)
+        if c.norm_qk and c.norm_qk_type == "olmo2":
+            q, k = self.norm_q(q), self.norm_k(k)
+        q = q.view(b, t, c.n_head, c.head_size).transpose(1, 2)
+        k = k.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
+        v = v.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
+        if c.norm_qk and c.norm_qk_type == "default":
+            q, k = self.norm_q(q), self.norm_k(k)
+        n = c.rope_n_elem
+        q = torch.cat((apply_rope(q[..., :n], cos, sin, c.rope_interleave), q[..., n:]), dim=-1)
+        k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
+        return q, k, v
+
+    def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""
+        b, _, t, _ = q.shape
+        if self.window is None and softcap is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return y.transpose(1, 2).reshape(b, t, -1)
+        pos = torch.arange(t, device=q.device)
+        mask = build_mask(pos[None], pos[None, None], self.window)
+        return attend(q, k, v, mask, self.scale, softcap)[0]

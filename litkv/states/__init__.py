@@ -1,0 +1,2 @@
+"""Cache state as a value: snapshots, state files and their checks, the on-disk state store, undo,
+the prefix cache and the block store."""

@@ -1,0 +1,468 @@
+"""One store of cache states by key: an LRU in memory, optionally a directory, both bounded by bytes.
+
+The prefix store (`litkv.states.prefix.PrefixCache`) and the server's conversation store
+(`litkv.serve.store.StateStore`) are both this store with their own keys.
+
+- **Memory**: `StateLRU`, at most `max_bytes` bytes of state tensors, least recently used first.
+- **Directory** (optional): each state is also written as `<key>.safetensors` (the `CacheState` file
+  format, through `litkv.core.atomic`), read back on a memory miss (after a restart, or by another process
+  sharing the directory). The files, small JSON notes (`<key>.json`) and the temporary files of writes
+  in progress are bounded by `disk_bytes`, least recently used (read or written) first.
+- **An entry proves its key.** A file's safetensors metadata (`litkv_entry`) holds the key it was
+  written under and the number of tokens it covers; its litkv metadata holds the model fingerprint
+  and each layer's cache config and shape. `get` compares all of them with what the caller expects
+  (an `EntryCheck`: the weights' fingerprint, the cache configuration, shapes and dtype) from the
+  file's header alone, before a tensor is read or a cache allocated: a state whose caches are not
+  exactly the caller's is never restored, whatever size it claims. A mismatch, like a corrupt file,
+  is a miss: a logged warning, the file removed (the caller recomputes and writes it again).
+- **Degrades, never fails.** A write that fails for lack of space or permission warns once and the
+  store goes on in memory only; an entry another process removed is a plain miss; a directory removed
+  while in use is created again by the next write; temporary files of dead writers are removed when
+  the store opens (those of live writers count towards the bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from litkv.core.atomic import remove_stale_temp_files, temp_files, write_text_atomic
+from litkv.kvcache.storage import CacheShape
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.model import GPT, kv_cache_configs
+from litkv.states.state import CacheState
+from litkv.states.state_file import read_state_header
+
+__all__ = ["EntryCheck", "StateLRU", "StateStore"]
+
+log = logging.getLogger(__name__)
+STATE_SUFFIX = ".safetensors"
+NOTE_SUFFIX = ".json"
+#: Safetensors metadata key of an entry's proof of its key: `{"key": ..., "tokens": ...}` as JSON.
+PROOF_KEY = "litkv_entry"
+
+
+class StateLRU:
+    """Cache states by key, at most `max_bytes` bytes of tensors (`CacheState.nbytes`) in all; the least
+    recently used go first.
+
+    Attributes:
+        nbytes: bytes of the states held.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._states: OrderedDict[str, CacheState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._states
+
+    def states(self) -> list[CacheState]:
+        """The states held, least recently used first."""
+        return list(self._states.values())
+
+    def get(self, key: str) -> CacheState | None:
+        """The state under `key`, marked most recently used; `None` when there is none."""
+        state = self._states.get(key)
+        if state is not None:
+            self._states.move_to_end(key)
+        return state
+
+    def put(self, key: str, state: CacheState) -> bool:
+        """Keep `state` under `key` (replacing what was there), then drop the least recently used states
+        until the total fits. Returns False, keeping nothing, for a state larger than `max_bytes`."""
+        old = self._states.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes()
+        size = state.nbytes()
+        if size > self.max_bytes:
+            return False
+        self._states[key] = state
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, dropped = self._states.popitem(last=False)
+            self.nbytes -= dropped.nbytes()
+        return True
+
+    def clear(self) -> None:
+        """Forget every state."""
+        self._states.clear()
+        self.nbytes = 0
+
+
+def _json_form(value: object) -> object:
+    """`value` as it reads back from the JSON metadata of a state file (tuples become lists)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _difference(what: str, got: object, expected: dict[str, Any]) -> str | None:
+    """One line naming the first field where `got` differs from `expected`; `None` when they are equal."""
+    if not isinstance(got, dict):
+        return f"{what} is {str(got)[:80]}, expected {expected}"
+    for name in sorted(set(got) | set(expected)):
+        if got.get(name) != expected.get(name):
+            return f"{what}.{name} is {str(got.get(name))[:80]}, expected {str(expected.get(name))[:80]}"
+    return None
+
+
+@dataclass(frozen=True)
+class EntryCheck:
+    """What a stored state must be to be restored: taken from this model (every weight, the eviction
+    gates) with exactly these caches (per layer: config and shape) of this dtype.
+
+    Build one with `EntryCheck.of(model, kv_cache)`.
+    """
+
+    fingerprint: dict[str, str]
+    configs: tuple[dict[str, Any], ...]
+    shapes: tuple[dict[str, Any], ...]
+    dtype: str
+
+    @classmethod
+    def of(
+        cls,
+        model: GPT,
+        kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
+        dtype: torch.dtype | None = None,
+        batch_size: int = 1,
+    ) -> EntryCheck:
+        """The check for states of `model` with caches of `kv_cache` (one config, or one per layer), of
+        `dtype` (default: the model's) and `batch_size` rows.
+
+        The configs and shapes are those of the caches `model.build_kv_caches` makes (a policy may
+        adjust its config, as `qh2o` picks int4 storage for "float"), built on the meta device: nothing
+        is allocated.
+        """
+        dtype = model.lm_head.weight.dtype if dtype is None else dtype
+        configs, shapes = _built_caches(model, kv_cache, batch_size, dtype)
+        return cls(
+            fingerprint=model_fingerprint(model),
+            configs=tuple(
+                _json_form(dataclasses.asdict(cfg)) if dataclasses.is_dataclass(cfg) else cfg for cfg in configs
+            ),  # type: ignore[misc]
+            shapes=tuple(_json_form(dataclasses.asdict(s)) for s in shapes),  # type: ignore[misc]
+            dtype=str(dtype).removeprefix("torch."),
+        )
+
+    def mismatch(self, meta: dict[str, Any]) -> str | None:
+        """One line naming what a state file's metadata claims that differs from this check, or `None`."""
+        if meta.get("fingerprint") != self.fingerprint:
+            return "the state was taken from another model (other config, weights or eviction gates)"
+        if meta.get("dtype") != self.dtype:
+            return f"the state's dtype is {meta.get('dtype')!r}, expected {self.dtype!r}"
+        layers = meta.get("layers")
+        if not isinstance(layers, list) or len(layers) != len(self.configs):
+            found = len(layers) if isinstance(layers, list) else layers
+            return f"the state has {found} layers, expected {len(self.configs)}"
+        for i, (entry, config, shape) in enumerate(zip(layers, self.configs, self.shapes, strict=True)):
+            entry = entry if isinstance(entry, dict) else {}
+            problem = _difference(f"layer {i} config", entry.get("config"), config) or _difference(
+                f"layer {i} shape", entry.get("shape"), shape
+            )
+            if problem:
+                return problem
+        return None
+
+
+def _built_caches(
+    model: GPT, kv_cache: KVCacheConfig | Sequence[KVCacheConfig], batch_size: int, dtype: torch.dtype
+) -> tuple[list[KVCacheConfig], list[CacheShape]]:
+    """The configs and shapes of the caches `model.build_kv_caches` makes, built on the meta device (a
+    custom policy that cannot be built there: the configs as given, the shapes the model gives them)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a policy's warnings were given when the run's caches were built
+            caches = model.build_kv_caches(kv_cache, batch_size, device=torch.device("meta"), dtype=dtype)
+        # a recurrent layer has no cache config: its entry names its kind (`litkv.states.state_file.encode`)
+        configs = [cache.config if cache.config is not None else {"kind": cache.kind} for cache in caches]
+        return configs, [cache.shape for cache in caches]  # type: ignore[return-value]
+    except (RuntimeError, NotImplementedError):
+        configs = kv_cache_configs(kv_cache) or [kv_cache] * model.config.n_layer  # type: ignore[list-item]
+        c = model.config
+        shapes = [CacheShape(batch_size, c.n_query_groups, k.cache_length, c.head_size, c.head_size) for k in configs]
+        return configs, shapes
+
+
+class StateStore:
+    """Cache states by key in memory (LRU, `max_bytes`) and optionally in `directory` (`disk_bytes`).
+
+    Args:
+        max_bytes: most bytes of state tensors kept in memory (0: none).
+        directory: where states are also written, to be found again by later runs (created if needed).
+        disk_bytes: most bytes of files in `directory` (default: `max_bytes`).
+        max_notes: most notes (small JSON values by key) kept in memory.
+        name: how warnings name the store.
+
+    Attributes:
+        hits: states found in `"memory"` and on `"disk"`.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        directory: str | Path | None = None,
+        disk_bytes: int | None = None,
+        max_notes: int = 65536,
+        name: str = "state store",
+    ) -> None:
+        for what, value in (("max_bytes", max_bytes), ("disk_bytes", disk_bytes), ("max_notes", max_notes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+        self.name = name
+        self.max_bytes = max_bytes
+        self.disk_bytes_bound = max_bytes if disk_bytes is None else disk_bytes
+        self.max_notes = max_notes
+        self.memory = StateLRU(max_bytes)
+        self.hits = {"memory": 0, "disk": 0}
+        self.directory = None if directory is None else Path(directory)
+        self._notes: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._write_failed = False
+        if self.directory is not None:
+            self._open_directory(self.directory)
+
+    def _open_directory(self, directory: Path) -> None:
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"{self.name} directory {str(directory)!r} is a file")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            removed = remove_stale_temp_files(directory, depth=0, quiet=True)
+        except OSError as err:  # cannot create it, or read-only: memory only
+            self._memory_only(err)
+            return
+        if removed:
+            log.warning("%s: removed %d temporary file(s) of interrupted writes", self.name, len(removed))
+
+    def _memory_only(self, err: OSError) -> None:
+        if not self._write_failed:
+            self._write_failed = True
+            warnings.warn(
+                f"{self.name}: cannot write to {str(self.directory)!r} ({err}); going on in memory only",
+                stacklevel=4,
+            )
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the states held in memory."""
+        return self.memory.nbytes
+
+    def __len__(self) -> int:
+        return len(self.memory)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the files in `directory` and of temporary files of writes in progress (0 without one)."""
+        return sum(size for _, size, _ in _sized(self._files() + self._temps()))
+
+    def clear(self) -> None:
+        """Forget the states and notes held in memory (files on disk stay)."""
+        with self._lock:
+            self.memory.clear()
+            self._notes.clear()
+
+    # -- states ---------------------------------------------------------------------------------
+
+    def get(self, key: str, check: EntryCheck | None = None, tokens: int | None = None) -> CacheState | None:
+        """The state stored under `key` (memory first, then the directory), marked most recently used.
+
+        A file must prove `key`, cover `tokens` tokens (when given; its last position is `tokens - 1`)
+        and pass `check` (when given); one that does not, or cannot be read, is a miss with a logged
+        warning, and is removed. A file that another process removed meanwhile is a plain miss.
+        """
+        with self._lock:
+            state = self.memory.get(key)
+            if state is not None:
+                self.hits["memory"] += 1
+                return state
+        path = self._path(key, STATE_SUFFIX)
+        if path is None or not path.is_file():
+            return None
+        try:
+            state = self._read(path, key, check, tokens)
+        except (ValueError, OSError) as err:  # a corrupt or foreign entry is dropped (and recomputed)
+            if not path.exists():  # removed by another process (or with the directory) meanwhile: a miss
+                return None
+            log.warning("%s: ignoring and removing %s: %s", self.name, path, err)
+            _remove(path)
+            return None
+        with contextlib.suppress(OSError):  # removed by another process meanwhile; the state read is complete
+            os.utime(path)
+        with self._lock:
+            self.memory.put(key, state)
+            self.hits["disk"] += 1
+        return state
+
+    def _read(self, path: Path, key: str, check: EntryCheck | None, tokens: int | None) -> CacheState:
+        """The state in `path`, checked from its header (size, proof, `check`) before any tensor is read."""
+        size = path.stat().st_size
+        if size > self.disk_bytes_bound:
+            raise ValueError(f"the file has {size} bytes, more than the store's bound of {self.disk_bytes_bound}")
+        meta, extra = read_state_header(path)
+        try:
+            proof = json.loads(extra.get(PROOF_KEY, "null"))
+        except json.JSONDecodeError:
+            proof = None
+        if not isinstance(proof, dict) or proof.get("key") != key:
+            raise ValueError(f"the entry does not prove key {key[:16]}...: it holds {str(proof)[:120]}")
+        if tokens is not None and proof.get("tokens") != tokens:
+            raise ValueError(f"the entry covers {proof.get('tokens')} tokens, expected {tokens}")
+        problem = None if check is None else check.mismatch(meta)
+        if problem:
+            raise ValueError(problem)
+        state = CacheState.load(path)
+        covered = proof.get("tokens")
+        if not isinstance(covered, int) or _covered(state) != covered:
+            raise ValueError(f"the state covers {_covered(state)} tokens, but its entry claims {covered!r}")
+        return state
+
+    def put(self, key: str, state: CacheState, tokens: int | None = None) -> None:
+        """Keep `state` under `key` in memory and, with a directory, in a file (unless one is there).
+
+        `tokens`: how many tokens the state covers (default: its last position + 1), recorded in the
+        file with the key and checked by `get`. A state larger than a bound is not kept under it.
+        """
+        with self._lock:
+            self.memory.put(key, state)
+        path = self._path(key, STATE_SUFFIX)
+        if path is None or self._write_failed or state.nbytes() > self.disk_bytes_bound or path.exists():
+            return
+        proof = json.dumps({"key": key, "tokens": _covered(state) if tokens is None else tokens})
+        if self._write(path, lambda: state.save(path, extra_metadata={PROOF_KEY: proof})):
+            self._trim_disk()
+
+    def _write(self, path: Path, write: Callable[[], object]) -> bool:
+        """Run `write()`; False (memory only from now on, one warning) when the directory cannot be written."""
+        try:
+            write()
+        except FileNotFoundError as err:  # another process removed our temporary file: skip this one
+            log.info("%s: %s not written: %s", self.name, path, err)
+            return False
+        except OSError as err:  # no space, no permission, read-only, not a directory: memory only
+            self._memory_only(err)
+            return False
+        return True
+
+    # -- notes ----------------------------------------------------------------------------------
+
+    def put_note(self, key: str, note: dict[str, Any]) -> None:
+        """Keep a small JSON object under `key` (memory: the `max_notes` most recent; and `<key>.json`)."""
+        with self._lock:
+            self._remember(key, dict(note))
+        path = self._path(key, NOTE_SUFFIX)
+        if path is None or self._write_failed:
+            return
+        text = json.dumps({"key": key, "note": note})
+        if self._write(path, lambda: write_text_atomic(path, text)):
+            self._trim_disk()
+
+    def note(self, key: str) -> dict[str, Any] | None:
+        """The note under `key` (memory, then the directory); a file that does not prove `key` is a miss
+        with a warning, and is removed."""
+        with self._lock:
+            note = self._notes.get(key)
+            if note is not None:
+                self._notes.move_to_end(key)
+                return dict(note)
+        path = self._path(key, NOTE_SUFFIX)
+        if path is None or not path.is_file():
+            return None
+        try:
+            if path.stat().st_size > self.disk_bytes_bound:
+                raise ValueError(f"the file has more bytes than the store's bound of {self.disk_bytes_bound}")
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("note"), dict):
+                raise ValueError(f"the note does not prove key {key[:16]}...")
+        except (ValueError, OSError) as err:
+            if path.exists():
+                log.warning("%s: ignoring and removing %s: %s", self.name, path, err)
+                _remove(path)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        with self._lock:
+            self._remember(key, data["note"])
+        return dict(data["note"])
+
+    def drop_note(self, key: str) -> None:
+        """Forget the note under `key` (memory and file)."""
+        with self._lock:
+            self._notes.pop(key, None)
+        path = self._path(key, NOTE_SUFFIX)
+        if path is not None:
+            _remove(path)
+
+    def _remember(self, key: str, note: dict[str, Any]) -> None:
+        self._notes[key] = note
+        self._notes.move_to_end(key)
+        while len(self._notes) > self.max_notes:
+            self._notes.popitem(last=False)
+
+    # -- the directory --------------------------------------------------------------------------
+
+    def _path(self, key: str, suffix: str) -> Path | None:
+        return None if self.directory is None else self.directory / f"{key}{suffix}"
+
+    def _files(self) -> list[Path]:
+        if self.directory is None:
+            return []
+        try:
+            entries = list(self.directory.iterdir())
+        except (FileNotFoundError, NotADirectoryError):  # removed while in use: recreated by the next write
+            return []
+        suffixes = (STATE_SUFFIX, NOTE_SUFFIX)
+        return [f for f in entries if f.name.endswith(suffixes) and not f.name.startswith(".")]
+
+    def _temps(self) -> list[Path]:
+        return [] if self.directory is None else temp_files(self.directory)
+
+    def _trim_disk(self) -> None:
+        """Remove the least recently used files until the files and writes in progress fit `disk_bytes`."""
+        files = sorted(_sized(self._files()), key=lambda x: x[0])
+        total = sum(size for _, size, _ in files) + sum(size for _, size, _ in _sized(self._temps()))
+        for _, size, f in files:
+            if total <= self.disk_bytes_bound:
+                break
+            _remove(f)
+            total -= size
+
+
+def _remove(path: Path) -> None:
+    """Remove `path` if it is there and the directory lets us (read-only: it stays, a miss all the same)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _covered(state: CacheState) -> int:
+    """Tokens a state covers: its last position + 1 (0 when it has seen nothing)."""
+    last = state.last_pos
+    return 0 if last is None or last.numel() == 0 else int(last.max()) + 1
+
+
+def _sized(paths: list[Path]) -> list[tuple[float, int, Path]]:
+    """(mtime, size, path) of the paths that still exist (another process may remove any of them)."""
+    out = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        out.append((st.st_mtime, st.st_size, path))
+    return out
