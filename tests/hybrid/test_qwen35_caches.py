@@ -81,15 +81,15 @@ def test_recurrent_bytes_are_flat(model: GPT) -> None:
     """A Gated DeltaNet layer's state has the same bytes whatever the prompt length; the caches count it."""
     cfg = KVCacheConfig("h2o", cache_length=CACHE, chunk_size=7)
     sizes = []
+    seen: list[tuple[int, list[int], int]] = []
+
+    def keep(_: torch.Tensor) -> None:
+        caches = model.caches
+        recurrent = [c.nbytes() for c in caches if isinstance(c, RecurrentCache)]
+        attention = sum(c.nbytes() for c in caches if isinstance(c, KVCache))
+        seen.append((caches.nbytes(), recurrent, attention))
+
     for n in (10, 60):
-        seen: list[tuple[int, list[int], int]] = []
-
-        def keep(_: torch.Tensor) -> None:
-            caches = model.caches
-            recurrent = [c.nbytes() for c in caches if isinstance(c, RecurrentCache)]
-            attention = sum(c.nbytes() for c in caches if isinstance(c, KVCache))
-            seen.append((caches.nbytes(), recurrent, attention))
-
         generate(model, [torch.randint(0, VOCAB, (n,))], 1, cfg, on_tokens=keep)
         total, recurrent, attention = seen[-1]
         assert total == sum(recurrent) + attention
