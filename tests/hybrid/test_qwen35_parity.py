@@ -142,3 +142,36 @@ def test_dense_qwen3_next_matches_transformers() -> None:
         torch.testing.assert_close(model(idx), expected, **TOL)
         got = forward_chunked(model, idx, KVCacheConfig(policy="dense", cache_length=32, chunk_size=3))
     torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.slow
+def test_qwen35_0_8b_layer_shape_matches_transformers() -> None:
+    """Four layers (three Gated DeltaNet, one gated attention) at Qwen3.5-0.8B's widths (hidden 1,024, 8 query /
+    2 KV heads of 256, a quarter rotated; 16 key and 16 value heads of 128; MLP 3,584), a small vocabulary:
+    prefill over two scan blocks of 64, and calls of 13 tokens through the caches."""
+    config = tiny_qwen35_config(n_layer=4, interval=4)
+    shape = {
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
+    for name, value in shape.items():
+        setattr(config, name, value)
+    hf = random_hf_qwen35(config, seed=11)
+    with torch.no_grad():  # smaller weights at this width: activations of a trained model's scale
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(0.1)
+    model = litkv_from_hf(hf)
+    idx = torch.randint(0, VOCAB, (1, 70))
+    expected = _hf_logits(hf, idx)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), expected, **TOL)
+        got = forward_chunked(model, idx, KVCacheConfig(policy="dense", cache_length=80, chunk_size=13))
+    torch.testing.assert_close(got, expected, **TOL)
