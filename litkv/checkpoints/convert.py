@@ -38,6 +38,7 @@ from litkv.checkpoints.quant_store import quantized_tensors
 from litkv.core.atomic import save_dir_atomic, write_atomic, write_text_atomic
 from litkv.modeling.config import Config, HybridConfig
 from litkv.modeling.hf_hybrid import HYBRID_MODEL_TYPES, UNSUPPORTED_RECURRENT, hybrid_config_from_hf, hybrid_state_dict
+from litkv.modeling.hf_qwen35 import QWEN35_MODEL_TYPES, QWEN35_MOE_TYPES, qwen35_config_from_hf, qwen35_state_dict
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import WeightQuant
 
@@ -200,7 +201,11 @@ def convert_hf_checkpoint(
     if hf_dir.resolve() == out_dir.resolve():
         raise ValueError("out_dir must differ from hf_dir")
     hf = _read_hf_config(hf_dir)
-    if hf.get("model_type") in HYBRID_MODEL_TYPES or hf.get("model_type") in UNSUPPORTED_RECURRENT:
+    if hf.get("model_type") in QWEN35_MODEL_TYPES or hf.get("model_type") in QWEN35_MOE_TYPES:
+        config = qwen35_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
+        weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
+        state_dict = qwen35_state_dict(weights, config, dtype)  # type: ignore[arg-type]
+    elif hf.get("model_type") in HYBRID_MODEL_TYPES or hf.get("model_type") in UNSUPPORTED_RECURRENT:
         config: Config = hybrid_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
         weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
         state_dict = hybrid_state_dict(weights, config, dtype, hf)  # type: ignore[arg-type]

@@ -1,8 +1,11 @@
-"""`RecurrentCache`: the state of one Mamba-2 layer, a layer cache of `KVCaches` beside the attention caches.
+"""`RecurrentCache`: the state of one recurrent (Mamba-2 or Gated DeltaNet) layer, a layer cache of `KVCaches`
+beside the attention caches.
 
 An attention layer's cache grows with the tokens it keeps; a recurrent layer's state does not: per row,
 the last `d_conv - 1` inputs of the depthwise convolution (`conv`, `(B, conv_dim, d_conv - 1)`) and the
-SSM state (`ssm`, `(B, n_heads, head_dim, d_state)`). The mixer (`litkv.modeling.mamba2.Mamba2Mixer`) reads both
+SSM state (`ssm`, `(B, n_heads, head_dim, d_state)`; a Gated DeltaNet layer's delta-rule state is
+`(B, value heads, key head width, value head width)` under the same names). The mixer
+(`litkv.modeling.mamba2.Mamba2Mixer`, `litkv.modeling.gated_deltanet.GatedDeltaNet`) reads both
 and hands back their values after the call (`update`), which rebinds them (so autograd sees the chain of
 states through the chunks of the gradient engine); a row's state is touched only by its real tokens.
 
@@ -19,7 +22,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["LayerStateCache", "RecurrentCache", "RecurrentShape", "check_recurrent_entries"]
+__all__ = ["RECURRENT_STATE_KINDS", "LayerStateCache", "RecurrentCache", "RecurrentShape", "check_recurrent_entries"]
+
+#: the kinds of recurrent layer whose state a `RecurrentCache` holds
+RECURRENT_STATE_KINDS = ("mamba2", "gated_deltanet")
 
 
 @runtime_checkable
@@ -57,20 +63,27 @@ class RecurrentShape:
 
 
 class RecurrentCache:
-    """The convolution window and SSM state of one Mamba-2 layer, per row (zeros: nothing seen).
+    """The convolution window and SSM state of one recurrent layer, per row (zeros: nothing seen).
 
     Attributes:
-        kind: `"mamba2"`.
+        kind: the layer's kind, one of `RECURRENT_STATE_KINDS` (`"mamba2"` unless given).
         shape: the `RecurrentShape`.
         dtype: the state's float dtype.
         conv: `(B, conv_dim, d_conv - 1)` the last inputs of the convolution, oldest first.
         ssm: `(B, n_heads, head_dim, d_state)` the SSM state.
     """
 
-    kind = "mamba2"
+    kind = "mamba2"  # the default; an instance's own `kind` when given
     config = None  # no policy: the state keeps everything it needs, whatever the length
 
-    def __init__(self, shape: RecurrentShape, device: torch.device | str | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, shape: RecurrentShape, device: torch.device | str | None, dtype: torch.dtype, kind: str = "mamba2"
+    ) -> None:
+        if kind not in RECURRENT_STATE_KINDS:
+            raise ValueError(
+                f"recurrent layer kind {kind!r} is not one litkv implements; expected {RECURRENT_STATE_KINDS}"
+            )
+        self.kind = kind
         if not isinstance(shape, RecurrentShape):
             raise TypeError(f"shape must be a RecurrentShape, got {type(shape).__name__}")
         if not dtype.is_floating_point:
@@ -140,7 +153,7 @@ def check_recurrent_entries(configs: Sequence[object], recurrent: Sequence[bool]
 
     Args:
         configs: one cache config per layer (`KVCacheConfig`, compared with `==`).
-        recurrent: per layer, whether it is a recurrent (Mamba-2) layer.
+        recurrent: per layer, whether it is a recurrent (Mamba-2, Gated DeltaNet) layer.
     """
     attention = [i for i, rec in enumerate(recurrent) if not rec]
     used = [configs[i] for i in attention]
@@ -148,7 +161,7 @@ def check_recurrent_entries(configs: Sequence[object], recurrent: Sequence[bool]
         if rec and cfg not in used:
             policy = getattr(cfg, "policy", cfg)
             raise ValueError(
-                f"kv_cache[{i}] sets policy {policy!r} for layer {i}, a recurrent (Mamba-2) layer that keeps a "
-                f"constant-size state and takes no policy; policies cover the attention layers {attention} only "
-                f"(give layer {i} the config of an attention layer)"
+                f"kv_cache[{i}] sets policy {policy!r} for layer {i}, a recurrent (Mamba-2 / Gated DeltaNet) layer "
+                f"that keeps a constant-size state and takes no policy; policies cover the attention layers "
+                f"{attention} only (give layer {i} the config of an attention layer)"
             )

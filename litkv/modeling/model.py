@@ -25,7 +25,16 @@ from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates
 from litkv.learned.soft import SoftEviction
 from litkv.modeling.attention import attend, build_mask
-from litkv.modeling.config import MAMBA2, Config, KVCacheConfig, layer_kinds
+from litkv.modeling.config import (
+    GATED_DELTANET,
+    MAMBA2,
+    RECURRENT_KINDS,
+    Config,
+    HybridConfig,
+    KVCacheConfig,
+    layer_kinds,
+)
+from litkv.modeling.gated_deltanet import GatedDeltaNet, gdn_recurrent_shape
 from litkv.modeling.mamba2 import Mamba2Mixer, recurrent_shape
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
@@ -114,9 +123,10 @@ class GPT(nn.Module):
     ) -> list[LayerCache | RecurrentCache]:
         """One fresh cache per layer (a single config for all layers, or one config per layer).
 
-        A Mamba-2 layer of a hybrid model gets a `RecurrentCache`: policies cover the attention layers only
-        (`KVCaches.coverage` says which). In a per-layer list, a Mamba-2 layer's entry is a placeholder that
-        must be the config of some attention layer; one that names a policy for it alone is a ValueError.
+        A recurrent (Mamba-2, Gated DeltaNet) layer of a hybrid model gets a `RecurrentCache`: policies cover
+        the attention layers only (`KVCaches.coverage` says which). In a per-layer list, a recurrent layer's
+        entry is a placeholder that must be the config of some attention layer; one that names a policy for it
+        alone is a ValueError.
 
         The caches take `dtype`, else the autocast dtype when autocast is on, else the model's dtype.
         """
@@ -132,12 +142,16 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(ref.device.type) if autocast else ref.dtype
         kinds = layer_kinds(self.config)
         if per_layer is not None:
-            check_recurrent_entries(per_layer, [kind == MAMBA2 for kind in kinds])
+            check_recurrent_entries(per_layer, [kind in RECURRENT_KINDS for kind in kinds])
         caches: list[LayerCache | RecurrentCache] = []
         for cfg, kind in zip(configs, kinds, strict=True):
             c = self.config
             if kind == MAMBA2:
                 caches.append(RecurrentCache(recurrent_shape(c, batch_size), device, dtype))  # type: ignore[arg-type]
+                continue
+            if kind == GATED_DELTANET:
+                shape = gdn_recurrent_shape(c, batch_size)  # type: ignore[arg-type]
+                caches.append(RecurrentCache(shape, device, dtype, kind=GATED_DELTANET))
                 continue
             shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
             caches.append(cfg.policy_class(cfg, shape, device, dtype))
@@ -367,7 +381,8 @@ class Block(nn.Module):
         norm = config.norm_class
         self.norm_1 = norm(config.n_embd, eps=config.norm_eps) if config.norm_1 else nn.Identity()
         kind = layer_kinds(config)[block_idx]
-        self.attn = Mamba2Mixer(config, block_idx) if kind == MAMBA2 else CausalSelfAttention(config, block_idx)  # type: ignore[arg-type]
+        mixers = {MAMBA2: Mamba2Mixer, GATED_DELTANET: GatedDeltaNet}
+        self.attn = mixers.get(kind, CausalSelfAttention)(config, block_idx)  # type: ignore[operator]
         self.post_attention_norm = (
             norm(config.n_embd, eps=config.norm_eps) if config.post_attention_norm else nn.Identity()
         )
@@ -415,6 +430,9 @@ class CausalSelfAttention(nn.Module):
         shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
         self.qkv = nn.Linear(config.n_embd, shape, bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.head_size * config.n_head, config.n_embd, bias=config.bias)
+        # Qwen3.5 / Qwen3-Next: the output is gated per channel, `proj(y * sigmoid(gate(x)))`
+        gated = isinstance(config, HybridConfig) and config.attn_output_gate
+        self.gate = nn.Linear(config.n_embd, config.head_size * config.n_head, bias=False) if gated else None
         if config.norm_qk:
             olmo2 = config.norm_qk_type == "olmo2"
             q_size = config.n_head * config.head_size if olmo2 else config.head_size
@@ -485,7 +503,7 @@ class CausalSelfAttention(nn.Module):
                 cache.wait_for_eviction(weights)
             else:
                 cache.evict_and_store(weights)
-        return self.proj(y)
+        return self.proj(y if self.gate is None else y * torch.sigmoid(self.gate(x)))
 
     def _qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
