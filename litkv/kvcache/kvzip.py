@@ -120,6 +120,18 @@ class KVzipKVCache(OneShot):
         """Set (or clear, `None`) the chunk of the next call: that call scores and stores nothing."""
         self.scoring = scoring
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().state_tensors()
+        if self.one_shot:
+            out["row.kvzip_scored"] = torch.full((self.shape.batch_size,), self.scored)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
+        super().load_state_tensors(tensors, num_filled)
+        if self.one_shot:
+            flag = tensors.get("row.kvzip_scored")
+            self.scored = flag is not None and bool(flag.all())
+
     def check_room(self, input_pos: torch.Tensor) -> None:
         if self.scoring is None:
             super().check_room(input_pos)
