@@ -15,9 +15,9 @@ next layer's input is the model's), nothing is stored, and the chunk's slots get
 where `a` is the softmax of `q . k / sqrt(D)` over the first `n_sink` positions, the chunk and the
 call's own tokens (causal), as kvpress computes it. With `kvzip_plus` (KVzip+, kvpress's
 `kvzip_plus_normalization`), `a[h, t, l]` is multiplied by `||W_o^h v_l|| / ||x_t||` (`W_o^h`: head h's
-block of the output projection; `x_t`: the attention's input, after the block's norm). Positions below
-`n_sink` start at 1.0 (a chunk that covers them overwrites it); other positions no chunk covers (a chat
-template's prefix) stay 0.
+block of the output projection; `x_t`: the attention's input, after the block's norm). Positions no
+chunk covers (a chat template's prefix) score 0; the first `n_sink` positions are always kept (kvpress
+0.5.5 gives them the highest score at the compression; they count against the budget).
 
 `compress_kvzip(caches)` then keeps, per row, the `budget x G x n_layers` best scores over all layers
 and KV heads (`layerwise=false`, the paper's and kvpress's default) or `budget x G` per layer
@@ -110,10 +110,10 @@ class KVzipKVCache(OneShot):
     # -- the reconstruction pass ------------------------------------------------------------------
 
     def start_scores(self) -> None:
-        """Before the first reconstruction call: scores 1.0 below `n_sink`, 0 elsewhere."""
+        """Before the first reconstruction call: every score 0."""
         if not self.one_shot or self.compressed:
             raise RuntimeError("KVzipKVCache: the reconstruction pass is for mode='one-shot', before the compression")
-        self.kvzip_scores = torch.where(self.positions < self.options.n_sink, 1.0, 0.0).to(torch.float32)
+        self.kvzip_scores = torch.zeros_like(self.positions, dtype=torch.float32)
         self.scored = True
 
     def begin_scoring(self, scoring: Scoring | None) -> None:
@@ -251,12 +251,15 @@ class KVzipKVCache(OneShot):
         self.kvzip_scores = placement.carry(self.score(candidates))
 
 
-def kvzip_keep(scores: torch.Tensor, positions: torch.Tensor, budget: int, layerwise: bool) -> torch.Tensor:
-    """`(n_layers, B, G, L)` bool: the kept slots from `scores` `(n_layers, B, G, L)` (highest kept, slots at
-    position `-1` never): per row the `budget x G x n_layers` best over all layers and heads, or with
-    `layerwise` the `budget x G` best of each layer."""
+def kvzip_keep(
+    scores: torch.Tensor, positions: torch.Tensor, budget: int, layerwise: bool, n_sink: int = 0
+) -> torch.Tensor:
+    """`(n_layers, B, G, L)` bool: the kept slots from `scores` `(n_layers, B, G, L)` (highest kept, positions
+    below `n_sink` first, slots at position `-1` never): per row the `budget x G x n_layers` best over all
+    layers and heads, or with `layerwise` the `budget x G` best of each layer."""
     n, b, g, length = scores.shape
-    rank = scores.to(torch.float32).masked_fill(positions < 0, float("-inf"))
+    rank = scores.to(torch.float32).masked_fill((positions >= 0) & (positions < n_sink), float("inf"))
+    rank = rank.masked_fill(positions < 0, float("-inf"))
     if layerwise:
         flat = rank.reshape(n, b, g * length)
         top = torch.topk(flat, min(budget * g, g * length), dim=2).indices
@@ -277,11 +280,12 @@ def compress_kvzip(caches: Sequence[KVzipKVCache]) -> None:
     for cache in caches:
         if not cache.scored:
             raise RuntimeError("compress_kvzip before the reconstruction pass (KVzipKVCache.start_scores)")
-        if cache.options.budget != first.options.budget or cache.options.layerwise != first.options.layerwise:
-            raise ValueError("kvzip: every layer must have the same budget and layerwise option")
+        if cache.options != first.options:
+            raise ValueError("kvzip: every layer must have the same options (budget, layerwise, n_sink)")
     scores = torch.stack([c.kvzip_scores for c in caches])
     positions = torch.stack([c.positions for c in caches])
-    keep = kvzip_keep(scores, positions, first.options.budget, first.options.layerwise)
+    options = first.options
+    keep = kvzip_keep(scores, positions, options.budget, options.layerwise, options.n_sink)
     for cache, layer_keep in zip(caches, keep, strict=True):
         compact_slots(cache, layer_keep)
         cache.compressed = True
