@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from kvzip_reference import brute_scores
 
 from litkv.inference.generate import generate, pad_prompts
 from litkv.inference.kvzip import RepeatPrompt, kvzip_compress, kvzip_score
@@ -39,64 +40,8 @@ def _prefill(model: GPT, prompts: list[torch.Tensor], cfg: KVCacheConfig) -> Non
     run_chunks(model, idx, pos, ChunkPlan.of(cfg), lm_head=False, last_only=True)
 
 
-def _calls(ctx: list[int]) -> list[tuple[int, int, list[int]]]:
-    """(start, end, ids) of each reconstruction call, written from kvpress's `prepare`."""
-    body = ctx[PREFIX:]
-    chunks = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)]
-    out, start = [], PREFIX
-    for i, chunk in enumerate(chunks):
-        head = list(REPEAT.first) if i == 0 else list(REPEAT.later) + chunks[i - 1][-REPEAT.overlap :]
-        out.append((start, start + len(chunk), head + list(REPEAT.suffix) + chunk))
-        start += len(chunk)
-    return out
-
-
-@torch.no_grad()
 def _brute_scores(model: GPT, ctx: list[int], plus: bool) -> torch.Tensor:
-    """`(n_layer, G, n)` float64 scores of one row's positions, by the definition."""
-    c = model.config
-    n = len(ctx)
-    q_per = c.n_head // c.n_query_groups
-    scores = torch.zeros(c.n_layer, c.n_query_groups, n, dtype=torch.float64)
-    for start, end, call in _calls(ctx):
-        seq = torch.tensor(ctx + call)[None]
-        inputs: dict[int, torch.Tensor] = {}
-        hooks = [
-            block.attn.register_forward_pre_hook(lambda m, a, i=i, store=inputs: store.__setitem__(i, a[0]))
-            for i, block in enumerate(model.transformer.h)
-        ]
-        try:
-            model(seq)
-        finally:
-            for h in hooks:
-                h.remove()
-        cos, sin = model.rope(torch.arange(seq.shape[1])[None])
-        sink = min(N_SINK, start)
-        for layer, block in enumerate(model.transformer.h):
-            x = inputs[layer]
-            q, k, v = block.attn._qkv(x, cos, sin)
-            w_o = block.attn.proj.weight
-            for h in range(c.n_head):
-                g = h // q_per
-                for j in range(len(call)):
-                    t = n + j
-                    keys = list(range(sink)) + list(range(start, end)) + list(range(n, t + 1))
-                    logits = torch.stack([q[0, h, t] @ k[0, g, p] for p in keys]) / math.sqrt(c.head_size)
-                    weights = torch.softmax(logits, dim=0)
-                    for col, p in enumerate(keys):
-                        if not start <= p < end:
-                            continue
-                        a = weights[col]
-                        if plus:
-                            wov = w_o[:, h * c.head_size : (h + 1) * c.head_size] @ v[0, g, p]
-                            a = a * wov.norm() / x[0, t].norm()
-                        scores[layer, g, p] = a if _first(h, j, q_per) else max(scores[layer, g, p], a)
-    return scores
-
-
-def _first(h: int, j: int, q_per: int) -> bool:
-    """The first (query head, query) of a KV group visits a position: it replaces the initial score."""
-    return h % q_per == 0 and j == 0
+    return brute_scores(model, ctx, plus, REPEAT, PREFIX, N_SINK, CHUNK)
 
 
 def _cache_scores(model: GPT, row: int, n: int) -> torch.Tensor:
