@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from litkv.eval.oneshot import is_one_shot, oneshot_answers
+from litkv.eval.oneshot import KVZIP, is_one_shot, oneshot_answers
 from litkv.eval.recall import RecallExample
 from litkv.eval.ruler import METRICS as RULER_METRICS
 from litkv.eval.ruler import TASKS as RULER_TASKS
@@ -292,6 +292,11 @@ def evaluate_policies(
     _check_batch_size(batch_size)
     _check_inputs(windows, policies, budgets, decode_tokens)
     options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
+    if KVZIP in policies and "mode" not in options.get(KVZIP, {}):
+        raise ValueError(
+            "kvzip compresses a prompt once after a reconstruction pass: evaluate it on RULER tasks "
+            "(litkv evaluate --tasks ...); here every policy evicts continuously"
+        )
     length = windows.shape[1] - 1
     configs = _configs(template, policies, budgets, length, options)
     n_batches = math.ceil(windows.shape[0] / batch_size)

@@ -12,7 +12,7 @@ import torch
 from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.eval.evaluate import cache_config, evaluate_ruler, ruler_score
+from litkv.eval.evaluate import cache_config, evaluate_policies, evaluate_ruler, ruler_score
 from litkv.eval.oneshot import is_one_shot, oneshot_answers
 from litkv.eval.ruler import FALLBACK_WORDS, generate_samples
 from litkv.inference.generate import decode_greedy, generate, pad_prompts
@@ -77,9 +77,12 @@ def test_shared_prefill_answers_equal_separate_runs(tiny_model, policy: str, opt
     assert any(answers[b] != [d.tolist() for d in dense] for b in BUDGETS)
 
 
-def test_is_one_shot() -> None:
+def test_is_one_shot_and_kvzip_outside_ruler_is_refused(tiny_model) -> None:
     assert is_one_shot("kvzip", None) and is_one_shot("h2o", {"mode": "one-shot"})
     assert not is_one_shot("h2o", {}) and not is_one_shot("kvzip", {"mode": "continuous"})
+    windows = torch.randint(0, 128, (1, 33))
+    with pytest.raises(ValueError, match="evaluate it on RULER tasks"):
+        evaluate_policies(tiny_model(1), windows, ["kvzip"], [8])
 
 
 @pytest.fixture(scope="module")
