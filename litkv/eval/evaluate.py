@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from litkv.eval.oneshot import KVZIP, is_one_shot, oneshot_answers
 from litkv.eval.recall import RecallExample
 from litkv.eval.ruler import METRICS as RULER_METRICS
 from litkv.eval.ruler import TASKS as RULER_TASKS
 from litkv.eval.ruler import RulerSample
 from litkv.inference.generate import forward_chunked, generate
+from litkv.inference.kvzip import RepeatPrompt
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT, check_integer_tensor
 
@@ -290,6 +292,11 @@ def evaluate_policies(
     _check_batch_size(batch_size)
     _check_inputs(windows, policies, budgets, decode_tokens)
     options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
+    if KVZIP in policies and "mode" not in options.get(KVZIP, {}):
+        raise ValueError(
+            "kvzip compresses a prompt once after a reconstruction pass: evaluate it on RULER tasks "
+            "(litkv evaluate --tasks ...); here every policy evicts continuously"
+        )
     length = windows.shape[1] - 1
     configs = _configs(template, policies, budgets, length, options)
     n_batches = math.ceil(windows.shape[0] / batch_size)
@@ -348,9 +355,15 @@ class RulerResult:
 
 
 def ruler_score(
-    model: GPT, tokenizer: Any, samples: Sequence[RulerSample], kv_cache: KVCacheConfig, batch_size: int = 8
+    model: GPT,
+    tokenizer: Any,
+    samples: Sequence[RulerSample],
+    kv_cache: KVCacheConfig,
+    batch_size: int = 8,
+    on_batch: Callable[[], None] | None = None,
 ) -> float:
-    """RULER's score of greedy answers (`generate` through `kv_cache`) to `samples` of one task."""
+    """RULER's score of greedy answers (`generate` through `kv_cache`) to `samples` of one task
+    (`on_batch`: called after each batch, for a progress bar)."""
     _check_batch_size(batch_size)
     if not samples:
         raise ValueError("ruler_score needs at least one sample")
@@ -361,6 +374,8 @@ def ruler_score(
         prompts = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
         outputs = generate(model, prompts, max(s.max_new_tokens for s in batch), kv_cache, temperature=0.0)
         predictions += [tokenizer.decode(out[: s.max_new_tokens].cpu()) for s, out in zip(batch, outputs, strict=True)]
+        if on_batch is not None:
+            on_batch()
     metric = RULER_METRICS[RULER_TASKS[samples[0].task].metric]
     return metric(predictions, [s.references for s in samples])
 
@@ -377,8 +392,13 @@ def evaluate_ruler(
     progress: bool = False,
     policy_options: dict[str, dict[str, Any]] | None = None,
     length: int = 0,
+    repeat: RepeatPrompt | None = None,
 ) -> list[RulerResult]:
     """RULER scores of dense (cache as long as `length` or the longest sample) and of every (policy, budget).
+
+    A one-shot policy (`is_one_shot`: `mode: one-shot` in its options, or `kvzip`) runs with `budget` as its
+    one-shot budget and a cache as long as dense's; each batch of samples is prefilled once per policy and
+    compressed per budget (`litkv.eval.oneshot`). `repeat`: kvzip's reconstruction prompt.
 
     Returns:
         The dense reference first (always), then one result per (policy, budget) in order.
@@ -392,13 +412,49 @@ def evaluate_ruler(
         raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
     options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
     longest = max(length, *(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task))
-    configs = _configs(template, policies, budgets, longest, options)
-    results = []
-    with tqdm(total=len(configs) * len(samples), desc="ruler", disable=not progress) as bar:
-        for (policy, budget), cfg in configs.items():
-            res = RulerResult(policy, budget)
+    one_shot = [p for p in dict.fromkeys(policies) if p != DENSE and is_one_shot(p, options.get(p))]
+    configs = _configs(template, [p for p in policies if p not in one_shot], budgets, longest, options)
+    batches = sum(math.ceil(len(task) / batch_size) for task in samples.values())
+    scores: dict[tuple[str, int], dict[str, float]] = {}
+    total = batches * (len(configs) + len(one_shot) * len(budgets))
+    with tqdm(total=total, desc="ruler", unit="answers", disable=not progress) as bar:
+        for key, cfg in configs.items():
             for task, task_samples in samples.items():
-                res.scores[task] = ruler_score(model, tokenizer, task_samples, cfg, batch_size)
-                bar.update(1)
-            results.append(res)
-    return results
+                scores.setdefault(key, {})[task] = ruler_score(
+                    model, tokenizer, task_samples, cfg, batch_size, lambda: bar.update(1)
+                )
+        for policy in one_shot:
+            opts = {**options.get(policy, {}), "mode": "one-shot"}
+            per_budget = {b: cache_config(template, policy, longest, {**opts, "budget": b}) for b in budgets}
+            for task, task_samples in samples.items():
+                for budget, score in _oneshot_scores(
+                    model, tokenizer, task_samples, per_budget, batch_size, repeat, lambda _: bar.update(1)
+                ).items():
+                    scores.setdefault((policy, budget), {})[task] = score
+    order = [(DENSE, longest)] + [(p, b) for p in policies if p != DENSE for b in budgets]
+    return [RulerResult(p, b, scores[(p, b)]) for p, b in dict.fromkeys(order)]
+
+
+def _oneshot_scores(
+    model: GPT,
+    tokenizer: Any,
+    samples: Sequence[RulerSample],
+    configs: dict[int, KVCacheConfig],
+    batch_size: int,
+    repeat: RepeatPrompt | None,
+    on_answer: Callable[[int], None],
+) -> dict[int, float]:
+    """RULER's score of one task's samples for every budget of one one-shot policy (`oneshot_answers`)."""
+    device = model.lm_head.weight.device
+    predictions: dict[int, list[str]] = {b: [] for b in configs}
+    for start in range(0, len(samples), batch_size):
+        batch = samples[start : start + batch_size]
+        prompts = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
+        new = max(s.max_new_tokens for s in batch)
+        answers = oneshot_answers(model, prompts, new, configs, repeat, on_answer)
+        for budget, outputs in answers.items():
+            predictions[budget] += [
+                tokenizer.decode(out[: s.max_new_tokens].cpu()) for s, out in zip(batch, outputs, strict=True)
+            ]
+    metric = RULER_METRICS[RULER_TASKS[samples[0].task].metric]
+    return {b: metric(p, [s.references for s in samples]) for b, p in predictions.items()}

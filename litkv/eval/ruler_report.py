@@ -17,9 +17,13 @@ from litkv.core.atomic import write_atomic
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file
 from litkv.eval.evaluate import DENSE, RulerResult, evaluate_ruler
+from litkv.eval.oneshot import KVZIP
 from litkv.eval.recall import RECALL_FILE, RecallFormat
 from litkv.eval.ruler import Encode, NiahFormat, generate_samples, resolve_tasks, split_answer_prefix, word_list
-from litkv.inference.chat_template import Format, RawFormat, load_format
+from litkv.inference.chat_template import Format, RawFormat, TemplateFormat, load_format
+from litkv.inference.kvzip import RepeatPrompt
+from litkv.kvcache.kvzip import KVzipKVCache
+from litkv.kvcache.registry import get_kv_cache_class
 
 __all__ = ["NEAR_ZERO", "chat_encoder", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
 
@@ -70,12 +74,16 @@ def run_ruler(
         raise FileNotFoundError(f"no word list source {str(text_path)!r}: pass --text_file (any English text)")
     words = word_list(text_path.read_text(encoding="utf-8"))
     niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
-    encode = chat_encoder(load_format(ckpt, tokenizer, settings["chat_template"]))
+    fmt = load_format(ckpt, tokenizer, settings["chat_template"])
+    encode = chat_encoder(fmt)
+    repeat = None  # kvzip's reconstruction prompt, in the chat template the prompts are fed in
+    if any(p == KVZIP or get_kv_cache_class(p) is KVzipKVCache for p in policies):
+        repeat = RepeatPrompt.build(tokenizer, fmt.template if isinstance(fmt, TemplateFormat) else None)
     samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
     start = time.perf_counter()
     results = evaluate_ruler(
         model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
-        settings["policy_options"], length,
+        settings["policy_options"], length, repeat,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(format_ruler_table(results))

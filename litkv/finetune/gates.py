@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 METHODS = ("distill", "regress", "lstsq")
+#: What `regress`/`lstsq` fit the gate logits to: log far attention mass, or log KVzip+ scores (KVzap).
+TARGETS = ("attention", "kvzip")
 ENGINES = ("chunked", "whole")
 IGNORE_INDEX = -100
 
@@ -80,6 +82,9 @@ class GateTrainArgs:
         lora: also train the LoRA adapters the model carries (`distill` only; the teacher is the model with
             its adapters off).
         lora_lr: Adam learning rate of the adapters (the same cosine schedule as `lr`).
+        target: what `lstsq` fits the logits to: `attention` (log of the largest far attention weight) or
+            `kvzip` (log KVzip+ score of a context-reconstruction pass, KVzap's target;
+            `litkv.finetune.kvzip_target`).
     """
 
     method: str = "distill"
@@ -100,10 +105,17 @@ class GateTrainArgs:
     checkpoint_interval: int = 0
     lora: bool = False
     lora_lr: float = 1e-3
+    target: str = "attention"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {list(TARGETS)}, got {self.target!r}")
+        if self.target == "kvzip" and self.method != "lstsq":
+            raise ValueError(
+                f"target 'kvzip' (log KVzip+ scores) is fitted by method 'lstsq' only, got method {self.method!r}"
+            )
         if not isinstance(self.lora, bool):
             raise ValueError(f"lora must be true or false, got {self.lora!r}")
         if self.lora and self.method != "distill":

@@ -41,6 +41,7 @@ from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_g
 from litkv.finetune.lora import LoRAArgs, apply_lora, lora_state_dict, merged_state_dict
 from litkv.finetune.lstsq import fit_gates_lstsq
 from litkv.finetune.state import COPIED_FILES, LORA_FILE, checkpoint_name, recall_task_files, yaml_safe
+from litkv.inference.kvzip import RepeatPrompt
 from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
@@ -106,7 +107,8 @@ def learn_eviction(
 
     try:
         if learn.method == "lstsq":
-            gates, logs = fit_gates_lstsq(model, train, learn, progress)
+            repeat = RepeatPrompt.build(tokenizer, None) if learn.target == "kvzip" else None  # plain text
+            gates, logs = fit_gates_lstsq(model, train, learn, progress, repeat)
         else:
             gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
     finally:

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from litkv.finetune.gates import GateTrainArgs, StepLog, attention_mass, batch_indices, evictable
+from litkv.finetune.kvzip_target import kvzip_records
+from litkv.inference.kvzip import RepeatPrompt
 from litkv.learned.gate import EvictionGates
 
 __all__ = ["RIDGE", "NormalEquations", "fit_gates_lstsq"]
@@ -79,9 +81,12 @@ def fit_gates_lstsq(
     examples: Sequence[tuple[torch.Tensor, torch.Tensor]],
     args: GateTrainArgs,
     progress: Callable[[StepLog], None] | None = None,
+    repeat: RepeatPrompt | None = None,
 ) -> tuple[EvictionGates, list[StepLog]]:
     """Gates for `model` (a `litkv.GPT`, frozen) from `args.steps` batches of `examples` `(ids (T,),
     targets (T,))`, solved in closed form; one `StepLog` per batch (`fit`: in-sample MSE so far).
+    With `args.target == "kvzip"` the targets are log KVzip+ scores (`kvzip_records`, reconstruction
+    prompt `repeat`) instead of log far attention.
 
     Raises:
         ValueError: no examples, or `args.checkpoint_interval` set (nothing to checkpoint).
@@ -101,8 +106,14 @@ def fit_gates_lstsq(
         batch = batch_indices(len(examples), args.batch_size, args.seed, step)
         ids = torch.stack([examples[i][0] for i in batch]).to(device)
         mask = evictable(ids.shape[1], args.window, args.sinks, ids.device)
-        for layer, (keys_pre, mass) in enumerate(attention_mass(model, ids, args.window)):
-            sums.add(layer, keys_pre[:, :, mask], torch.log(mass[:, :, mask].double() + 1e-4))
+        if args.target == "kvzip":
+            if repeat is None:
+                raise ValueError("target 'kvzip' needs the reconstruction prompt (repeat=RepeatPrompt.build(...))")
+            for layer, (keys_pre, goal) in enumerate(kvzip_records(model, ids, repeat)):
+                sums.add(layer, keys_pre[:, :, mask], goal[:, :, mask])
+        else:
+            for layer, (keys_pre, mass) in enumerate(attention_mass(model, ids, args.window)):
+                sums.add(layer, keys_pre[:, :, mask], torch.log(mass[:, :, mask].double() + 1e-4))
         fit = sums.mse(*sums.solve())  # the log: the in-sample error of the gates solved so far
         logs.append(StepLog(step, fit, fit, float("nan"), float("nan")))
         if progress is not None:

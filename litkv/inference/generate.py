@@ -14,7 +14,7 @@ from litkv.modeling.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.modeling.runner import ChunkPlan, run_chunks
 from litkv.states.prefix import PrefixCache
 
-__all__ = ["check_sampling", "forward_chunked", "generate", "sample", "pad_prompts"]
+__all__ = ["check_sampling", "decode_greedy", "forward_chunked", "generate", "sample", "pad_prompts"]
 
 KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
 
@@ -294,3 +294,14 @@ def _decode_steps(model: GPT, compile: bool) -> Iterator[Callable[[torch.Tensor,
         yield step
     finally:
         caches.static_shapes = False
+
+
+@torch.inference_mode()
+def decode_greedy(
+    model: GPT, hidden: torch.Tensor, next_pos: torch.Tensor, max_new_tokens: int, stop_tokens: Sequence[int] = ()
+) -> list[torch.Tensor]:
+    """Greedy decoding through the attached caches after a prefill the caller ran (and compressed): `hidden`
+    `(B, T, n_embd)` of its last call (`run_chunks(..., lm_head=False)`), `next_pos` `(B,)` the rows' next
+    positions. The tokens are those `generate` gives after the same prefill."""
+    require_int("max_new_tokens", max_new_tokens, 1)
+    return _decode(model, hidden, next_pos, max_new_tokens, stop_tokens, lambda logits: logits.argmax(dim=-1), None)

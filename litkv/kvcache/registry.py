@@ -30,6 +30,7 @@ _BUILTIN_MODULES = (
     "litkv.kvcache.snapkv",
     "litkv.kvcache.expected_attention",
     "litkv.kvcache.learned",
+    "litkv.kvcache.kvzip",
 )
 _REGISTRY: NameRegistry[type[KVCache]] = NameRegistry("policy", _BUILTIN_MODULES, forbidden=":")
 

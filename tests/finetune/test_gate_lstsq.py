@@ -8,12 +8,16 @@ import jsonargparse
 import pytest
 import torch
 from helpers import float64_model, random_gpt, random_tokens, tiny_config
+from kvzip_reference import brute_scores
 
 from litkv.finetune.gates import GateTrainArgs, attention_mass, batch_indices, evictable, train_gates
+from litkv.finetune.kvzip_target import FLOOR
 from litkv.finetune.lstsq import RIDGE, NormalEquations, fit_gates_lstsq
+from litkv.inference.kvzip import RepeatPrompt
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 T, WINDOW, SINKS = 24, 3, 1
+REPEAT = RepeatPrompt(first=(5, 6, 7), later=(8, 9), suffix=(10, 11))
 
 
 def examples(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -21,7 +25,21 @@ def examples(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(row, row.clone()) for row in ids]
 
 
-def reference_solution(model, data, args: GateTrainArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_targets(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer `(B, G, T)`: log of the largest far attention weight (the `attention` target)."""
+    return [torch.log(mass.double() + 1e-4) for _, mass in attention_mass(model, ids, WINDOW)]
+
+
+def kvzip_targets(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer `(B, G, T)`: log KVzip+ scores of the float64 brute-force reconstruction pass."""
+    rows = [brute_scores(model, row.tolist(), True, REPEAT, 0, 4, 2048) for row in ids]  # (L, G, T) each
+    scores = torch.stack(rows, dim=1)  # (L, B, G, T)
+    return list(torch.log(scores.clamp_min(FLOOR)))
+
+
+def reference_solution(
+    model, data, args: GateTrainArgs, targets=attention_targets
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (layer, KV head): stack every evictable token's `[k_pre / sqrt(D), 1]` (keys from the qkv
     projection of the normed input of each block, captured by hooks) and its target, append the ridge
     rows `sqrt(lambda * mean diag) * I`, and solve with `torch.linalg.lstsq`."""
@@ -42,13 +60,13 @@ def reference_solution(model, data, args: GateTrainArgs) -> tuple[torch.Tensor, 
         finally:
             for hook in hooks:
                 hook.remove()
-        masses = [mass for _, mass in attention_mass(model, ids, args.window)]
+        goals = targets(model, ids)
         mask = evictable(T, args.window, args.sinks, ids.device)
-        for layer, (k, mass) in enumerate(zip(keys, masses, strict=True)):
+        for layer, (k, goal) in enumerate(zip(keys, goals, strict=True)):
             k = k.detach().double().view(ids.shape[0], T, g, hs)
             for head in range(g):
                 x = torch.cat([k[:, mask, head] / hs**0.5, torch.ones(ids.shape[0], int(mask.sum()), 1)], -1)
-                y = torch.log(mass[:, head, mask].double() + 1e-4)
+                y = goal[:, head, mask]
                 rows.setdefault((layer, head), []).append((x.reshape(-1, hs + 1), y.reshape(-1)))
     weight = torch.zeros(c.n_layer, g, hs, dtype=torch.float64)
     bias = torch.zeros(c.n_layer, g, dtype=torch.float64)
@@ -72,6 +90,24 @@ def test_lstsq_gates_equal_brute_force_ridge_solution():
     assert torch.allclose(gates.bias.double(), bias, rtol=1e-4, atol=1e-5)
     assert weight.abs().max() > 0.1  # a solution that is not the zero gate
     assert [log.step for log in logs] == [0, 1, 2] and all(log.fit > 0 for log in logs)
+
+
+def test_lstsq_kvzip_target_equals_brute_force_ridge_solution():
+    """`--learn.target kvzip`: the gates regress log KVzip+ scores (KVzap); equal to the ridge solve on the
+    scores of the float64 brute-force reconstruction pass."""
+    model = float64_model(random_gpt(CONFIG, seed=3))
+    data = examples(4)
+    args = GateTrainArgs(method="lstsq", steps=2, batch_size=2, window=WINDOW, sinks=SINKS, target="kvzip")
+    gates, _ = fit_gates_lstsq(model, data, args, repeat=REPEAT)
+    weight, bias = reference_solution(model, data, args, kvzip_targets)
+    assert torch.allclose(gates.weight.double(), weight, rtol=1e-4, atol=1e-4 * float(weight.abs().max()))
+    assert torch.allclose(gates.bias.double(), bias, rtol=1e-4, atol=1e-4)
+    attention, _ = reference_solution(model, data, args)  # another target gives other gates
+    assert (weight - attention).abs().max() > 0.1 * weight.abs().max()
+    with pytest.raises(ValueError, match="fitted by method 'lstsq' only"):
+        GateTrainArgs(method="regress", target="kvzip")
+    with pytest.raises(ValueError, match="target must be one of"):
+        GateTrainArgs(method="lstsq", target="nope")
 
 
 def test_lstsq_is_the_minimum_adam_approaches():

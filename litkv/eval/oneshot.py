@@ -1,0 +1,91 @@
+"""Evaluation of one-shot policies with one prefill per sample batch and policy, as kvpress evaluates presses.
+
+A one-shot cache keeps every prompt token until it compresses, and the budget matters only then: the
+prefill (and, for `kvzip`, the context-reconstruction pass, whose scores do not depend on the budget)
+is the same for every budget. So each batch of prompts is prefilled once per policy through caches of
+that policy (`cache_length` = the longest prompt + answer), the caches' state is taken
+(`litkv.states.state.snapshot`), and for every budget the state is given back into caches whose config
+has that budget (`restore`), compressed (`end_prefill`, or `compress_kvzip`), and the answer decoded
+greedily. The answers are those of a separate `generate` per (policy, budget): same prefill, same
+compression, same decode (tests/cli/test_oneshot_eval.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from litkv.inference.generate import decode_greedy, pad_prompts
+from litkv.inference.kvzip import RepeatPrompt, kvzip_score
+from litkv.kvcache.kvzip import KVzipKVCache, compress_kvzip
+from litkv.modeling.config import KVCacheConfig
+from litkv.modeling.model import GPT
+from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.states.state import CacheState, restore, snapshot
+
+__all__ = ["KVZIP", "is_one_shot", "oneshot_answers"]
+
+KVZIP = "kvzip"
+
+
+def is_one_shot(policy: str, options: Mapping[str, Any] | None) -> bool:
+    """Whether `evaluate` runs `policy` one-shot (at each budget, one prefill shared by all budgets): its
+    options say `mode: one-shot`, or it is `kvzip` without a `mode` (KVzip is a one-shot method)."""
+    mode = (options or {}).get("mode")
+    return mode == "one-shot" or (policy == KVZIP and mode is None)
+
+
+def _with_config(state: CacheState, config: KVCacheConfig) -> CacheState:
+    layers = [dataclasses.replace(layer, config=config) for layer in state.layers]
+    return CacheState(layers, state.last_pos, state.fingerprint, state.dtype, state.token_ids, state.last_hidden)
+
+
+@torch.inference_mode()
+def oneshot_answers(
+    model: GPT,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    configs: Mapping[int, KVCacheConfig],
+    repeat: RepeatPrompt | None = None,
+    on_answer: Callable[[int], None] | None = None,
+) -> dict[int, list[torch.Tensor]]:
+    """Greedy answers to `prompts` for each budget's one-shot config, from one prefill.
+
+    Args:
+        model: the GPT.
+        prompts: 1-D token tensors (one batch, left-padded here).
+        max_new_tokens: tokens decoded per prompt.
+        configs: budget -> config of one policy in mode `one-shot` (they differ in `budget` only).
+        repeat: the reconstruction prompt (`kvzip` only).
+        on_answer: called with the budget after each budget's answers (a progress bar).
+
+    Returns:
+        budget -> the new tokens of each prompt.
+    """
+    if not configs:
+        raise ValueError("oneshot_answers needs at least one (budget, config)")
+    first = next(iter(configs.values()))
+    kvzip = first.policy_class is KVzipKVCache or issubclass(first.policy_class, KVzipKVCache)
+    if kvzip and repeat is None:
+        raise ValueError("kvzip needs its reconstruction prompt (repeat=RepeatPrompt.build(tokenizer, template))")
+    device = model.lm_head.weight.device
+    idx, pos = pad_prompts(list(prompts), device)
+    out: dict[int, list[torch.Tensor]] = {}
+    with model.kv_caches_attached(first, idx.shape[0]):
+        hidden = run_chunks(model, idx, pos, ChunkPlan.of(first), lm_head=False, last_only=True)
+        if kvzip:
+            kvzip_score(model, prompts, repeat, repeat.prefix_length)  # type: ignore[union-attr]
+        state = snapshot(model)
+        for budget, config in configs.items():
+            restore(model, _with_config(state, config))
+            if kvzip:
+                compress_kvzip(list(model.caches))  # type: ignore[arg-type]
+            else:
+                model.caches.end_prefill()
+            out[budget] = decode_greedy(model, hidden, pos[:, -1] + 1, max_new_tokens)
+            if on_answer is not None:
+                on_answer(budget)
+    return out
