@@ -353,8 +353,8 @@ def save_gates(gates: EvictionGates, path: str | Path) -> Path:
 
 
 def _load_gates(path: Path, config: Config, device: torch.device, weights_id: str | None) -> EvictionGates | None:
-    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config` and (when they record
-    one) the weights' fingerprint `weights_id`; `None` without the file."""
+    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config` and the weights'
+    fingerprint `weights_id` (gates that record none are refused); `None` without the file."""
     gates_file = path / GATES_FILE
     if not gates_file.exists():
         return None
@@ -362,7 +362,13 @@ def _load_gates(path: Path, config: Config, device: torch.device, weights_id: st
         raise ValueError(f"{str(gates_file)!r} must be an eviction-gates safetensors file, got a directory or device")
     gates = EvictionGates.load(gates_file)
     gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
-    if gates.weights is not None and gates.weights != weights_id:
+    if gates.weights is None:  # gates that cannot prove their weights are never run
+        raise ValueError(
+            f"{str(gates_file)!r}: these eviction gates record no fingerprint of the weights they were trained "
+            "for (metadata key 'weights'), so they cannot be matched to this checkpoint; train gates for it with "
+            "`litkv finetune --learn_eviction true` or remove the file"
+        )
+    if gates.weights != weights_id:
         raise ValueError(
             f"{str(gates_file)!r}: these eviction gates were trained for other weights (fingerprint "
             f"{gates.weights[:16]}, the checkpoint's weights are {str(weights_id)[:16]}); train gates for "
