@@ -78,6 +78,7 @@ class TinyGGUF:
     kv_heads_in_metadata: int | None = None  # head_count_kv written, when it must differ from `n_kv`
     extra_tensors: dict[str, np.ndarray] = field(default_factory=dict)
     head_dim: int | None = None  # default n_embd // n_head
+    metadata: dict[str, int] = field(default_factory=dict)  # integer fields written over the derived ones
 
     @property
     def head_size(self) -> int:
@@ -143,6 +144,8 @@ def _write_metadata(writer: gguf.GGUFWriter, spec: TinyGGUF, tokens: tuple[str, 
     if spec.head_dim is not None:
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
+    for key, value in spec.metadata.items():  # a crafted file: counts that do not match its tensors
+        writer.kv_data[0][key] = gguf.GGUFValue(value, gguf.GGUFValueType.UINT64)
     if not spec.tokenizer:
         return
     writer.add_tokenizer_model("gpt2")

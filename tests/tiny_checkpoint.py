@@ -15,6 +15,7 @@ from litgpt.utils import save_config
 from litkv.checkpoints.checkpoint import save_gates, save_state_dict_atomic
 from litkv.learned.gate import GATES_FILE
 from litkv.modeling.config import Config
+from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 
 __all__ = ["TEXT", "checkpoint_config", "make_tiny_checkpoint", "train_tiny_tokenizer"]
@@ -81,5 +82,7 @@ def make_tiny_checkpoint(
     save_state_dict_atomic(out_dir / name, model.state_dict())
     train_tiny_tokenizer(out_dir)
     if gates_seed is not None:
-        save_gates(random_gates(config, gates_seed), out_dir / GATES_FILE)
+        gates = random_gates(config, gates_seed)
+        gates.weights = model_fingerprint(model)["weights"]  # gates prove the weights they are for
+        save_gates(gates, out_dir / GATES_FILE)
     return model.eval()

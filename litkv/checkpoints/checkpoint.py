@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from litkv.checkpoints.bounds import check_ceilings, check_layer_count
 from litkv.checkpoints.quant_store import attach_quantized, stored_quant
 from litkv.core.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
 from litkv.learned.gate import GATES_FILE, EvictionGates
@@ -144,7 +145,11 @@ def _read_yaml_mapping(path: Path) -> dict[str, Any]:
 
 
 def _check_config_fields(raw: Mapping[str, Any], source: Path) -> None:
-    """ValueError/TypeError for field values that would crash or mislead model construction."""
+    """ValueError/TypeError for field values that would crash or mislead model construction, or whose size
+    is beyond any model (`litkv.checkpoints.bounds.CEILINGS`)."""
+    kinds = raw.get("layer_kinds")
+    if kinds is not None and not isinstance(kinds, list | tuple):
+        raise TypeError(f"{source}: layer_kinds must be a list with one kind per layer, got {kinds!r:.80}")
     for name in _POSITIVE_INTS:
         if name not in raw or (raw[name] is None and name in _OPTIONAL_INTS):
             continue
@@ -159,6 +164,7 @@ def _check_config_fields(raw: Mapping[str, Any], source: Path) -> None:
     n_embd = raw.get("n_embd")
     if raw.get("head_size") is None and isinstance(n_embd, int) and isinstance(n_head, int) and n_embd % n_head:
         raise ValueError(f"{source}: n_embd ({n_embd}) must be a multiple of n_head ({n_head}) when head_size is unset")
+    check_ceilings(raw, str(source))
     for name, known in (("mlp_class_name", MLP_CLASSES), ("norm_class_name", NORM_CLASSES)):
         if name in raw and raw[name] not in known:
             raise ValueError(f"{source}: unknown {name} {raw[name]!r}; expected one of {list(known)}")
@@ -320,6 +326,7 @@ def load_model(
     config = load_config(path)
     weights_file = find_weights_file(path)
     state_dict = load_state_dict(weights_file)
+    check_layer_count(config.n_layer, state_dict, str(path / CONFIG_FILE), "n_layer", repr(str(weights_file)))
     try:
         with torch.device("meta"):
             model = GPT(config)
@@ -353,8 +360,8 @@ def save_gates(gates: EvictionGates, path: str | Path) -> Path:
 
 
 def _load_gates(path: Path, config: Config, device: torch.device, weights_id: str | None) -> EvictionGates | None:
-    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config` and (when they record
-    one) the weights' fingerprint `weights_id`; `None` without the file."""
+    """The eviction gates in `path / GATES_FILE` on `device`, checked against `config` and the weights'
+    fingerprint `weights_id` (gates that record none are refused); `None` without the file."""
     gates_file = path / GATES_FILE
     if not gates_file.exists():
         return None
@@ -362,7 +369,13 @@ def _load_gates(path: Path, config: Config, device: torch.device, weights_id: st
         raise ValueError(f"{str(gates_file)!r} must be an eviction-gates safetensors file, got a directory or device")
     gates = EvictionGates.load(gates_file)
     gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
-    if gates.weights is not None and gates.weights != weights_id:
+    if gates.weights is None:  # gates that cannot prove their weights are never run
+        raise ValueError(
+            f"{str(gates_file)!r}: these eviction gates record no fingerprint of the weights they were trained "
+            "for (metadata key 'weights'), so they cannot be matched to this checkpoint; train gates for it with "
+            "`litkv finetune --learn_eviction true` or remove the file"
+        )
+    if gates.weights != weights_id:
         raise ValueError(
             f"{str(gates_file)!r}: these eviction gates were trained for other weights (fingerprint "
             f"{gates.weights[:16]}, the checkpoint's weights are {str(weights_id)[:16]}); train gates for "

@@ -22,6 +22,7 @@ import yaml
 from litgpt.config import name_to_config
 from litgpt.scripts import convert_hf_checkpoint as lit_convert
 
+from litkv.checkpoints.bounds import check_ceilings, check_layer_count
 from litkv.checkpoints.checkpoint import (
     CONFIG_FILE,
     SAFETENSORS_FILE,
@@ -180,6 +181,53 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     return files
 
 
+# Hugging Face config.json count -> the `litkv.checkpoints.bounds.CEILINGS` key it is
+_HF_COUNTS = {
+    "num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+    "num_key_value_heads": "n_query_groups", "head_dim": "head_size", "intermediate_size": "intermediate_size",
+    "shared_intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+    "max_position_embeddings": "block_size", "mamba_n_heads": "mamba_n_heads", "mamba_d_head": "mamba_head_dim",
+    "mamba_n_groups": "mamba_n_groups", "mamba_d_state": "mamba_d_state", "mamba_d_conv": "mamba_d_conv",
+    "mamba_chunk_size": "mamba_chunk_size",
+}  # fmt: skip
+
+
+def _check_hf_counts(hf: dict[str, Any], hf_dir: Path) -> None:
+    """`config.json`'s counts against their ceilings, its heads against each other and its layer count
+    against the layers the safetensors files hold (their headers only), before anything is built."""
+    source = str(hf_dir / "config.json")
+    check_ceilings({k: hf[k] for k in _HF_COUNTS if k in hf}, source, _HF_COUNTS)
+    n_head, groups = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if type(n_head) is int and type(groups) is int and groups > 0 and n_head % groups:
+        raise ValueError(f"{source}: num_key_value_heads ({groups}) must divide num_attention_heads ({n_head})")
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if files and "num_hidden_layers" in hf:
+        from safetensors import SafetensorError, safe_open
+
+        names: list[str] = []
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    names += list(f.keys())
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+        where = f"the safetensors files of {str(hf_dir)!r}"
+        check_layer_count(hf["num_hidden_layers"], names, source, "num_hidden_layers", where)
+
+
+def _hybrid_config(hf: dict[str, Any], hf_dir: Path) -> Config:
+    """`hybrid_config_from_hf`, its errors one line naming `config.json` and the field."""
+    source = hf_dir / "config.json"
+    try:
+        return hybrid_config_from_hf(hf, hf_dir.name)
+    except KeyError as err:
+        raise ValueError(f"{source} has no {err.args[0]!r}, which a {hf.get('model_type')} model needs") from None
+    except (TypeError, ZeroDivisionError, AssertionError) as err:
+        raise ValueError(f"{source}: not a valid {hf.get('model_type')} config ({type(err).__name__}: {err})") from None
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
 def convert_hf_checkpoint(
     hf_dir: str | Path, out_dir: str | Path, model_name: str | None = None, dtype: torch.dtype | None = None
 ) -> Path:
@@ -201,12 +249,13 @@ def convert_hf_checkpoint(
     if hf_dir.resolve() == out_dir.resolve():
         raise ValueError("out_dir must differ from hf_dir")
     hf = _read_hf_config(hf_dir)
+    _check_hf_counts(hf, hf_dir)
     if hf.get("model_type") in QWEN35_MODEL_TYPES or hf.get("model_type") in QWEN35_MOE_TYPES:
         config = qwen35_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
         weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
         state_dict = qwen35_state_dict(weights, config, dtype)  # type: ignore[arg-type]
     elif hf.get("model_type") in HYBRID_MODEL_TYPES or hf.get("model_type") in UNSUPPORTED_RECURRENT:
-        config: Config = hybrid_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
+        config: Config = _hybrid_config(hf, hf_dir)  # ValueError for what litkv lacks, before any weight
         weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
         state_dict = hybrid_state_dict(weights, config, dtype, hf)  # type: ignore[arg-type]
     else:
@@ -246,6 +295,7 @@ def quantize_checkpoint(
     config = load_config(src)
     weights_file = find_weights_file(src)
     state_dict = load_state_dict(weights_file)
+    check_layer_count(config.n_layer, state_dict, str(src / CONFIG_FILE), "n_layer", repr(str(weights_file)))
     with torch.device("meta"):
         reference = GPT(config)
     check_state_dict(reference, state_dict, f"weights in {str(weights_file)!r}")  # refuses quantised sources

@@ -25,6 +25,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from litkv.checkpoints.bounds import MAX_GGUF_ARRAY, MAX_GGUF_STRING, check_ceilings, check_layer_count
 from litkv.checkpoints.checkpoint import CONFIG_FILE, SAFETENSORS_FILE, check_state_dict, save_state_dict_atomic
 from litkv.checkpoints.convert import config_from_hf
 from litkv.checkpoints.gguf_tokenizer import check_tokenizer_metadata, tokenizer_files, write_tokenizer_files
@@ -96,11 +97,25 @@ def _metadata(reader: Any, source: str) -> dict[str, Any]:
     """Every metadata field as a plain Python value (strings, numbers, lists)."""
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
+        _check_field_size(key, field, source)
         try:
             meta[key] = field.contents()
         except (UnicodeDecodeError, ValueError, IndexError) as err:
             raise ValueError(f"{source}: metadata field {key!r} cannot be read ({err})") from err
     return meta
+
+
+def _check_field_size(key: str, field: Any, source: str) -> None:
+    """ValueError naming the field for an array of more than `MAX_GGUF_ARRAY` elements or a string of more
+    than `MAX_GGUF_STRING` bytes (checked on the parsed lengths, before any is decoded)."""
+    from gguf import GGUFValueType
+
+    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > MAX_GGUF_ARRAY:
+        raise ValueError(f"{source}: metadata field {key!r} has {len(field.data)} elements, at most {MAX_GGUF_ARRAY}")
+    strings = field.data if field.types and field.types[-1] == GGUFValueType.STRING else []
+    longest = max((len(field.parts[i]) for i in strings), default=0)
+    if longest > MAX_GGUF_STRING:
+        raise ValueError(f"{source}: metadata field {key!r} holds a {longest}-byte string, at most {MAX_GGUF_STRING}")
 
 
 def _int(meta: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
@@ -124,6 +139,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], 
         raise ValueError(f"{source}: unsupported RoPE scaling ({kind}); only plain RoPE is supported")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{source}: missing tensor 'token_embd.weight'")
+    _check_counts(meta, tensors, arch, source)
     n_embd = _int(meta, f"{arch}.embedding_length", source)
     n_head = _int(meta, f"{arch}.attention.head_count", source)
     rope_key = f"{arch}.rope.dimension_count"
@@ -146,6 +162,29 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], 
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
     return config_from_hf(hf, name)
+
+
+# GGUF metadata count (after "{arch}.") -> the `litkv.checkpoints.bounds.CEILINGS` key it is
+_GGUF_COUNTS = {
+    "block_count": "n_layer", "embedding_length": "n_embd", "attention.head_count": "n_head",
+    "attention.head_count_kv": "n_query_groups", "attention.key_length": "head_size",
+    "feed_forward_length": "intermediate_size", "context_length": "block_size",
+}  # fmt: skip
+
+
+def _check_counts(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], arch: str, source: str) -> None:
+    """The metadata's counts against their ceilings, the heads against each other and the block count
+    against the blocks whose tensors the file holds, before a config or a tensor list is built."""
+    counts = {f"{arch}.{k}": meta[f"{arch}.{k}"] for k in _GGUF_COUNTS if f"{arch}.{k}" in meta}
+    check_ceilings(counts, source, {f"{arch}.{k}": v for k, v in _GGUF_COUNTS.items()})
+    check_ceilings({"token_embd.weight rows": tensors["token_embd.weight"][0]}, source,
+                   {"token_embd.weight rows": "vocab_size"})  # fmt: skip
+    check_layer_count(meta.get(f"{arch}.block_count"), tensors, source, f"{arch}.block_count", "the file")
+    n_head, n_kv = meta.get(f"{arch}.attention.head_count"), meta.get(f"{arch}.attention.head_count_kv")
+    if type(n_head) is int and type(n_kv) is int and n_kv > 0 and n_head % n_kv:
+        raise ValueError(
+            f"{source}: {arch}.attention.head_count_kv ({n_kv}) must divide {arch}.attention.head_count ({n_head})"
+        )
 
 
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from litkv.core.rope import apply_rope
-from litkv.core.tokens import encode_plain
+from litkv.core.tokens import encode_plain, encode_text
 from litkv.inference.chat_template import Format, TemplateFormat
 from litkv.inference.generate import _check_dense_room, _decode, check_sampling, sample
 from litkv.kvcache.base import KVCache
@@ -93,10 +93,11 @@ class Segment:
 
 def encode_document(tokenizer: Any, text: str, name: str = "block") -> tuple[int, ...]:
     """A block's (document's) ids: `text` tokenized alone, no BOS/EOS or other special tokens added, so
-    they are the same at every use wherever it stands; ValueError naming `name` when it has none."""
+    they are the same at every use wherever it stands; a control string in it (``<|im_end|>``) is text
+    (`encode_text`); ValueError naming `name` when it has none."""
     if not isinstance(text, str):
         raise TypeError(f"{name} must be a string, got {type(text).__name__}")
-    ids = encode_plain(tokenizer, text)
+    ids = encode_text(tokenizer, text)
     if not ids:
         raise ValueError(f"{name} encodes to no tokens: give a non-empty {name.split()[0]}")
     return tuple(int(t) for t in ids)
@@ -122,7 +123,10 @@ def prompt_segments(fmt: Format, tokenizer: Any, blocks: Sequence[str], prompt: 
     if before:
         out.append(Segment(torch.tensor(encode_plain(tokenizer, before), dtype=torch.long)))
     out += [Segment(torch.tensor(block, dtype=torch.long), block=True) for block in ids]
-    tail = encode_plain(tokenizer, prompt + after)
+    if isinstance(fmt, TemplateFormat) and any(s in prompt for s in fmt.special):  # the user's are text
+        tail = encode_text(tokenizer, prompt) + encode_plain(tokenizer, after)
+    else:
+        tail = encode_plain(tokenizer, prompt + after)
     if tail:
         out.append(Segment(torch.tensor(tail, dtype=torch.long)))
     return out

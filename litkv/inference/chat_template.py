@@ -34,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from litkv.core.tokens import encode_plain
+from litkv.core.tokens import encode_plain, encode_text
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -117,14 +117,15 @@ class RawFormat:
             if known is not None:
                 out.append(Segment(tuple(int(t) for t in known), True))
                 continue
-            bos = None if first and i == 0 else False
             docs = _documents_of(documents, i, role)
             bos_id = getattr(self.tokenizer, "bos_id", None)
-            if docs and bos is None and getattr(self.tokenizer, "use_bos", False) and bos_id is not None:
-                out.append(Segment((int(bos_id),), False))
+            use_bos = first and i == 0 and getattr(self.tokenizer, "use_bos", False) and bos_id is not None
+            bos = [int(bos_id)] if use_bos else []  # type: ignore[arg-type]
+            if docs and bos:
+                out.append(Segment(tuple(bos), False))
             out += [Segment(doc, False, block=True) for doc in docs]
-            ids = tuple(self.tokenizer.encode(content + "\n", bos=False if docs else bos).tolist())
-            out.append(Segment(ids, role == "assistant"))
+            ids = ([] if docs else bos) + encode_text(self.tokenizer, content + "\n")  # content is text
+            out.append(Segment(tuple(ids), role == "assistant"))
         return out
 
 
@@ -243,6 +244,10 @@ class TemplateFormat:
                 continue
             docs = [(f"<<litkv-document-{uuid.uuid4().hex}>>", doc) for doc in _documents_of(documents, i, role)]
             markers += [(i, marker, Segment(doc, False, block=True)) for marker, doc in docs]
+            if any(s in content for s in self.special):  # control strings in content are text, not control
+                marker = f"<<litkv-content-{uuid.uuid4().hex}>>"
+                markers.append((i, marker, Segment(tuple(encode_text(self.tokenizer, content)), False)))
+                content = marker
             shown.append((role, "".join(marker for marker, _ in docs) + content))
         text = self.template.render(shown, add_generation_prompt)
         out: list[Segment] = []
@@ -251,8 +256,10 @@ class TemplateFormat:
             at = text.find(marker, start)
             if at < 0 or text.count(marker) != 1:
                 what = "assistant message {} once and verbatim; litkv cannot keep its reply's tokens"
-                if not seg.block:
+                if seg.block:
                     what = "the documents of message {} once and verbatim; litkv cannot splice them"
+                elif not seg.reply:
+                    what = "the content of message {} once and verbatim; litkv cannot keep its control strings text"
                 raise ChatTemplateError(
                     self.template.path, f"the chat template does not write {what.format(i)} (use --chat_template false)"
                 )

@@ -72,6 +72,11 @@ def pad_prompts(prompts: Sequence[torch.Tensor], device: torch.device) -> tuple[
     return idx, pos
 
 
+TEMPERATURE_FLOOR = 1e-6
+"""Below it a temperature samples greedily: float32 logits then only break ties within their own
+rounding, and a temperature that underflows in float32 (1e-300, 5e-324) would divide by zero."""
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -79,25 +84,32 @@ def sample(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next tokens `(B,)` from `(B, V)` logits: greedy at temperature 0, else top-k/top-p sampling."""
+    """Next tokens `(B,)` from `(B, V)` logits: greedy at a temperature below `TEMPERATURE_FLOOR` (0
+    included), else top-k/top-p sampling in float32 with the row's largest logit shifted to 0 before the
+    division (so a huge temperature or a tiny top-p never makes a NaN; the nucleus keeps at least the top
+    token). A NaN logit is never drawn; a row with no finite logit falls back to its argmax."""
     _check_sampling_options(temperature, top_k, top_p)
-    if temperature == 0.0:
+    if temperature < TEMPERATURE_FLOOR:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    x = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    top = x.amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(top)
+    if top_k is not None:  # on the logits: a huge temperature makes ties of every scaled logit
+        kth = torch.topk(x, min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    x = ((x - torch.where(finite, top, 0.0)) / temperature).nan_to_num(nan=float("-inf"))  # <= 0, no NaN
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        remove_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # keeps at least one
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        remove_sorted = (p.cumsum(dim=-1) - p) >= top_p
+        remove_sorted[..., 0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
+        x = x.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), float("-inf"))
     # Exponential race (Gumbel-max in another form): argmax of p / E with E ~ Exp(1) draws from p, with
     # device ops only (torch.multinomial reads the host), so a sampling decode step never syncs.
-    probs = torch.softmax(logits, dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(dim=-1)
+    probs = torch.softmax(x, dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    drawn = (probs / race).argmax(dim=-1)
+    return torch.where(finite.squeeze(-1), drawn, logits.argmax(dim=-1))
 
 
 def _check_sampling_options(temperature: float, top_k: int | None, top_p: float | None) -> None:

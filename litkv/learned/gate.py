@@ -58,7 +58,7 @@ class EvictionGates:
         sinks: the first positions that were never evicted in training (the policy's default `sinks`).
         weights: the fingerprint of the model weights the gates were trained for
             (`litkv.modeling.fingerprint.model_fingerprint(model)["weights"]` as the checkpoint stores them), or
-            `None` (unknown: not checked). `load_model` refuses gates whose fingerprint differs.
+            `None` (unknown). `load_model` refuses gates whose fingerprint differs or is `None`.
     """
 
     weight: torch.Tensor

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.core.tokens import encode_plain
+from litkv.core.tokens import encode_text
 from litkv.inference.blocks import encode_document
 from litkv.inference.chat_template import (
     ChatTemplateError,
@@ -191,9 +191,7 @@ class Engine:
         server returns a reply as the text of exactly the tokens it fed, stop token excluded)."""
         if not content:
             return []
-        if isinstance(self.format, TemplateFormat):
-            return [int(t) for t in encode_plain(self.tokenizer, content)]
-        return [int(t) for t in self.tokenizer.encode(content, bos=False).tolist()]
+        return [int(t) for t in encode_text(self.tokenizer, content)]  # a control string in it is text
 
     def _replies(self, keys: list[str], messages: Sequence[Message]) -> list[list[int] | None]:
         """Each assistant message's ids: those it was generated as (stored), else its text's (`text_ids`)."""

@@ -25,6 +25,7 @@ from litkv.kvcache.learned import NO_GATES, LearnedKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.kvcache.storage_kinds import known_storages
 from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
+from litkv.modeling.fingerprint import model_fingerprint
 
 B = 2
 LENGTH = 16  # cache slots
@@ -238,6 +239,7 @@ def test_gates_saved_next_to_the_weights_load_with_the_model_and_give_the_same_t
     model = load_model(ckpt)
     assert model.eviction_gates is None
     gates = random_gates(model.config, seed=8, window=3, sinks=1)
+    gates.weights = model_fingerprint(model)["weights"]
     model.eviction_gates = gates
     cfg = KVCacheConfig("learned", cache_length=16, chunk_size=5)
     prompts = [torch.arange(7, 60) % 300, torch.arange(100, 130)]
@@ -286,6 +288,20 @@ def test_bad_gates_file_is_a_value_error_naming_it(ckpt: Path, tmp_path: Path, w
     with pytest.raises(ValueError, match="eviction_gates.safetensors") as info:
         load_model(directory)
     assert message in str(info.value)
+
+
+def test_gates_without_a_fingerprint_are_refused_never_run(ckpt: Path, tmp_path: Path) -> None:
+    """Issue 50, item 3: a gates file whose `weights` fingerprint was deleted is refused in one line (it
+    would otherwise run on any weights of the same shape); the same gates with it load."""
+    model = load_model(ckpt)
+    gates = random_gates(model.config, seed=8, window=3, sinks=1)
+    directory = _with_gates_file(ckpt, tmp_path, lambda p: save_gates(gates, p))
+    with pytest.raises(ValueError, match="record no fingerprint") as info:
+        load_model(directory)
+    assert "eviction_gates.safetensors" in str(info.value) and "\n" not in str(info.value)
+    gates.weights = model_fingerprint(model)["weights"]
+    save_gates(gates, directory / GATES_FILE)
+    assert load_model(directory).eviction_gates is not None
 
 
 def test_learned_without_gates_is_refused_when_the_caches_are_attached(ckpt: Path) -> None:

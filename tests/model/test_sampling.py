@@ -52,3 +52,45 @@ def test_sampling_reads_nothing_on_the_host() -> None:
     with _HostReads() as probe:
         sample(logits, temperature=0.8, top_k=10, top_p=0.9, generator=torch.Generator().manual_seed(1))
     assert probe.reads == []
+
+
+# -- the edges (issue 47, item 6) -------------------------------------------------------------------
+
+
+def test_temperatures_that_underflow_are_greedy() -> None:
+    """1e-300 and 5e-324 are valid temperatures that are 0 in float32: greedy, never NaN or token 0."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) + 1.0
+    logits[:, 0] = -5.0  # token 0 is nobody's argmax
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for t in (1e-300, 5e-324, 1e-40, 1e-7):
+            got = sample(logits.to(dtype), temperature=t, generator=torch.Generator().manual_seed(0))
+            assert torch.equal(got, logits.to(dtype).float().argmax(dim=-1)), (dtype, t)
+
+
+def test_top_p_that_underflows_keeps_the_top_token() -> None:
+    logits = torch.tensor([[0.5, 3.0, 1.0, 0.0]] * 64)
+    for top_p in (1e-300, 5e-324, 1e-45):
+        got = sample(logits, temperature=1.0, top_p=top_p, generator=torch.Generator().manual_seed(0))
+        assert got.tolist() == [1] * 64, top_p
+
+
+def test_tiny_temperature_above_the_floor_draws_among_tied_tokens_only() -> None:
+    """Just above the floor: the float32 division is exact for a shifted row (largest logit 0), so two
+    tied maxima share the draws and no other token is ever drawn; no NaN."""
+    logits = torch.tensor([[1.0, 4.0, 4.0, 3.9999]])
+    freq = _frequencies(logits, 4000, temperature=2e-6)
+    assert float(freq[0] + freq[3]) == 0.0
+    assert 0.4 < float(freq[1]) < 0.6
+
+
+def test_huge_temperature_and_non_finite_logits() -> None:
+    """A temperature that overflows float32 (1e300) is uniform over the kept tokens (top-k masks stay
+    masked, no -inf/inf NaN); a NaN logit is never drawn; +inf (a float16 overflow) is the sure pick."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    freq = _frequencies(logits, 6000, temperature=1e300, top_k=3)
+    assert float(freq[3:].sum()) == 0.0 and bool((freq[:3] > 0.28).all())
+    nan_row = torch.tensor([[float("nan"), 1.0, 1.0, float("-inf")]])
+    freq = _frequencies(nan_row, 2000, temperature=1.0)
+    assert float(freq[0] + freq[3]) == 0.0
+    inf_row = torch.tensor([[1.0, float("inf"), 2.0]], dtype=torch.float16)
+    assert _frequencies(inf_row, 500, temperature=0.9).tolist() == [0.0, 1.0, 0.0]
