@@ -1,7 +1,8 @@
-"""A Gated DeltaNet hybrid in `litkv serve`'s engine: the state after each turn is stored at the turn's end (no
-block granularity), so turn k+1 feeds only its new tokens (counted at the model: every real token of every
-call), a restarted server resumes from its state directory the same way, and the replies equal those of a
-server that keeps nothing and recomputes each conversation."""
+"""A Gated DeltaNet hybrid in `litkv serve`'s engine and `litkv chat`'s conversation: the server stores the
+state after each turn at the turn's end (no block granularity), so turn k+1 feeds only its new tokens
+(counted at the model: every real token of every call), a restarted server resumes from its state directory
+the same way, and the replies equal those of a server that keeps nothing and recomputes each conversation;
+chat keeps its caches between turns and feeds only the new tokens too, and its /undo is exact."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from tiny_checkpoint import train_tiny_tokenizer
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.checkpoints.convert import convert_hf_checkpoint
+from litkv.inference.chat_template import RawFormat
+from litkv.inference.conversation import Conversation
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.states.undo import truncate
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = ["The quick brown fox", "What is the passkey?", "Remember it.", "the lazy dog"]
@@ -74,3 +78,31 @@ def test_each_turn_feeds_only_its_new_tokens_and_a_restart_resumes(served: tuple
     for k in range(len(TURNS)):
         result, _ = _turn(recomputed, messages[: 2 * k + 1], fed)
         assert result.reply_ids == replies[k]
+
+
+def test_chat_conversation_feeds_only_each_turns_new_tokens_and_undo_is_exact(served: tuple) -> None:
+    """`litkv chat`'s conversation engine on a Gated DeltaNet hybrid: turn k+1 runs only its new tokens (the
+    caches, recurrent states included, stay attached between turns); undoing the last turn and replaying it
+    gives its reply again (the undo log restores the recurrent states at the turn's start)."""
+    model, tok, fed = served
+    conv = Conversation(model, RawFormat(tok), KV, undo_depth=64)
+    greedy = lambda logits: logits.argmax(-1)  # noqa: E731
+    messages: list[tuple[str, str]] = []
+    replies = []
+    for text in TURNS[:3]:
+        messages.append(("user", text))
+        pending = conv.prepare(messages, [*conv.replies, None])
+        fed.clear()
+        hidden = conv.feed(pending, messages, [*conv.replies, None])
+        ids = list(conv.reply(hidden, 5, greedy))
+        assert not pending.restart and sum(fed) == pending.num_tokens + len(ids)
+        conv.end_reply(tok.decode(torch.tensor(ids)))
+        messages = list(conv.messages)
+        replies.append(ids)
+    truncate(model, conv.turn_sizes()[-1])  # chat's /undo: the caches back, then the turn forgotten
+    conv.drop_last_turn()
+    messages = list(conv.messages)
+    messages.append(("user", TURNS[2]))
+    pending = conv.prepare(messages, [*conv.replies, None])
+    hidden = conv.feed(pending, messages, [*conv.replies, None])
+    assert list(conv.reply(hidden, 5, greedy)) == replies[-1]
