@@ -54,6 +54,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "config.json",
+    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template here (Qwen3.5 ships one)
 )
 
 
