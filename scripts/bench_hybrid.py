@@ -1,5 +1,7 @@
-"""Decode speed and cache bytes of a Bamba-shaped hybrid model (Mamba-2 + attention) against an
-attention-only model of the same width and depth, and against transformers' pure-PyTorch Bamba.
+"""Decode speed and cache bytes of a Bamba-shaped hybrid model (Mamba-2 + attention), or with `--family qwen3.5`
+a Qwen3.5-shaped one (Gated DeltaNet + gated attention; `--width 1024 --layers 24 --attn-every 4` is
+Qwen3.5-0.8B's layout, its vocabulary with `--vocab 248320`), against an attention-only model of the same
+width and depth, and against transformers' pure-PyTorch Bamba / Qwen3.5.
 
 Random weights. For each prompt length: prefill through litkv's chunk runner, then `--new-tokens` greedy
 decode steps timed on their own (tok/s = rows * steps / seconds), and `KVCaches.nbytes()` after them.
@@ -22,6 +24,7 @@ from litkv import GPT, KVCacheConfig
 from litkv.kvcache.config import ChunkPlan
 from litkv.modeling.config import Config
 from litkv.modeling.hf_hybrid import hybrid_config_from_hf
+from litkv.modeling.hf_qwen35 import qwen35_config_from_hf
 from litkv.modeling.runner import run_chunks
 
 
@@ -29,6 +32,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 4096, 16384])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--family", default="bamba", choices=["bamba", "qwen3.5"])
+    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--attn-every", type=int, default=4, help="attention at layers every N (others Mamba-2)")
@@ -47,7 +52,7 @@ def bamba_config(args: argparse.Namespace) -> dict:
     heads = args.width // 64
     return {
         "model_type": "bamba",
-        "vocab_size": 32000,
+        "vocab_size": args.vocab,
         "hidden_size": args.width,
         "intermediate_size": 4 * args.width,
         "num_hidden_layers": args.layers,
@@ -63,6 +68,34 @@ def bamba_config(args: argparse.Namespace) -> dict:
         "mamba_chunk_size": 256,
         "max_position_embeddings": 1 << 16,
         "rms_norm_eps": 1e-5,
+    }
+
+
+def qwen35_config(args: argparse.Namespace) -> dict:
+    """A Qwen3.5 text `config.json` mapping: heads of 256 (8 query / 2 KV at width 1,024), a quarter rotated;
+    Gated DeltaNet with 16 key and 16 value heads of 128 per 1,024 of width; MLP 3.5x the width."""
+    heads = max(1, args.width // 128)
+    return {
+        "model_type": "qwen3_5_text",
+        "vocab_size": args.vocab,
+        "hidden_size": args.width,
+        "intermediate_size": 7 * args.width // 2,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 256,
+        "layer_types": [
+            "full_attention" if (i + 1) % args.attn_every == 0 else "linear_attention" for i in range(args.layers)
+        ],
+        "linear_num_key_heads": max(1, args.width // 64),
+        "linear_num_value_heads": max(1, args.width // 64),
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 1 << 18,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
     }
 
 
@@ -109,11 +142,16 @@ def litkv_row(model: GPT, kv: KVCacheConfig, prompt: torch.Tensor, new: int) -> 
 
 @torch.inference_mode()
 def transformers_row(hf: torch.nn.Module, prompt: torch.Tensor, new: int) -> dict:
-    """transformers' Bamba: prefill into its `HybridMambaAttentionDynamicCache`, then `new` timed greedy steps."""
-    from transformers.models.bamba.modeling_bamba import HybridMambaAttentionDynamicCache
-
+    """transformers' Bamba / Qwen3.5: prefill into its hybrid cache, then `new` timed greedy steps."""
     device, t = prompt.device, prompt.shape[1]
-    cache = HybridMambaAttentionDynamicCache(hf.config, 1, dtype=hf.dtype, device=device)
+    if hf.config.model_type == "bamba":
+        from transformers.models.bamba.modeling_bamba import HybridMambaAttentionDynamicCache
+
+        cache = HybridMambaAttentionDynamicCache(hf.config, 1, dtype=hf.dtype, device=device)
+    else:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DynamicCache
+
+        cache = Qwen3_5DynamicCache(hf.config)
     out = hf(prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(t, device=device))
     token = out.logits[:, -1:].argmax(-1)
     sync(device)
@@ -126,30 +164,41 @@ def transformers_row(hf: torch.nn.Module, prompt: torch.Tensor, new: int) -> dic
     return {"decode_tok_s": round(new / (time.perf_counter() - start), 2)}
 
 
+def transformers_model(hf_cfg: dict) -> torch.nn.Module:
+    """transformers' model of `hf_cfg` (random weights)."""
+    fields = {k: v for k, v in hf_cfg.items() if k != "model_type"}
+    if hf_cfg["model_type"] == "bamba":
+        from transformers import BambaConfig, BambaForCausalLM
+
+        return BambaForCausalLM(BambaConfig(**fields))
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields))
+
+
 def main() -> None:
     args = parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    hf_cfg = bamba_config(args)
-    hybrid_config = hybrid_config_from_hf(hf_cfg, "bamba-bench")
+    if args.family == "bamba":
+        hf_cfg = bamba_config(args)
+        hybrid_config = hybrid_config_from_hf(hf_cfg, "bamba-bench")
+    else:
+        hf_cfg = qwen35_config(args)
+        hybrid_config = qwen35_config_from_hf(hf_cfg, "qwen3.5-bench")
     torch.manual_seed(0)
     models = {"hybrid": GPT(hybrid_config), "attention-only": GPT(attention_only(hybrid_config))}
     for m in models.values():
         m.to(device, dtype).eval()
     hf = None
     if not args.no_transformers:
-        from transformers import BambaConfig, BambaForCausalLM
-
-        hf = (
-            BambaForCausalLM(BambaConfig(**{k: v for k, v in hf_cfg.items() if k != "model_type"}))
-            .to(device, dtype)
-            .eval()
-        )
+        hf = transformers_model(hf_cfg).to(device, dtype).eval()
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     print(json.dumps({"device": str(device), "dtype": args.dtype, "params": params, "config": hf_cfg}))
     for t in args.prompts:
-        prompt = torch.randint(0, 32000, (1, t), device=device)
+        prompt = torch.randint(0, args.vocab, (1, t), device=device)
         for name, model in models.items():
             for policy in ("h2o", "dense"):
                 length = args.cache_length if policy == "h2o" else t + args.new_tokens
@@ -158,7 +207,8 @@ def main() -> None:
                 print(json.dumps({"prompt": t, "model": name, "policy": policy, **row}), flush=True)
         if hf is not None and t <= args.transformers_max:
             row = transformers_row(hf, prompt, args.new_tokens)
-            print(json.dumps({"prompt": t, "model": "transformers-bamba", "policy": "dynamic", **row}), flush=True)
+            name = f"transformers-{args.family}"
+            print(json.dumps({"prompt": t, "model": name, "policy": "dynamic", **row}), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 The model `Config` is a litgpt preset when one is named (`model_name`) or matches the directory
 name; otherwise it is built from `config.json` for the architectures listed in `HF_ARCHITECTURES`
 (Llama, Mistral, Qwen2, Qwen3), which also covers small or random models that have no preset.
+Hybrid models are mapped by `litkv.modeling.hf_hybrid` (Bamba, Granite-4.0-H) and
+`litkv.modeling.hf_qwen35` (Qwen3.5, dense Qwen3-Next).
 Weights are read from safetensors files, or from `.bin` files with `torch.load(weights_only=True)`.
 
 `quantize_checkpoint` writes a float checkpoint directory again with its linear weights stored as int8
@@ -53,6 +55,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "config.json",
+    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template here (Qwen3.5 ships one)
 )
 
 

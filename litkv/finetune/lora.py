@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litkv.core.validation import is_number, require_int
+from litkv.modeling.gated_deltanet import GatedDeltaNet
 from litkv.modeling.quant_weights import Int4Linear, Int8Linear
 
 __all__ = [
@@ -39,8 +40,18 @@ __all__ = [
 
 #: Where adapters can go: the attention's fused QKV and output projections, every linear layer of
 #: the MLP, the LM head, and in a hybrid model the Mamba-2 mixers' input and output projections
-#: (`mamba.in_proj`, `mamba.out_proj`; a model without Mamba-2 layers has none to match).
-LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp", "lm_head", "mamba.in_proj", "mamba.out_proj")
+#: (`mamba.in_proj`, `mamba.out_proj`; a model without Mamba-2 layers has none to match) and the Gated
+#: DeltaNet mixers' (`gdn.in_proj`: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`; `gdn.out_proj`).
+LORA_TARGETS = (
+    "attn.qkv",
+    "attn.proj",
+    "mlp",
+    "lm_head",
+    "mamba.in_proj",
+    "mamba.out_proj",
+    "gdn.in_proj",
+    "gdn.out_proj",
+)
 _ADAPTER_NAMES = ("lora_A", "lora_B")
 
 
@@ -52,8 +63,9 @@ class LoRAArgs:
         r: Rank of the adapters.
         alpha: Scaling numerator: the adapter output is multiplied by ``alpha / r``.
         targets: Which linear layers get adapters, among ``attn.qkv``, ``attn.proj``, ``mlp`` (every
-            linear layer of the MLP), ``lm_head``, and the Mamba-2 mixers' ``mamba.in_proj`` and
-            ``mamba.out_proj`` (hybrid models: the attention targets cover only their attention layers).
+            linear layer of the MLP), ``lm_head``, the Mamba-2 mixers' ``mamba.in_proj`` and
+            ``mamba.out_proj``, the Gated DeltaNet mixers' ``gdn.in_proj`` (its four input projections) and
+            ``gdn.out_proj`` (hybrid models: the attention targets cover only their attention layers).
     """
 
     r: int = 8
@@ -133,10 +145,15 @@ class LoRALinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, scaling={self.scaling}"
 
 
-def _is_target(name: str, module: nn.Module, targets: list[str]) -> bool:
+def _is_target(name: str, module: nn.Module, targets: list[str], in_gdn: bool) -> bool:
+    """`in_gdn`: the layer belongs to a Gated DeltaNet mixer (its `out_proj` is not a Mamba-2 one)."""
     if not isinstance(module, (nn.Linear, Int8Linear, Int4Linear)) or name.endswith(".base"):
         return False  # `.base`: the quantised layer inside a `LoRALinear`
-    full = "." + name
+    full, child = "." + name, name.rpartition(".")[2]
+    if in_gdn:
+        return ("gdn.in_proj" in targets and child.startswith("in_proj_")) or (
+            "gdn.out_proj" in targets and child == "out_proj"
+        )
     return (
         ("attn.qkv" in targets and full.endswith(".attn.qkv"))
         or ("attn.proj" in targets and full.endswith(".attn.proj"))
@@ -158,7 +175,9 @@ def apply_lora(model: nn.Module, args: LoRAArgs) -> list[str]:
     """
     if not isinstance(args, LoRAArgs):
         raise TypeError(f"args must be LoRAArgs, got {type(args).__name__}")
-    names = [n for n, m in model.named_modules() if _is_target(n, m, list(args.targets))]
+    gdn = {n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)}
+    targets = list(args.targets)
+    names = [n for n, m in model.named_modules() if _is_target(n, m, targets, n.rpartition(".")[0] in gdn)]
     if not names:
         raise ValueError(f"no linear layer of the model matches lora targets {list(args.targets)}")
     for name in names:

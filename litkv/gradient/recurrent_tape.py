@@ -21,6 +21,7 @@ class RecurrentTape:
     def __init__(self, cache: RecurrentCache) -> None:
         self.shape = cache.shape
         self.dtype = cache.dtype
+        self.kind = cache.kind
         self.starts: list[dict[str, torch.Tensor]] = []  # the state before each chunk, on the host
         self.grad: dict[str, torch.Tensor] | None = None  # d loss / d (state after the chunk being replayed)
         self.leaves: dict[str, torch.Tensor] = {}  # the replayed chunk's starting state (leaves)
@@ -31,7 +32,7 @@ class RecurrentTape:
 
     def replay_cache(self, chunk: int, device: torch.device) -> RecurrentCache:
         """A cache starting from the state before `chunk`, whose tensors are leaves that require grad."""
-        cache = RecurrentCache(self.shape, device, self.dtype)
+        cache = RecurrentCache(self.shape, device, self.dtype, kind=self.kind)
         self.leaves = {k: v.to(device).requires_grad_(True) for k, v in self.starts[chunk].items()}
         cache.conv, cache.ssm = self.leaves["conv"], self.leaves["ssm"]
         return cache

@@ -228,10 +228,17 @@ class KVCaches:
     @torch.no_grad()
     def copy_row(self, row: int, source: KVCaches, source_row: int = 0) -> None:
         """Write row `source_row` of `source` (caches of the same configs and slots) into row `row`:
-        every layer's state tensors (in place) and `last_pos`; the other rows are not touched or copied.
-        Host counters (`num_filled`) are shared by the rows and left as they are."""
+        every layer's state tensors (in place; a recurrent layer's rebound to a written copy, as its calls
+        rebind them, so that references the undo log keeps stay as they were) and `last_pos`; the other rows
+        are not touched or copied. Host counters (`num_filled`) are shared by the rows and left as they are."""
         if len(source) != len(self):
             raise ValueError(f"copy_row: the source has {len(source)} layers, these caches {len(self)}")
+        for dst_r, src_r in zip(self.recurrent_caches, source.recurrent_caches, strict=True):
+            given = src_r.state_tensors()
+            fresh = {name: t.clone() for name, t in dst_r.state_tensors().items()}
+            for name, t in fresh.items():
+                t[row].copy_(given[name][source_row])
+            dst_r.update(fresh["conv"], fresh["ssm"])
         for i, (dst, src) in enumerate(zip(self.policy_caches, source.policy_caches, strict=True)):
             live, given = dst.state_tensors(), src.state_tensors()
             if set(live) != set(given):
@@ -240,7 +247,8 @@ class KVCaches:
                 t[row].copy_(given[name][source_row])
         if source.last_pos is not None or self.last_pos is not None:
             if self.last_pos is None:
-                self.last_pos = torch.full((self.batch_size,), -1, dtype=torch.long, device=self[0].positions.device)
+                device = next(iter(self[0].state_tensors().values())).device
+                self.last_pos = torch.full((self.batch_size,), -1, dtype=torch.long, device=device)
             self.last_pos[row] = -1 if source.last_pos is None else source.last_pos[source_row]
 
     # -- sizes ----------------------------------------------------------------------------------

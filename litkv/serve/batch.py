@@ -29,12 +29,13 @@ import torch
 
 from litkv.inference.blocks import feed_blocks
 from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.recurrent import RecurrentCache
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
 from litkv.states.block_store import BlockStore
-from litkv.states.state import CacheState, LayerState
+from litkv.states.state import CacheState, LayerState, RecurrentLayerState
 
 __all__ = ["RowBatch"]
 
@@ -84,10 +85,20 @@ class RowBatch:
 
     @torch.inference_mode()
     def load(self, row: int, state: CacheState) -> None:
-        """Set `row` to `state` (one row, taken by `take` from caches of this config)."""
+        """Set `row` to `state` (one row, taken by `take` from caches of this config; a hybrid model's
+        recurrent layers too)."""
         if state.batch_size != 1:
             raise ValueError(f"a row's state has one row, got {state.batch_size}")
-        for i, (cache, layer) in enumerate(zip(self.scratch.policy_caches, state.layers, strict=True)):
+        if len(state.layers) != len(self.scratch):
+            raise ValueError(f"the state has {len(state.layers)} layers, the server's caches {len(self.scratch)}")
+        for i, (cache, layer) in enumerate(zip(self.scratch.layers, state.layers, strict=True)):
+            if isinstance(cache, RecurrentCache) or isinstance(layer, RecurrentLayerState):
+                if not (isinstance(cache, RecurrentCache) and isinstance(layer, RecurrentLayerState)):
+                    raise ValueError(f"layer {i} of the state is of another kind than the server's")
+                if layer.kind != cache.kind or dataclasses.replace(layer.shape, batch_size=1) != cache.shape:
+                    raise ValueError(f"layer {i} of the state has another recurrent kind or shape than the server's")
+                cache.load_state_tensors(layer.full_tensors(self.device))
+                continue
             if layer.config != cache.config or layer.shape.cache_length != cache.cache_length:
                 raise ValueError(f"layer {i} of the state has another cache config than the server's")
             cache.load_state_tensors(layer.full_tensors(self.device), cache.cache_length)
@@ -99,8 +110,13 @@ class RowBatch:
     @torch.inference_mode()
     def take(self, row: int) -> CacheState:
         """A host copy of `row` as a state of one row (the other rows are not copied)."""
-        layers = []
-        for cache in self.batch.policy_caches:
+        layers: list[LayerState | RecurrentLayerState] = []
+        for cache in self.batch.layers:
+            if isinstance(cache, RecurrentCache):  # a hybrid model's recurrent layer: its row of the state
+                tensors = {name: t[row : row + 1].to("cpu", copy=True) for name, t in cache.state_tensors().items()}
+                shape = dataclasses.replace(cache.shape, batch_size=1)
+                layers.append(RecurrentLayerState(shape, tensors, cache.kind))
+                continue
             tensors = {name: t[row : row + 1].to("cpu", copy=True) for name, t in cache.state_tensors().items()}
             shape = dataclasses.replace(cache.shape, batch_size=1)
             layers.append(LayerState(cache.config, shape, tensors, cache.cache_length, cache.cache_length))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from litkv.kvcache.base import KVCache
-from litkv.kvcache.recurrent import RecurrentCache, RecurrentShape
+from litkv.kvcache.recurrent import RECURRENT_STATE_KINDS, RecurrentCache, RecurrentShape
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.config import ATTENTION, KVCacheConfig, layer_kinds
 from litkv.modeling.fingerprint import model_fingerprint
@@ -89,7 +89,8 @@ class LayerState:
 
 @dataclass
 class RecurrentLayerState:
-    """One recurrent (Mamba-2) layer's state: `tensors` `{"conv", "ssm"}` of `RecurrentCache.state_tensors()`."""
+    """One recurrent layer's state: `tensors` `{"conv", "ssm"}` of `RecurrentCache.state_tensors()`; `kind`
+    the layer's (`"mamba2"`, `"gated_deltanet"`)."""
 
     shape: RecurrentShape
     tensors: dict[str, torch.Tensor]
@@ -111,7 +112,7 @@ AnyLayerState = LayerState | RecurrentLayerState
 
 
 def state_kind(layer: AnyLayerState) -> str:
-    """`"attention"` or the recurrent kind (`"mamba2"`)."""
+    """`"attention"` or the recurrent kind (`"mamba2"`, `"gated_deltanet"`)."""
     return layer.kind if isinstance(layer, RecurrentLayerState) else ATTENTION
 
 
@@ -154,7 +155,7 @@ class CacheState:
 
     @property
     def kinds(self) -> list[str]:
-        """One kind per layer (`"attention"`, `"mamba2"`)."""
+        """One kind per layer (`"attention"`, `"mamba2"`, `"gated_deltanet"`)."""
         return [state_kind(layer) for layer in self.layers]
 
     @property
@@ -220,7 +221,7 @@ class CacheState:
             if isinstance(layer, RecurrentLayerState):
                 tensors = {name: torch.cat([p.tensors[name] for p in parts], dim=0) for name in layer.tensors}
                 shape = dataclasses.replace(layer.shape, batch_size=tensors["ssm"].shape[0])
-                layers.append(RecurrentLayerState(shape, tensors))
+                layers.append(RecurrentLayerState(shape, tensors, layer.kind))
                 continue
             if any(set(p.tensors) != set(layer.tensors) for p in parts):
                 raise ValueError(f"cannot cat: layer {i} has policy state set in some states, not in others")
@@ -330,7 +331,7 @@ def snapshot(
             raise ValueError(f"snapshot device {device!r} is not a torch device: {one_line(err)}") from None
     layers = [
         RecurrentLayerState(
-            cache.shape, {k: v.detach().to(device, copy=True) for k, v in cache.state_tensors().items()}
+            cache.shape, {k: v.detach().to(device, copy=True) for k, v in cache.state_tensors().items()}, cache.kind
         )
         if isinstance(cache, RecurrentCache)
         else _layer_snapshot(cache, device)
@@ -401,7 +402,12 @@ def restore(model: GPT, state: CacheState) -> list[KVCache | RecurrentCache]:
 def _fits(cache: object, layer: AnyLayerState, dtype: torch.dtype) -> bool:
     """Whether an attached layer cache can take `layer`'s state in place."""
     if isinstance(layer, RecurrentLayerState):
-        return isinstance(cache, RecurrentCache) and cache.shape == layer.shape and cache.dtype == dtype
+        return (
+            isinstance(cache, RecurrentCache)
+            and cache.kind == layer.kind
+            and cache.shape == layer.shape
+            and cache.dtype == dtype
+        )
     return (
         isinstance(cache, KVCache)
         and cache.config == layer.config
@@ -412,7 +418,7 @@ def _fits(cache: object, layer: AnyLayerState, dtype: torch.dtype) -> bool:
 
 def _fresh_cache(layer: AnyLayerState, device: torch.device, dtype: torch.dtype) -> KVCache | RecurrentCache:
     if isinstance(layer, RecurrentLayerState):
-        return RecurrentCache(layer.shape, device, dtype)
+        return RecurrentCache(layer.shape, device, dtype, kind=layer.kind)
     return layer.config.policy_class(layer.config, layer.shape, device, dtype)
 
 
@@ -429,11 +435,11 @@ def _from_file(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> CacheS
         prefix = f"layer.{i}."
         layer_tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         if entry.get("kind", ATTENTION) != ATTENTION:
-            if entry["kind"] != RecurrentCache.kind:
+            if entry["kind"] not in RECURRENT_STATE_KINDS:
                 raise ValueError(
-                    f"layer {i} has kind {entry['kind']!r}; litkv knows {ATTENTION!r} and {RecurrentCache.kind!r}"
+                    f"layer {i} has kind {entry['kind']!r}; litkv knows {(ATTENTION, *RECURRENT_STATE_KINDS)}"
                 )
-            layers.append(RecurrentLayerState(RecurrentShape(**entry["shape"]), layer_tensors))
+            layers.append(RecurrentLayerState(RecurrentShape(**entry["shape"]), layer_tensors, entry["kind"]))
             continue
         config = KVCacheConfig(**entry["config"])
         shape = CacheShape(**entry["shape"])

@@ -45,7 +45,9 @@ def _check_logits(out: Path, hf: torch.nn.Module) -> None:
 def test_convert_then_load_gives_transformers_logits(hf_dir: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
     path, hf = hf_dir
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     out = convert_hf_checkpoint(path, tmp_path / "ckpt")
+    assert (out / "chat_template.jinja").read_text() == (path / "chat_template.jinja").read_text()
     raw = yaml.safe_load((out / CONFIG_FILE).read_text())
     assert raw["layer_kinds"] == KINDS
     assert raw["attn_output_gate"] and raw["norm_unit_offset"] and raw["rotary_percentage"] == 0.25
