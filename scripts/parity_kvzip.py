@@ -45,6 +45,7 @@ CASES = {
     "kvzip": {},
     "kvzip_plus": {"kvzip_plus": True},
     "kvzip layerwise": {"layerwise": True},
+    "kvzip+ chunks of 256": {"kvzip_plus": True, "chunk_size": 256},
 }
 
 
@@ -80,6 +81,7 @@ def kvpress_kept(twin, ids: list[int], budget: int, options: dict) -> list[list[
         compression_ratio=ratio_for(total, pruned),
         layerwise=options.get("layerwise", False),
         kvzip_plus_normalization=options.get("kvzip_plus", False),
+        chunk_size=options.get("chunk_size", 2048),
     )
     with press(twin):
         twin(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
