@@ -37,6 +37,7 @@ from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_model, load_
 from litkv.checkpoints.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.atomic import remove_stale_temp_files
+from litkv.core.validation import read_text_file
 from litkv.inference.blocks import encode_document
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.conversation import Conversation, Pick
@@ -123,9 +124,8 @@ class ChatSession:
 
     def attach(self, path: Path) -> str:
         """Attach the text of `path` as a document (a KV block) to the next user message."""
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"document file {str(path)!r} does not exist")
-        self.attached.append(encode_document(self.tokenizer, Path(path).read_text("utf-8"), f"document {str(path)!r}"))
+        text = read_text_file("document file", path)  # a directory, a FIFO or a binary file: said so
+        self.attached.append(encode_document(self.tokenizer, text, f"document {str(path)!r}"))
         return (
             f"attached {path} ({len(self.attached[-1])} tokens) to the next message ({len(self.attached)} document(s))"
         )

@@ -12,6 +12,7 @@ import torch
 from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
+from litkv.core.validation import read_text_file
 from litkv.inference.blocks import generate_segments, generate_segments_batch, prompt_segments
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.generate import check_sampling
@@ -162,9 +163,7 @@ def _generate_blocks(
     `generate_segments_batch`); a summary line (blocks reused) on stderr."""
     blocks = []
     for path in files:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"block file {str(path)!r} does not exist")
-        blocks.append(Path(path).read_text(encoding="utf-8"))
+        blocks.append(read_text_file("block file", path))
     prompts = [prompt_segments(fmt, tokenizer, blocks, text) for text in texts]
     store = BlockStore(PROMPT_CACHE_BYTES, None if prompt_cache is None else Path(prompt_cache) / "blocks")
     temperature, top_k, top_p, seed = sampling
@@ -226,10 +225,7 @@ def _read_prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[st
     if prompt is not None and prompt_file is not None:
         raise ValueError("give --prompt or --prompt_file, not both")
     if prompt_file is not None:
-        path = Path(prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
-        return [path.read_text(encoding="utf-8")]
+        return [read_text_file("prompt file", prompt_file)]
     if prompt is None:
         return [DEFAULT_PROMPT]
     if isinstance(prompt, str):

@@ -81,6 +81,19 @@ def require_file(option: str, path: str | Path) -> Path:
     raise ValueError(f"{option} {str(path)!r} is {kind}; it must be a file")
 
 
+def read_text_file(option: str, path: str | Path) -> str:
+    """The UTF-8 text of the file `path` (`require_file`'s errors), or a ValueError naming the option, the
+    file and where it stops being UTF-8 (a binary file)."""
+    path = require_file(option, path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{option} {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+            "give a text file"
+        ) from None
+
+
 def one_line(err: BaseException) -> str:
     """An exception's message on one line (a KeyError's key without quotes); its type name when empty."""
     text = str(err) if not isinstance(err, KeyError) or not err.args else str(err.args[0])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from litkv.core.tokens import encode_plain, encode_text
+from litkv.inference.template_sandbox import Budget, BudgetExceeded, compile_bounded, make_sandbox, render_bounded
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -53,6 +55,7 @@ __all__ = [
 Message = tuple[str, str]
 Replies = Sequence[Sequence[int] | None]
 Documents = Mapping[int, Sequence[Sequence[int]]]  # message index -> each document's token ids
+RENDER_CACHE = 16  # renders a ChatTemplate keeps (a conversation is rendered to count it, then to feed it)
 
 
 class ChatTemplateError(ValueError):
@@ -145,29 +148,48 @@ class ChatTemplate:
         self.path = Path(path)
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = _sandbox()
+        self.budget = Budget()
+        env = make_sandbox()
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson
         try:
-            self._template = env.from_string(source)
-        except TemplateError as err:
+            self._template = compile_bounded(env, source)
+        except (TemplateError, RecursionError) as err:
             raise ValueError(f"{self.path}: the chat template does not compile: {_one_line(err)}") from None
+        # a template that reads the clock renders differently from call to call: never cached
+        self._cache: OrderedDict[tuple[tuple[Message, ...], bool], str] | None = (
+            None if "strftime_now" in source else OrderedDict()
+        )
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        """The text of `messages`; ValueError naming the file for any template error or sandbox violation."""
+        """The text of `messages`, rendered under `self.budget` (`litkv.inference.template_sandbox`: work and
+        size bounded); the last `RENDER_CACHE` renders are kept, so a conversation rendered again (counted,
+        then fed) costs one render. ValueError naming the file for any template error, sandbox violation or
+        a template over its budget."""
         from jinja2 import TemplateError
 
+        key = (tuple((str(r), str(c)) for r, c in messages), bool(add_generation_prompt))
+        if self._cache is not None and key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
         msgs = [{"role": role, "content": content} for role, content in messages]
+        budget = Budget(self.budget.max_steps, self.budget.max_chars, self.budget.max_seconds)
+        variables = {"messages": msgs, "add_generation_prompt": add_generation_prompt}
+        variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         try:
-            return self._template.render(
-                messages=msgs,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            text = render_bounded(self._template, budget, **variables)
+        except BudgetExceeded as err:
+            raise ChatTemplateError(self.path, f"refused: {_one_line(err)}") from None
         except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError) as err:
             raise ChatTemplateError(self.path, f"the chat template failed: {_one_line(err)}") from None
+        except (RecursionError, OverflowError, MemoryError) as err:
+            raise ChatTemplateError(self.path, f"refused: {type(err).__name__} in the chat template") from None
+        if self._cache is not None:
+            self._cache[key] = text
+            if len(self._cache) > RENDER_CACHE:
+                self._cache.popitem(last=False)
+        return text
 
     @classmethod
     def load(cls, checkpoint_dir: Path) -> ChatTemplate | None:
@@ -209,6 +231,9 @@ class TemplateFormat:
         self.tokenizer = tokenizer
         self.special = _special_tokens(tokenizer)
         self.special_text = {i: s for s, i in self.special.items()}
+        # markers stand for replies, documents and content in the rendered text: the same for the same
+        # conversation (so a render is cached), unguessable by what a user writes
+        self._nonce = uuid.uuid4().hex
         stops = {int(t) for t in extra_stop_ids}
         eot = self.end_of_turn()
         if eot is not None:
@@ -238,14 +263,15 @@ class TemplateFormat:
         shown = []
         for i, (role, content) in enumerate(messages):
             if role == "assistant" and replies[i] is not None:
-                marker = f"<<litkv-reply-{uuid.uuid4().hex}>>"
+                marker = f"<<litkv-reply-{i}-{self._nonce}>>"
                 markers.append((i, marker, Segment(tuple(int(t) for t in replies[i]), True)))  # type: ignore[union-attr]
                 shown.append((role, marker))
                 continue
-            docs = [(f"<<litkv-document-{uuid.uuid4().hex}>>", doc) for doc in _documents_of(documents, i, role)]
+            docs = [(f"<<litkv-document-{i}-{k}-{self._nonce}>>", doc)
+                    for k, doc in enumerate(_documents_of(documents, i, role))]  # fmt: skip
             markers += [(i, marker, Segment(doc, False, block=True)) for marker, doc in docs]
             if any(s in content for s in self.special):  # control strings in content are text, not control
-                marker = f"<<litkv-content-{uuid.uuid4().hex}>>"
+                marker = f"<<litkv-content-{i}-{self._nonce}>>"
                 markers.append((i, marker, Segment(tuple(encode_text(self.tokenizer, content)), False)))
                 content = marker
             shown.append((role, "".join(marker for marker, _ in docs) + content))
@@ -342,18 +368,6 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _sandbox() -> Any:
-    """transformers' environment (`ImmutableSandboxedEnvironment`, `trim_blocks`, `lstrip_blocks`), except
-    that reaching for an unsafe attribute fails at once (jinja's sandbox would render it as empty text)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-            raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} object is unsafe")
-
-    return Sandbox(trim_blocks=True, lstrip_blocks=True)
 
 
 def _raise_exception(message: str) -> None:

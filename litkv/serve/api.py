@@ -2,9 +2,9 @@
 
 The spec (in the API server process) refuses a bad request with a 4xx and an OpenAI-style error body
 before it reaches the inference worker, so that a streaming request gets its error as a status, not in
-the stream; the worker (`LitKVAPI`) runs the turn through the `Engine`. A streaming client that goes
-away marks its request cancelled (a file in a directory both processes see); the worker stops at the
-next decode step and stores nothing for that turn.
+the stream; the worker (`LitKVAPI`) runs the turn through the `Engine`. A client that goes
+away, streaming or not, marks its request cancelled (a file in a directory both processes see); the
+worker stops at the next decode step, frees the row and stores nothing for that turn.
 """
 
 from __future__ import annotations
@@ -205,6 +205,9 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
     )
 
 
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming request looks whether its client is still there
+
+
 class LitKVSpec(OpenAISpec):
     """OpenAISpec that checks a request (bounds, prompt tokens, cache room) before queueing it, serves
     `GET /v1/models`, and cancels a stream's turn when its client goes away."""
@@ -252,13 +255,27 @@ class LitKVSpec(OpenAISpec):
             )
         return turn
 
-    async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks) -> Any:
+    async def chat_completion(self, request: ChatRequest, background_tasks: BackgroundTasks, http: Request) -> Any:
         try:
             self.check(request)
         except RequestError as err:
             raise _http_error(err) from None
         request.metadata = {**(request.metadata or {}), "litkv_id": uuid.uuid4().hex}
-        return await super().chat_completion(request, background_tasks)
+        if request.stream:  # a stream notices its client going away as it writes (streaming_completion)
+            return await super().chat_completion(request, background_tasks)
+        answer = asyncio.ensure_future(super().chat_completion(request, background_tasks))
+        while not answer.done():  # a non-streaming client that goes away cancels its turn at the next step
+            await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+            if not answer.done() and await http.is_disconnected():
+                self._cancel(request.metadata["litkv_id"])
+                break
+        return await answer
+
+    def _cancel(self, turn_id: str) -> None:
+        """Mark turn `turn_id` cancelled: the worker stops it at its next decode step and frees its row."""
+        if self.opts.cancel_dir is not None:
+            (Path(self.opts.cancel_dir) / turn_id).touch()
+            log.info("client went away: turn %s cancelled", turn_id)
 
     async def non_streaming_completion(self, request: ChatCompletionRequest, generator_list: list) -> Any:
         reasons: dict[str, str] = {}
@@ -278,9 +295,8 @@ class LitKVSpec(OpenAISpec):
                 yield chunk
             finished = True
         finally:
-            if not finished and self.opts.cancel_dir is not None:
-                (Path(self.opts.cancel_dir) / request.metadata["litkv_id"]).touch()
-                log.info("client went away: turn %s cancelled", request.metadata["litkv_id"])
+            if not finished:
+                self._cancel(request.metadata["litkv_id"])
 
 
 async def _finish_reason(pipe: Any, seen: dict[str, str]) -> Any:

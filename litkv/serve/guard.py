@@ -16,6 +16,7 @@ Everything is answered with OpenAI-style error bodies before the app sees the re
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from pathlib import Path
@@ -93,10 +94,9 @@ class Guard:
     def _refusal(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
         if self.run_dir is not None and path.startswith("/v1") and (Path(self.run_dir) / DRAINING).exists():
             return JSONResponse(error_body("the server is shutting down", "server_shutting_down"), status_code=503)
-        if self.api_key is not None and path.startswith("/v1"):
-            given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if given != self.api_key:
-                return JSONResponse(error_body("invalid or missing API key", "invalid_api_key"), status_code=401)
+        keyed = self.api_key is not None and path.startswith("/v1")
+        if keyed and not hmac.compare_digest(_given_key(headers).encode(), str(self.api_key).encode()):
+            return JSONResponse(error_body("invalid or missing API key", "invalid_api_key"), status_code=401)
         length = headers.get("content-length")
         if length is not None and not length.isdigit():
             return JSONResponse(error_body(f"Content-Length must be a number, got {length!r}"), status_code=400)
@@ -137,3 +137,12 @@ def _replay(body: bytes, receive: Any) -> Any:
         return await receive()
 
     return replay
+
+
+def _given_key(headers: Any) -> str:
+    """The key a request gives: ``X-API-Key``, else ``Authorization``'s credentials after the ``Bearer``
+    scheme, matched case-insensitively (RFC 7235), else the header's whole value."""
+    if headers.get("x-api-key"):
+        return str(headers.get("x-api-key"))
+    scheme, _, credentials = str(headers.get("authorization", "")).strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else scheme

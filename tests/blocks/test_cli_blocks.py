@@ -63,6 +63,27 @@ def test_bad_block_file_one_line(ckpt: Path, tmp_path: Path, capsys: pytest.Capt
     assert "block file" in err and "does not exist" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("kind", ["binary", "directory", "fifo"])
+def test_block_file_that_is_not_text_is_said_so(ckpt: Path, tmp_path: Path, capsys, kind: str) -> None:  # noqa: ANN001
+    """Issue 50, item 6: a binary file got a bare UTF-8 error, a directory or a FIFO "does not exist"."""
+    import os
+
+    path = tmp_path / "block"
+    if kind == "binary":
+        path.write_bytes(b"text then \xff\xfe binary")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    with pytest.raises(SystemExit):
+        main(["generate", str(ckpt), "--block_file", str(path), "--prompt", "q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = {"binary": "is not UTF-8 text (byte 0xff at offset 10)", "directory": "is a directory",
+                "fifo": "is not a regular file"}[kind]  # fmt: skip
+    assert err[-1] == f"error: block file {str(path)!r} {expected}" + ("; give a text file" if kind == "binary"
+                                                                     else "; it must be a file"), err  # fmt: skip
+
+
 def test_generate_block_files_with_several_prompts_decodes_them_as_a_batch(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -221,6 +221,11 @@ def test_api_documents_are_spliced_and_bounded(client) -> None:
 def test_api_key_malformed_json_and_worker_alive(client) -> None:
     bad = client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    for scheme in ("bearer", "BEARER", "BeArEr"):  # RFC 7235: the scheme is case-insensitive (issue 50, item 6)
+        ok = client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": f"{scheme}  sk-test"})
+        assert ok.status_code == 200, (scheme, ok.text)
+    for header in ({"Authorization": "Basic sk-test"}, {"Authorization": "bearer sk-tes"}, {"X-API-Key": "sk-tesT"}):
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=header).status_code == 401, header
     broken = client.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
     assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
