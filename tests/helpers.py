@@ -284,3 +284,26 @@ def _reference_rope(x: torch.Tensor, c: Config) -> torch.Tensor:
     cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
     x1, x2, rest = x[..., :half], x[..., half:n], x[..., n:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def forge_entry(source: object, target: object, **entry: object) -> dict:
+    """Copy the state file `source` to `target` with its store entry's fields replaced by `entry` and
+    the checksum recomputed, as an attacker who knows the format would (only what the entry and the
+    metadata claim is then left to refuse it). Returns the new entry."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from litkv.states.state_file import digest
+
+    with safe_open(str(source), framework="pt") as f:
+        header = dict(f.metadata() or {})
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    meta = json.loads(header["litkv"])
+    meta.pop("digest")
+    meta["entry"] = {**(meta.get("entry") or {}), **entry}
+    meta["digest"] = digest(meta, tensors)
+    header["litkv"] = json.dumps(meta)
+    save_file(tensors, str(target), metadata=header)
+    return meta["entry"]

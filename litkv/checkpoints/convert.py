@@ -38,7 +38,7 @@ from litkv.checkpoints.checkpoint import (
     save_state_dict_atomic,
 )
 from litkv.checkpoints.quant_store import quantized_tensors
-from litkv.core.atomic import save_dir_atomic, write_atomic, write_text_atomic
+from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.modeling.config import Config, HybridConfig
 from litkv.modeling.hf_hybrid import HYBRID_MODEL_TYPES, UNSUPPORTED_RECURRENT, hybrid_config_from_hf, hybrid_state_dict
 from litkv.modeling.hf_qwen35 import QWEN35_MODEL_TYPES, QWEN35_MOE_TYPES, qwen35_config_from_hf, qwen35_state_dict
@@ -232,7 +232,11 @@ def _hybrid_config(hf: dict[str, Any], hf_dir: Path) -> Config:
 
 
 def convert_hf_checkpoint(
-    hf_dir: str | Path, out_dir: str | Path, model_name: str | None = None, dtype: torch.dtype | None = None
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    model_name: str | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Convert a Hugging Face model directory into a checkpoint directory that litkv loads.
 
@@ -242,15 +246,16 @@ def convert_hf_checkpoint(
         model_name: a litgpt preset name (default: the directory name if it is one, else a config
             built from `config.json`).
         dtype: convert the weights to this dtype (default: keep the stored dtype).
+        overwrite: replace an `out_dir` that an earlier `litkv convert` wrote (`check_output_dir`: any
+            other non-empty directory, and one equal to, inside or above `hf_dir`, is refused).
 
     Returns:
-        `out_dir`.
+        `out_dir`, written whole or not at all (`save_dir_atomic`).
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} does not exist")
-    if hf_dir.resolve() == out_dir.resolve():
-        raise ValueError("out_dir must differ from hf_dir")
+    check_output_dir(out_dir, "convert", [hf_dir], overwrite)
     hf = _read_hf_config(hf_dir)
     _check_hf_counts(hf, hf_dir)
     if hf.get("model_type") in QWEN35_MODEL_TYPES or hf.get("model_type") in QWEN35_MOE_TYPES:
@@ -270,31 +275,37 @@ def convert_hf_checkpoint(
     with torch.device("meta"):
         reference = GPT(config)
     check_state_dict(reference, state_dict, f"converted weights of {str(hf_dir)!r}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_state_dict_atomic(out_dir / SAFETENSORS_FILE, state_dict)
-    for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            write_atomic(out_dir / name, partial(shutil.copyfile, hf_dir / name))
     fields = asdict(config)
     if isinstance(config, HybridConfig):
         fields["layer_kinds"] = list(config.layer_kinds)  # plain YAML (safe_load refuses a Python tuple)
-    write_text_atomic(out_dir / CONFIG_FILE, yaml.dump(fields))  # last: the directory is complete
-    return out_dir
+
+    def write(tmp: Path) -> None:
+        save_state_dict_atomic(tmp / SAFETENSORS_FILE, state_dict)
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).is_file():
+                write_atomic(tmp / name, partial(shutil.copyfile, hf_dir / name))
+        write_text_atomic(tmp / CONFIG_FILE, yaml.dump(fields))
+
+    return save_dir_atomic(out_dir, write, "convert", [hf_dir], overwrite)
 
 
 def quantize_checkpoint(
-    src_dir: str | Path, out_dir: str | Path, quant: WeightQuant, dtype: torch.dtype | None = None
+    src_dir: str | Path,
+    out_dir: str | Path,
+    quant: WeightQuant,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the float checkpoint directory `src_dir` again as `out_dir` with its linear weights stored as
     `quant` says (`litkv.checkpoints.quant_store`); the other tensors cast to `dtype` (default: as stored). The config
     and the tokenizer files are copied; eviction gates are not (they were trained for the float weights).
-    `out_dir` appears whole or not at all. ValueError for a source that is already quantised, a layer
-    shape the scheme cannot take, or `quant` `none`."""
+    `out_dir` appears whole or not at all; an existing one is replaced only when an earlier `litkv
+    convert` wrote it and `overwrite` is given (`check_output_dir`). ValueError for a source that is
+    already quantised, a layer shape the scheme cannot take, or `quant` `none`."""
     src, out = check_checkpoint_dir(src_dir), Path(out_dir)
     if quant.mode == "none":
         raise ValueError("quantize_checkpoint needs int8, int4 or int4-gN, got 'none'")
-    if src.resolve() == out.resolve():
-        raise ValueError("out_dir must differ from the source checkpoint directory")
+    check_output_dir(out, "convert", [src], overwrite)
     config = load_config(src)
     weights_file = find_weights_file(src)
     state_dict = load_state_dict(weights_file)
@@ -317,4 +328,4 @@ def quantize_checkpoint(
             if (src / name).is_file():
                 write_atomic(tmp / name, partial(shutil.copyfile, src / name))
 
-    return save_dir_atomic(out, write)
+    return save_dir_atomic(out, write, "convert", [src], overwrite)

@@ -188,7 +188,7 @@ def obtain_checkpoint(package: GGUFPackage, out_dir: Path) -> str:
     from litkv.checkpoints.gguf_convert import convert_gguf  # torch and litgpt: only when there is work to do
 
     source = gguf_file(package)
-    convert_gguf(source, out_dir)
+    convert_gguf(source, out_dir, command="download")
     return f"converted from {source}"
 
 

@@ -29,7 +29,7 @@ from litkv.checkpoints.bounds import MAX_GGUF_ARRAY, MAX_GGUF_STRING, check_ceil
 from litkv.checkpoints.checkpoint import CONFIG_FILE, SAFETENSORS_FILE, check_state_dict, save_state_dict_atomic
 from litkv.checkpoints.convert import config_from_hf
 from litkv.checkpoints.gguf_tokenizer import check_tokenizer_metadata, tokenizer_files, write_tokenizer_files
-from litkv.core.atomic import save_dir_atomic, write_text_atomic
+from litkv.core.atomic import check_output_dir, save_dir_atomic, write_text_atomic
 from litkv.modeling.config import Config
 from litkv.modeling.model import GPT
 
@@ -300,14 +300,22 @@ def _state_dict(reader: Any, config: Config, arch: str, dtype: torch.dtype, sour
     return state
 
 
-def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def convert_gguf(
+    gguf_file: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    command: str = "convert",
+) -> Path:
     """Convert a GGUF file into a checkpoint directory that litkv and LitGPT load.
 
     Args:
         gguf_file: a `.gguf` file of one of `GGUF_ARCHITECTURES` with a byte-level BPE tokenizer.
         out_dir: the directory to create (`model_config.yaml`, `model.safetensors`, tokenizer files);
-            it must not exist or be empty. It appears whole or not at all.
+            it must not exist, be empty, or (with `overwrite`) be an earlier output. It appears whole or not at all.
         dtype: the weights' dtype (float32, bfloat16 or float16).
+        overwrite: replace an `out_dir` that an earlier `litkv command` wrote (`check_output_dir`).
+        command: the litkv command whose output this is (its marker file; `download` for a download).
 
     Returns:
         `out_dir`.
@@ -319,8 +327,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     path, out = Path(gguf_file), Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output directory {str(out)!r} already exists and is not empty")
+    check_output_dir(out, command, [path], overwrite)
     source = str(path)
     reader = read_gguf(path)
     meta = _metadata(reader, source)
@@ -336,4 +343,4 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
         write_tokenizer_files(files, tmp)
         write_text_atomic(tmp / CONFIG_FILE, yaml.dump(asdict(config)))
 
-    return save_dir_atomic(out, write)
+    return save_dir_atomic(out, write, command, [path], overwrite)

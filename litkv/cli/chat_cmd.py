@@ -47,6 +47,7 @@ from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
 from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState, restore, snapshot
+from litkv.states.state_file import read_state_header
 from litkv.states.undo import truncate
 
 if TYPE_CHECKING:
@@ -194,6 +195,7 @@ class ChatSession:
         path = Path(path)
         if path.is_dir():
             raise ValueError(f"cannot save to {str(path)!r}: it is a directory; give a file name")
+        _check_not_foreign(path)
         history = self.history
         state = snapshot(self.model, device="cpu", token_ids=[history])
         data = {"turns": self.turns, **self.conversation.layout()}
@@ -338,6 +340,19 @@ def _read_line(interactive: bool) -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
+def _check_not_foreign(path: Path) -> None:
+    """ValueError when `path` is a regular file that is not a litkv session (a save never replaces a
+    file of the user's: only an earlier session, or a device such as /dev/null, is written over)."""
+    if not path.is_file():
+        return
+    try:
+        read_state_header(path)
+    except (OSError, ValueError):
+        raise ValueError(
+            f"cannot save to {str(path)!r}: it exists and is not a litkv session; give a new file name"
+        ) from None
+
+
 class _Terminate(BaseException):
     """Raised by the SIGTERM/SIGHUP handler while the chat waits for input (nothing is being computed)."""
 
@@ -345,8 +360,10 @@ class _Terminate(BaseException):
 class _Signals:
     """The chat's signal handling. While a turn runs and the session is saved (`busy`), Ctrl-C only
     sets `session.interrupted` (checked between decode steps, so no call is cut between a cache's
-    attend and evict) and SIGTERM/SIGHUP also record that the chat must end after it. While waiting
-    for input, Ctrl-C raises KeyboardInterrupt (a hint is printed) and SIGTERM/SIGHUP end the chat."""
+    attend and evict) and SIGTERM/SIGHUP also record that the chat must end after it; a second signal
+    while busy (a save stuck on a slow device) ends the chat at once (the session file is as of the last
+    complete save). While waiting for input, Ctrl-C raises KeyboardInterrupt (a hint is printed) and
+    SIGTERM/SIGHUP end the chat."""
 
     def __init__(self, session: ChatSession) -> None:
         self.session = session
@@ -355,13 +372,14 @@ class _Signals:
         self.previous: dict[int, object] = {}
 
     def _on_sigint(self, signum: int, frame: object) -> None:
-        if not self.busy:
+        if not self.busy or self.session.interrupted:  # a second Ctrl-C while busy: end the chat now
             raise KeyboardInterrupt
         self.session.interrupted = True
 
     def _on_terminate(self, signum: int, frame: object) -> None:
+        again = self.terminate is not None
         self.terminate = signum
-        if not self.busy:
+        if not self.busy or again:  # a second SIGTERM/SIGHUP while busy: end the chat now
             raise _Terminate
         self.session.interrupted = True
 

@@ -18,7 +18,7 @@ import torch
 from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.core.atomic import write_atomic, write_text_atomic
+from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file, require_int
 from litkv.eval.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
@@ -60,6 +60,7 @@ def evaluate(
     task_samples: int = 8,
     quantize: str = "none",
     chat_template: bool | None = None,
+    overwrite: bool = False,
 ) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
@@ -88,7 +89,9 @@ def evaluate(
             '{"keydiff": {"recent": 64}}' or --policy_options.keydiff.recent 64.
         batch_size: Sequences per forward.
         seed: Seed of the recall examples.
-        out_dir: Where to write evaluate.json and evaluate.png.
+        out_dir: Where to write evaluate.json and evaluate.png (or ruler.json and ruler.png): a new or
+            empty directory, or (with --overwrite) one an earlier `litkv evaluate` wrote; checked before the
+            run, written whole at its end.
         precision: "32-true", "bf16-true", ... Default: bf16 on CUDA, else 32.
         device: "cpu", "cuda", ... Default: CUDA if available.
         num_threads: CPU threads for torch. Default: torch's choice (one per core).
@@ -101,8 +104,11 @@ def evaluate(
         chat_template: RULER tasks only: each prompt as a user message in the checkpoint's chat template
             (with the generation prompt), as an instruct model is used: true, false (the prompt's text
             alone), or unset: when the checkpoint has one.
+        overwrite: Replace an `out_dir` that an earlier `litkv evaluate` wrote (its marker file); any
+            other non-empty directory is refused whatever this says.
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
+    check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
     if tasks is not None:
         require_int("--task_samples", task_samples, 1)
         ruler_settings = {
@@ -243,18 +249,22 @@ def _run_info(settings: dict[str, object]) -> dict[str, object]:
 
 
 def _write_outputs(out_dir: Path, results: Sequence[PolicyResult], info: dict[str, object]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """`evaluate.json` and `evaluate.png` as the directory `out_dir`, whole or not at all (checked before
+    the run by `check_output_dir`; `save_dir_atomic`)."""
     data = {**info, "results": [r.to_dict() for r in results]}
-    json_path = out_dir / "evaluate.json"
-    write_text_atomic(json_path, json.dumps(data, indent=2) + "\n")
-    png_path = out_dir / "evaluate.png"
-    try:
-        plot_results(results, png_path)
-    except ImportError:
-        print("note: matplotlib is not installed: no plot (pip install 'litkv[plot]')", file=sys.stderr)
-        print(f"wrote {json_path}")
-        return
-    print(f"wrote {json_path} and {png_path}")
+    json_path, png_path = out_dir / "evaluate.json", out_dir / "evaluate.png"
+    plotted = []
+
+    def fill(tmp: Path) -> None:
+        write_text_atomic(tmp / json_path.name, json.dumps(data, indent=2) + "\n")
+        try:
+            plot_results(results, tmp / png_path.name)
+            plotted.append(True)
+        except ImportError:
+            print("note: matplotlib is not installed: no plot (pip install 'litkv[plot]')", file=sys.stderr)
+
+    save_dir_atomic(out_dir, fill, "evaluate", overwrite=True)
+    print(f"wrote {json_path} and {png_path}" if plotted else f"wrote {json_path}")
 
 
 def format_table(results: Sequence[PolicyResult]) -> str:

@@ -22,25 +22,37 @@ must not: a symlink is followed and its target written atomically (the link stay
 or FIFO (`/dev/null`, a pipe), an open file reached through /proc (`--json_out /dev/stdout`) and a
 kernel file under /proc or /sys are written through in place; a block device, a socket and a directory
 are refused with one line. `write_atomic` and `save_dir_atomic` share one error tail (`_guarded`).
+
+A command's output directory never deletes what the user had (`check_output_dir`): an existing
+non-empty directory is replaced only when it holds this command's marker file (`OUTPUT_MARKER`,
+written by `save_dir_atomic(..., command=...)` or `mark_output_dir`) and `overwrite` is given; a
+directory equal to, inside or above a source, the current directory, the home directory, or one
+above either is refused whatever the flags.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import secrets
+import select
 import shutil
 import stat
 import tempfile
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
+    "OUTPUT_MARKER",
     "TMP_PREFIX",
     "FileWriteError",
+    "check_output_dir",
     "is_temp_name",
+    "mark_output_dir",
     "remove_stale_temp_files",
     "resolve_target",
     "save_dir_atomic",
@@ -52,6 +64,8 @@ __all__ = [
 
 #: Prefix of every temporary file or directory that litkv writes (then renames into place).
 TMP_PREFIX = ".litkv-tmp-"
+#: The file that marks a directory as written by a litkv command (JSON: `{"written_by": "litkv CMD"}`).
+OUTPUT_MARKER = ".litkv-output.json"
 #: Errors of a write that the user must fix (space, permission, read-only file system).
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 _OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
@@ -237,17 +251,59 @@ def write_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
 
 def _write_through(path: Path, write_fn: Callable[[Path], None]) -> None:
     """`write_fn` into a private temporary file, then its bytes into the device/FIFO/kernel file `path`
-    (opened without creating or truncating anything: the node itself is never replaced)."""
+    (opened without creating or truncating anything: the node itself is never replaced).
+
+    Nothing here waits forever: the node is opened with `O_NONBLOCK` (a FIFO with no reader is refused
+    after `FIFO_READER_GRACE` seconds, where a plain `open()` blocks for ever), and a reader that takes
+    nothing for `WRITE_THROUGH_TIMEOUT` seconds ends the write with `FileWriteError`."""
     with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as scratch:
         tmp = Path(scratch) / path.name
         write_fn(tmp)
         append = os.O_APPEND if stat.S_ISREG(os.stat(path).st_mode) else 0  # a redirected stdout: after its text
-        fd = os.open(path, os.O_WRONLY | append)
-        with open(tmp, "rb") as src, os.fdopen(fd, "wb", buffering=0) as dst:
-            while block := src.read(1 << 20):
-                view = memoryview(block)
-                while view:
-                    view = view[dst.write(view) :]
+        fd = _open_nonblocking(path, append)
+        try:
+            with open(tmp, "rb") as src:
+                while block := src.read(1 << 20):
+                    _write_all(fd, memoryview(block), path)
+        finally:
+            os.close(fd)
+
+
+#: Seconds a device or FIFO may take nothing before a write through it gives up.
+WRITE_THROUGH_TIMEOUT = 10.0
+#: Seconds a FIFO may stay without a reader (one being started) before a write to it is refused.
+FIFO_READER_GRACE = 1.0
+
+
+def _open_nonblocking(path: Path, append: int) -> int:
+    """`os.open` for writing with `O_NONBLOCK` (never blocks); a FIFO with no reader is polled for
+    `FIFO_READER_GRACE` seconds (a reader being started), then refused with one line."""
+    end = time.monotonic() + FIFO_READER_GRACE
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK | append)
+        except OSError as err:
+            if err.errno != errno.ENXIO:
+                raise
+        if time.monotonic() >= end:
+            raise FileWriteError(
+                errno.ENXIO, f"cannot write {str(path)!r}: it is a FIFO with no reader; litkv never waits on one"
+            )
+        time.sleep(0.02)
+
+
+def _write_all(fd: int, view: memoryview, path: Path) -> None:
+    """Write `view` to the non-blocking `fd`, waiting at most `WRITE_THROUGH_TIMEOUT` s for room each time."""
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            _, ready, _ = select.select([], [fd], [], WRITE_THROUGH_TIMEOUT)
+            if not ready:
+                raise FileWriteError(
+                    errno.EAGAIN,
+                    f"cannot write {str(path)!r}: its reader took nothing for {WRITE_THROUGH_TIMEOUT:g} s",
+                ) from None
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
@@ -260,26 +316,106 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def save_dir_atomic(path: str | Path, write_fn: Callable[[Path], None]) -> Path:
+def save_dir_atomic(
+    path: str | Path,
+    write_fn: Callable[[Path], None],
+    command: str | None = None,
+    sources: Sequence[str | Path] = (),
+    overwrite: bool = False,
+) -> Path:
     """Write directory `path` atomically: `write_fn(tmp_dir)` fills a temporary directory next to it
-    (with `write_atomic` for each file), which is then renamed to `path` (an existing directory `path`
-    is replaced; a symlink to a directory is followed; anything else at `path` is refused).
+    (with `write_atomic` for each file), which is then renamed to `path` (a symlink to a directory is
+    followed; anything else at `path` is refused).
+
+    `command`: the litkv command whose output `path` is (`"convert"`): `path` must pass
+    `check_output_dir(path, command, sources, overwrite)` before anything is written, and the new
+    directory gets the command's marker file. Without `command` (a directory inside an output directory
+    already checked, as a fine-tuning run's `step-N/`), an existing directory `path` is replaced.
 
     On any error the temporary directory is removed and an existing `path` is kept, so an incomplete
     directory is never found under the name `path`.
     """
+    if command is not None:
+        check_output_dir(path, command, sources, overwrite)
     path, _ = resolve_target(path, directory=True)
     _make_parent(path)
     tmp = _temp_sibling(path, lambda p: p.mkdir(mode=0o777))
 
     def body() -> None:
         write_fn(tmp)
+        if command is not None:
+            mark_output_dir(tmp, command)
         _fsync(tmp, directory=True)
         _replace_dir(tmp, path)
 
     _guarded(path, body, lambda: shutil.rmtree(tmp, ignore_errors=True))
     _fsync(path.parent, directory=True)
     return path
+
+
+def _marker_command(directory: Path) -> str | None:
+    """The command named by `directory`'s marker file (`None`: no marker, or not one litkv wrote)."""
+    try:
+        data = json.loads((directory / OUTPUT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    written_by = data.get("written_by") if isinstance(data, dict) else None
+    return written_by.removeprefix("litkv ") if isinstance(written_by, str) else None
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_output_dir(
+    path: str | Path,
+    command: str,
+    sources: Sequence[str | Path] = (),
+    overwrite: bool = False,
+    reuse: bool = False,
+) -> Path:
+    """Refuse an output directory `path` of `litkv command` whose writing could delete the user's files.
+
+    Refused whatever the flags: `path` equal to, inside or above a source in `sources` (a file or
+    directory the command reads), the current or home directory or one above them, and a path that
+    exists but is not a directory. An existing non-empty directory is accepted only when it holds
+    `command`'s marker file (`OUTPUT_MARKER`: litkv wrote it for this command before) and `overwrite`
+    (or `reuse`: the command adds to it, as `finetune --resume`) is given. Returns `path`.
+
+    Raises:
+        ValueError: one line naming `path` and what it would have destroyed.
+    """
+    given = Path(path)
+    where = f"{command}: output directory {str(given)!r}"
+    out = Path(os.path.realpath(given))
+    for special, name in ((Path.cwd(), "the current directory"), (Path.home(), "your home directory")):
+        if _is_within(Path(os.path.realpath(special)), out):
+            what = name if out == Path(os.path.realpath(special)) else f"above {name}"
+            raise ValueError(f"{where} is {what}; give a new directory for the output")
+    for source in sources:
+        src = Path(os.path.realpath(source))
+        if _is_within(out, src) or _is_within(src, out):
+            relation = "the source" if out == src else "inside" if _is_within(out, src) else "above"
+            relation += "" if out == src else " the source"
+            raise ValueError(f"{where} is {relation} {str(source)!r}; give a directory outside it")
+    if not given.exists():
+        return given
+    if not given.is_dir():
+        raise ValueError(f"{where} exists and is not a directory")
+    if not any(given.iterdir()):
+        return given
+    marked = _marker_command(given)
+    if marked != command:
+        by = f"it was written by litkv {marked}" if marked else f"litkv {command} did not write it"
+        raise ValueError(f"{where} exists and is not empty ({by}); give a new or empty directory")
+    if not (overwrite or reuse):
+        raise ValueError(f"{where} holds an earlier litkv {command} output; give --overwrite true to replace it")
+    return given
+
+
+def mark_output_dir(directory: str | Path, command: str) -> None:
+    """Write `command`'s marker file into `directory` (created if needed): litkv wrote it, for `command`."""
+    write_text_atomic(Path(directory) / OUTPUT_MARKER, json.dumps({"written_by": f"litkv {command}"}) + "\n")
 
 
 def _replace_dir(tmp: Path, path: Path) -> None:

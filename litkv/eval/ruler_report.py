@@ -13,7 +13,7 @@ from typing import Any
 
 from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
-from litkv.core.atomic import write_atomic
+from litkv.core.atomic import save_dir_atomic, write_atomic
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file
 from litkv.eval.evaluate import DENSE, RulerResult, evaluate_ruler
@@ -108,17 +108,22 @@ def run_ruler(
 
 
 def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """`ruler.json` and `ruler.png` as the directory `out_dir`, whole or not at all (checked by the command
+    before the run: a new, empty or earlier `litkv evaluate` directory; `save_dir_atomic`)."""
     data = {**info, "results": [r.to_dict() for r in results]}
     json_path = out_dir / "ruler.json"
-    write_atomic(json_path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
-    try:
-        plot_ruler(results, out_dir / "ruler.png")
-    except ImportError:
-        print("note: matplotlib is not installed: no plot (pip install 'litkv[plot]')", file=sys.stderr)
-        print(f"wrote {json_path}")
-        return
-    print(f"wrote {json_path} and {out_dir / 'ruler.png'}")
+    plotted = []
+
+    def fill(tmp: Path) -> None:
+        write_atomic(tmp / "ruler.json", lambda f: f.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+        try:
+            plot_ruler(results, tmp / "ruler.png")
+            plotted.append(True)
+        except ImportError:
+            print("note: matplotlib is not installed: no plot (pip install 'litkv[plot]')", file=sys.stderr)
+
+    save_dir_atomic(out_dir, fill, "evaluate", overwrite=True)
+    print(f"wrote {json_path} and {out_dir / 'ruler.png'}" if plotted else f"wrote {json_path}")
 
 
 def near_zero_tasks(results: Sequence[RulerResult]) -> list[str]:

@@ -7,6 +7,7 @@ every process executes once Fabric is launched (tests call it with their own `Fa
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from litkv.checkpoints.checkpoint import (
 )
 from litkv.checkpoints.download import known_checkpoint_dir
 from litkv.checkpoints.runtime import precision_dtype
+from litkv.core.atomic import check_output_dir, mark_output_dir
 from litkv.core.validation import is_int, require_int
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
 from litkv.finetune.gates import GateTrainArgs
@@ -158,6 +160,7 @@ def finetune(
     activation_checkpointing: bool = True,
     num_nodes: int = 1,
     quantize: str = "none",
+    overwrite: bool = False,
 ) -> None:
     """Fine-tune a model on long sequences with its KV cache policy in place (gradients through the cache).
 
@@ -200,6 +203,9 @@ def finetune(
         quantize: QLoRA (``mode=lora``, CPU): the frozen base's linear weights quantised at load, ``int8``,
             ``int4`` or ``int4-gN`` (a stored quantised checkpoint is used as it is); the saved checkpoints
             hold the dequantised weights with the adapters folded in (float). Default ``none``.
+        overwrite: Write into an `out_dir` that an earlier `litkv finetune` wrote (its marker file
+            `.litkv-output.json`) without `--resume`; its `step-*`/`final` are replaced as the run writes
+            them. Any other non-empty `out_dir` is refused whatever this says.
     """
     _check_mode(mode)
     require_int("num_nodes", num_nodes, 1)
@@ -226,6 +232,8 @@ def finetune(
         num_nodes=num_nodes,
         quantize=quantize,
     )
+    if _launching_rank():  # before anything is written (the other ranks find rank 0's marker)
+        check_output_dir(args.out_dir, "finetune", [args.checkpoint_dir], overwrite, reuse=args.resume is not None)
     if learn_eviction or args.kv_cache.policy == "learned":
         _learn(args, learn_eviction, learn)
         return
@@ -244,6 +252,11 @@ def finetune(
     run(fabric, args)
 
 
+def _launching_rank() -> bool:
+    """Whether this process is the one that starts the run (rank 0, or not launched yet)."""
+    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0) == 0
+
+
 def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> None:
     """The `--learn_eviction true` branch: train the gates (backbone frozen), write `out_dir/final`."""
     if learn_eviction is not True or args.kv_cache.policy != "learned":
@@ -259,6 +272,7 @@ def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> No
             f"({args.data.seq_length}): no token would be outside the window for the gates to learn on"
         )
     device = "cuda" if torch.cuda.is_available() else None
+    mark_output_dir(args.out_dir, "finetune")
     path = run_learn_eviction(
         args.checkpoint_dir, args.data, learn, args.out_dir, device, args.kv_cache, args.resume, args.lora
     )
@@ -270,6 +284,7 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
     fabric.seed_everything(args.seed)
     if fabric.is_global_zero:
         remove_stale_temp_files(args.out_dir)  # left by a run killed while writing a checkpoint
+        mark_output_dir(args.out_dir, "finetune")
     state = None if args.resume is None else load_training_state(args.resume, args.mode)
     resume_shards = args.resume is not None and check_sharded_resume(args.resume, args.strategy, args.world_size)
     data_seed = args.seed if state is None else state.data_seed

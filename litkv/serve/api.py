@@ -322,6 +322,7 @@ class LitKVAPI(ls.LitAPI):
         from litkv.checkpoints.runtime import load_for_inference
         from litkv.inference.chat_template import load_format
 
+        leave_process_group()  # a SIGTERM to the server's group is the main process's to handle (a drain)
         _worker_logging(self.opts.log_level)
         opts = self.opts
         model, _ = load_for_inference(opts.checkpoint_dir, opts.dtype, opts.device, opts.num_threads, opts.quantize)
@@ -465,9 +466,28 @@ def build_server(opts: ServeOptions, timeout: float = 600.0) -> ls.LitServer:
     return server
 
 
+def leave_process_group() -> None:
+    """Put this process (a LitServe API server, worker or queue manager) in a process group of its own, dying
+    with its parent: a SIGTERM to the server's process group (systemd, docker, a shell's `kill -- -PGID`)
+    then reaches only the main process, which drains the requests in flight and stops the others itself."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a session leader cannot move; it keeps the group's signals
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
+    except (OSError, AttributeError):  # not Linux: a SIGKILL of the main process leaves them to the user
+        pass
+
+
 def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0) -> None:
-    """On SIGTERM: refuse new requests (503), wait (at most `limit_s`) for those in flight to finish, then
-    stop LitServe (its shutdown would otherwise cut the streams in flight)."""
+    """On SIGTERM (to the process or its process group): refuse new requests (503 with `Retry-After`), wait
+    (at most `limit_s`) for those in flight to finish, then stop LitServe (its shutdown would otherwise cut
+    the streams in flight). The processes LitServe forks from here on leave the group
+    (`leave_process_group`), so the group's SIGTERM does not kill them mid-stream."""
+    os.register_at_fork(after_in_child=leave_process_group)
 
     def drain() -> None:
         (Path(run_dir) / DRAINING).touch()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant")
+log = logging.getLogger(__name__)
 
 
 def message_keys(root: str, messages: Sequence[Message], documents: Sequence[str] = ()) -> list[str]:
@@ -201,6 +203,10 @@ class Engine:
                 out.append(None)
                 continue
             known = self.store.reply_ids(keys[i + 1])
+            if known is not None and not self._decode(known).startswith(content):
+                log.warning("state store: the stored reply ids of %s do not give its text: ignored", keys[i + 1][:12])
+                self.store.drop_reply(keys[i + 1])
+                known = None
             out.append(known if known is not None else self.text_ids(content))
         return out
 
@@ -240,16 +246,15 @@ class Engine:
         of `segments` it holds (0: the row starts empty)."""
         messages = job.req.messages
         for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1][0] != "assistant":
+            if messages[k - 1][0] != "assistant" or not self.store.has(job.keys[k]):
                 continue
-            state = self.store.get(job.keys[k])
-            if state is None:
+            held = self._held(messages[:k], job.replies[:k])
+            if segments[: len(held)] != held:
                 continue
-            held = self.format.segments(messages[:k], job.replies[:k], True, False)
-            held = held[: max(i for i, s in enumerate(held) if s.reply) + 1]
-            count = sum(len(s.ids) for s in held)
-            last = -1 if state.last_pos is None else int(state.last_pos[0])
-            if segments[: len(held)] != held or count != last + 1:
+            ids = [i for s in held for i in s.ids]
+            state = self.store.get(job.keys[k], ids)
+            last = -1 if state is None or state.last_pos is None else int(state.last_pos[0])
+            if state is None or len(ids) != last + 1:
                 continue
             try:
                 self.batch.load(job.row, state)
@@ -258,6 +263,12 @@ class Engine:
             return len(held)
         self.batch.clear(job.row)
         return 0
+
+    def _held(self, messages: Sequence[Message], replies: Sequence[list[int] | None]) -> list[Segment]:
+        """The segments of a conversation that ends with an assistant message, through its reply: what a
+        state stored after that reply holds."""
+        held = self.format.segments(messages, list(replies), True, False)
+        return held[: max(i for i, s in enumerate(held) if s.reply) + 1]
 
     def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor:
         """Feed a prompt segment to the job's row; a document: the documents after it and the text after them
@@ -304,7 +315,9 @@ class Engine:
         result = job.result
         result.content = job.scanner.content
         key = message_keys(job.keys[-1], [("assistant", result.content)])[-1]
-        self.store.put(key, self.batch.take(job.row), result.reply_ids)
+        messages = [*job.req.messages, ("assistant", result.content)]
+        held = self._held(messages, [*job.replies, list(result.reply_ids)])
+        self.store.put(key, self.batch.take(job.row), result.reply_ids, [i for s in held for i in s.ids])
         result.stored = True
 
     # -- one turn, in this thread ---------------------------------------------------------------

@@ -3,7 +3,8 @@
 Everything is answered with OpenAI-style error bodies before the app sees the request:
 
 - `/v1` paths need the API key (``Authorization: Bearer KEY`` or ``X-API-Key``) when one is set (401);
-- while the server drains (SIGTERM; a `DRAINING` file in `run_dir`), new `/v1` requests get 503;
+- while the server drains (SIGTERM; a `DRAINING` file in `run_dir`), new `/v1` requests get 503 with
+  `Retry-After` until the listener closes;
 - a request body is read here, counted as it streams in, and handed on only when complete: more than
   `max_body_bytes` (by Content-Length or, for chunked transfer encoding, by the bytes received) is a
   413 and reading stops there; a body that does not arrive within `body_timeout` seconds (one that
@@ -93,7 +94,8 @@ class Guard:
 
     def _refusal(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
         if self.run_dir is not None and path.startswith("/v1") and (Path(self.run_dir) / DRAINING).exists():
-            return JSONResponse(error_body("the server is shutting down", "server_shutting_down"), status_code=503)
+            body = error_body("the server is shutting down", "server_shutting_down")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         keyed = self.api_key is not None and path.startswith("/v1")
         if keyed and not hmac.compare_digest(_given_key(headers).encode(), str(self.api_key).encode()):
             return JSONResponse(error_body("invalid or missing API key", "invalid_api_key"), status_code=401)

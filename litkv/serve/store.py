@@ -8,11 +8,13 @@ conversation whose state was evicted is recomputed from the very tokens that wer
 a re-tokenisation of the reply's text.
 
 What is read back is checked against the server's own model and caches, never trusted by its name: a
-state restores only if it proves its key and was taken from this model's weights with exactly this
-cache configuration and shape (`EntryCheck`, from the file's header, before a tensor is read or a
-cache allocated); stored reply ids are used only if each is in the vocabulary and a reply fits the
-prompt budget. Anything else is a miss with a logged warning: the turn recomputes it. A directory that
-cannot be written warns once and the store goes on in memory; the files are trimmed to the bound.
+state restores only if its checksummed entry proves its key and the token ids of the conversation it
+covers, and it was taken from this model's weights with exactly this cache configuration and shape
+(`EntryCheck`, from the file's header, before a tensor is read or a cache allocated); stored reply ids
+are used only if each is in the vocabulary, a reply fits the prompt budget and (`Engine`) the ids
+decode to the reply's text in the request. Anything else is a miss with a logged warning: the turn
+recomputes it. A directory that cannot be written warns once and the store goes on in memory; the
+files are trimmed to the bound.
 """
 
 from __future__ import annotations
@@ -85,15 +87,25 @@ class StateStore:
     def __len__(self) -> int:
         return len(self._store)
 
-    def put(self, key: str, state: CacheState, reply_ids: list[int]) -> None:
-        """Keep `state` (a CPU copy) and the reply's token ids under `key`."""
+    def put(self, key: str, state: CacheState, reply_ids: list[int], token_ids: list[int] | None = None) -> None:
+        """Keep `state` (a CPU copy) and the reply's token ids under `key`; `token_ids`: the ids of the
+        conversation the state covers (recorded in its file, checked by `get`)."""
         self._store.put_note(key, {"reply_ids": [int(i) for i in reply_ids]})
-        self._store.put(key, state)
+        self._store.put(key, state, token_ids=token_ids)
 
-    def get(self, key: str) -> CacheState | None:
+    def has(self, key: str) -> bool:
+        """Whether a state under `key` may be found (in memory, or a file of that name)."""
+        directory = self._store.directory
+        return key in self._store.memory or (directory is not None and (directory / f"{key}.safetensors").is_file())
+
+    def get(self, key: str, token_ids: list[int] | None = None) -> CacheState | None:
         """The state under `key` from memory, else from the directory when it passes the server's
-        checks; `None` when there is none."""
-        return self._store.get(key, self.check)
+        checks (and was taken over `token_ids`, when given); `None` when there is none."""
+        return self._store.get(key, self.check, token_ids=token_ids)
+
+    def drop_reply(self, key: str) -> None:
+        """Forget the reply ids stored under `key`."""
+        self._store.drop_note(key)
 
     def reply_ids(self, key: str) -> list[int] | None:
         """The exact token ids of the assistant reply that ends the prefix `key`, when known and valid

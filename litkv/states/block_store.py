@@ -127,7 +127,7 @@ class BlockStore:
         keys = self.piece_keys(self.seed(model, dtype, plan), ids, bounds)
         pieces: list[CacheState] = []
         for key, (s, e) in zip(keys, bounds, strict=True):
-            state = self._store.get(key, EntryCheck.of(model, _piece_config(e - s), dtype), tokens=e)
+            state = self._store.get(key, EntryCheck.of(model, _piece_config(e - s), dtype), tokens=e, token_ids=ids[:e])
             if state is None or state.last_hidden is None or _positions(state) != list(range(s, e)):
                 break
             pieces.append(state)
@@ -171,7 +171,7 @@ class BlockStore:
             for key, (s, e) in zip(keys[len(found) :], bounds[len(found) :], strict=True):
                 hidden = model(ids[None, s:e], torch.arange(s, e, device=device)[None], lm_head=False)[:, -1]
                 piece = _piece_state(model, s, e, hidden)
-                self._store.put(key, piece, tokens=e)
+                self._store.put(key, piece, tokens=e, token_ids=ids[:e])
                 pieces.append(piece)
         finally:
             model.set_kv_caches(previous)

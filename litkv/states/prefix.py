@@ -71,24 +71,34 @@ class PrefixCache:
         """Forget the states held in memory (files on disk stay)."""
         self._store.clear()
 
-    def get(self, key: str, tokens: int | None = None, check: EntryCheck | None = None) -> CacheState | None:
+    def get(
+        self,
+        key: str,
+        tokens: int | None = None,
+        check: EntryCheck | None = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> CacheState | None:
         """The state stored under `key` (memory first, then disk), marked most recently used.
 
-        `tokens`: how many tokens the entry must cover; `check`: the model and caches it must fit. A file
-        that does not prove its key, covers other tokens, fails `check` or cannot be read is warned
-        about, removed and a miss; a file that another process removed meanwhile is a plain miss.
+        `tokens`: how many tokens the entry must cover; `token_ids`: the ids it must have been taken over;
+        `check`: the model and caches it must fit. A file that does not prove its key, covers other
+        tokens, fails `check` or cannot be read is warned about, removed and a miss; a file that another
+        process removed meanwhile is a plain miss.
         """
-        return self._store.get(key, check, tokens)
+        return self._store.get(key, check, tokens, token_ids)
 
-    def put(self, key: str, state: CacheState, tokens: int | None = None) -> None:
+    def put(
+        self, key: str, state: CacheState, tokens: int | None = None, token_ids: torch.Tensor | None = None
+    ) -> None:
         """Store `state` under `key` (in memory, and on disk with a directory), evicting the least recent.
 
-        `tokens`: how many tokens the state covers (recorded in the file with the key, checked by `get`).
+        `tokens`, `token_ids`: how many tokens the state covers and their ids (recorded in the file's
+        checksummed entry with the key, checked by `get`).
         """
         if key in self._store.memory:
             self._store.memory.get(key)  # marked most recently used
             return
-        self._store.put(key, state, tokens)
+        self._store.put(key, state, tokens, token_ids)
 
     # -- keys -----------------------------------------------------------------------------------
 
@@ -169,7 +179,7 @@ class PrefixCache:
         keys = self.block_keys(seed, ids, full)
         start, hidden = 0, None
         for k in range(len(keys) - 1, -1, -1):
-            state = self.get(keys[k], full[k][1], check)
+            state = self.get(keys[k], full[k][1], check, ids[: full[k][1]])
             if state is not None:
                 restore(model, state)
                 start, hidden = full[k][1], state.last_hidden
@@ -187,7 +197,7 @@ class PrefixCache:
             if i < len(keys):
                 state = snapshot(model)
                 state.last_hidden = hidden.clone()
-                self.put(keys[i], state, tokens=e)
+                self.put(keys[i], state, tokens=e, token_ids=ids[:e])
         state = snapshot(model)
         state.last_hidden = hidden.clone()
         return state

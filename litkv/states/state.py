@@ -238,12 +238,15 @@ class CacheState:
 
     # -- files ----------------------------------------------------------------------------------
 
-    def save(self, path: str | Path, extra_metadata: dict[str, str] | None = None) -> None:
+    def save(
+        self, path: str | Path, extra_metadata: dict[str, str] | None = None, entry: dict[str, object] | None = None
+    ) -> None:
         """Write the state to one safetensors file (tensors + JSON metadata with a checksum), atomically
         (`litkv.states.state_file.write_state_file`). `extra_metadata`: more string entries of the file's
         safetensors metadata, for the writer's own use (read back with `safe_open(...).metadata()`; not
-        checksummed)."""
-        write_state_file(path, self, extra_metadata)
+        checksummed). `entry`: a store's proof of what the state is, inside the checksummed metadata
+        (read back, verified, by `load_entry`)."""
+        write_state_file(path, self, extra_metadata, entry)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> CacheState:
@@ -255,13 +258,18 @@ class CacheState:
             ValueError: one line, for a file that is not a litkv cache state, has another format version,
                 is truncated, was modified (checksum mismatch), or holds a state no cache could be in.
         """
+        return cls.load_entry(path, device)[0]
+
+    @classmethod
+    def load_entry(cls, path: str | Path, device: torch.device | str | None = None) -> tuple[CacheState, object]:
+        """`load`, and the `entry` the file was saved with (`None` without one), verified by the checksum."""
         tensors, meta = read_state_file(path)
         try:
             state = _from_file(tensors, meta)
             validate_state(state)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"cache state file {str(path)!r} has invalid metadata: {one_line(err)}") from None
-        return state if device is None else state.to(device)
+        return (state if device is None else state.to(device)), meta.get("entry")
 
 
 def _rows(layer: AnyLayerState) -> int:

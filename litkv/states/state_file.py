@@ -104,12 +104,21 @@ def digest(meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def write_state_file(path: str | Path, state: _State, extra_metadata: dict[str, str] | None = None) -> None:
+def write_state_file(
+    path: str | Path,
+    state: _State,
+    extra_metadata: dict[str, str] | None = None,
+    entry: dict[str, object] | None = None,
+) -> None:
     """Write `state` to `path` atomically (`litkv.core.atomic.write_atomic`); `extra_metadata`: more string
-    entries of the file's safetensors metadata, for the writer's own use (not checksummed)."""
+    entries of the file's safetensors metadata, for the writer's own use (not checksummed); `entry`: a
+    store's proof of what the state is (its key, the tokens it covers), kept in the litkv metadata as
+    `"entry"` and so covered by the checksum (a relabelled file fails it)."""
     from safetensors.torch import save_file
 
     tensors, meta = encode(state)
+    if entry is not None:
+        meta["entry"] = entry
     meta["digest"] = digest(meta, tensors)
     extra = dict(extra_metadata or {})
     if META_KEY in extra or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):

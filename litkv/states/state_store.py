@@ -8,15 +8,17 @@ The prefix store (`litkv.states.prefix.PrefixCache`) and the server's conversati
   format, through `litkv.core.atomic`), read back on a memory miss (after a restart, or by another process
   sharing the directory). The files, small JSON notes (`<key>.json`) and the temporary files of writes
   in progress are bounded by `disk_bytes`, least recently used (read or written) first.
-- **An entry proves its key.** A file's safetensors metadata (`litkv_entry`) holds the key it was
-  written under and the number of tokens it covers; its litkv metadata holds the model fingerprint
-  and each layer's cache config and shape. `get` compares all of them with what the caller expects
-  (an `EntryCheck`: the weights' fingerprint, the cache configuration, shapes and dtype) from the
-  file's header alone, before a tensor is read or a cache allocated: a state whose caches are not
-  exactly the caller's is never restored, whatever size it claims. A mismatch, like a corrupt file,
-  is a miss: a logged warning, the file removed (the caller recomputes and writes it again).
+- **An entry is proven by its content.** A file's checksummed litkv metadata holds its entry (`"entry"`:
+  the key it was written under, the number of tokens it covers and the sha256 of their token ids,
+  `ids_digest`), the model fingerprint and each layer's cache config and shape. `get` compares all of
+  them with the request's (its key, its token ids, an `EntryCheck`: the weights' fingerprint, the
+  cache configuration, shapes and dtype) from the file's header, before a tensor is read or a cache
+  allocated, and the checksum then proves the header: a file copied under another key, relabelled, or
+  holding other tokens' state is never restored. A mismatch, like a corrupt file, is a miss: one
+  logged warning, the file removed (the caller recomputes and writes it again).
 - **Degrades, never fails.** A write that fails for lack of space or permission warns once and the
-  store goes on in memory only; an entry another process removed is a plain miss; a directory removed
+  store goes on in memory only, trying the directory again after `RETRY_SECONDS` (a log line when it
+  writes again); an entry another process removed is a plain miss; a directory removed
   while in use is created again by the next write; temporary files of dead writers are removed when
   the store opens (those of live writers count towards the bound).
 """
@@ -24,35 +26,31 @@ The prefix store (`litkv.states.prefix.PrefixCache`) and the server's conversati
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from litkv.core.atomic import remove_stale_temp_files, temp_files, write_text_atomic
-from litkv.kvcache.storage import CacheShape
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.fingerprint import model_fingerprint
-from litkv.modeling.model import GPT, kv_cache_configs
+from litkv.states.entry import EntryCheck, entry_problem, ids_digest
 from litkv.states.state import CacheState
 from litkv.states.state_file import read_state_header
 
-__all__ = ["EntryCheck", "StateLRU", "StateStore"]
+__all__ = ["EntryCheck", "StateLRU", "StateStore", "ids_digest"]
 
 log = logging.getLogger(__name__)
 STATE_SUFFIX = ".safetensors"
 NOTE_SUFFIX = ".json"
-#: Safetensors metadata key of an entry's proof of its key: `{"key": ..., "tokens": ...}` as JSON.
-PROOF_KEY = "litkv_entry"
+#: Seconds a store whose directory failed a write (full disk, read-only) waits before it tries again.
+RETRY_SECONDS = 30.0
 
 
 class StateLRU:
@@ -107,99 +105,6 @@ class StateLRU:
         self.nbytes = 0
 
 
-def _json_form(value: object) -> object:
-    """`value` as it reads back from the JSON metadata of a state file (tuples become lists)."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def _difference(what: str, got: object, expected: dict[str, Any]) -> str | None:
-    """One line naming the first field where `got` differs from `expected`; `None` when they are equal."""
-    if not isinstance(got, dict):
-        return f"{what} is {str(got)[:80]}, expected {expected}"
-    for name in sorted(set(got) | set(expected)):
-        if got.get(name) != expected.get(name):
-            return f"{what}.{name} is {str(got.get(name))[:80]}, expected {str(expected.get(name))[:80]}"
-    return None
-
-
-@dataclass(frozen=True)
-class EntryCheck:
-    """What a stored state must be to be restored: taken from this model (every weight, the eviction
-    gates) with exactly these caches (per layer: config and shape) of this dtype.
-
-    Build one with `EntryCheck.of(model, kv_cache)`.
-    """
-
-    fingerprint: dict[str, str]
-    configs: tuple[dict[str, Any], ...]
-    shapes: tuple[dict[str, Any], ...]
-    dtype: str
-
-    @classmethod
-    def of(
-        cls,
-        model: GPT,
-        kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
-        dtype: torch.dtype | None = None,
-        batch_size: int = 1,
-    ) -> EntryCheck:
-        """The check for states of `model` with caches of `kv_cache` (one config, or one per layer), of
-        `dtype` (default: the model's) and `batch_size` rows.
-
-        The configs and shapes are those of the caches `model.build_kv_caches` makes (a policy may
-        adjust its config, as `qh2o` picks int4 storage for "float"), built on the meta device: nothing
-        is allocated.
-        """
-        dtype = model.lm_head.weight.dtype if dtype is None else dtype
-        configs, shapes = _built_caches(model, kv_cache, batch_size, dtype)
-        return cls(
-            fingerprint=model_fingerprint(model),
-            configs=tuple(
-                _json_form(dataclasses.asdict(cfg)) if dataclasses.is_dataclass(cfg) else cfg for cfg in configs
-            ),  # type: ignore[misc]
-            shapes=tuple(_json_form(dataclasses.asdict(s)) for s in shapes),  # type: ignore[misc]
-            dtype=str(dtype).removeprefix("torch."),
-        )
-
-    def mismatch(self, meta: dict[str, Any]) -> str | None:
-        """One line naming what a state file's metadata claims that differs from this check, or `None`."""
-        if meta.get("fingerprint") != self.fingerprint:
-            return "the state was taken from another model (other config, weights or eviction gates)"
-        if meta.get("dtype") != self.dtype:
-            return f"the state's dtype is {meta.get('dtype')!r}, expected {self.dtype!r}"
-        layers = meta.get("layers")
-        if not isinstance(layers, list) or len(layers) != len(self.configs):
-            found = len(layers) if isinstance(layers, list) else layers
-            return f"the state has {found} layers, expected {len(self.configs)}"
-        for i, (entry, config, shape) in enumerate(zip(layers, self.configs, self.shapes, strict=True)):
-            entry = entry if isinstance(entry, dict) else {}
-            problem = _difference(f"layer {i} config", entry.get("config"), config) or _difference(
-                f"layer {i} shape", entry.get("shape"), shape
-            )
-            if problem:
-                return problem
-        return None
-
-
-def _built_caches(
-    model: GPT, kv_cache: KVCacheConfig | Sequence[KVCacheConfig], batch_size: int, dtype: torch.dtype
-) -> tuple[list[KVCacheConfig], list[CacheShape]]:
-    """The configs and shapes of the caches `model.build_kv_caches` makes, built on the meta device (a
-    custom policy that cannot be built there: the configs as given, the shapes the model gives them)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a policy's warnings were given when the run's caches were built
-            caches = model.build_kv_caches(kv_cache, batch_size, device=torch.device("meta"), dtype=dtype)
-        # a recurrent layer has no cache config: its entry names its kind (`litkv.states.state_file.encode`)
-        configs = [cache.config if cache.config is not None else {"kind": cache.kind} for cache in caches]
-        return configs, [cache.shape for cache in caches]  # type: ignore[return-value]
-    except (RuntimeError, NotImplementedError):
-        configs = kv_cache_configs(kv_cache) or [kv_cache] * model.config.n_layer  # type: ignore[list-item]
-        c = model.config
-        shapes = [CacheShape(batch_size, c.n_query_groups, k.cache_length, c.head_size, c.head_size) for k in configs]
-        return configs, shapes
-
-
 class StateStore:
     """Cache states by key in memory (LRU, `max_bytes`) and optionally in `directory` (`disk_bytes`).
 
@@ -234,7 +139,7 @@ class StateStore:
         self.directory = None if directory is None else Path(directory)
         self._notes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
-        self._write_failed = False
+        self._failed_at: float | None = None  # when a write last failed (`None`: the directory is writable)
         if self.directory is not None:
             self._open_directory(self.directory)
 
@@ -251,12 +156,24 @@ class StateStore:
             log.warning("%s: removed %d temporary file(s) of interrupted writes", self.name, len(removed))
 
     def _memory_only(self, err: OSError) -> None:
-        if not self._write_failed:
-            self._write_failed = True
+        """A write failed: memory only until `RETRY_SECONDS` have passed (warned on the change only)."""
+        if self._failed_at is None:
             warnings.warn(
-                f"{self.name}: cannot write to {str(self.directory)!r} ({err}); going on in memory only",
+                f"{self.name}: cannot write to {str(self.directory)!r} ({err}); going on in memory only, "
+                f"trying the directory again every {RETRY_SECONDS:g} s",
                 stacklevel=4,
             )
+        self._failed_at = time.monotonic()
+
+    def _paused(self) -> bool:
+        """Whether writes to the directory wait (a write failed less than `RETRY_SECONDS` ago)."""
+        return self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_SECONDS
+
+    def _recovered(self) -> None:
+        """A write succeeded: if the directory had failed, say once that it is written again."""
+        if self._failed_at is not None:
+            self._failed_at = None
+            log.warning("%s: %s can be written again; states are stored there again", self.name, self.directory)
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -280,12 +197,19 @@ class StateStore:
 
     # -- states ---------------------------------------------------------------------------------
 
-    def get(self, key: str, check: EntryCheck | None = None, tokens: int | None = None) -> CacheState | None:
+    def get(
+        self,
+        key: str,
+        check: EntryCheck | None = None,
+        tokens: int | None = None,
+        token_ids: Sequence[int] | torch.Tensor | None = None,
+    ) -> CacheState | None:
         """The state stored under `key` (memory first, then the directory), marked most recently used.
 
-        A file must prove `key`, cover `tokens` tokens (when given; its last position is `tokens - 1`)
-        and pass `check` (when given); one that does not, or cannot be read, is a miss with a logged
-        warning, and is removed. A file that another process removed meanwhile is a plain miss.
+        A file must prove `key`, cover `tokens` tokens (when given; its last position is `tokens - 1`),
+        have been taken over exactly `token_ids` (when given: the digest its entry records) and pass
+        `check` (when given); one that does not, or cannot be read, is a miss with a logged warning, and
+        is removed. A file that another process removed meanwhile is a plain miss.
         """
         with self._lock:
             state = self.memory.get(key)
@@ -296,7 +220,7 @@ class StateStore:
         if path is None or not path.is_file():
             return None
         try:
-            state = self._read(path, key, check, tokens)
+            state = self._read(path, key, check, tokens, None if token_ids is None else ids_digest(token_ids))
         except (ValueError, OSError) as err:  # a corrupt or foreign entry is dropped (and recomputed)
             if not path.exists():  # removed by another process (or with the directory) meanwhile: a miss
                 return None
@@ -310,54 +234,66 @@ class StateStore:
             self.hits["disk"] += 1
         return state
 
-    def _read(self, path: Path, key: str, check: EntryCheck | None, tokens: int | None) -> CacheState:
-        """The state in `path`, checked from its header (size, proof, `check`) before any tensor is read."""
+    def _read(
+        self, path: Path, key: str, check: EntryCheck | None, tokens: int | None, digest: str | None
+    ) -> CacheState:
+        """The state in `path`, checked from its header (size, entry, `check`) before any tensor is read,
+        then read with its checksum verified (which covers the entry checked)."""
         size = path.stat().st_size
         if size > self.disk_bytes_bound:
             raise ValueError(f"the file has {size} bytes, more than the store's bound of {self.disk_bytes_bound}")
-        meta, extra = read_state_header(path)
-        try:
-            proof = json.loads(extra.get(PROOF_KEY, "null"))
-        except json.JSONDecodeError:
-            proof = None
-        if not isinstance(proof, dict) or proof.get("key") != key:
-            raise ValueError(f"the entry does not prove key {key[:16]}...: it holds {str(proof)[:120]}")
-        if tokens is not None and proof.get("tokens") != tokens:
-            raise ValueError(f"the entry covers {proof.get('tokens')} tokens, expected {tokens}")
-        problem = None if check is None else check.mismatch(meta)
+        meta, _ = read_state_header(path)
+        problem = entry_problem(meta.get("entry"), key, tokens, digest)
+        problem = problem or (None if check is None else check.mismatch(meta))
         if problem:
             raise ValueError(problem)
-        state = CacheState.load(path)
-        covered = proof.get("tokens")
+        state, entry = CacheState.load_entry(path)
+        problem = entry_problem(entry, key, tokens, digest)  # the checksummed entry (the file may have changed)
+        if problem:
+            raise ValueError(problem)
+        covered = entry["tokens"]  # type: ignore[index]
         if not isinstance(covered, int) or _covered(state) != covered:
             raise ValueError(f"the state covers {_covered(state)} tokens, but its entry claims {covered!r}")
         return state
 
-    def put(self, key: str, state: CacheState, tokens: int | None = None) -> None:
+    def put(
+        self,
+        key: str,
+        state: CacheState,
+        tokens: int | None = None,
+        token_ids: Sequence[int] | torch.Tensor | None = None,
+    ) -> None:
         """Keep `state` under `key` in memory and, with a directory, in a file (unless one is there).
 
-        `tokens`: how many tokens the state covers (default: its last position + 1), recorded in the
-        file with the key and checked by `get`. A state larger than a bound is not kept under it.
+        `tokens`: how many tokens the state covers (default: its last position + 1); `token_ids`: the
+        ids it was taken over; both recorded in the file's checksummed entry with the key and checked by
+        `get`. A state larger than a bound is not kept under it.
         """
         with self._lock:
             self.memory.put(key, state)
         path = self._path(key, STATE_SUFFIX)
-        if path is None or self._write_failed or state.nbytes() > self.disk_bytes_bound or path.exists():
+        if path is None or self._paused() or state.nbytes() > self.disk_bytes_bound or path.exists():
             return
-        proof = json.dumps({"key": key, "tokens": _covered(state) if tokens is None else tokens})
-        if self._write(path, lambda: state.save(path, extra_metadata={PROOF_KEY: proof})):
+        entry = {
+            "key": key,
+            "tokens": _covered(state) if tokens is None else tokens,
+            "ids_sha256": None if token_ids is None else ids_digest(token_ids),
+        }
+        if self._write(path, lambda: state.save(path, entry=entry)):
             self._trim_disk()
 
     def _write(self, path: Path, write: Callable[[], object]) -> bool:
-        """Run `write()`; False (memory only from now on, one warning) when the directory cannot be written."""
+        """Run `write()`; False when the directory cannot be written (memory only for `RETRY_SECONDS`, a
+        warning when the store goes from writing to not writing, a log line when it writes again)."""
         try:
             write()
         except FileNotFoundError as err:  # another process removed our temporary file: skip this one
             log.info("%s: %s not written: %s", self.name, path, err)
             return False
-        except OSError as err:  # no space, no permission, read-only, not a directory: memory only
+        except OSError as err:  # no space, no permission, read-only, not a directory: memory only for a while
             self._memory_only(err)
             return False
+        self._recovered()
         return True
 
     # -- notes ----------------------------------------------------------------------------------
@@ -367,7 +303,7 @@ class StateStore:
         with self._lock:
             self._remember(key, dict(note))
         path = self._path(key, NOTE_SUFFIX)
-        if path is None or self._write_failed:
+        if path is None or self._paused():
             return
         text = json.dumps({"key": key, "note": note})
         if self._write(path, lambda: write_text_atomic(path, text)):

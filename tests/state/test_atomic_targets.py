@@ -154,9 +154,8 @@ def _as_nobody(work: Path) -> None:
     os.chown(work / "real", 65534, 65534)
     python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
     argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", NOBODY_SCRIPT]
-    done = subprocess.run(
-        [*argv, str(REPO / "litkv" / "core" / "atomic.py"), str(work)], capture_output=True, text=True
-    )
+    module = REPO / "litkv" / "core" / "atomic.py"
+    done = subprocess.run([*argv, str(module), str(work)], capture_output=True, text=True)
     if done.returncode != 0 and "Permission denied" in done.stderr and python == sys.executable:
         pytest.skip(f"nobody cannot run {python}")
     assert done.returncode == 0, done.stderr
@@ -171,8 +170,7 @@ def test_chat_save_onto_a_device_a_link_and_a_directory(tmp_path: Path) -> None:
     """A real `litkv chat`: `/save` onto a device node, a symlink and a directory (the round's finding:
     as root `/save /dev/full` turned the device into a regular file)."""
     full = _node(tmp_path / "full", stat.S_IFCHR, FULL)
-    real = tmp_path / "real.safetensors"
-    real.write_bytes(b"stale")
+    real = tmp_path / "real.safetensors"  # absent: a file that is not a session is never replaced (issue 47)
     (tmp_path / "link.safetensors").symlink_to(real.name)
     (tmp_path / "dir").mkdir()
     saves = (full, tmp_path / "link.safetensors", tmp_path / "dir")

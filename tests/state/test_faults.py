@@ -29,7 +29,6 @@ from litkv.cli.chat_cmd import _read_turns
 from litkv.core.atomic import is_temp_name
 from litkv.finetune.state import check_resume_dir
 from litkv.states.state import CacheState
-from litkv.states.state_store import PROOF_KEY
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where fork_server.py lives
 REPO = TESTS.parent
@@ -207,7 +206,7 @@ def _finetune_argv(ckpt: Path, data: Path, out: Path, resume: Path | None) -> li
             "--train.max_steps", str(STEPS), "--train.global_batch_size", "1", "--train.warmup_steps", "2",
             "--train.save_interval", "1", "--eval.interval", "1000", "--precision", "32-true",
             "--out_dir", str(out)]  # fmt: skip
-    return argv + ([] if resume is None else ["--resume", str(resume)])
+    return argv + (["--overwrite", "true"] if resume is None else ["--resume", str(resume)])
 
 
 def _steps(out: Path) -> list[Path]:
@@ -320,4 +319,4 @@ def test_concurrent_processes_share_a_prefix_store(server: ForkServer, ckpt: Pat
     for f in files:
         CacheState.load(f)
         with safe_open(str(f), framework="pt", device="cpu") as handle:
-            assert json.loads((handle.metadata() or {})[PROOF_KEY])["key"] == f.name.removesuffix(".safetensors")
+            assert json.loads((handle.metadata() or {})["litkv"])["entry"]["key"] == f.name.removesuffix(".safetensors")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, tiny_config
+from helpers import attach_random_gates, forge_entry, random_gpt, tiny_config
 
 from litkv import GPT, CacheState, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -221,7 +221,6 @@ def test_an_entry_of_other_caches_with_a_forged_proof_is_refused(
     import json
 
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     h2o, tova = _config("h2o"), _config("tova")
     _, prompts = _prompts(seed=6)
@@ -231,15 +230,10 @@ def test_an_entry_of_other_caches_with_a_forged_proof_is_refused(
 
     def covers(f: Path) -> int:
         with safe_open(str(f), framework="pt") as opened:
-            return json.loads(opened.metadata()["litkv_entry"])["tokens"]
+            return json.loads(opened.metadata()["litkv"])["entry"]["tokens"]
 
     longest = {d: max((tmp_path / d).glob("*.safetensors"), key=covers) for d in ("h2o", "tova")}
-    with safe_open(str(longest["tova"]), framework="pt") as f:
-        header = f.metadata()
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    proof = json.dumps({"key": longest["h2o"].stem, "tokens": 32})
-    header.update(litkv_entry=proof, litkv_prefix=proof)  # the proof, under this and the earlier metadata key
-    save_file(tensors, str(longest["h2o"]), metadata=header)
+    forge_entry(longest["tova"], longest["h2o"], key=longest["h2o"].stem, tokens=32)
     store = PrefixCache(10**9, tmp_path / "h2o")
     with caplog.at_level(logging.WARNING):
         assert generate(model, [prompts[0]], NEW, h2o, prefix_cache=store)[0].tolist() == expected
@@ -257,13 +251,13 @@ def test_an_entry_removed_by_another_process_is_a_miss(
     _, prompts = _prompts(seed=7)
     expected = _alone(model, prompts[:1], cfg)[0]
     _disk_store(model, tmp_path / "s", cfg, prompts[0])
-    load = state_module.CacheState.load.__func__
+    load = state_module.CacheState.load_entry.__func__
 
     def load_after_removal(cls: type, path: Path, *args: object, **kwargs: object) -> object:
         Path(path).unlink()
         return load(cls, path, *args, **kwargs)
 
-    monkeypatch.setattr(state_module.CacheState, "load", classmethod(load_after_removal))
+    monkeypatch.setattr(state_module.CacheState, "load_entry", classmethod(load_after_removal))
     store = PrefixCache(10**9, tmp_path / "s")
     with caplog.at_level(logging.WARNING, logger="litkv.states.prefix"):
         assert generate(model, [prompts[0]], NEW, cfg, prefix_cache=store)[0].tolist() == expected
@@ -292,7 +286,7 @@ def test_a_store_that_cannot_write_serves_from_memory_with_one_warning(
     from litkv.core.atomic import FileWriteError
     from litkv.states import state as state_module
 
-    def full_disk(self: object, path: Path, extra_metadata: object = None) -> None:
+    def full_disk(self: object, path: Path, extra_metadata: object = None, entry: object = None) -> None:
         raise FileWriteError(errno.ENOSPC, f"cannot write {str(path)!r}: No space left on device")
 
     monkeypatch.setattr(state_module.CacheState, "save", full_disk)
@@ -344,11 +338,13 @@ def test_a_write_whose_temp_file_vanished_is_skipped_quietly(
     save = state_module.CacheState.save
     calls = []
 
-    def first_fails(self: CacheState, path: Path, extra_metadata: dict[str, str] | None = None) -> None:
+    def first_fails(
+        self: CacheState, path: Path, extra_metadata: dict[str, str] | None = None, entry: dict | None = None
+    ) -> None:
         calls.append(path)
         if len(calls) == 1:
             raise FileNotFoundError(2, "No such file or directory", str(path))
-        save(self, path, extra_metadata)
+        save(self, path, extra_metadata, entry)
 
     monkeypatch.setattr(state_module.CacheState, "save", first_fails)
     _, prompts = _prompts(seed=11)

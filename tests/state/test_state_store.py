@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import forge_entry
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
@@ -30,7 +31,7 @@ from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.state import CacheState, restore
 from litkv.states.state_file import digest
-from litkv.states.state_store import PROOF_KEY, EntryCheck
+from litkv.states.state_store import EntryCheck
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = ["The quick brown fox", "What is the passkey?", "Remember it.", "the lazy dog"]
@@ -180,9 +181,9 @@ def _craft_huge_dense_state(model: object, path: Path, key: str) -> None:
     meta.pop("digest")
     for layer in meta["layers"]:
         layer["config"]["cache_length"] = layer["shape"]["cache_length"] = 1_000_000
+    meta["entry"] = {"key": key, "tokens": 3, "ids_sha256": None}
     meta["digest"] = digest(meta, tensors)
-    proof = json.dumps({"key": key, "tokens": 3})
-    save_file(tensors, str(path), metadata={"litkv": json.dumps(meta), PROOF_KEY: proof})
+    save_file(tensors, str(path), metadata={"litkv": json.dumps(meta)})
     small.unlink()
     CacheState.load(path)  # the file itself is valid: only what it claims is refused
 
@@ -244,11 +245,7 @@ def test_state_of_other_weights_under_the_right_key_is_a_miss(
     engine = Engine(model, tok, KV, _store(model, directory))
     key, their_key = _key_after(engine, messages, 2), _key_after(Engine(other, tok, KV, _store(other)), messages, 2)
     assert key != their_key  # the key's root is the fingerprint: forge the proof as well
-    with safe_open(str(directory / f"{their_key}.safetensors"), framework="pt") as f:
-        header = f.metadata()
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    header[PROOF_KEY] = json.dumps({"key": key, "tokens": json.loads(header[PROOF_KEY])["tokens"]})
-    save_file(tensors, str(directory / f"{key}.safetensors"), metadata=header)
+    forge_entry(directory / f"{their_key}.safetensors", directory / f"{key}.safetensors", key=key)
     with caplog.at_level(logging.WARNING):
         assert engine.store.get(key) is None
     assert "taken from another model" in caplog.text
