@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# One command for a machine with a CUDA GPU: the tests marked `cuda`, then litkv against transformers'
-# dynamic and static caches in bf16 at 512 / 4,096 / 16,384-token prompts and the policy table
-# (scripts/gpu_bench.py), each section under its own time limit (8 minutes in all), into one report file.
+# One command for a machine with a CUDA GPU (issue 44's check, about 6 minutes): whether litkv imports, the tests
+# marked `cuda` (quick ones), then scripts/gpu_bench.py for SmolLM2-135M's and Llama-3.2-1B's shapes (random
+# weights, bf16): decode against transformers' dynamic and static caches at 4,096 tokens, the policy table at
+# 32,768 tokens with 4,096 slots at batch 1 and 8, and the targets' ratios. Each section runs under its own time
+# limit and reports its time; the report (markdown) is written to a file and printed at the end.
 #
-#   scripts/gpu_check.sh [REPORT]          # default REPORT: gpu_report.md
-#   GPU_CHECK_DEVICE=cpu scripts/gpu_check.sh report.md   # the same steps on the CPU, small (a dry run:
-#                                                         # the cuda tests skip, the bench runs --quick)
+#   scripts/gpu_check.sh [REPORT]              # default REPORT: gpu_report.md
+#   scripts/gpu_check.sh --dry-run [REPORT]    # the same steps on the CPU, small (cuda tests skip, the bench
+#                                              # runs --quick); GPU_CHECK_DEVICE=cpu does the same
 #
-# Environment: PYTHON (default: python), GPU_CHECK_DEVICE (default: cuda).
+# Environment: PYTHON (default: python), GPU_CHECK_DEVICE (default: cuda). Packages: torch, transformers,
+# tokenizers, and litkv's own dependencies (litgpt, lightning, jsonargparse; docs/gpu.md carries them as wheels).
 # Exit status: 0 when every section passed, 1 when one failed or ran out of time (the report says which),
-# 2 when no CUDA GPU is visible (and GPU_CHECK_DEVICE is not cpu).
+# 2 when no CUDA GPU is visible (and this is not a dry run).
 set -uo pipefail
 
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+if [ "${1:-}" = "--dry-run" ]; then
+    DEVICE=cpu
+    shift
+fi
 REPORT="${1:-gpu_report.md}"
 PY="${PYTHON:-python}"
-DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # a section cut by its time limit keeps the rows it printed
 
 if [ "$DEVICE" = "cuda" ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA GPU visible to torch (set GPU_CHECK_DEVICE=cpu for a dry run on the CPU)" >&2
@@ -62,15 +70,30 @@ section() {  # section TITLE LIMIT_S COMMAND...: run, append its output, note fa
     rm -f "$REPORT.stderr"
 }
 
-section "tests marked cuda" 150 "$PY" -m pytest -m cuda -q -rs --no-header -p no:cacheprovider tests/
+section "litkv imports" 30 "$PY" -c "
+import importlib.metadata as m
+import litkv
+names = ('litgpt', 'lightning', 'jsonargparse', 'tokenizers', 'gguf')
+def version(n):
+    try:
+        return m.version(n)
+    except m.PackageNotFoundError:
+        return 'absent'
+print('litkv imports; ' + ', '.join(f'{n} {version(n)}' for n in names))
+"
+section "tests marked cuda (not slow)" 90 "$PY" -m pytest -m "cuda and not slow" -q -rs --no-header -p no:cacheprovider \
+    tests/precision/test_cuda.py tests/precision/test_cuda_graph.py
 if [ "$DEVICE" = "cuda" ]; then
-    section "decode in bf16 against transformers, and the policy table" 300 \
-        "$PY" scripts/gpu_bench.py --device cuda --dtype bf16 --prompts 512,4096,16384 --new 64 --repeats 2
+    common=(--device cuda --dtype bf16 --prompts 4096 --new 64 --policy-prompt 32768 --cache-length 4096 --batches 1,8)
+    section "SmolLM2-135M shape: decode, policies, targets" 100 "$PY" scripts/gpu_bench.py --model SmolLM2-135M "${common[@]}"
+    section "Llama-3.2-1B shape: decode, policies, targets" 140 "$PY" scripts/gpu_bench.py --model Llama-3.2-1B "${common[@]}"
 else
-    section "decode in bf16 against transformers, and the policy table (CPU dry run)" 300 \
-        "$PY" scripts/gpu_bench.py --device cpu --dtype bf16 --quick --no-compile
+    for model in SmolLM2-135M Llama-3.2-1B; do
+        section "$model shape (CPU dry run)" 300 "$PY" scripts/gpu_bench.py --model "$model" --device cpu --dtype bf16 --quick --no-compile
+    done
 fi
 
 echo "Total: $(( $(date +%s) - start )) s. Status: $([ $status -eq 0 ] && echo passed || echo FAILED)." >> "$REPORT"
+cat "$REPORT"
 echo "gpu_check: report written to $REPORT"
 exit $status

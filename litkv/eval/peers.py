@@ -268,12 +268,13 @@ class Streamer(Protocol):
     def end(self) -> None: ...
 
 
-def load_hf(hf_dir: Path, static_compile: bool = False) -> torch.nn.Module:
-    """The `LlamaForCausalLM` that `prepare_weights` wrote under `hf_dir` (float32, eval mode); with
-    `static_compile`, its forward goes through `torch.compile` (see `_time_hf`)."""
+def load_hf(hf_dir: Path, static_compile: bool = False, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The `LlamaForCausalLM` that `prepare_weights` wrote under `hf_dir` (float32, eval mode) on `device`;
+    with `static_compile`, its forward goes through `torch.compile` (see `_time_hf`; "reduce-overhead",
+    CUDA graphs, on a CUDA device)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval().to(device)
     if static_compile:
         mode = "reduce-overhead" if model.device.type == "cuda" else None
         model.forward = torch.compile(model.forward, mode=mode, fullgraph=True, dynamic=False)

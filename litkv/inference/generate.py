@@ -289,14 +289,22 @@ def _check_finite(finite: torch.Tensor, step: int) -> None:
 @contextmanager
 def _decode_steps(model: GPT, compile: bool) -> Iterator[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The decode step `(tokens (B, 1), positions (B, 1)) -> logits (B, V)`: eager, or compiled with the
-    caches in `static_shapes` mode (their host counters advanced here, outside the compiled code)."""
+    caches in `static_shapes` mode (their host counters advanced here, outside the compiled code).
+
+    Compiled on CUDA, the step is one CUDA graph (`GPT.compiled_decode_step`: inductor's
+    "reduce-overhead"): the caches' tensors and the RoPE table are marked static (written in place, never
+    copied), each call starts a new graph step, and the logits it returns live until the next call."""
     if not compile:
         yield lambda tokens, positions: model(tokens, positions)[:, -1]
         return
     caches = model.caches
     compiled = model.compiled_decode_step()
+    on_cuda = model.lm_head.weight.device.type == "cuda"
+    model.mark_static_addresses()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if on_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
         logits = compiled(tokens, positions)
         caches.advance(tokens.shape[1])
         return logits

@@ -463,6 +463,19 @@ class KVCache(ABC):
         """Receive the model's eviction gates (`GPT.eviction_gates`, `None` when none are loaded) and this
         cache's layer index when the class sets `needs_gates`."""
 
+    def set_state(self, name: str, value: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """Set the policy's state `name` (a `slot_state` tensor or a `row_state` tensor or tuple) to `value`.
+        With `static_shapes` (compiled decode steps) the tensors there are overwritten in place, so they keep
+        their addresses from step to step (a CUDA graph replays on fixed addresses); otherwise the attribute
+        is rebound (a snapshot may hold the old tensors)."""
+        current = getattr(self, name, None)
+        parts, now = (value, current) if isinstance(value, tuple) else ((value,), (current,))
+        if self.static_shapes and isinstance(now, tuple) and _same_layout(now, parts):
+            for old, new in zip(now, parts, strict=True):
+                old.copy_(new)
+        else:
+            setattr(self, name, value)
+
     def abort_call(self) -> None:
         """Forget a call interrupted between `attend_inputs` and its eviction (its eviction is not done)."""
         self._call = None
@@ -584,3 +597,10 @@ def _gather_tokens(tokens: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`tokens` `(B, G, T, D)` gathered along T by `src` `(B, G, T')` -> `(B, G, T', D)`."""
     index = src[..., None].expand(*src.shape, tokens.shape[-1])
     return tokens.gather(2, index)
+
+
+def _same_layout(old: tuple[object, ...], new: tuple[torch.Tensor, ...]) -> bool:
+    """Whether `new` can be copied into `old` tensor by tensor: as many tensors, each of the same shape and dtype."""
+    return len(old) == len(new) and all(
+        isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old, new, strict=True)
+    )

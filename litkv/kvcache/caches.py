@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
+import torch._dynamo
 
 from litkv.kvcache.base import KVCache, LayerCache, staged_placement
 from litkv.kvcache.recurrent import RecurrentCache
@@ -113,6 +114,21 @@ class KVCaches:
         for cache in self.policy_caches:
             cache.advance(num_new)
 
+    def mark_static_addresses(self) -> None:
+        """Tell `torch.compile` that the caches' tensors keep their addresses from step to step (every
+        tensor attribute of each layer cache and its storage, and `last_pos`): a CUDA graph then reads and
+        writes them where they are instead of copying them in before each replay, and allows the in-place
+        writes. No guard on the address: other caches (another `generate` call) re-record the graph, they do
+        not recompile the step. Compiled steps keep the addresses (`static_shapes`: state updated in place)."""
+        tensors: list[torch.Tensor] = [] if self.last_pos is None else [self.last_pos]
+        for cache in self.policy_caches:
+            for holder in (cache, cache.storage):
+                for value in vars(holder).values():
+                    parts = value if isinstance(value, tuple) else (value,)
+                    tensors.extend(t for t in parts if isinstance(t, torch.Tensor))
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)
+
     def end_prefill(self) -> None:
         """The prompt is in: every layer's `end_prefill` (one-shot policies compress to their budget)."""
         for cache in self.policy_caches:
@@ -201,7 +217,12 @@ class KVCaches:
                 if not cache.static_shapes and input_pos.shape[1] <= cache.cache_length:  # else: a longer error
                     cache.check_room(input_pos)
         last = input_pos.amax(dim=1)
-        self.last_pos = last if self.last_pos is None else torch.maximum(self.last_pos, last)
+        if self.last_pos is None:
+            self.last_pos = last
+        elif self.static_shapes:  # in place: a compiled step's tensors keep their addresses (CUDA graphs)
+            self.last_pos.copy_(torch.maximum(self.last_pos, last))
+        else:
+            self.last_pos = torch.maximum(self.last_pos, last)
 
     def _check_call_length(self, num_new: int) -> None:
         for i, cache in enumerate(self.layers):

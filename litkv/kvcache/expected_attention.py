@@ -259,4 +259,6 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         """Keep the statistics with this call's queries (also while the cache fills)."""
         stats = candidates.scratch.get("ea.stats")  # set by score(); not while the cache fills
-        self.stats = self.updated_stats(candidates.queries, candidates.query_pos) if stats is None else stats
+        self.set_state(
+            "stats", self.updated_stats(candidates.queries, candidates.query_pos) if stats is None else stats
+        )

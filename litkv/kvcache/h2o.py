@@ -114,9 +114,9 @@ class H2OKVCache(ScoreKVCache):
 
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         empty = self.positions < 0
-        self.attn_sums = placement.carry(self.accumulated(candidates)).masked_fill(empty, 0.0)
+        self.set_state("attn_sums", placement.carry(self.accumulated(candidates)).masked_fill(empty, 0.0))
         if self.normalize:
-            self.query_counts = placement.carry(self.counts(candidates)).masked_fill(empty, 0.0)
+            self.set_state("query_counts", placement.carry(self.counts(candidates)).masked_fill(empty, 0.0))
 
     def slot_scores(self) -> torch.Tensor:
         """`(B, G, L)` current score of each slot's token (before the next call's attention)."""

@@ -260,7 +260,7 @@ class LearnedKVCache(ScoreKVCache):
             protected = self._protected(self.positions)
             below = logits < self.threshold
             self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
-        self.logits = logits.masked_fill_(self.positions < 0, 0.0)  # `carry` made a new tensor
+        self.set_state("logits", logits.masked_fill_(self.positions < 0, 0.0))  # `carry` made a new tensor
 
     def _bound(self) -> tuple[EvictionGates, BoundRope]:
         if self._gates is None or self._rope is None:

@@ -89,7 +89,7 @@ class QuantizedH2OKVCache(H2OKVCache):
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         """Carry the candidates' errors into the slots, then update the H2O state."""
         errors = placement.carry(self._candidate_errors(candidates))
-        self.quant_errors = errors.masked_fill(self.positions < 0, 0.0)
+        self.set_state("quant_errors", errors.masked_fill(self.positions < 0, 0.0))
         super().after_write(placement, candidates)
 
     def _candidate_errors(self, candidates: Candidates) -> torch.Tensor:

@@ -178,4 +178,4 @@ class SnapKVKVCache(ScoreKVCache):
             if scores is None:  # cache filling: the stored slots are lossless, the call's slots are empty
                 keys = torch.cat((self.storage.read()[0], candidates.new_keys), dim=2)
                 scores = self.call_scores(candidates, keys)
-            self.best = placement.carry(scores).masked_fill(self.positions < 0, 0.0)
+            self.set_state("best", placement.carry(scores).masked_fill(self.positions < 0, 0.0))

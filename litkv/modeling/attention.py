@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from litkv.kvcache.storage import PackedSlots
 
-__all__ = ["attend", "build_mask", "masked_sdpa", "WEIGHTS_BLOCK_ELEMENTS"]
+__all__ = ["attend", "attend_causal_suffix", "build_mask", "masked_sdpa", "WEIGHTS_BLOCK_ELEMENTS"]
 
 # Largest number of score elements held at once by the eager (weights / soft-capping) path.
 WEIGHTS_BLOCK_ELEMENTS = 1 << 24
@@ -96,6 +97,40 @@ def attend(
         weights = None
     y = y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
     return y, weights
+
+
+def attend_causal_suffix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, expand: bool | None = None
+) -> torch.Tensor:
+    """Attention where the call's `T` queries are the last `T` of the `S` keys, in order, and every earlier key is
+    valid and earlier than every query (a prefill chunk without pads over a cache whose slots are all filled):
+    query `i` sees keys `0 .. S - T + i`. No `(B, G, T, S)` mask is built.
+
+    On CUDA the keys and values are expanded over each group's query heads (a copy of the `S` keys, small
+    against the `T x S` products) and SDPA takes a lower-right causal bias (`causal_lower_right`), which its
+    flash and memory-efficient kernels take without a mask. On the CPU, SDPA's flash kernel takes grouped
+    queries with a `(T, S)` boolean mask.
+
+    Args:
+        q: `(B, n_head, T, hs)`; `k`: `(B, G, S, hs)`; `v`: `(B, G, S, hv)`; `scale`: factor of `q @ k^T`.
+        expand: take the CUDA way (expanded keys, causal bias) or the CPU way; default: by `q`'s device.
+
+    Returns:
+        `(B, T, n_head * hv)`.
+    """
+    b, n_head, t, _ = q.shape
+    g, s = k.shape[1], k.shape[2]
+    if t > s:
+        raise ValueError(f"attend_causal_suffix: {t} queries over {s} keys (the queries are the last keys)")
+    if not (q.device.type != "cpu" if expand is None else expand):
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        per = n_head // g
+        k = k[:, :, None].expand(b, g, per, s, k.shape[-1]).reshape(b, n_head, s, k.shape[-1])
+        v = v[:, :, None].expand(b, g, per, s, v.shape[-1]).reshape(b, n_head, s, v.shape[-1])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, s), scale=scale)
+    return y.transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
 
 
 @torch.library.custom_op("litkv::masked_sdpa", mutates_args=())

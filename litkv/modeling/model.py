@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 from litgpt.model import GPT as LitGPT
@@ -24,7 +25,7 @@ from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.kvcache.storage import CacheShape
 from litkv.learned.gate import EvictionGates
 from litkv.learned.soft import SoftEviction
-from litkv.modeling.attention import attend, build_mask
+from litkv.modeling.attention import attend, attend_causal_suffix, build_mask
 from litkv.modeling.config import (
     GATED_DELTANET,
     MAMBA2,
@@ -41,6 +42,8 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "BlockHook", "check_integer_te
 
 # Called with (block index, block input `(B, T, n_embd)`); a returned tensor replaces the input.
 BlockHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+# A decode step: `(tokens (B, T), positions (B, T)) -> (B, V)` last logits.
+DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def check_integer_tensor(name: str, value: object, what: str = "token ids") -> None:
@@ -105,7 +108,8 @@ class GPT(nn.Module):
         self.eviction_gates: EvictionGates | None = None
         # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
         self._checks = True
-        self._compiled_decode: tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
+        # (backend, mode, the compiled step)
+        self._compiled_decode: tuple[str, str | None, DecodeStep] | None = None
 
     @classmethod
     def from_name(cls, name: str) -> GPT:
@@ -297,17 +301,31 @@ class GPT(nn.Module):
         """One call through the attached caches: `(B, T)` tokens and positions -> `(B, V)` last logits."""
         return self(tokens, positions)[:, -1]
 
-    def compiled_decode_step(self, backend: str | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """`decode_step` through `torch.compile` (static shapes), built once per model and reused.
+    def compiled_decode_step(self, backend: str | None = None, mode: str | None = None) -> DecodeStep:
+        """`decode_step` through `torch.compile` (static shapes, `fullgraph=True`), built once per model and reused.
 
         Dynamo compiles again only when what the step depends on changes (another cache policy or
         shape); over the steps of one `generate` it does not. `backend`: a `torch.compile` backend
-        (default: the one built before, else `"inductor"`); naming another one rebuilds the step.
+        (default: the one built before, else `"inductor"`); `mode`: a `torch.compile` mode (default: the
+        one built before, else `"reduce-overhead"` for inductor on CUDA, the whole step one CUDA graph,
+        and inductor's default elsewhere). Naming another backend or mode rebuilds the step.
         """
-        if self._compiled_decode is None or (backend is not None and backend != self._compiled_decode[0]):
+        built = self._compiled_decode
+        if built is None or (backend is not None and backend != built[0]) or (mode is not None and mode != built[1]):
             name = backend or "inductor"
-            self._compiled_decode = (name, torch.compile(self.decode_step, backend=name, dynamic=False, fullgraph=True))
-        return self._compiled_decode[1]
+            if mode is None and name == "inductor" and self.lm_head.weight.device.type == "cuda":
+                mode = "reduce-overhead"
+            step = torch.compile(self.decode_step, backend=name, mode=mode, dynamic=False, fullgraph=True)
+            self._compiled_decode = (name, mode, step)
+        return self._compiled_decode[2]
+
+    def mark_static_addresses(self) -> None:
+        """The RoPE table and the attached caches' tensors keep their addresses across compiled decode steps
+        (`KVCaches.mark_static_addresses`): a CUDA graph reads them in place, no copy per replay."""
+        for t in self._rope or ():
+            torch._dynamo.mark_static_address(t, guard=False)
+        if self.caches is not None:
+            self.caches.mark_static_addresses()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head (and final soft-capping): `(B, T, n_embd)` -> `(B, T, padded_vocab_size)`."""
@@ -495,6 +513,9 @@ class CausalSelfAttention(nn.Module):
                 # window is not: positions may skip)
                 y = self._attend_full(q, keys, values, softcap)
                 weights = None
+            elif no_pads and self._suffix_causal(cache, keys, k_pos, softcap):
+                # the chunk's queries are its keys, after cached slots that are all filled: no mask needed
+                y, weights = attend_causal_suffix(q, keys, values, self.scale), None
             else:
                 mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
                 need = cache.needs_attn_weights
@@ -524,6 +545,13 @@ class CausalSelfAttention(nn.Module):
         q = torch.cat((apply_rope(q[..., :n], cos, sin, c.rope_interleave), q[..., n:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
         return q, k, v
+
+    def _suffix_causal(self, cache: KVCache, keys: object, k_pos: torch.Tensor, softcap: float | None) -> bool:
+        """Whether a call without pads may take `attend_causal_suffix`: no attention weights asked, no soft-capping
+        or sliding window, keys as tensors (not packed codes), and every cached slot filled (one host read)."""
+        if cache.needs_attn_weights or softcap is not None or self.window is not None:
+            return False
+        return isinstance(keys, torch.Tensor) and bool((k_pos >= 0).all())
 
     def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
         """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""

@@ -48,23 +48,48 @@ def _fresh_dynamo() -> Iterator[None]:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize(
-    ("policy", "storage"), [(p, "float") for p in POLICIES] + [("qh2o", "int4"), ("h2o", "int8"), ("dense", "int4")]
-)
-def test_compiled_decode_has_no_graph_break_or_recompile(policy: str, storage: str) -> None:
-    """Hundreds of steps, two generate calls (fresh caches each): one graph, no break, eager's tokens."""
+STORAGES = ["float", "int8", "int4"]
+
+
+def _cache_addresses(model: GPT) -> dict[str, int]:
+    """Address of every tensor a decode step may touch: each layer cache's and its storage's tensor
+    attributes, and `last_pos` (what a CUDA graph replays on, `KVCaches.mark_static_addresses`)."""
+    caches = model.caches
+    out = {"last_pos": caches.last_pos.data_ptr()}
+    for i, cache in enumerate(caches.policy_caches):
+        for where, holder in (("cache", cache), ("storage", cache.storage)):
+            for name, value in vars(holder).items():
+                parts = value if isinstance(value, tuple) else (value,)
+                for j, t in enumerate(parts):
+                    if isinstance(t, torch.Tensor):
+                        out[f"{i}.{where}.{name}.{j}"] = t.data_ptr()
+    return out
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_decode_is_one_graph_with_static_addresses(policy: str, storage: str) -> None:
+    """Every policy x storage, a ragged batch: 200 compiled steps (`fullgraph=True`, dynamo erroring on any
+    recompilation), then a second `generate` (fresh caches) reusing the graph; one graph, no break; every
+    cache tensor keeps its address over the steps (what a CUDA graph's replay needs); eager's tokens."""
     model = _model()
     kv = _config(policy, storage)
     eager = generate(model, _prompts(), 200, kv)
-    with _fresh_dynamo():
+    addresses: list[dict[str, int]] = []
+    with _fresh_dynamo(), torch._dynamo.config.patch(error_on_recompile=True):
         model.compiled_decode_step(backend="eager")
-        first = generate(model, _prompts(), 200, kv, compile=True)
-        second = generate(model, _prompts(), 200, kv, compile=True)
+        first = generate(
+            model, _prompts(), 200, kv, compile=True, on_tokens=lambda _: addresses.append(_cache_addresses(model))
+        )
+        second = generate(model, _prompts(), 20, kv, compile=True)
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # addresses[0] is after the prefill's token (eager), then one per compiled step
+    moved = {name for step in addresses[2:] for name, ptr in step.items() if ptr != addresses[1][name]}
+    assert len(addresses) == 200 and not moved, sorted(moved)
     for ref, a, b in zip(eager, first, second, strict=True):
         assert len(ref) == 200
-        assert torch.equal(ref, a) and torch.equal(ref, b)
+        assert torch.equal(ref, a) and torch.equal(ref[:20], b)
 
 
 def test_compiled_inductor_matches_eager() -> None:
