@@ -157,6 +157,15 @@ def test_shipped_generate_config_parses(ckpt: Path, capsys: pytest.CaptureFixtur
     assert "cache: h2o, 128 slots" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("policy", known_policies())
+def test_shipped_generate_config_works_with_every_policy(policy: str, capsys: pytest.CaptureFixture) -> None:
+    """Its header says command-line options override it: `--kv-cache NAME` too, for every policy (on the
+    shipped model, which has the gates `learned` needs)."""
+    config = str(REPO / "configs" / "generate.yaml")
+    main(["generate", "--config", config, "--kv-cache", policy, "--max_new_tokens", "2"])
+    assert f"cache: {policy}, 128 slots" in capsys.readouterr().err
+
+
 def test_cache_length_alone_and_num_threads(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
     """A budget below the default chunk size needs no --kv_cache.chunk_size; --num_threads is applied."""
     before = torch.get_num_threads()
