@@ -21,6 +21,7 @@ __all__ = [
     "known_checkpoint_dir",
     "litkv_home",
     "model_dir",
+    "shipped_gates_file",
 ]
 
 #: Where the package keeps eviction gates trained for the models in `MODELS` (relative to this file).
@@ -83,12 +84,17 @@ def model_dir(value: str | Path) -> Path:
     return path
 
 
+def shipped_gates_file(name: str) -> Path:
+    """Where litkv keeps the eviction gates it ships for model `name` (the file may not exist)."""
+    return Path(__file__).resolve().parents[1] / SHIPPED_GATES / f"{name}.safetensors"
+
+
 def add_shipped_gates(name: str, checkpoint_dir: Path) -> bool:
     """Copy the eviction gates litkv ships for model `name` (`litkv/assets/gates/NAME.safetensors`, trained
     by `scripts/learn_real_gates.py`) into `checkpoint_dir` as `eviction_gates.safetensors` when the
     directory has none; True when copied. The gates record the fingerprint of the weights they were
     trained for, and `load_model` refuses them for any other weights (a conversion in another dtype)."""
-    shipped = Path(__file__).resolve().parents[1] / SHIPPED_GATES / f"{name}.safetensors"
+    shipped = shipped_gates_file(name)
     target = checkpoint_dir / "eviction_gates.safetensors"
     if not shipped.is_file() or target.exists():
         return False
