@@ -4,6 +4,10 @@ Commands are plain functions whose typed signatures and docstrings jsonargparse 
 (`--config file.yaml` works for each). Each command's module is imported only when it is used, so
 one command that cannot be imported does not break the others.
 
+`litkv --help` and `litkv COMMAND --help` print the help text stored in `litkv/assets/help/` (written by
+`scripts/update_help.py` from the live parsers; `tests/cli/test_startup.py` checks that they match), so
+they import neither torch nor any command; `litkv --version` likewise.
+
 Errors in the input (`ValueError`, `TypeError`, `FileNotFoundError` from litkv's checks) are printed
 as one line `error: ...` on stderr, without a traceback, and the exit status is 1. Set the
 environment variable `LITKV_DEBUG=1` to see the traceback instead.
@@ -11,13 +15,16 @@ environment variable `LITKV_DEBUG=1` to see the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-__all__ = ["COMMANDS", "main", "normalize_argv"]
+__all__ = ["COMMANDS", "HELP_DIR", "main", "normalize_argv", "render_help"]
 
 COMMANDS: dict[str, str] = {
     "generate": "litkv.cli.generate_cmd:generate",
@@ -32,9 +39,16 @@ COMMANDS: dict[str, str] = {
 
 # Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).
 CHECKPOINT_POSITIONAL = ("generate", "evaluate", "finetune", "chat", "serve")
-DESCRIPTION = "litkv: a LitGPT-style GPT with a pluggable, evicting KV cache. Run `litkv COMMAND --help`."
+DESCRIPTION = (
+    "litkv: a LitGPT-style GPT with a pluggable, evicting KV cache. Run `litkv COMMAND --help`; "
+    "`litkv --version` prints the version."
+)
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError)
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+#: The stored `--help` texts: `litkv.txt` (the command list) and `COMMAND.txt`.
+HELP_DIR = Path(__file__).resolve().parent / "assets" / "help"
+HELP_COLUMNS = "100"  # the width the stored help texts are rendered at
+_HELP_FLAGS = ("--help", "-h")
 
 
 def _is_config_value(value: str) -> bool:
@@ -191,10 +205,57 @@ def _load_components(selected: str | None) -> dict[str, Callable[..., object]]:
     return components
 
 
+def _help_key(argv: Sequence[str]) -> str | None:
+    """`"litkv"` for `litkv --help`, `"COMMAND"` for `litkv COMMAND --help`, None for anything else."""
+    if len(argv) == 1 and argv[0] in _HELP_FLAGS:
+        return "litkv"
+    if len(argv) == 2 and argv[0] in COMMANDS and argv[1] in _HELP_FLAGS:
+        return argv[0]
+    return None
+
+
+def render_help(key: str) -> str:
+    """The live help text of `key` (`"litkv"` or a command), rendered by jsonargparse at `HELP_COLUMNS`
+    columns: what `scripts/update_help.py` stores in `HELP_DIR`."""
+    from jsonargparse import CLI
+
+    selected = None if key == "litkv" else key
+    args = ["--help"] if selected is None else [selected, "--help"]
+    out = io.StringIO()
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_COLUMNS
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            CLI(_load_components(selected), args=args, prog="litkv", description=DESCRIPTION)
+    finally:
+        if saved is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved
+    return out.getvalue()
+
+
+def _quick_answer(argv: Sequence[str]) -> bool:
+    """Answer `--version` and a stored `--help` without importing any command; True when answered."""
+    if list(argv) in (["--version"], ["-V"]):
+        from litkv import __version__
+
+        print(f"litkv {__version__}")
+        return True
+    key = _help_key(argv)
+    path = HELP_DIR / f"{key}.txt"
+    if key is None or not path.is_file():
+        return False
+    sys.stdout.write(path.read_text(encoding="utf-8"))
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `litkv` console script. Ctrl-C at any moment (imports included) exits with
     status 130 and no traceback."""
     try:
+        if _quick_answer(sys.argv[1:] if argv is None else argv):
+            return
         _main(argv)
     except KeyboardInterrupt:
         if os.environ.get("LITKV_DEBUG", "") not in ("", "0"):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from litkv.checkpoints.bounds import check_ceilings, check_layer_count
+from litkv.checkpoints.known import model_dir
 from litkv.checkpoints.quant_store import attach_quantized, stored_quant
 from litkv.core.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
 from litkv.learned.gate import GATES_FILE, EvictionGates
@@ -310,7 +311,8 @@ def load_model(
     (`model.eviction_gates`, for the `learned` policy) when the directory has `eviction_gates.safetensors`.
 
     Args:
-        checkpoint_dir: directory with `model_config.yaml` and `model.safetensors` or `lit_model.pth`.
+        checkpoint_dir: directory with `model_config.yaml` and `model.safetensors` or `lit_model.pth`, or
+            the name of a downloaded known model (`smollm2-135m-instruct`; `litkv.load` downloads it too).
         device: where to put the model (default: CPU).
         dtype: floating dtype of the parameters (default: the dtype stored in the file; gates stay float32;
             the scales of quantised weights stay bfloat16).
@@ -322,7 +324,7 @@ def load_model(
         ValueError: a corrupt file, an invalid config, weights that do not match it, NaN/inf weights,
             a gates file that is not one or does not fit the model.
     """
-    path = check_checkpoint_dir(checkpoint_dir, tokenizer=False)
+    path = check_checkpoint_dir(model_dir(checkpoint_dir), tokenizer=False)
     config = load_config(path)
     weights_file = find_weights_file(path)
     state_dict = load_state_dict(weights_file)
@@ -428,7 +430,8 @@ def _check_tokenizer_json(path: Path) -> None:
 
 
 def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
-    """LitGPT's `Tokenizer` for `checkpoint_dir` (`tokenizer.json` or `tokenizer.model`).
+    """LitGPT's `Tokenizer` for `checkpoint_dir` (`tokenizer.json` or `tokenizer.model`; or the name of a
+    downloaded known model, as `load_model` takes).
 
     Raises:
         FileNotFoundError: no tokenizer file.
@@ -436,7 +439,7 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
     """
     from litgpt.tokenizer import Tokenizer
 
-    path = Path(checkpoint_dir)
+    path = model_dir(checkpoint_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):

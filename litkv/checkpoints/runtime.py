@@ -1,22 +1,28 @@
 """Where and how a model runs: the device, the parameter dtype (from a Lightning-style precision string),
 torch's CPU threads, and `load_for_inference`: a checkpoint's model loaded that way, for the commands and
-the server alike."""
+the server alike; `load`: a model and its tokenizer by name (`litkv.load`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from litkv.checkpoints.checkpoint import load_model
+from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
+from litkv.checkpoints.download import MODELS, cache_dir, download_model, model_dir
 from litkv.core.validation import require_int
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import parse_quantize, quantize_model
+
+if TYPE_CHECKING:
+    from litgpt.tokenizer import Tokenizer
 
 __all__ = [
     "PRECISIONS",
     "RUNNABLE_DEVICES",
     "apply_num_threads",
+    "load",
     "load_for_inference",
     "precision_dtype",
     "resolve_device",
@@ -112,3 +118,28 @@ def load_for_inference(
         raise ValueError(f"--quantize {quant.name} runs on the CPU only (PyTorch's packed CPU kernels), got {dev}")
     model = load_model(checkpoint_dir, device=dev, dtype=resolve_dtype(precision, dev))
     return quantize_model(model, quant), dev
+
+
+def load(
+    name: str | Path, device: str | None = None, precision: str | None = None, quantize: str = "none"
+) -> tuple[GPT, Tokenizer]:
+    """The model (eval mode, with its eviction gates if any) and the tokenizer of a known model name
+    (`smollm2-135m-instruct`: downloaded and converted once into `~/.cache/litkv`, as `litkv download`
+    does) or of a checkpoint directory; what `litkv generate NAME` runs.
+
+    Args:
+        name: a name in `litkv.checkpoints.download.MODELS` or a checkpoint directory.
+        device: `"cpu"`, `"cuda"`, `"cuda:N"`, or `None` (CUDA when available).
+        precision: `"32-true"`, `"bf16-true"`, ... or `None` (bf16 on CUDA when supported, else float32).
+        quantize: `"none"`, `"int8"`, `"int4"` or `"int4-gN"` (CPU only).
+
+    Raises:
+        DownloadError: a known model that cannot be obtained (no network, no pip).
+        FileNotFoundError / ValueError: a directory that is not a (valid) checkpoint.
+    """
+    value = str(name)
+    if value in MODELS and not Path(value).exists() and not cache_dir(value).is_dir():
+        download_model(value)
+    path = check_checkpoint_dir(model_dir(name))
+    model, _ = load_for_inference(path, precision, device, None, quantize)
+    return model, load_tokenizer(path)

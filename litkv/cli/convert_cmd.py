@@ -30,6 +30,10 @@ def convert(
 ) -> None:
     """Convert a Hugging Face model directory or a GGUF file into a checkpoint directory for litkv (and LitGPT).
 
+    Eviction gates (`--kv-cache learned`): a GGUF file whose weights are a known model's (the same
+    fingerprint) gets the gates litkv ships for it, as `litkv download` does; with `--quantize`, the float
+    source's gates are kept, recorded for the quantised weights (as `--quantize` at load uses them).
+
     Args:
         source: A Hugging Face model directory (config.json, *.safetensors or *.bin weights, tokenizer
             files), or a `.gguf` file (llama, qwen2, qwen3; every tensor type the `gguf` package dequantizes).
@@ -89,7 +93,9 @@ def _convert_float(
             raise ValueError("--model_name and --precision apply to Hugging Face directories; use --dtype for GGUF")
         from litkv.checkpoints.gguf_convert import convert_gguf
 
-        return convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"], overwrite=overwrite)
+        out = convert_gguf(source, out_dir, dtype=DTYPES[dtype or "float32"], overwrite=overwrite)
+        _attach_shipped_gates(out)
+        return out
     from litkv.checkpoints.convert import convert_hf_checkpoint
 
     torch_dtype = precision_dtype(precision) if precision is not None else DTYPES.get(dtype or "")
@@ -115,8 +121,50 @@ def _convert_quantized(
         if model_name is not None or precision is not None:
             raise ValueError("--model_name and --precision apply to Hugging Face directories; use --dtype here")
         out = quantize_checkpoint(source, out_dir, quant, float_dtype, overwrite)
+        _carry_gates(source, out)
     else:
         with tempfile.TemporaryDirectory(prefix="litkv-convert-") as tmp:
             _convert_float(source, Path(tmp) / "float", model_name, precision, dtype)
             out = quantize_checkpoint(Path(tmp) / "float", out_dir, quant, overwrite=overwrite)
+            _carry_gates(Path(tmp) / "float", out)
     print(f"wrote {out} ({quant.name} weights): " + _listing(out))
+
+
+def _attach_shipped_gates(ckpt: Path) -> None:
+    """Add the eviction gates litkv ships for a known model to the converted `ckpt` when they were trained
+    for exactly its weights (the shapes first, then the weights' fingerprint), as `litkv download` does."""
+    from litkv.checkpoints.checkpoint import GATES_FILE, load_config, load_model
+    from litkv.checkpoints.known import MODELS, add_shipped_gates, shipped_gates_file
+    from litkv.learned.gate import EvictionGates
+    from litkv.modeling.fingerprint import model_fingerprint
+
+    config = load_config(ckpt)
+    for name in MODELS:
+        path = shipped_gates_file(name)
+        if not path.is_file() or (ckpt / GATES_FILE).exists():
+            continue
+        gates = EvictionGates.load(path)
+        try:
+            gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(path))
+        except ValueError:
+            continue  # another model's shape: no need to read the weights
+        if gates.weights == model_fingerprint(load_model(ckpt))["weights"] and add_shipped_gates(name, ckpt):
+            print(f"the weights are {name}'s: added its eviction gates (--kv-cache learned)")
+
+
+def _carry_gates(float_dir: Path, out: Path) -> None:
+    """The eviction gates of the float checkpoint `float_dir` (checked against its weights by `load_model`),
+    written to the quantised `out` and recorded for its weights: the same gates that `--quantize` at load
+    uses with the float checkpoint."""
+    import dataclasses
+
+    from litkv.checkpoints.checkpoint import GATES_FILE, load_model, save_gates
+    from litkv.modeling.fingerprint import model_fingerprint
+
+    if not (Path(float_dir) / GATES_FILE).is_file():
+        return
+    gates = load_model(float_dir).eviction_gates
+    if gates is None:
+        return
+    stamped = dataclasses.replace(gates, weights=model_fingerprint(load_model(out))["weights"])
+    save_gates(stamped, out / GATES_FILE)

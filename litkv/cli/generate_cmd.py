@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -24,10 +25,13 @@ from litkv.states.prefix import PrefixCache
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
-__all__ = ["generate", "DEFAULT_PROMPT"]
+__all__ = ["DEFAULT_PROMPT", "fit_cache", "generate"]
 
 DEFAULT_PROMPT = "And it came to pass, when"
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated; a dataclass default lets --help list its fields
+DEFAULT_CACHE_LENGTH = _DEFAULT_KV_CACHE.cache_length
+#: Enough for an instruct model's answer to end at its end-of-turn token rather than mid-sentence.
+DEFAULT_MAX_NEW_TOKENS = 512
 PROMPT_CACHE_BYTES = 1 << 30  # bound of the --prompt_cache store, in memory and on disk
 
 
@@ -35,7 +39,7 @@ def generate(
     checkpoint_dir: Path | None = None,
     prompt: list[str] | None = None,
     prompt_file: Path | None = None,
-    max_new_tokens: int = 100,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
     temperature: float = 0.8,
     top_k: int | None = 50,
@@ -53,17 +57,21 @@ def generate(
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
-    With one prompt the text is streamed as it is produced; several prompts run as one batch and
-    are printed at the end. A summary line (tokens, speed, cache bytes) goes to stderr.
+    Only the answer goes to stdout (`litkv generate ... > answer.txt` holds the answer alone); the prompt,
+    the progress bar and a summary line (tokens, speed, cache bytes) go to stderr. With one prompt the
+    answer is streamed as it is produced; several prompts run as one batch, each answer printed at the
+    end on its own line(s) (its prompt under a `--- prompt i ---` header on stderr).
 
     Args:
         checkpoint_dir: LitGPT-layout directory (model_config.yaml, model.safetensors or
             lit_model.pth, tokenizer files). Default: the model shipped with litkv.
         prompt: Prompt text; repeat ``--prompt`` for several prompts (one batch).
         prompt_file: A file whose whole content is one prompt (instead of --prompt).
-        max_new_tokens: Number of tokens to generate per prompt.
+        max_new_tokens: Most tokens to generate per prompt (an answer ends sooner at EOS or the chat
+            template's end-of-turn token).
         kv_cache: KV cache policy and budget. ``--kv_cache NAME`` (or ``--kv-cache NAME``) is short
-            for ``--kv_cache.policy NAME``.
+            for ``--kv_cache.policy NAME``. A dense cache whose cache_length is left at its default is
+            sized to hold the prompt plus the new tokens.
         temperature: Sampling temperature; 0 for greedy decoding.
         top_k: Sample among the k most likely tokens only.
         top_p: Nucleus sampling threshold in (0, 1].
@@ -105,6 +113,7 @@ def generate(
     for i, ids in enumerate(encoded):
         if ids.numel() == 0:
             raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
+    kv_cache = fit_cache(kv_cache, max(ids.numel() for ids in encoded), max_new_tokens)
     longest = max(ids.numel() for ids in encoded) + max_new_tokens
     if longest > model.config.block_size:
         print(
@@ -115,7 +124,7 @@ def generate(
     stop = tuple(sorted(fmt.stop_ids))
     stream = _Stream(tokenizer, model, echo=len(texts) == 1, stop=stop)
     if stream.echo:
-        print(texts[0], end="" if isinstance(fmt, RawFormat) else "\n", flush=True)  # a reply is its own message
+        _echo_prompt(texts[0], fmt)
     generator = torch.Generator(device=dev).manual_seed(seed)
     store = None if prompt_cache is None else PrefixCache(PROMPT_CACHE_BYTES, prompt_cache)
     stream.start()
@@ -137,8 +146,7 @@ def generate(
     if stream.echo:
         stream.finish()
     else:
-        for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
-            print(f"--- prompt {i} ---\n{text}{tokenizer.decode(out)}", flush=True)
+        _print_answers(texts, outputs, tokenizer)
     prompt_tokens = sum(ids.numel() for ids in encoded)
     new_tokens = sum(out.numel() for out in outputs)
     print(stream.summary(len(encoded), prompt_tokens, new_tokens, kv_cache, compile), file=sys.stderr)
@@ -182,14 +190,14 @@ def _generate_blocks(
             stop_tokens=tuple(sorted(fmt.stop_ids)),
             generator=torch.Generator(device=device).manual_seed(seed),
         )
-        for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
-            print(f"--- prompt {i} ---\n{text}{tokenizer.decode(out)}", flush=True)
+        _print_answers(texts, outputs, tokenizer)
         reused = store.reused_tokens
         print(f"blocks: {len(blocks)}, {reused} block tokens restored, recompute={recompute}", file=sys.stderr)
         return outputs
     segments = prompts[0]
+    kv_cache = fit_cache(kv_cache, sum(s.ids.numel() for s in segments), max_new_tokens)
     stream = _Stream(tokenizer, model, echo=True, stop=tuple(sorted(fmt.stop_ids)))
-    print(texts[0], end="" if isinstance(fmt, RawFormat) else "\n", flush=True)
+    _echo_prompt(texts[0], fmt)
     stream.start()
     out = generate_segments(
         model,
@@ -210,6 +218,44 @@ def _generate_blocks(
     print(stream.summary(1, length, out.numel(), kv_cache), file=sys.stderr)
     print(f"blocks: {len(blocks)}, {store.reused_tokens} block tokens restored, recompute={recompute}", file=sys.stderr)
     return [out]
+
+
+def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) -> KVCacheConfig:
+    """`kv_cache`, with a bounded (dense) cache left at the default `cache_length` grown to hold the longest
+    prompt (`prompt_tokens`) plus the new tokens; a bounded cache the user sized too small is a ValueError
+    naming `--kv_cache.cache_length` and the value that fits.
+
+    An explicit `--kv_cache.cache_length 1024` (the default's value) cannot be told from the default and
+    is grown too. Evicting policies are returned as they are: their size is the user's budget.
+    """
+    needed = prompt_tokens + max(max_new_tokens - 1, 0)  # the last new token is never stored
+    limit = kv_cache.policy_class.max_tokens(kv_cache)
+    if limit is None or needed <= limit:
+        return kv_cache
+    if kv_cache.cache_length == DEFAULT_CACHE_LENGTH:
+        return dataclasses.replace(kv_cache, cache_length=needed)
+    raise ValueError(
+        f"--kv_cache.cache_length {kv_cache.cache_length} is too small for a {kv_cache.policy} cache: the prompt "
+        f"({prompt_tokens} tokens) and --max_new_tokens {max_new_tokens} need --kv_cache.cache_length {needed} "
+        "(or leave it unset), or a policy that evicts, e.g. --kv-cache h2o"
+    )
+
+
+def _echo_prompt(text: str, fmt: Format) -> None:
+    """The prompt, on stderr (stdout holds the answer alone, so that it pipes). Raw text is continued on
+    the same line where stdout and stderr are both a terminal (the answer reads on from the prompt);
+    elsewhere, and before a chat reply, the echo ends its line."""
+    on_one_screen = sys.stdout.isatty() and sys.stderr.isatty()
+    same_line = isinstance(fmt, RawFormat) and (on_one_screen or text.endswith("\n"))
+    print(text, end="" if same_line else "\n", file=sys.stderr, flush=True)
+
+
+def _print_answers(texts: list[str], outputs: list[torch.Tensor], tokenizer: Tokenizer) -> None:
+    """A batch's answers: each prompt, under a `--- prompt i ---` header, on stderr; each answer on stdout,
+    ending its line."""
+    for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
+        print(f"--- prompt {i} ---\n{text}", file=sys.stderr, flush=True)
+        print(tokenizer.decode(out), flush=True)
 
 
 def _encode(fmt: Format, tokenizer: Tokenizer, text: str, device: torch.device) -> torch.Tensor:

@@ -19,13 +19,30 @@ from litkv.core.validation import require_file
 from litkv.eval.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.eval.oneshot import KVZIP
 from litkv.eval.recall import RECALL_FILE, RecallFormat
-from litkv.eval.ruler import Encode, NiahFormat, generate_samples, resolve_tasks, split_answer_prefix, word_list
+from litkv.eval.ruler import (
+    FALLBACK_WORDS,
+    TASKS,
+    Encode,
+    NiahFormat,
+    generate_samples,
+    resolve_tasks,
+    split_answer_prefix,
+    word_list,
+)
 from litkv.inference.chat_template import Format, RawFormat, TemplateFormat, load_format
 from litkv.inference.kvzip import RepeatPrompt
 from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.kvcache.registry import get_kv_cache_class
 
-__all__ = ["NEAR_ZERO", "chat_encoder", "format_ruler_table", "near_zero_tasks", "plot_ruler", "run_ruler"]
+__all__ = [
+    "NEAR_ZERO",
+    "chat_encoder",
+    "format_ruler_table",
+    "near_zero_tasks",
+    "needs_text",
+    "plot_ruler",
+    "run_ruler",
+]
 
 # A task on which dense scores below this is marked: it needs a stronger model, not a better policy.
 NEAR_ZERO = 0.1
@@ -44,6 +61,30 @@ def chat_encoder(fmt: Format) -> Encode | None:
         return ids + (encode_plain(fmt.tokenizer, prefix) if prefix else [])
 
     return encode
+
+
+def needs_text(name: str) -> bool:
+    """Whether RULER task `name` needs a text for its word list: not a noise-haystack niah (its keys come from
+    `FALLBACK_WORDS`) nor fwe (coded random words)."""
+    task = TASKS[name]
+    return not (task.kind == "fwe" or (task.kind == "niah" and task.haystack == "noise"))
+
+
+def _words(ckpt: Path, text_file: Path | None, names: Sequence[str]) -> tuple[list[str], str]:
+    """The word list and where it came from: `--text_file`, else the checkpoint's heldout.txt, else
+    `FALLBACK_WORDS` where no task needs a text (FileNotFoundError naming those that do)."""
+    if text_file is not None:
+        path = require_file("--text_file", text_file)
+        return word_list(path.read_text(encoding="utf-8")), str(path)
+    if (ckpt / "heldout.txt").is_file():
+        return word_list((ckpt / "heldout.txt").read_text(encoding="utf-8")), str(ckpt / "heldout.txt")
+    wanting = [name for name in names if needs_text(name)]
+    if wanting:
+        raise FileNotFoundError(
+            f"RULER task(s) {', '.join(wanting)} draw their haystack from a text, and {str(ckpt)!r} has no "
+            "heldout.txt: pass --text_file (any English text)"
+        )
+    return list(FALLBACK_WORDS), "FALLBACK_WORDS (litkv.eval.ruler)"
 
 
 def run_ruler(
@@ -68,11 +109,7 @@ def run_ruler(
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)
     if not 64 <= length <= model.config.block_size:
         raise ValueError(f"the RULER length must be in [64, {model.config.block_size}] (the model's), got {length}")
-    if settings["text_file"] is not None:
-        text_path = require_file("--text_file", settings["text_file"])
-    elif not (text_path := ckpt / "heldout.txt").is_file():
-        raise FileNotFoundError(f"no word list source {str(text_path)!r}: pass --text_file (any English text)")
-    words = word_list(text_path.read_text(encoding="utf-8"))
+    words, words_from = _words(ckpt, settings["text_file"], names)
     niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
     fmt = load_format(ckpt, tokenizer, settings["chat_template"])
     encode = chat_encoder(fmt)
@@ -98,7 +135,7 @@ def run_ruler(
         "length": length,
         "num_samples": settings["num_samples"],
         "seed": settings["seed"],
-        "words_from": str(text_path),
+        "words_from": words_from,
         "niah_format": niah.__dict__,
         "near_zero_dense": near_zero_tasks(results),
         "elapsed_s": round(elapsed, 1),

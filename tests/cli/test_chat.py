@@ -304,9 +304,12 @@ def _saved_turns(session: Path) -> int:
 
 
 def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None:
-    """SIGINT while the model loads: a short message, status 130, and no session file written."""
+    """SIGINT while the model loads: a short message, status 130, and no session file written. The child
+    restores Python's SIGINT handler first: a runner started with SIGINT ignored (a background job) passes
+    the ignoring on, and a user's terminal does not."""
     code = (
-        "import os, signal, sys; import litkv.cli.chat_cmd as c; from litkv.__main__ import main\n"
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "import litkv.cli.chat_cmd as c; from litkv.__main__ import main\n"
         "load = c.load_model\n"
         "def slow(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"

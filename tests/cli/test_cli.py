@@ -127,7 +127,8 @@ def test_generate_subprocess_streams_greedy_text(ckpt: Path, procs) -> None:
     model, tok = load_model(ckpt), load_tokenizer(ckpt)
     kv = KVCacheConfig(policy="h2o", cache_length=16, chunk_size=8)
     expected = generate(model, [tok.encode(PROMPT).long()], 40, kv, stop_tokens=(tok.eos_id,))[0]
-    assert proc.stdout == PROMPT + tok.decode(expected) + "\n"
+    assert proc.stdout == tok.decode(expected) + "\n"  # the answer alone: it pipes
+    assert proc.stderr.startswith(PROMPT + "\n")  # the prompt echo is on stderr, its own line off a terminal
     summary = proc.stderr.strip().splitlines()[-1]
     n_prompt = tok.encode(PROMPT).numel()
     assert summary.startswith(f"prompt tokens: {n_prompt} | new tokens: {expected.numel()} | prefill: ")
@@ -142,13 +143,27 @@ def test_generate_batch_and_config_file(ckpt: Path, tmp_path: Path, capsys: pyte
     )
     main(["generate", str(ckpt), "--config", str(config), "--prompt", PROMPT, "--prompt", "jumps over", "--seed", "3"])
     out = capsys.readouterr()
-    assert out.out.count("--- prompt ") == 2 and "jumps over" in out.out
+    assert out.err.count("--- prompt ") == 2 and "jumps over" in out.err
     assert "new tokens: 10 |" in out.err and "cache: last-recent, 8 slots" in out.err
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    kv = KVCacheConfig(policy="last-recent", cache_length=8, chunk_size=4)
+    prompts = [tok.encode(PROMPT).long(), tok.encode("jumps over").long()]
+    expected = generate(model, prompts, 5, kv, stop_tokens=(tok.eos_id,))
+    assert out.out == "".join(tok.decode(ids) + "\n" for ids in expected)  # the answers alone, one per line
 
 
 def test_shipped_generate_config_parses(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
     main(["generate", str(ckpt), "--config", str(REPO / "configs" / "generate.yaml"), "--max_new_tokens", "2"])
     assert "cache: h2o, 128 slots" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", known_policies())
+def test_shipped_generate_config_works_with_every_policy(policy: str, capsys: pytest.CaptureFixture) -> None:
+    """Its header says command-line options override it: `--kv-cache NAME` too, for every policy (on the
+    shipped model, which has the gates `learned` needs)."""
+    config = str(REPO / "configs" / "generate.yaml")
+    main(["generate", "--config", config, "--kv-cache", policy, "--max_new_tokens", "2"])
+    assert f"cache: {policy}, 128 slots" in capsys.readouterr().err
 
 
 def test_cache_length_alone_and_num_threads(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
@@ -169,7 +184,8 @@ def test_prompt_file(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) 
     path.write_text("The passkey is")
     main(["generate", str(ckpt), "--prompt_file", str(path), "--max_new_tokens", "3", "--kv_cache", "h2o"])
     out = capsys.readouterr()
-    assert out.out.startswith("The passkey is") and "new tokens: 3" in out.err
+    assert out.err.startswith("The passkey is") and "new tokens: 3" in out.err
+    assert "The passkey is" not in out.out and out.out.endswith("\n")
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -205,11 +221,35 @@ def test_cache_length_must_be_positive(ckpt: Path, capsys: pytest.CaptureFixture
     assert line == "error: cache_length must be >= 1, got 0"
 
 
-def test_dense_cache_too_small_suggests_eviction(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
+def test_dense_cache_too_small_names_the_flag_and_the_size_that_fits(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
     args = ["--kv_cache.cache_length", "8", "--kv_cache.chunk_size", "4", "--max_new_tokens", "20"]
     line = main_error(capsys, "generate", str(ckpt), "--prompt", PROMPT, *args)
-    assert "dense cache of cache_length=8 is smaller than prompt + new tokens" in line
-    assert "policy that evicts" in line and "h2o" in line
+    n_prompt = load_tokenizer(ckpt).encode(PROMPT).numel()
+    assert "--kv_cache.cache_length 8 is too small for a dense cache" in line
+    assert f"need --kv_cache.cache_length {n_prompt + 19}" in line  # the last new token is never stored
+    assert "policy that evicts" in line and "--kv-cache h2o" in line
+    # the size it names works, one less does not
+    main(["generate", str(ckpt), "--prompt", PROMPT, *args[:1], str(n_prompt + 19), *args[2:], "--temperature", "0"])
+    assert "cache: dense, " + str(n_prompt + 19) + " slots" in capsys.readouterr().err
+    short = [*args[:1], str(n_prompt + 18), *args[2:]]
+    assert "is too small" in main_error(capsys, "generate", str(ckpt), "--prompt", PROMPT, *short)
+
+
+def test_default_dense_cache_is_sized_to_the_prompt(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A prompt longer than the default 1,024 slots runs through a dense cache grown to prompt + new tokens,
+    and gives the tokens of a dense cache sized so by hand."""
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 160)
+    n_prompt = tok.encode(text).numel()
+    assert n_prompt > KVCacheConfig().cache_length
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    main(["generate", str(ckpt), "--prompt_file", str(path), "--max_new_tokens", "4", "--temperature", "0"])
+    out = capsys.readouterr()
+    assert f"cache: dense, {n_prompt + 3} slots" in out.err
+    dense = KVCacheConfig(cache_length=n_prompt + 3)
+    expected = generate(model, [tok.encode(text).long()], 4, dense, stop_tokens=(tok.eos_id,))[0]
+    assert out.out == tok.decode(expected) + "\n"
 
 
 def test_pickled_checkpoint_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -275,6 +315,6 @@ def test_ctrl_c_anywhere_exits_130_without_a_traceback(
 
     monkeypatch.setattr(cli, "_load_components", interrupted)
     with pytest.raises(SystemExit) as exc:
-        cli.main(["generate", "--help"])
+        cli.main(["generate", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert exc.value.code == 130 and err.strip() == "interrupted" and "Traceback" not in err

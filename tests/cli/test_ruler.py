@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from litkv.eval.ruler import (
     string_match_part,
     word_list,
 )
-from litkv.eval.ruler_report import format_ruler_table, near_zero_tasks
+from litkv.eval.ruler_report import format_ruler_table, near_zero_tasks, needs_text
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 
@@ -212,3 +213,22 @@ def test_evaluate_cli_tasks(ckpt: Path, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         main([*argv[:3], "vt,nope", "--out_dir", str(tmp_path)])
     assert "unknown RULER task(s) ['nope']" in capsys.readouterr().err
+
+
+def test_tasks_without_a_text_need_no_text_file(ckpt: Path, tmp_path: Path, capsys) -> None:
+    """A checkpoint without heldout.txt (the real model's): niah_single_1 (noise haystack) runs without
+    --text_file (fwe too: coded words); a task whose haystack is text asks for it, naming the task."""
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare)
+    (bare / "heldout.txt").unlink(missing_ok=True)
+    argv = ["evaluate", str(bare), "--tasks", "niah_single_1", "--policies", "[h2o]", "--budgets", "[32]"]
+    argv += ["--task_samples", "1", "--device", "cpu", "--out_dir", str(tmp_path / "out")]
+    main(argv)
+    data = json.loads((tmp_path / "out" / "ruler.json").read_text())
+    assert data["tasks"] == ["niah_single_1"] and data["words_from"].startswith("FALLBACK_WORDS")
+    assert [needs_text(name) for name in TASKS] == [name not in ("niah_single_1", "fwe") for name in TASKS]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv[:3], "niah_single_1,vt", *argv[4:]])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: RULER task(s) vt draw their haystack from a text") and "--text_file" in err

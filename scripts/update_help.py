@@ -1,0 +1,24 @@
+"""Write the `--help` texts that `litkv --help` and `litkv COMMAND --help` print (`litkv/assets/help/`).
+
+The stored texts let `--help` answer without importing torch or any command (`litkv/__main__.py`);
+`tests/cli/test_startup.py` fails when one differs from the live parser's help. Run after changing a
+command's signature or docstring:
+
+    python scripts/update_help.py
+"""
+
+from __future__ import annotations
+
+from litkv.__main__ import COMMANDS, HELP_DIR, render_help
+
+
+def main() -> None:
+    HELP_DIR.mkdir(parents=True, exist_ok=True)
+    for key in ("litkv", *COMMANDS):
+        path = HELP_DIR / f"{key}.txt"
+        path.write_text(render_help(key), encoding="utf-8")
+        print(f"wrote {path.relative_to(HELP_DIR.parents[2])}")
+
+
+if __name__ == "__main__":
+    main()
