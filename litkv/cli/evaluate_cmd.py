@@ -70,7 +70,9 @@ def evaluate(
 
     Args:
         checkpoint_dir: Checkpoint directory. Default: the model shipped with litkv.
-        text_file: Text to score. Default: the checkpoint's heldout.txt.
+        text_file: Text to score (with --tasks: the word list of the RULER haystacks). Default: the
+            checkpoint's heldout.txt; RULER tasks whose haystack needs no text (niah_single_1, fwe) run
+            without one.
         policies: Policies to compare (default: last-recent, h2o, qh2o; "all": every registered
             policy); dense is always the reference.
         budgets: Cache lengths to try (default: 64, 128, 256, 512).

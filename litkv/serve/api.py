@@ -499,7 +499,25 @@ def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0
         if server._shutdown_event is not None:
             server._shutdown_event.set()
 
+    owner = os.getpid()
+    previous: Any = None
+
     def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a worker LitServe forked inherited this handler: end as it would have
+            _pass_on(signum, frame, previous)
+            return
         threading.Thread(target=drain, name="litkv-drain", daemon=True).start()
 
-    signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, handler)
+
+
+def _pass_on(signum: int, frame: Any, previous: Any) -> None:
+    """SIGTERM in a forked worker: the handler it had before `drain_on_sigterm`, or the default (exit), so
+    that only the server's own process drains (and says so once)."""
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -183,7 +183,7 @@ def test_non_bmp_prompt_reaches_the_tokenizer(monkeypatch: pytest.MonkeyPatch, c
     main(["generate", "--prompt", prompt, "--max_new_tokens", "3", *FAST])
     out = capsys.readouterr()
     assert seen == [prompt]
-    assert out.out.startswith(prompt)
+    assert out.err.startswith(prompt) and prompt not in out.out  # the echo on stderr, the answer on stdout
     assert "new tokens: 3 |" in out.err
 
 
