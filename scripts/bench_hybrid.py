@@ -9,6 +9,10 @@ Rows: hybrid + h2o (the attention layers' caches bounded; the recurrent state co
 attention-only + h2o, attention-only + dense, and transformers' `BambaForCausalLM` (prefill into its hybrid
 cache, then the same timed greedy steps; `--no-transformers` skips it).
 
+With `--turns N` it times instead each turn's first token of an N-turn conversation (`--turn-tokens` each): the
+state saved at the previous turn's end restored and only the turn prefilled, against the whole conversation
+prefilled cold (`warm_over_cold`).
+
 Run: ``python scripts/bench_hybrid.py`` (``--help`` for the options); prints one JSON line per row.
 """
 
