@@ -86,9 +86,7 @@ def _timed(run: Callable[[int], list[int]], new: int, repeats: int, device: torc
 def _litkv_run(model: litkv.GPT, prompt: torch.Tensor, cfg: KVCacheConfig, compile: bool) -> Callable[[int], list[int]]:
     def run(n: int) -> list[int]:
         with torch.inference_mode():
-            return litkv.inference.generate(model, [prompt[0]], max_new_tokens=n, kv_cache=cfg, compile=compile)[
-                0
-            ].tolist()
+            return litkv.generate(model, [prompt[0]], max_new_tokens=n, kv_cache=cfg, compile=compile)[0].tolist()
 
     return run
 

@@ -15,7 +15,6 @@ from typing import Any
 from litgpt.config import Config
 
 from litkv.kvcache.config import DEFAULT_CHUNK_SIZE, KVCacheConfig
-from litkv.kvcache.storage_kinds import STORAGE_KINDS
 
 __all__ = [
     "ATTENTION",
@@ -27,7 +26,6 @@ __all__ = [
     "LAYER_KINDS",
     "MAMBA2",
     "RECURRENT_KINDS",
-    "STORAGE_KINDS",
     "config_from_dict",
     "layer_kinds",
 ]
