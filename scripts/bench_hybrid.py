@@ -9,6 +9,10 @@ Rows: hybrid + h2o (the attention layers' caches bounded; the recurrent state co
 attention-only + h2o, attention-only + dense, and transformers' `BambaForCausalLM` (prefill into its hybrid
 cache, then the same timed greedy steps; `--no-transformers` skips it).
 
+With `--turns N` it times instead each turn's first token of an N-turn conversation (`--turn-tokens` each): the
+state saved at the previous turn's end restored and only the turn prefilled, against the whole conversation
+prefilled cold (`warm_over_cold`).
+
 Run: ``python scripts/bench_hybrid.py`` (``--help`` for the options); prints one JSON line per row.
 """
 
@@ -44,6 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--transformers-max", type=int, default=4096, help="longest prompt run through transformers")
+    parser.add_argument(
+        "--turns", type=int, default=0, help="also time each turn's first token of a conversation of this many turns"
+    )
+    parser.add_argument("--turn-tokens", type=int, default=8192, help="tokens of each turn (with --turns)")
     return parser.parse_args()
 
 
@@ -164,6 +172,46 @@ def transformers_row(hf: torch.nn.Module, prompt: torch.Tensor, new: int) -> dic
     return {"decode_tok_s": round(new / (time.perf_counter() - start), 2)}
 
 
+@torch.inference_mode()
+def turn_rows(model: GPT, kv: KVCacheConfig, turns: list[torch.Tensor]) -> list[dict]:
+    """Time to first token of each turn of a conversation: warm (the state saved at the previous turn's end
+    restored, only the turn's tokens prefilled) against cold (the whole conversation so far prefilled from
+    empty caches). Replies are left out: each turn is its tokens."""
+    from litkv.states.state import restore, snapshot
+
+    device, rows, saved, start = turns[0].device, [], None, 0
+    plan = ChunkPlan.of(kv)
+    for k, turn in enumerate(turns):
+        history = torch.cat(turns[: k + 1], dim=1)
+        with model.kv_caches_attached(kv, 1):
+            begin = time.perf_counter()
+            hidden = run_chunks(
+                model, history, torch.arange(history.shape[1], device=device)[None], plan, lm_head=False
+            )
+            model.logits(hidden[:, -1]).argmax(-1)
+            sync(device)
+            cold = time.perf_counter() - begin
+        with model.kv_caches_attached(kv, 1):
+            if saved is not None:
+                restore(model, saved)
+            begin = time.perf_counter()
+            pos = torch.arange(start, start + turn.shape[1], device=device)[None]
+            hidden = run_chunks(model, turn, pos, plan, lm_head=False)
+            model.logits(hidden[:, -1]).argmax(-1)
+            sync(device)
+            warm = time.perf_counter() - begin
+            saved, start = snapshot(model), start + turn.shape[1]
+        rows.append(
+            {
+                "turn": k + 1,
+                "cold_ttft_s": round(cold, 3),
+                "warm_ttft_s": round(warm, 3),
+                "warm_over_cold": round(warm / cold, 3),
+            }
+        )
+    return rows
+
+
 def transformers_model(hf_cfg: dict) -> torch.nn.Module:
     """transformers' model of `hf_cfg` (random weights)."""
     fields = {k: v for k, v in hf_cfg.items() if k != "model_type"}
@@ -197,6 +245,13 @@ def main() -> None:
         hf = transformers_model(hf_cfg).to(device, dtype).eval()
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     print(json.dumps({"device": str(device), "dtype": args.dtype, "params": params, "config": hf_cfg}))
+    if args.turns:
+        turns = [torch.randint(0, args.vocab, (1, args.turn_tokens), device=device) for _ in range(args.turns)]
+        total = args.turns * args.turn_tokens
+        kv = KVCacheConfig("dense", cache_length=total, chunk_size=min(args.chunk, total))
+        for row in turn_rows(models["hybrid"], kv, turns):
+            print(json.dumps({"model": "hybrid", "policy": "dense", **row}), flush=True)
+        return
     for t in args.prompts:
         prompt = torch.randint(0, args.vocab, (1, t), device=device)
         for name, model in models.items():
