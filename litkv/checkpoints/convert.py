@@ -12,6 +12,7 @@ or int4 codes (`litkv.checkpoints.quant_store`), for `litkv convert SRC OUT --qu
 from __future__ import annotations
 
 import shutil
+import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -35,8 +36,9 @@ from litkv.checkpoints.checkpoint import (
     read_json_object,
     save_state_dict_atomic,
 )
-from litkv.checkpoints.quant_store import quantized_tensors
+from litkv.checkpoints.quant_store import quantized_tensors, stored_quant
 from litkv.core.atomic import save_dir_atomic, write_atomic, write_text_atomic
+from litkv.learned.gate import GATES_FILE
 from litkv.modeling.config import Config, HybridConfig
 from litkv.modeling.hf_hybrid import HYBRID_MODEL_TYPES, UNSUPPORTED_RECURRENT, hybrid_config_from_hf, hybrid_state_dict
 from litkv.modeling.model import GPT
@@ -57,6 +59,11 @@ TOKENIZER_FILES = (
 
 def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
+    if not path.is_file() and (hf_dir / CONFIG_FILE).is_file():
+        raise ValueError(
+            f"{str(hf_dir)!r} is a litkv checkpoint already ({CONFIG_FILE}): it loads as it is; to store it "
+            "quantised give --quantize int8 or int4"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} has no config.json")
     return read_json_object(path)
@@ -290,6 +297,17 @@ def quantize_checkpoint(
     config = load_config(src)
     weights_file = find_weights_file(src)
     state_dict = load_state_dict(weights_file)
+    stored = stored_quant(weights_file, list(state_dict)) if weights_file.suffix == ".safetensors" else None
+    if stored is not None:
+        raise ValueError(
+            f"{str(src)!r} is quantised already ({stored.name}); quantise the float checkpoint it was made from"
+        )
+    if (src / GATES_FILE).is_file():
+        warnings.warn(
+            f"{str(src / GATES_FILE)!r} is not copied: the eviction gates were trained for the float weights "
+            "(train gates for the quantised checkpoint with `litkv finetune --learn_eviction true`)",
+            stacklevel=2,
+        )
     check_layer_count(config.n_layer, state_dict, str(src / CONFIG_FILE), "n_layer", repr(str(weights_file)))
     with torch.device("meta"):
         reference = GPT(config)

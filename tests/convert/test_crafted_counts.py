@@ -161,3 +161,25 @@ def test_hf_config_counts(request, tmp_path: Path, which: str, drop: str | None,
         convert_hf_checkpoint(hf_dir, tmp_path / "out")
     assert time.perf_counter() - start < 20
     _one_line(err, str(hf_dir / "config.json"), *words)
+
+
+# -- errors that name what the user gave (issue 47, item 9) -------------------------------------------
+
+
+def test_convert_says_what_the_source_is(ckpt: Path, tmp_path: Path) -> None:
+    """A litkv checkpoint given to convert is said to be one (not "a Hugging Face directory with no
+    config.json"); a quantised one given to --quantize is said to be quantised (not 63 key mismatches);
+    the gates that quantising drops are named in a warning."""
+    with pytest.raises(ValueError) as err:
+        convert_hf_checkpoint(ckpt, tmp_path / "out")
+    _one_line(err, str(ckpt), "is a litkv checkpoint already")
+    quantised = quantize_checkpoint(ckpt, tmp_path / "q8", WeightQuant("int8"))
+    with pytest.raises(ValueError) as err:
+        quantize_checkpoint(quantised, tmp_path / "q8again", WeightQuant("int4"))
+    _one_line(err, str(quantised), "is quantised already (int8)")
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    gated = tmp_path / "gated"
+    make_tiny_checkpoint(gated, gates_seed=0)
+    with pytest.warns(UserWarning, match="eviction_gates.safetensors' is not copied"):
+        quantize_checkpoint(gated, tmp_path / "gated-q8", WeightQuant("int8"))
