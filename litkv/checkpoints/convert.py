@@ -202,6 +202,11 @@ def _check_hf_counts(hf: dict[str, Any], hf_dir: Path) -> None:
     """`config.json`'s counts against their ceilings, its heads against each other and its layer count
     against the layers the safetensors files hold (their headers only), before anything is built."""
     source = str(hf_dir / "config.json")
+    for key in _HF_COUNTS:
+        value = hf.get(key)
+        optional = value is None or (key == "mamba_d_head" and value == "auto")
+        if not optional and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{source}: {key} must be a positive integer, got {value!r:.80}")
     check_ceilings({k: hf[k] for k in _HF_COUNTS if k in hf}, source, _HF_COUNTS)
     n_head, groups = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
     if type(n_head) is int and type(groups) is int and groups > 0 and n_head % groups:

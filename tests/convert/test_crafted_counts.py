@@ -148,6 +148,10 @@ def _edit_hf(hf_dir: Path, tmp_path: Path, drop: str | None = None, **fields: ob
         ("llama", None, {"num_hidden_layers": 3}, ("num_hidden_layers = 3, but", "holds 2 layers")),
         ("llama", None, {"num_key_value_heads": 3}, ("num_key_value_heads (3) must divide",)),
         ("llama", None, {"vocab_size": 10**9}, ("vocab_size",)),
+        ("llama", None, {"num_attention_heads": "4"}, ("num_attention_heads must be a positive integer, got '4'",)),
+        ("llama", None, {"hidden_size": 32.0}, ("hidden_size must be a positive integer, got 32.0",)),
+        ("llama", None, {"max_position_embeddings": 0}, ("max_position_embeddings must be a positive integer",)),
+        ("llama", None, {"num_key_value_heads": 0}, ("num_key_value_heads must be a positive integer, got 0",)),
         ("bamba", None, {"num_hidden_layers": 1_000_000}, ("num_hidden_layers",)),  # still running at 150 s
         ("bamba", None, {"num_hidden_layers": 6}, ("num_hidden_layers = 6, but", "holds 4 layers")),
         ("bamba", None, {"mamba_d_state": 10**6}, ("mamba_d_state",)),
