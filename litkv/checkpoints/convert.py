@@ -37,7 +37,7 @@ from litkv.checkpoints.checkpoint import (
     read_json_object,
     save_state_dict_atomic,
 )
-from litkv.checkpoints.quant_store import quantized_tensors
+from litkv.checkpoints.quant_store import quantized_tensors, stored_quant
 from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.modeling.config import Config, HybridConfig
 from litkv.modeling.hf_hybrid import HYBRID_MODEL_TYPES, UNSUPPORTED_RECURRENT, hybrid_config_from_hf, hybrid_state_dict
@@ -61,6 +61,11 @@ TOKENIZER_FILES = (
 
 def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
+    if not path.is_file() and (hf_dir / CONFIG_FILE).is_file():
+        raise ValueError(
+            f"{str(hf_dir)!r} is a litkv checkpoint already ({CONFIG_FILE}): it loads as it is; to store it "
+            "quantised give --quantize int8 or int4"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} has no config.json")
     return read_json_object(path)
@@ -199,6 +204,11 @@ def _check_hf_counts(hf: dict[str, Any], hf_dir: Path) -> None:
     """`config.json`'s counts against their ceilings, its heads against each other and its layer count
     against the layers the safetensors files hold (their headers only), before anything is built."""
     source = str(hf_dir / "config.json")
+    for key in _HF_COUNTS:
+        value = hf.get(key)
+        optional = value is None or (key == "mamba_d_head" and value == "auto")
+        if not optional and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{source}: {key} must be a positive integer, got {value!r:.80}")
     check_ceilings({k: hf[k] for k in _HF_COUNTS if k in hf}, source, _HF_COUNTS)
     n_head, groups = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
     if type(n_head) is int and type(groups) is int and groups > 0 and n_head % groups:
@@ -309,6 +319,11 @@ def quantize_checkpoint(
     config = load_config(src)
     weights_file = find_weights_file(src)
     state_dict = load_state_dict(weights_file)
+    stored = stored_quant(weights_file, list(state_dict)) if weights_file.suffix == ".safetensors" else None
+    if stored is not None:
+        raise ValueError(
+            f"{str(src)!r} is quantised already ({stored.name}); quantise the float checkpoint it was made from"
+        )
     check_layer_count(config.n_layer, state_dict, str(src / CONFIG_FILE), "n_layer", repr(str(weights_file)))
     with torch.device("meta"):
         reference = GPT(config)

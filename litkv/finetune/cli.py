@@ -208,6 +208,11 @@ def finetune(
             them. Any other non-empty `out_dir` is refused whatever this says.
     """
     _check_mode(mode)
+    if learn_eviction is True and precision is not None:  # an option that would be ignored is refused
+        raise ValueError(
+            f"--precision {precision} does not apply to --learn_eviction true (the gates train in float32 on "
+            "the checkpoint's weights as stored); drop --precision"
+        )
     require_int("num_nodes", num_nodes, 1)
     check_strategy(strategy, devices * num_nodes if is_int(devices) else devices, mode, learn_eviction)
     args = FinetuneArgs(

@@ -148,6 +148,10 @@ def _edit_hf(hf_dir: Path, tmp_path: Path, drop: str | None = None, **fields: ob
         ("llama", None, {"num_hidden_layers": 3}, ("num_hidden_layers = 3, but", "holds 2 layers")),
         ("llama", None, {"num_key_value_heads": 3}, ("num_key_value_heads (3) must divide",)),
         ("llama", None, {"vocab_size": 10**9}, ("vocab_size",)),
+        ("llama", None, {"num_attention_heads": "4"}, ("num_attention_heads must be a positive integer, got '4'",)),
+        ("llama", None, {"hidden_size": 32.0}, ("hidden_size must be a positive integer, got 32.0",)),
+        ("llama", None, {"max_position_embeddings": 0}, ("max_position_embeddings must be a positive integer",)),
+        ("llama", None, {"num_key_value_heads": 0}, ("num_key_value_heads must be a positive integer, got 0",)),
         ("bamba", None, {"num_hidden_layers": 1_000_000}, ("num_hidden_layers",)),  # still running at 150 s
         ("bamba", None, {"num_hidden_layers": 6}, ("num_hidden_layers = 6, but", "holds 4 layers")),
         ("bamba", None, {"mamba_d_state": 10**6}, ("mamba_d_state",)),
@@ -161,3 +165,25 @@ def test_hf_config_counts(request, tmp_path: Path, which: str, drop: str | None,
         convert_hf_checkpoint(hf_dir, tmp_path / "out")
     assert time.perf_counter() - start < 20
     _one_line(err, str(hf_dir / "config.json"), *words)
+
+
+# -- errors that name what the user gave (issue 47, item 9) -------------------------------------------
+
+
+def test_convert_says_what_the_source_is(ckpt: Path, tmp_path: Path) -> None:
+    """A litkv checkpoint given to convert is said to be one (not "a Hugging Face directory with no
+    config.json"); a quantised one given to --quantize is said to be quantised (not 63 key mismatches);
+    the library call leaves the gates behind (the command carries them, tests/convert/test_convert_gates.py)."""
+    with pytest.raises(ValueError) as err:
+        convert_hf_checkpoint(ckpt, tmp_path / "out")
+    _one_line(err, str(ckpt), "is a litkv checkpoint already")
+    quantised = quantize_checkpoint(ckpt, tmp_path / "q8", WeightQuant("int8"))
+    with pytest.raises(ValueError) as err:
+        quantize_checkpoint(quantised, tmp_path / "q8again", WeightQuant("int4"))
+    _one_line(err, str(quantised), "is quantised already (int8)")
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    gated = tmp_path / "gated"
+    make_tiny_checkpoint(gated, gates_seed=0)
+    quantize_checkpoint(gated, tmp_path / "gated-q8", WeightQuant("int8"))  # gates: `litkv convert` carries them
+    assert not (tmp_path / "gated-q8" / "eviction_gates.safetensors").exists()

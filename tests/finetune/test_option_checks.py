@@ -58,6 +58,19 @@ def test_resume_from_a_plain_checkpoint_with_learn_eviction_is_an_error(ckpt: Pa
     assert f"--resume {str(ckpt)!r} is not a gate-training checkpoint: missing ['eviction_gates" in line
 
 
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "32-true"])
+def test_precision_with_learn_eviction_is_refused_not_ignored(ckpt: Path, tmp_path: Path, capsys, precision) -> None:  # noqa: ANN001
+    """Issue 47, item 9: `--precision` with `--learn_eviction` was ignored without a word (gates bit-identical)."""
+    text = write_text(tmp_path / "train.txt", 500)
+    line = one_error(capsys, ["finetune", str(ckpt), "--data.path", str(text), *LEARN, "--precision", precision,
+                              "--out_dir", str(tmp_path / "out")])  # fmt: skip
+    assert line == (
+        f"error: --precision {precision} does not apply to --learn_eviction true (the gates train in float32 on "
+        "the checkpoint's weights as stored); drop --precision"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_nan_loss_stops_gate_training(ckpt: Path) -> None:
     """Examples no longer than the window (nothing to evict: the loss is a mean over nothing)."""
     model = load_model(ckpt)
