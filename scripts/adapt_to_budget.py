@@ -115,7 +115,7 @@ def finetune_argv(
     args: argparse.Namespace, config: dict[str, Any], text: Path, out_dir: Path, dense: bool
 ) -> list[str]:
     """The `litkv finetune` arguments of the recipe (or of its dense control)."""
-    argv = ["--config", str(args.config), "--data.path", str(text), "--out_dir", str(out_dir)]
+    argv = ["--config", str(args.config), "--data.path", str(text), "--out_dir", str(out_dir), "--overwrite", "true"]
     if args.checkpoint_dir is not None:
         argv += ["--checkpoint_dir", str(args.checkpoint_dir)]
     if args.mode is not None:
@@ -155,6 +155,7 @@ def run_evaluate(checkpoint_dir: Path, kv: dict[str, Any], args: argparse.Namesp
         policy_options={kv["policy"]: kv["options"]} if kv.get("options") else None,
         out_dir=out_dir,
         num_threads=args.threads,
+        overwrite=True,  # a rerun replaces this script's own earlier results
     )
     dense, policy = results[0], results[1]
     return {

@@ -86,7 +86,7 @@ def train(text: Path, method: str, args: argparse.Namespace, out: Path) -> tuple
         "--data.seq_length", "1024", "--data.recall_share", str(args.recall_share), "--data.val_fraction", "0",
         "--learn.method", "distill" if method == "lora" else method, "--learn.steps", str(args.steps),
         "--learn.engine", args.engine, "--learn.batch_size", str(args.batch_size), "--out_dir", str(out),
-        *(lora if method == "lora" else []),
+        "--overwrite", "true", *(lora if method == "lora" else []),
     ]  # fmt: skip
     print("litkv finetune " + " ".join(argv), flush=True)
     start = time.perf_counter()
@@ -107,6 +107,7 @@ def run_evaluate(checkpoint: Path, policies: list[str], args: argparse.Namespace
         seed=seed,
         out_dir=out,
         num_threads=args.threads,
+        overwrite=True,  # a rerun replaces this script's own earlier results
     )
 
 

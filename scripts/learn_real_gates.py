@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--data.path", str(text), "--data.seq_length", str(args.seq_length), "--data.val_fraction", "0",
         "--data.recall_share", str(args.recall_share), "--data.recall_format", str(recall_format),
         "--learn.method", "lstsq", "--learn.steps", str(max(1, args.sequences // 2)), "--learn.batch_size", "2",
-        "--out_dir", str(args.out_dir / "lstsq"),
+        "--out_dir", str(args.out_dir / "lstsq"), "--overwrite", "true",
     ]  # fmt: skip
     print("litkv finetune " + " ".join(cli), flush=True)
     start = time.perf_counter()

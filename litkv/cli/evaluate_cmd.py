@@ -23,6 +23,7 @@ from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file, require_int
 from litkv.eval.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
 from litkv.eval.recall import RECALL_FILE, RecallTask
+from litkv.eval.ruler import resolve_tasks
 from litkv.eval.ruler_report import run_ruler
 from litkv.kvcache.registry import known_policies
 from litkv.modeling.config import KVCacheConfig
@@ -110,9 +111,9 @@ def evaluate(
             other non-empty directory is refused whatever this says.
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
-    check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
     if tasks is not None:
         require_int("--task_samples", task_samples, 1)
+        resolve_tasks(tasks)  # an unknown name is named before the output directory is
         ruler_settings = {
             "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
             "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
@@ -120,11 +121,13 @@ def evaluate(
             "num_threads": num_threads, "quantize": quantize, "chat_template": chat_template,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
+        check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
         return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
     policy_options = _nest_policy_options(policy_options)
     for name, value in (("recall_cases", recall_cases), ("multikey_cases", multikey_cases)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0 (0: skip that task), got {value!r}")
+    check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
     settings = {
         "policies": _resolve_policies(policies),
         "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),

@@ -39,7 +39,7 @@ from litkv.checkpoints.checkpoint import (
     save_state_dict_atomic,
 )
 from litkv.checkpoints.convert import convert_hf_checkpoint
-from litkv.core.atomic import save_dir_atomic, write_atomic
+from litkv.core.atomic import mark_output_dir, save_dir_atomic, write_atomic
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs, read_json_records
 from litkv.finetune.state import STATE_FILE, TrainingState, load_training_state
@@ -450,6 +450,7 @@ def test_finetune_and_resume_remove_stale_temp_files(tmp_path: Path, recwarn: py
     make_tiny_checkpoint(ckpt)
     out = tmp_path / "out"
     (out / "step-000001").mkdir(parents=True)
+    mark_output_dir(out, "finetune")  # an earlier, killed run's directory (its own: --overwrite starts anew)
     first = [out / f"{TMP_PREFIX}step-000003.00000000", out / "step-000001" / f"{TMP_PREFIX}x.11111111"]
     for path in first:
         path.write_bytes(b"\0" * 64)
@@ -462,7 +463,7 @@ def test_finetune_and_resume_remove_stale_temp_files(tmp_path: Path, recwarn: py
     from litkv.finetune.loop import EvalArgs, TrainArgs
 
     train = TrainArgs(max_steps=2, global_batch_size=1, warmup_steps=0, save_interval=1)
-    finetune(ckpt, train=train, eval=EvalArgs(interval=100), **args)
+    finetune(ckpt, train=train, eval=EvalArgs(interval=100), overwrite=True, **args)
     assert not any(path.exists() for path in first)
     assert any("removed 2 temporary file" in str(w.message) for w in recwarn)
     assert not [p for p in out.rglob("*") if p.name.startswith(TMP_PREFIX)]
