@@ -5,7 +5,7 @@ Random weights (LM head tied to the embedding, as in SmolLM2), float32 on CPU, w
 formats by `litkv.eval.peers.prepare_weights` so that the `transformers` row (`hf-dynamic`:
 `LlamaForCausalLM`, its default `DynamicCache`, not compiled) runs on the same weights; a preset that
 is not Llama-family (or `--no-hf`) runs without it. For each configuration (batch x prompt length)
-every (mode, policy) generation runs `litkv.inference.generate` on the same prompts (greedy) with streamed steps
+every (mode, policy) generation runs `litkv.generate` on the same prompts (greedy) with streamed steps
 timed: prefill is the time to the first token; decode tokens/s is `batch x steps` over the steps' time;
 end-to-end is prefill plus every step. `compiled` is `generate(..., compile=True)` after one untimed
 warm-up call with the same shapes (it compiles the decode step; the prefill is not compiled). All the
@@ -284,7 +284,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], 
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     if "compiled" in modes and "compile" not in inspect.signature(generate).parameters:
-        raise ValueError("--modes compiled: litkv.inference.generate has no compile option in this version")
+        raise ValueError("--modes compiled: litkv.generate has no compile option in this version")
     plan = {m: compiled if m == "compiled" else policies for m in MODES if m in modes}
     return configs, {m: p for m, p in plan.items() if p}
 

@@ -201,7 +201,7 @@ def _time_litkv(
     from litkv.modeling.quant_weights import parse_quantize, quantize_model
 
     if compile and not _litkv_compile_available():
-        raise PeerUnavailable("not available: litkv.inference.generate has no compile option in this version")
+        raise PeerUnavailable("not available: litkv.generate has no compile option in this version")
     model = quantize_model(load_lit(model_name, lit_dir, GPT), parse_quantize(quantize))
     cfg = KVCacheConfig(cache_length=prompt.numel() + new, chunk_size=min(chunk, prompt.numel() + new))
     options = {"compile": True} if compile else {}

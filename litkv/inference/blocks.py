@@ -421,7 +421,7 @@ def generate_segments(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """`litkv.inference.generate` for one prompt given as segments (blocks spliced from `store`): the new tokens `(m,)`.
+    """`litkv.generate` for one prompt given as segments (blocks spliced from `store`): the new tokens `(m,)`.
 
     Arguments as `generate` and `prefill_segments`.
     """

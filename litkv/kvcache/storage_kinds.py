@@ -15,7 +15,6 @@ from litkv.core.names import NameRegistry
 from litkv.kvcache.storage import CacheShape, FloatStorage, KVStorage
 
 __all__ = [
-    "STORAGE_KINDS",
     "StorageFactory",
     "check_storage_name",
     "known_storages",
@@ -28,9 +27,6 @@ StorageFactory = Callable[[CacheShape, "torch.device | None", torch.dtype, int],
 
 _BUILTIN_MODULES = ("litkv.kvcache.quantized",)
 _STORAGES: NameRegistry[StorageFactory] = NameRegistry("storage", _BUILTIN_MODULES)
-
-#: The built-in formats (`known_storages()` lists registered ones too).
-STORAGE_KINDS = ("float", "int8", "int4")
 
 
 def register_storage(name: str) -> Callable[[StorageFactory], StorageFactory]:

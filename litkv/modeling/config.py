@@ -13,7 +13,6 @@ from typing import Any
 from litgpt.config import Config
 
 from litkv.kvcache.config import DEFAULT_CHUNK_SIZE, KVCacheConfig
-from litkv.kvcache.storage_kinds import STORAGE_KINDS
 
 __all__ = [
     "ATTENTION",
@@ -23,7 +22,6 @@ __all__ = [
     "KVCacheConfig",
     "LAYER_KINDS",
     "MAMBA2",
-    "STORAGE_KINDS",
     "config_from_dict",
     "layer_kinds",
 ]

@@ -64,7 +64,7 @@ def procs(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     """All `python -m litkv` subprocesses of this file, started at once so that their imports overlap."""
     work = tmp_path_factory.mktemp("cli")
     _make_hf_llama(work / "hf")
-    text = str(REPO / "litkv" / "model.py")
+    text = str(REPO / "litkv" / "modeling" / "model.py")
     commands = {
         "generate": ("generate", str(ckpt), *GEN_ARGS, "--max_new_tokens", "40", "--temperature", "0"),
         "bad_input": ("generate", str(work / "nope"), "--kv-cache", "h2o"),

@@ -245,7 +245,7 @@ def test_lora_run_writes_loadable_checkpoints(ckpt, tmp_path):
     assert len(adapters) == 2 * 4 * 2  # (A, B) x (qkv, fc_1, fc_2, proj) x 2 layers
     # `litkv generate` can load and run the final checkpoint.
     model = load_model(final)
-    tokens = litkv.inference.generate(
+    tokens = litkv.generate(
         model, [torch.tensor([3, 4, 5])], 4, KVCacheConfig(policy="h2o", cache_length=8, chunk_size=4)
     )
     assert tokens[0].numel() == 4

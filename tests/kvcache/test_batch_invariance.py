@@ -24,9 +24,10 @@ from helpers import attach_random_gates
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
+from litkv.kvcache.storage_kinds import known_storages
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
-STORAGES = ("float", "int8", "int4")
+STORAGES = tuple(known_storages())  # every registered format, built-ins included
 CACHE = 80  # default chunk: min(256, 80) = 80
 LENGTHS = (45, 110, 177)  # the two longer ones evict during the prefill
 NEW = 10

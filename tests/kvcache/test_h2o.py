@@ -158,7 +158,7 @@ def test_h2o_generates_with_eviction() -> None:
     prompts = [torch.randint(0, 96, (30,)), torch.randint(0, 96, (21,))]
     caches = []
     config = KVCacheConfig("h2o", cache_length=8, chunk_size=3, options=dict(sinks=1))
-    out = litkv.inference.generate(model, prompts, 10, config, on_tokens=lambda _: caches.append(model.kv_caches))
+    out = litkv.generate(model, prompts, 10, config, on_tokens=lambda _: caches.append(model.kv_caches))
     assert [len(o) for o in out] == [10, 10]
     last_fed = torch.tensor([30 + 9 - 1, 21 + 9 - 1])  # the 10th new token is never fed back
     for cache in caches[-1]:

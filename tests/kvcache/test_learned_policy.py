@@ -23,6 +23,7 @@ from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncat
 from litkv.checkpoints.checkpoint import load_model, save_gates
 from litkv.kvcache.learned import NO_GATES, LearnedKVCache
 from litkv.kvcache.storage import CacheShape
+from litkv.kvcache.storage_kinds import known_storages
 from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
 
 B = 2
@@ -120,7 +121,7 @@ def _check_against_oracle(threshold: float | None, stats: dict[str, int]) -> Che
 # -- (a), (b), (f): the kept sets and the carried logits against the oracle -------------------------
 
 
-@pytest.mark.parametrize("storage", ["float", "int8", "int4"])
+@pytest.mark.parametrize("storage", known_storages())
 @torch.inference_mode()
 def test_kept_sets_and_carried_logits_equal_a_float64_oracle(model: GPT, storage: str) -> None:
     """After every call (fill, prefill chunks, one-token steps), per (layer, row, KV head): held positions

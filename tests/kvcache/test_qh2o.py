@@ -133,5 +133,5 @@ def test_qh2o_generates() -> None:
     model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
     prompts = [torch.randint(0, 96, (25,)), torch.randint(0, 96, (9,))]
     config = KVCacheConfig("qh2o", cache_length=8, chunk_size=4, storage="int8", options=dict(sinks=1))
-    out = litkv.inference.generate(model, prompts, 6, config)
+    out = litkv.generate(model, prompts, 6, config)
     assert [len(o) for o in out] == [6, 6]

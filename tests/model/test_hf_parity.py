@@ -3,7 +3,7 @@
 For each family a HF config and a shrunk LitGPT preset describe the same architecture; the HF model is
 re-initialised with well-spread random weights, converted with `litgpt.scripts.convert_hf_checkpoint`,
 and loaded into `litkv.GPT`. Logits (one-shot and chunked through a dense cache) must match HF's
-eager implementation, and 32 greedy tokens from `litkv.inference.generate` must equal HF's `generate`.
+eager implementation, and 32 greedy tokens from `litkv.generate` must equal HF's `generate`.
 
 Both run in float32 (HF's norms and RoPE cast to float32 even in a float64 model): logits are
 compared within `rounding_bound`, and the greedy tokens only where no two logits are that close.

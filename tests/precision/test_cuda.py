@@ -13,6 +13,7 @@ from half import LOGIT_EPS, half_bound, half_pair
 from helpers import max_diff, random_tokens
 
 from litkv import KVCacheConfig, forward_chunked, generate
+from litkv.kvcache.storage_kinds import known_storages
 from litkv.modeling.attention import attend, build_mask
 
 pytestmark = [
@@ -83,7 +84,7 @@ def test_compiled_decode_on_gpu_gives_eager_tokens() -> None:
     assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
 
 
-@pytest.mark.parametrize("storage", ["float", "int8", "int4"])
+@pytest.mark.parametrize("storage", known_storages())
 def test_gpu_memory_of_the_caches_is_their_nbytes(storage: str) -> None:
     """Building the caches of a 4,096-slot, batch-4 run allocates their `nbytes` (`KVCaches.nbytes` sums
     them; the staging room of one slot per row and head, positions and per-slot state come on top: within

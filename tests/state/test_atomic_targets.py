@@ -154,7 +154,9 @@ def _as_nobody(work: Path) -> None:
     os.chown(work / "real", 65534, 65534)
     python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
     argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", NOBODY_SCRIPT]
-    done = subprocess.run([*argv, str(REPO / "litkv" / "atomic.py"), str(work)], capture_output=True, text=True)
+    done = subprocess.run(
+        [*argv, str(REPO / "litkv" / "core" / "atomic.py"), str(work)], capture_output=True, text=True
+    )
     if done.returncode != 0 and "Permission denied" in done.stderr and python == sys.executable:
         pytest.skip(f"nobody cannot run {python}")
     assert done.returncode == 0, done.stderr

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import litkv
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
+from litkv.kvcache.storage_kinds import known_storages
 from litkv.states.state import CacheState, restore, snapshot
 from litkv.states.undo import truncate
 
@@ -68,7 +69,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
         "cache_length": draw(_mostly(st.integers(1, 48), st.sampled_from([-1, 0, 4.5, True]))),
         "chunk_size": draw(_mostly(st.one_of(st.none(), st.integers(1, 16)), st.integers(-1, 60))),
         "prefill_length": draw(_mostly(st.one_of(st.none(), st.integers(1, 16)), st.integers(0, 60))),
-        "storage": draw(_mostly(st.sampled_from(["float", "int8", "int4"]), st.just("int3"))),
+        "storage": draw(_mostly(st.sampled_from(known_storages()), st.just("int3"))),
         "quant_group_size": draw(_mostly(st.sampled_from([16, 8]), st.sampled_from([64, 0, 5]))),
         "options": draw(_mostly(st.just({}), OPTIONS)),
     }

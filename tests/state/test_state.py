@@ -20,11 +20,12 @@ from helpers import attach_random_gates, random_gpt, tiny_config
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
 from litkv.kvcache import KVCache, SlotState, get_kv_cache_class, known_policies
 from litkv.kvcache.h2o import H2OKVCache
+from litkv.kvcache.storage_kinds import known_storages
 
 # the built-in policies (other test modules may register examples; a custom policy is tested below)
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
 CUSTOM = "test_state:DeclaredStateKVCache"  # by path: registering it would add it to every test's policy list
-STORAGES = ("float", "int8", "int4")
+STORAGES = tuple(known_storages())  # every registered format, built-ins included
 B = 2
 
 
