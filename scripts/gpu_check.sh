@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One command for a machine with a CUDA GPU (issue 44's check; section limits 60 + 90 + 95 + 130 s, the import
-# check itself takes seconds): whether litkv imports, the tests marked `cuda` (quick ones), then
+# One command for a machine with a CUDA GPU (issue 44's check; section limits 60 + 90 + 95 + 130 s, the
+# import check itself takes seconds): whether litkv imports, the tests marked `cuda` (quick ones), then
 # scripts/gpu_bench.py for SmolLM2-135M's and Llama-3.2-1B's shapes (random weights, bf16): decode against
-# transformers' dynamic and static caches at 4,096 tokens, the policy table at 32,768 tokens with 4,096 slots at batch 1 and 8, and the targets' ratios. Each section runs under its own time
-# limit and reports its time; the report (markdown) is written to a file and printed at the end.
+# transformers' dynamic and static caches at 4,096 tokens, the policy table at 32,768 tokens with 4,096
+# slots at batch 1 and 8, and the targets' ratios. Each section runs under its own time limit and reports
+# its time; the report (markdown) is written to a file and printed at the end.
 #
 #   scripts/gpu_check.sh [REPORT]              # default REPORT: gpu_report.md
 #   scripts/gpu_check.sh --dry-run [REPORT]    # the same steps on the CPU, small (cuda tests skip, the bench
