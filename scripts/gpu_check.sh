@@ -92,7 +92,7 @@ if [ "$DEVICE" = "cuda" ]; then
     section "Llama-3.2-1B shape: decode, policies, targets" 130 "$PY" scripts/gpu_bench.py --model Llama-3.2-1B "${common[@]}"
 else
     for model in SmolLM2-135M Llama-3.2-1B; do
-        section "$model shape (CPU dry run)" 300 "$PY" scripts/gpu_bench.py --model "$model" --device cpu --dtype bf16 --quick --no-compile
+        section "$model shape (CPU dry run)" 900 "$PY" scripts/gpu_bench.py --model "$model" --device cpu --dtype bf16 --quick --no-compile
     done
 fi
 
