@@ -108,6 +108,8 @@ class KVCaches:
     def static_shapes(self, value: bool) -> None:
         for cache in self.policy_caches:
             cache.static_shapes = value
+        for recurrent in self.recurrent_caches:
+            recurrent.in_place = value
 
     def advance(self, num_new: int) -> None:
         """Count `num_new` tokens per row in every layer's host counter (after a compiled step)."""
@@ -115,12 +117,14 @@ class KVCaches:
             cache.advance(num_new)
 
     def mark_static_addresses(self) -> None:
-        """Tell `torch.compile` that the caches' tensors keep their addresses from step to step (every
-        tensor attribute of each layer cache and its storage, and `last_pos`): a CUDA graph then reads and
-        writes them where they are instead of copying them in before each replay, and allows the in-place
-        writes. No guard on the address: other caches (another `generate` call) re-record the graph, they do
-        not recompile the step. Compiled steps keep the addresses (`static_shapes`: state updated in place)."""
+        """Tell `torch.compile` that the caches' tensors keep their addresses from step to step (every tensor
+        attribute of each layer cache and its storage, the recurrent states, and `last_pos`): a CUDA graph then
+        reads and writes them where they are instead of copying them in before each replay, and allows the
+        in-place writes. No guard on the address: other caches (another `generate` call) re-record the graph,
+        they do not recompile the step. Compiled steps keep the addresses (`static_shapes`: state updated in
+        place)."""
         tensors: list[torch.Tensor] = [] if self.last_pos is None else [self.last_pos]
+        tensors += [t for recurrent in self.recurrent_caches for t in (recurrent.conv, recurrent.ssm)]
         for cache in self.policy_caches:
             for holder in (cache, cache.storage):
                 for value in vars(holder).values():

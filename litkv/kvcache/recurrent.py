@@ -93,6 +93,8 @@ class RecurrentCache:
         sizes = shape.tensor_shapes()
         self.conv = torch.zeros(sizes["conv"], device=device, dtype=dtype)
         self.ssm = torch.zeros(sizes["ssm"], device=device, dtype=dtype)
+        # compiled decode steps (`KVCaches.static_shapes`): `update` writes in place, the addresses stay fixed
+        self.in_place = False
 
     @property
     def batch_size(self) -> int:
@@ -114,7 +116,11 @@ class RecurrentCache:
                 f"recurrent state shapes {tuple(self.conv.shape)}, {tuple(self.ssm.shape)} expected, "
                 f"got {tuple(conv.shape)}, {tuple(ssm.shape)}"
             )
-        self.conv, self.ssm = conv, ssm
+        if self.in_place and conv.dtype == self.conv.dtype and ssm.dtype == self.ssm.dtype:
+            self.conv.copy_(conv)
+            self.ssm.copy_(ssm)
+        else:
+            self.conv, self.ssm = conv, ssm
 
     def nbytes(self) -> int:
         """Bytes of the state (constant in the sequence length)."""

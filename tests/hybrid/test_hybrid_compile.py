@@ -1,5 +1,6 @@
 """Compiled decode of a hybrid model: one graph, no graph break, no recompilation across steps and
-generate calls, the eager path's greedy tokens (dynamo's "eager" backend decides breaks and recompiles)."""
+generate calls, the recurrent states at fixed addresses over the compiled steps, the eager path's greedy tokens
+(dynamo's "eager" backend decides breaks and recompiles)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ def test_compiled_decode_one_graph_eager_tokens(policy: str) -> None:
     counters.clear()
     try:
         model.compiled_decode_step(backend="eager")
-        first = generate(model, prompts, 40, kv, compile=True)
+        addresses: list[list[int]] = []
+
+        def record(_: torch.Tensor) -> None:  # the recurrent states keep their addresses (CUDA graph replay)
+            addresses.append([t.data_ptr() for c in model.caches.recurrent_caches for t in (c.conv, c.ssm)])
+
+        first = generate(model, prompts, 40, kv, compile=True, on_tokens=record)
+        assert len(addresses) == 40 and addresses[1] and all(a == addresses[1] for a in addresses[2:])
         second = generate(model, prompts, 40, kv, compile=True)
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from litkv import GPT, KVCacheConfig, generate
+from litkv.kvcache.storage_kinds import known_storages
 
 POLICIES = ["dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention"]
 POLICIES += ["learned"]
@@ -48,7 +49,7 @@ def _fresh_dynamo() -> Iterator[None]:
         torch._dynamo.reset()
 
 
-STORAGES = ["float", "int8", "int4"]
+STORAGES = known_storages()  # float, int4, int8
 
 
 def _cache_addresses(model: GPT) -> dict[str, int]:

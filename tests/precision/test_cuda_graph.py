@@ -126,3 +126,23 @@ def test_causal_suffix_on_gpu_takes_no_math_kernel() -> None:
     names = {e.key for e in prof.key_averages()}
     assert any("flash" in n or "efficient" in n for n in names), sorted(names)
     assert not any("_math" in n for n in names), sorted(names)
+
+
+def test_decode_attention_on_gpu_takes_no_math_kernel() -> None:
+    """A bf16 decode step's attention (one query per row over 4,096 slots, some empty: the folded boolean mask
+    `(B, G, q_per_kv, S)`) runs SDPA's memory-efficient kernel, not the math one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from litkv.modeling.attention import attend, build_mask
+
+    q = torch.randn(2, 32, 1, 64, device=CUDA, dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 4097, 64, device=CUDA, dtype=torch.bfloat16)
+    k_pos = torch.arange(4097, device=CUDA).expand(2, 8, 4097).clone()
+    k_pos[1, :, :100] = -1  # empty slots in one row
+    mask = build_mask(torch.full((2, 1), 5000, device=CUDA), k_pos)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y, _ = attend(q, k, k, mask, 0.125)
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    assert not any("_math" in n for n in names), sorted(names)
+    assert y.shape == (2, 1, 32 * 64)
