@@ -513,7 +513,7 @@ class CausalSelfAttention(nn.Module):
                 # window is not: positions may skip)
                 y = self._attend_full(q, keys, values, softcap)
                 weights = None
-            elif no_pads and self._suffix_causal(cache, keys, k_pos, softcap):
+            elif no_pads and self._suffix_causal(cache, keys, k_pos, input_pos, softcap):
                 # the chunk's queries are its keys, after cached slots that are all filled: no mask needed
                 y, weights = attend_causal_suffix(q, keys, values, self.scale), None
             else:
@@ -546,12 +546,27 @@ class CausalSelfAttention(nn.Module):
         k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
         return q, k, v
 
-    def _suffix_causal(self, cache: KVCache, keys: object, k_pos: torch.Tensor, softcap: float | None) -> bool:
+    def _suffix_causal(
+        self, cache: KVCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, softcap: float | None
+    ) -> bool:
         """Whether a call without pads may take `attend_causal_suffix`: no attention weights asked, no soft-capping
-        or sliding window, keys as tensors (not packed codes), and every cached slot filled (one host read)."""
+        or sliding window, keys as tensors (not packed codes), the call's own keys the last `T` slots in the
+        order of its increasing positions, and every earlier slot filled and earlier than the call's first
+        position (one host read). A spliced or selectively recomputed call (positions out of slot order) is not.
+
+        Args:
+            k_pos: the slots' positions `(B, G, S)` (`-1`: empty); `input_pos`: the call's positions `(B, T)`.
+        """
         if cache.needs_attn_weights or softcap is not None or self.window is not None:
             return False
-        return isinstance(keys, torch.Tensor) and bool((k_pos >= 0).all())
+        t = input_pos.shape[-1]
+        if not isinstance(keys, torch.Tensor) or k_pos.shape[-1] < t:
+            return False
+        own = (k_pos[..., -t:] == input_pos[:, None, :]).all()
+        before = k_pos[..., :-t]
+        earlier = ((before >= 0) & (before < input_pos[:, None, :1])).all()
+        increasing = (input_pos.diff(dim=-1) > 0).all()
+        return bool(own & earlier & increasing)
 
     def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
         """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""
