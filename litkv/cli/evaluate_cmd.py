@@ -22,6 +22,7 @@ from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, w
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file, require_int
 from litkv.eval.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
+from litkv.eval.oneshot import KVZIP
 from litkv.eval.recall import RECALL_FILE, RecallTask
 from litkv.eval.ruler import resolve_tasks
 from litkv.eval.ruler_report import run_ruler
@@ -129,7 +130,7 @@ def evaluate(
             raise ValueError(f"{name} must be an int >= 0 (0: skip that task), got {value!r}")
     check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
     settings = {
-        "policies": _resolve_policies(policies),
+        "policies": _resolve_policies(policies, continuous=True),
         "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),
     }
     model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
@@ -209,12 +210,14 @@ def _dashed(policy: str) -> str:
     return dashed if policy not in known and dashed in known else policy
 
 
-def _resolve_policies(policies: list[str] | str | None) -> list[str]:
-    """The default list, every registered policy for "all", a single name, or the list as given."""
+def _resolve_policies(policies: list[str] | str | None, continuous: bool = False) -> list[str]:
+    """The default list, every registered policy for "all" (with `continuous`, for the perplexity and recall
+    run where every policy evicts continuously: all but `kvzip`, which compresses once after a
+    reconstruction pass and runs on RULER tasks), a single name, or the list as given."""
     if policies is None:
         return list(DEFAULT_POLICIES)
     if policies == ALL:
-        return known_policies()
+        return [p for p in known_policies() if not (continuous and p == KVZIP)]
     if isinstance(policies, str):
         return [policies]
     if ALL in policies:

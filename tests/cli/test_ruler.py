@@ -229,6 +229,6 @@ def test_tasks_without_a_text_need_no_text_file(ckpt: Path, tmp_path: Path, caps
     assert [needs_text(name) for name in TASKS] == [name not in ("niah_single_1", "fwe") for name in TASKS]
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        main([*argv[:3], "niah_single_1,vt", *argv[4:]])
+        main([*argv[:3], "niah_single_1,vt", *argv[4:-1], str(tmp_path / "out2")])
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: RULER task(s) vt draw their haystack from a text") and "--text_file" in err
