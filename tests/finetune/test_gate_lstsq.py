@@ -149,6 +149,6 @@ def test_finetune_lstsq_writes_loadable_gates_and_refuses_checkpoints(tmp_path):
     assert model.eviction_gates is not None and model.eviction_gates.window == 8
     assert model.eviction_gates.weight.abs().max() > 0
     with pytest.raises(ValueError, match="checkpoint_interval must be 0, got 5"):
-        jsonargparse.CLI(finetune, args=argv + ["--learn.checkpoint_interval", "5"])
+        jsonargparse.CLI(finetune, args=argv + ["--overwrite", "true", "--learn.checkpoint_interval", "5"])
     with pytest.raises(ValueError, match="cannot --resume"):
-        jsonargparse.CLI(finetune, args=argv + ["--resume", str(final)])
+        jsonargparse.CLI(finetune, args=argv + ["--overwrite", "true", "--resume", str(final)])
