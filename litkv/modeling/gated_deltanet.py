@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from litkv.kvcache.recurrent import RecurrentCache, RecurrentShape
 from litkv.modeling.config import HybridConfig
-from litkv.modeling.mamba2 import causal_conv
+from litkv.modeling.mamba2 import causal_conv, in_call_order, real_tokens_first, recurrent_forward
 
 __all__ = ["GatedDeltaNet", "HeadGatedRMSNorm", "delta_rule_scan", "delta_rule_step", "gdn_recurrent_shape"]
 
@@ -166,17 +166,7 @@ class GatedDeltaNet(nn.Module):
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `input_pos` `None`: the whole sequence from a zero
         state, no cache; else `(B, T)` positions (`-1`: pad) through the layer's `RecurrentCache`.
         `cos`, `sin`, `no_pads`, `evict_later` are the attention's arguments, unused here."""
-        if input_pos is None:
-            b, t = x.shape[:2]
-            sizes = gdn_recurrent_shape(self.config, b).tensor_shapes()
-            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
-            return self.mix(x, valid, x.new_zeros(sizes["conv"]), x.new_zeros(sizes["ssm"]), compact=False)[0]
-        cache = self.kv_cache
-        if cache is None:
-            raise ValueError(f"layer {self.block_idx} has no recurrent cache: call set_kv_caches() first")
-        y, window, state = self.mix(x, input_pos >= 0, cache.conv, cache.ssm, compact=True)
-        cache.update(window, state)
-        return y
+        return recurrent_forward(self, x, input_pos, lambda b: gdn_recurrent_shape(self.config, b))
 
     def mix(
         self, x: torch.Tensor, valid: torch.Tensor, window: torch.Tensor, state: torch.Tensor, compact: bool
@@ -191,9 +181,7 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         order = None
         if compact and t > 1:
-            order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # real tokens first
-            x = x.gather(1, order[:, :, None].expand(-1, -1, x.shape[2]))
-            valid = valid.gather(1, order)
+            x, valid, order = real_tokens_first(x, valid)
         mixed, new_window = causal_conv(self.in_proj_qkv(x), window, self.conv1d.weight, None, valid.sum(dim=1))
         q, k, v = F.silu(mixed).split((c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim), dim=-1)
         repeat = c.gdn_n_v_heads // c.gdn_n_k_heads
@@ -214,5 +202,5 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(b, t, c.gdn_n_v_heads, c.gdn_v_head_dim)
         y = self.out_proj(self.norm(out.to(x.dtype), z).reshape(b, t, c.gdn_value_dim))
         if order is not None:
-            y = y.gather(1, torch.argsort(order, dim=1)[:, :, None].expand(-1, -1, y.shape[2]))
+            y = in_call_order(y, order)
         return y, new_window, new_state.to(state.dtype)

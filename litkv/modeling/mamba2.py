@@ -19,6 +19,8 @@ after the row's last real token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,7 +28,17 @@ import torch.nn.functional as F
 from litkv.kvcache.recurrent import RecurrentCache, RecurrentShape
 from litkv.modeling.config import HybridConfig
 
-__all__ = ["GatedRMSNorm", "Mamba2Mixer", "causal_conv", "recurrent_shape", "ssd_scan", "ssd_step"]
+__all__ = [
+    "GatedRMSNorm",
+    "Mamba2Mixer",
+    "causal_conv",
+    "in_call_order",
+    "real_tokens_first",
+    "recurrent_forward",
+    "recurrent_shape",
+    "ssd_scan",
+    "ssd_step",
+]
 
 
 def ssd_scan(
@@ -100,6 +112,37 @@ def causal_conv(
     return out, new_window
 
 
+def real_tokens_first(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's real tokens gathered to the front in their order, pads after: `x` `(B, T, C)` and `valid`
+    `(B, T)` gathered, and the order `(B, T)` that `in_call_order` undoes."""
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    return x.gather(1, order[:, :, None].expand(-1, -1, x.shape[2])), valid.gather(1, order), order
+
+
+def in_call_order(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`y` `(B, T, C)` computed on `real_tokens_first`'s gathered tokens, back in the call's order."""
+    return y.gather(1, torch.argsort(order, dim=1)[:, :, None].expand(-1, -1, y.shape[2]))
+
+
+def recurrent_forward(
+    mixer: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None, shape: Callable[[int], RecurrentShape]
+) -> torch.Tensor:
+    """A recurrent mixer's (Mamba-2, Gated DeltaNet) forward: `x` `(B, T, n_embd)` -> `(B, T, n_embd)`.
+    `input_pos` `None`: the whole sequence from a zero state (`shape(B)` sizes it), no cache; else `(B, T)`
+    positions (`-1`: pad) through the mixer's `RecurrentCache`, updated with the state after the call."""
+    if input_pos is None:
+        b, t = x.shape[:2]
+        sizes = shape(b).tensor_shapes()
+        valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
+        return mixer.mix(x, valid, x.new_zeros(sizes["conv"]), x.new_zeros(sizes["ssm"]), compact=False)[0]
+    cache = mixer.kv_cache
+    if cache is None:
+        raise ValueError(f"layer {mixer.block_idx} has no recurrent cache: call set_kv_caches() first")
+    y, window, state = mixer.mix(x, input_pos >= 0, cache.conv, cache.ssm, compact=True)
+    cache.update(window, state)
+    return y
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of `y * silu(z)` over the last dimension (float32 inside, as Bamba's), times `weight`."""
 
@@ -159,20 +202,7 @@ class Mamba2Mixer(nn.Module):
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `input_pos` `None`: the whole sequence from a zero
         state, no cache; else `(B, T)` positions (`-1`: pad) through the layer's `RecurrentCache`.
         `cos`, `sin`, `no_pads`, `evict_later` are the attention's arguments, unused here."""
-        if input_pos is None:
-            b, t = x.shape[:2]
-            shape = recurrent_shape(self.config, b)
-            sizes = shape.tensor_shapes()
-            window = x.new_zeros(sizes["conv"])
-            state = x.new_zeros(sizes["ssm"])
-            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
-            return self.mix(x, valid, window, state, compact=False)[0]
-        cache = self.kv_cache
-        if cache is None:
-            raise ValueError(f"layer {self.block_idx} has no recurrent cache: call set_kv_caches() first")
-        y, window, state = self.mix(x, input_pos >= 0, cache.conv, cache.ssm, compact=True)
-        cache.update(window, state)
-        return y
+        return recurrent_forward(self, x, input_pos, lambda b: recurrent_shape(self.config, b))
 
     def mix(
         self, x: torch.Tensor, valid: torch.Tensor, window: torch.Tensor, state: torch.Tensor, compact: bool
@@ -187,9 +217,7 @@ class Mamba2Mixer(nn.Module):
         b, t, _ = x.shape
         order = None
         if compact and t > 1:
-            order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # real tokens first
-            x = x.gather(1, order[:, :, None].expand(-1, -1, x.shape[2]))
-            valid = valid.gather(1, order)
+            x, valid, order = real_tokens_first(x, valid)
         ends = valid.sum(dim=1)
         z, xbc, dt = self.in_proj(x).split((c.mamba_inner, c.mamba_conv_dim, c.mamba_n_heads), dim=-1)
         xbc, new_window = causal_conv(xbc, window, self.conv1d.weight, self.conv1d.bias, ends)
@@ -209,5 +237,5 @@ class Mamba2Mixer(nn.Module):
         y = (y + self.D[:, None] * xs).reshape(b, t, c.mamba_inner)
         y = self.out_proj(self.norm(y, z))
         if order is not None:
-            y = y.gather(1, torch.argsort(order, dim=1)[:, :, None].expand(-1, -1, y.shape[2]))
+            y = in_call_order(y, order)
         return y, new_window, new_state
