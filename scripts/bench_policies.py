@@ -62,7 +62,7 @@ import torch
 from litkv import GPT, Config, KVCacheConfig, generate
 from litkv.eval.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
 from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
-from litkv.learned import EvictionGates
+from litkv.gates import EvictionGates
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside its report module
 from policy_report import HF, MODES, PolicyRun, e2e_lines, evaluate_targets, format_table, format_targets  # noqa: E402

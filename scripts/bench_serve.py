@@ -205,12 +205,12 @@ def count_retokenize(args: argparse.Namespace) -> None:
     from litkv.checkpoints.checkpoint import load_model, load_tokenizer
     from litkv.inference.chat_template import load_format
     from litkv.modeling.config import KVCacheConfig
-    from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+    from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.checkpoint), load_tokenizer(args.checkpoint)
     kv = KVCacheConfig(policy=args.policy, cache_length=args.cache_length)
-    store = StateStore(0, model=model, kv_cache=kv)
+    store = ConversationStore(0, model=model, kv_cache=kv)
     fmt = load_format(args.checkpoint, tok, None)
     engine = Engine(model, tok, kv, store, fmt=fmt, stop_at_newline=False, max_batch=1)
     counts: dict[str, list[int]] = {}

@@ -41,7 +41,7 @@ import torch
 import litkv
 from litkv.eval.bandwidth import kv_bytes_per_token, weight_bytes
 from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
-from litkv.learned.gate import EvictionGates
+from litkv.gates.gate import EvictionGates
 from litkv.modeling.config import KVCacheConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

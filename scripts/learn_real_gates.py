@@ -30,7 +30,7 @@ from litkv.checkpoints.checkpoint import default_checkpoint_dir
 from litkv.checkpoints.download import SHIPPED_GATES
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.finetune.cli import finetune
-from litkv.learned.gate import GATES_FILE
+from litkv.gates.gate import GATES_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "smollm2-135m-instruct"

@@ -56,8 +56,8 @@ def one(engine: str, length: int, cache_length: int, chunk: int, threads: int, b
 
     from litkv.checkpoints.checkpoint import load_model
     from litkv.cli.common import resolve_checkpoint_dir
-    from litkv.finetune.gates import GateTrainArgs, _step_loss
-    from litkv.learned.gate import EvictionGates
+    from litkv.finetune.gate_training import GateTrainArgs, _step_loss
+    from litkv.gates.gate import EvictionGates
     from litkv.modeling.config import KVCacheConfig
 
     torch.set_num_threads(threads)

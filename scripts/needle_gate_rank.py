@@ -20,7 +20,7 @@ import torch
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.finetune.gates import attention_mass
+from litkv.finetune.gate_training import attention_mass
 
 
 def needle_positions(ids: list[int], answer: list[int]) -> list[int]:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from litgpt.model import RMSNorm
 
 from litkv import GPT, Config
-from litkv.learned.gate import EvictionGates
+from litkv.gates.gate import EvictionGates
 
 __all__ = [
     "MaskFn",

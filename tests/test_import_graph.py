@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "litkv"
 # The floors bottom up: a folder imports only folders on floors below its own.
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("core",),  # validation, rope, atomic files, tokenizer helpers: imports nothing of litkv
-    ("learned",),  # eviction gates and their soft attention: tensors the caches and the model read
+    ("gates",),  # eviction gates and their soft attention: tensors the caches and the model read
     ("kvcache",),  # the cache contract, policies, storage formats and their kernels
     ("modeling",),  # config, the GPT, attention, Mamba-2, the chunked runner, fingerprints, quantised weights
     ("states", "checkpoints", "gradient"),  # cache state values/files/stores; checkpoint I/O; gradients

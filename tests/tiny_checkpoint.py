@@ -13,7 +13,7 @@ from helpers import random_gates
 from litgpt.utils import save_config
 
 from litkv.checkpoints.checkpoint import save_gates, save_state_dict_atomic
-from litkv.learned.gate import GATES_FILE
+from litkv.gates.gate import GATES_FILE
 from litkv.modeling.config import Config
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT

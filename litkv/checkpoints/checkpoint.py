@@ -29,7 +29,7 @@ from litkv.checkpoints.bounds import check_ceilings, check_layer_count
 from litkv.checkpoints.known import model_dir
 from litkv.checkpoints.quant_store import attach_quantized, stored_quant
 from litkv.core.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
-from litkv.learned.gate import GATES_FILE, EvictionGates
+from litkv.gates.gate import GATES_FILE, EvictionGates
 from litkv.modeling.config import Config, config_from_dict
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT

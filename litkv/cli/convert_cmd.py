@@ -135,7 +135,7 @@ def _attach_shipped_gates(ckpt: Path) -> None:
     for exactly its weights (the shapes first, then the weights' fingerprint), as `litkv download` does."""
     from litkv.checkpoints.checkpoint import GATES_FILE, load_config, load_model
     from litkv.checkpoints.known import MODELS, add_shipped_gates, shipped_gates_file
-    from litkv.learned.gate import EvictionGates
+    from litkv.gates.gate import EvictionGates
     from litkv.modeling.fingerprint import model_fingerprint
 
     config = load_config(ckpt)

@@ -29,8 +29,18 @@ from litkv.checkpoints.download import known_checkpoint_dir
 from litkv.checkpoints.runtime import precision_dtype
 from litkv.core.atomic import check_output_dir, mark_output_dir
 from litkv.core.validation import is_int, require_int
+from litkv.finetune.checkpoint_dirs import (
+    TrainingState,
+    capture_rng,
+    checkpoint_name,
+    load_training_state,
+    restore_model,
+    restore_rng,
+    save_checkpoint,
+    yaml_safe,
+)
 from litkv.finetune.data import DataArgs, DataOrder, Example, load_examples, split_examples
-from litkv.finetune.gates import GateTrainArgs
+from litkv.finetune.gate_training import GateTrainArgs
 from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
 from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
@@ -43,16 +53,6 @@ from litkv.finetune.sharding import (
     load_shards,
     move_shards_into,
     save_shards,
-)
-from litkv.finetune.state import (
-    TrainingState,
-    capture_rng,
-    checkpoint_name,
-    load_training_state,
-    restore_model,
-    restore_rng,
-    save_checkpoint,
-    yaml_safe,
 )
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from litkv.gates.gate import unrotate_keys
 from litkv.inference.kvzip import RepeatPrompt, kvzip_score
-from litkv.learned.gate import unrotate_keys
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.runner import ChunkPlan, run_chunks
 

@@ -36,13 +36,13 @@ from litkv.checkpoints.checkpoint import (
     save_state_dict_atomic,
 )
 from litkv.core.atomic import remove_stale_temp_files, save_dir_atomic, write_atomic, write_text_atomic
+from litkv.finetune.checkpoint_dirs import COPIED_FILES, LORA_FILE, checkpoint_name, recall_task_files, yaml_safe
 from litkv.finetune.data import DataArgs, load_examples, split_examples
-from litkv.finetune.gates import GateTrainArgs, GateTrainState, StepLog, train_gates
+from litkv.finetune.gate_training import GateTrainArgs, GateTrainState, StepLog, train_gates
 from litkv.finetune.lora import LoRAArgs, apply_lora, lora_state_dict, merged_state_dict
 from litkv.finetune.lstsq import fit_gates_lstsq
-from litkv.finetune.state import COPIED_FILES, LORA_FILE, checkpoint_name, recall_task_files, yaml_safe
+from litkv.gates.gate import GATES_FILE, EvictionGates
 from litkv.inference.kvzip import RepeatPrompt
-from litkv.learned.gate import GATES_FILE, EvictionGates
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT

@@ -3,7 +3,7 @@ sequence and no backward.
 
 The objective is `regress`'s (Locret/KVzap-style): each gate logit `k_pre . w / sqrt(D) + b` should
 equal `log(m + 1e-4)`, where `m` is the largest attention weight the token receives from a dense query
-at distance `>= window` (`litkv.finetune.gates.attention_mass`). The logit is linear in `(w, b)`, so the
+at distance `>= window` (`litkv.finetune.gate_training.attention_mass`). The logit is linear in `(w, b)`, so the
 mean squared error over all training tokens has one minimiser per layer and KV head, found from the
 normal equations accumulated over the sequences:
 
@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from litkv.finetune.gates import GateTrainArgs, StepLog, attention_mass, batch_indices, evictable
+from litkv.finetune.gate_training import GateTrainArgs, StepLog, attention_mass, batch_indices, evictable
 from litkv.finetune.kvzip_target import kvzip_records
+from litkv.gates.gate import EvictionGates
 from litkv.inference.kvzip import RepeatPrompt
-from litkv.learned.gate import EvictionGates
 
 __all__ = ["RIDGE", "NormalEquations", "fit_gates_lstsq"]
 

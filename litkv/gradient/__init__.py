@@ -1,6 +1,6 @@
 """Gradients through the KV cache for sequences longer than the cache (see `engine`)."""
 
-from litkv.gradient.engine import chunked_loss_backward, record_forward
+from litkv.gradient.chunked_backward import chunked_loss_backward, record_forward
 from litkv.gradient.replay import ReplayKVCache, stored_view
 from litkv.gradient.tape import LayerTape
 

@@ -1,15 +1,15 @@
 """`chunked_distill_backward`: the gates' distillation loss and its exact gradient, chunk by chunk.
 
-The loss is that of `litkv.finetune.gates` (method `distill`) with the student run through KV caches:
+The loss is that of `litkv.finetune.gate_training` (method `distill`) with the student run through KV caches:
 `sum_t w_t KL(teacher_t || student_t) / sum_t w_t + compression_weight * relu(mean keep - target)`,
 where the teacher is the model without eviction, the student the model with soft eviction
-(`litkv.learned.soft`, `SoftEviction.attend_cached`) through caches of `kv_cache` (the `learned`
+(`litkv.gates.soft`, `SoftEviction.attend_cached`) through caches of `kv_cache` (the `learned`
 policy, whose hard choices of which slots to keep are held fixed, as the engine holds every policy's),
 and the mean keep runs over every layer, row, KV head and evictable token (not a sink, not in the last
 `window` tokens). With caches that keep every token, it is the whole-sequence loss, computed chunk by
 chunk.
 
-How (the engine's scheme, `litkv.gradient.engine`): the teacher is recorded chunk by chunk through
+How (the engine's scheme, `litkv.gradient.chunked_backward`): the teacher is recorded chunk by chunk through
 dense caches (a tape without gradient accumulators), the student through the real policy with soft
 eviction; the soft keep fractions of the recording decide whether the compression term is active.
 Then, chunk by chunk in reverse, the teacher's log-probabilities are replayed without grad and the
@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from litkv.gradient.engine import backward_chunk, record_forward, replay_caches
+from litkv.gates.soft import SoftEviction, soft_eviction
+from litkv.gradient.chunked_backward import backward_chunk, record_forward, replay_caches
 from litkv.gradient.tape import LayerTape
-from litkv.learned.soft import SoftEviction, soft_eviction
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan

@@ -42,7 +42,7 @@ from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, load
 from litkv.kvcache.storage_kinds import make_storage
 
 if TYPE_CHECKING:
-    from litkv.learned.gate import EvictionGates
+    from litkv.gates.gate import EvictionGates
 
 __all__ = [
     "CacheSettings",

@@ -1,4 +1,4 @@
-"""`learned`: evict by trained eviction gates (`litkv.learned`, `litkv finetune --learn_eviction true`).
+"""`learned`: evict by trained eviction gates (`litkv.gates`, `litkv finetune --learn_eviction true`).
 
 Each token gets one retention logit per KV head from the layer's gate, linear in its key before RoPE
 (`EvictionGates.logits`, in the keys' precision): the call's new keys are rotated back to position 0
@@ -32,11 +32,11 @@ from typing import ClassVar
 import torch
 
 from litkv.core.rope import BoundRope, RopeTable
+from litkv.gates.gate import EvictionGates, unrotate_keys
 from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
-from litkv.learned.gate import EvictionGates, unrotate_keys
 
 __all__ = ["LearnedKVCache", "LearnedOptions", "NO_GATES"]
 

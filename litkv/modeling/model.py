@@ -19,12 +19,12 @@ from litgpt.model import GPT as LitGPT
 
 from litkv.core.rope import apply_rope, yarn_mscale
 from litkv.core.validation import require_int
+from litkv.gates.gate import EvictionGates
+from litkv.gates.soft import SoftEviction
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.kvcache.storage import CacheShape
-from litkv.learned.gate import EvictionGates
-from litkv.learned.soft import SoftEviction
 from litkv.modeling.attention import attend, attend_causal_suffix, build_mask
 from litkv.modeling.config import (
     GATED_DELTANET,
@@ -104,7 +104,7 @@ class GPT(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         # The attached caches (the run's cache state lives there, `last_pos` included); `None`: none.
         self.caches: KVCaches | None = None
-        # Trained eviction gates (`litkv.learned`), read by the `learned` policy; `None`: none loaded.
+        # Trained eviction gates (`litkv.gates`), read by the `learned` policy; `None`: none loaded.
         self.eviction_gates: EvictionGates | None = None
         # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
         self._checks = True
@@ -469,7 +469,7 @@ class CausalSelfAttention(nn.Module):
             mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
         self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
         self.kv_cache: KVCache | None = None
-        # Set while eviction gates are trained (`litkv.learned.soft.soft_eviction`): calls attend with the
+        # Set while eviction gates are trained (`litkv.gates.soft.soft_eviction`): calls attend with the
         # gates' soft keep decisions as an additive bias (without a cache, or through one, `attend_cached`).
         self.soft_eviction: SoftEviction | None = None
         self.config = config

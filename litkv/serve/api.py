@@ -46,7 +46,7 @@ from litkv.serve.engine import (
 from litkv.serve.fields import NO_OP, unsupported_field
 from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
 from litkv.serve.scheduler import Job
-from litkv.serve.store import StateStore
+from litkv.serve.store import ConversationStore
 from litkv.states.block_store import BlockStore
 
 __all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
@@ -326,7 +326,7 @@ class LitKVAPI(ls.LitAPI):
         _worker_logging(self.opts.log_level)
         opts = self.opts
         model, _ = load_for_inference(opts.checkpoint_dir, opts.dtype, opts.device, opts.num_threads, opts.quantize)
-        store = StateStore(
+        store = ConversationStore(
             self.opts.state_bytes,
             self.opts.state_dir,
             model=model,

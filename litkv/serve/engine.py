@@ -50,7 +50,7 @@ from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 from litkv.serve.batch import RowBatch
 from litkv.serve.scheduler import Job, Scheduler
-from litkv.serve.store import StateStore
+from litkv.serve.store import ConversationStore
 from litkv.serve.turns import RequestError, TurnRequest, TurnResult
 from litkv.states.block_store import BlockStore
 
@@ -144,7 +144,7 @@ class Engine:
         model: GPT,
         tokenizer: Tokenizer,
         kv_cache: KVCacheConfig,
-        store: StateStore,
+        store: ConversationStore,
         top_k: int | None = 50,
         stop_at_newline: bool | None = None,
         default_seed: int = 1234,

@@ -28,12 +28,12 @@ from litkv.states.state import CacheState
 from litkv.states.state_store import EntryCheck
 from litkv.states.state_store import StateStore as _Store
 
-__all__ = ["StateStore"]
+__all__ = ["ConversationStore"]
 
 log = logging.getLogger(__name__)
 
 
-class StateStore:
+class ConversationStore:
     """Conversation states by key: memory LRU of at most `max_bytes` bytes, plus `directory` when given.
 
     Args:

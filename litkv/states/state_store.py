@@ -1,7 +1,7 @@
 """One store of cache states by key: an LRU in memory, optionally a directory, both bounded by bytes.
 
 The prefix store (`litkv.states.prefix.PrefixCache`) and the server's conversation store
-(`litkv.serve.store.StateStore`) are both this store with their own keys.
+(`litkv.serve.store.ConversationStore`) are both this store with their own keys.
 
 - **Memory**: `StateLRU`, at most `max_bytes` bytes of state tensors, least recently used first.
 - **Directory** (optional): each state is also written as `<key>.safetensors` (the `CacheState` file

@@ -27,7 +27,7 @@ from litkv.inference.generate import sample
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import RequestError
 from litkv.states.block_store import BlockStore
 
@@ -90,7 +90,7 @@ def prompt_hidden(owner: object, name: str) -> list[torch.Tensor]:
 
 
 def engine(model: GPT, tok: object, fmt: Format, **kw: object) -> Engine:
-    store = StateStore(1 << 30, model=model, kv_cache=KV)
+    store = ConversationStore(1 << 30, model=model, kv_cache=KV)
     return Engine(model, tok, KV, store, fmt=fmt, stop_at_newline=False, **kw)  # type: ignore[arg-type]
 
 

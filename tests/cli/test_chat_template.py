@@ -24,7 +24,7 @@ from litkv.cli.chat_cmd import ChatSession
 from litkv.inference.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
 from litkv.inference.generate import sample
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
 # SmolLM2-135M-Instruct's chat template, as its GGUF file's `tokenizer.chat_template` holds it.
 SMOLLM2_TEMPLATE = (
@@ -208,9 +208,9 @@ def test_uninterrupted_resumed_and_served_conversations_give_the_same_tokens(ckp
 
     # the server (docs/serve.md): the stop token ends a reply unfed (the template writes it after the
     # reply), decode steps run all the batch's rows; its replies are the same from memory and recomputed
-    stores = [StateStore(1 << 30, tmp_path / "states", model=model, kv_cache=KV)]
+    stores = [ConversationStore(1 << 30, tmp_path / "states", model=model, kv_cache=KV)]
     runs = []
-    for store in [*stores, StateStore(0, model=model, kv_cache=KV)]:
+    for store in [*stores, ConversationStore(0, model=model, kv_cache=KV)]:
         engine = Engine(model, tok, KV, store, fmt=fmt)
         messages: list[tuple[str, str]] = []
         served = []
@@ -227,7 +227,7 @@ def test_uninterrupted_resumed_and_served_conversations_give_the_same_tokens(ckp
     assert runs[0][0] == [t for t in whole[0] if t != EOT]  # the first turn: chat's tokens
     whole = runs[0]
     # a restart on the same directory: the last turn restores the third turn's state from disk
-    engine = Engine(model, tok, KV, StateStore(1 << 30, tmp_path / "states", model=model, kv_cache=KV), fmt=fmt)
+    engine = Engine(model, tok, KV, ConversationStore(1 << 30, tmp_path / "states", model=model, kv_cache=KV), fmt=fmt)
     result = TurnResult()
     "".join(engine.run(TurnRequest(messages[:-1], 12, temperature=0.0), result))
     assert engine.store.hits["disk"] == 1 and result.reused_tokens > 0 and result.reply_ids == whole[-1]
@@ -327,7 +327,7 @@ def test_server_answers_a_template_refusal_with_a_400_that_names_no_server_path(
     template = ChatTemplate(source + SMOLLM2_TEMPLATE, ckpt / "tokenizer_config.json")
     fmt = TemplateFormat(template, load_tokenizer(ckpt))
     assert count_prompt_tokens(fmt, [("user", "hi")]) > 0
-    engine = Engine(model, load_tokenizer(ckpt), KV, StateStore(0, model=model, kv_cache=KV), fmt=fmt)
+    engine = Engine(model, load_tokenizer(ckpt), KV, ConversationStore(0, model=model, kv_cache=KV), fmt=fmt)
     messages = [("system", "be brief"), ("user", "hi")]
     for refuse in (
         lambda: count_prompt_tokens(fmt, messages),

@@ -9,7 +9,7 @@ import torch
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.checkpoints.runtime import PRECISIONS, load_for_inference, precision_dtype, resolve_dtype
-from litkv.learned.gate import GATES_FILE
+from litkv.gates.gate import GATES_FILE
 
 
 @pytest.fixture(scope="module")

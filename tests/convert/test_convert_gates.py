@@ -13,7 +13,7 @@ from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import GATES_FILE, load_model
 from litkv.checkpoints.download import MODELS, gguf_file
 from litkv.checkpoints.known import shipped_gates_file
-from litkv.learned.gate import EvictionGates
+from litkv.gates.gate import EvictionGates
 from litkv.modeling.fingerprint import model_fingerprint
 
 NAME = "smollm2-135m-instruct"

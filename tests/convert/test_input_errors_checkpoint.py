@@ -40,9 +40,9 @@ from litkv.checkpoints.checkpoint import (
 )
 from litkv.checkpoints.convert import convert_hf_checkpoint
 from litkv.core.atomic import mark_output_dir, save_dir_atomic, write_atomic
+from litkv.finetune.checkpoint_dirs import STATE_FILE, TrainingState, load_training_state
 from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs, read_json_records
-from litkv.finetune.state import STATE_FILE, TrainingState, load_training_state
 from litkv.gradient import chunked_loss_backward
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
@@ -484,7 +484,7 @@ import torch
 import safetensors.torch as st
 from tiny_checkpoint import checkpoint_config
 from litkv.checkpoints.checkpoint import save_state_dict_atomic
-from litkv.finetune.state import TrainingState, save_checkpoint
+from litkv.finetune.checkpoint_dirs import TrainingState, save_checkpoint
 from litkv.modeling.model import GPT
 
 def slow_save_file(tensors, filename, metadata=None):  # the real bytes, written slowly

@@ -21,12 +21,12 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.checkpoints.checkpoint import SAFETENSORS_FILE, load_model, load_state_dict
 from litkv.core.atomic import TMP_PREFIX
+from litkv.finetune.checkpoint_dirs import LORA_FILE
 from litkv.finetune.data import DataArgs
-from litkv.finetune.gates import GateTrainArgs, batch_indices, train_gates
+from litkv.finetune.gate_training import GateTrainArgs, batch_indices, train_gates
 from litkv.finetune.learn_eviction import LOG_FILE, STATE_FILE, learn_eviction, load_gate_state
 from litkv.finetune.lora import LoRAArgs, apply_lora
-from litkv.finetune.state import LORA_FILE
-from litkv.learned import GATES_FILE, EvictionGates
+from litkv.gates import GATES_FILE, EvictionGates
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 

@@ -10,7 +10,7 @@ import torch
 from helpers import float64_model, random_gpt, random_tokens, tiny_config
 from kvzip_reference import brute_scores
 
-from litkv.finetune.gates import GateTrainArgs, attention_mass, batch_indices, evictable, train_gates
+from litkv.finetune.gate_training import GateTrainArgs, attention_mass, batch_indices, evictable, train_gates
 from litkv.finetune.kvzip_target import FLOOR
 from litkv.finetune.lstsq import RIDGE, NormalEquations, fit_gates_lstsq
 from litkv.inference.kvzip import RepeatPrompt

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from helpers import _reference_rope, band_mask, float64_model, random_gpt, random_tokens, reference_forward, tiny_config
 
-from litkv.finetune.gates import GateTrainArgs, evictable, train_gates
-from litkv.learned import EvictionGates, SoftEviction, soft_eviction
-from litkv.learned.soft import soft_bias
+from litkv.finetune.gate_training import GateTrainArgs, evictable, train_gates
+from litkv.gates import EvictionGates, SoftEviction, soft_eviction
+from litkv.gates.soft import soft_bias
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 
@@ -168,7 +168,7 @@ def test_finetune_learn_eviction_writes_a_loadable_checkpoint(tmp_path):
 
     from litkv.checkpoints.checkpoint import load_model
     from litkv.finetune.cli import finetune
-    from litkv.learned import GATES_FILE
+    from litkv.gates import GATES_FILE
 
     base = tmp_path / "base"
     make_tiny_checkpoint(base)

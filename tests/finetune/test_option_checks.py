@@ -20,8 +20,8 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoints.checkpoint import load_model
-from litkv.finetune.gates import GateTrainArgs, train_gates
-from litkv.learned import GATES_FILE, EvictionGates
+from litkv.finetune.gate_training import GateTrainArgs, train_gates
+from litkv.gates import GATES_FILE, EvictionGates
 
 REPO = Path(__file__).resolve().parents[2]
 LEARN = ["--learn_eviction", "true", "--kv_cache.policy", "learned", "--learn.steps", "2", "--learn.batch_size", "1"]

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from helpers import float64_model, random_gpt, random_tokens, tiny_config
 
 import litkv.gradient.distill as distill
-from litkv.finetune.gates import adapters_off
+from litkv.finetune.gate_training import adapters_off
 from litkv.finetune.lora import LoRAArgs, LoRALinear, apply_lora, mark_only_lora_as_trainable
+from litkv.gates import EvictionGates, SoftEviction, soft_eviction
 from litkv.gradient import LayerTape
 from litkv.gradient.distill import chunked_distill_backward
 from litkv.inference.generate import forward_chunked
-from litkv.learned import EvictionGates, SoftEviction, soft_eviction
 from litkv.modeling.config import KVCacheConfig
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
 
 from litkv import KVCacheConfig
-from litkv.gradient.engine import chunked_loss_backward
+from litkv.gradient.chunked_backward import chunked_loss_backward
 from litkv.inference.generate import forward_chunked
 
 

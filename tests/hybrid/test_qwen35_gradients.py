@@ -12,7 +12,7 @@ from qwen35_helpers import VOCAB, litkv_from_hf, random_hf_qwen35, tiny_qwen35_c
 
 from litkv import KVCacheConfig
 from litkv.finetune.lora import LoRAArgs, LoRALinear, apply_lora, mark_only_lora_as_trainable
-from litkv.gradient.engine import chunked_loss_backward
+from litkv.gradient.chunked_backward import chunked_loss_backward
 from litkv.inference.generate import forward_chunked
 
 

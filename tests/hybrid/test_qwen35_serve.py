@@ -18,7 +18,7 @@ from litkv.checkpoints.convert import convert_hf_checkpoint
 from litkv.inference.chat_template import RawFormat
 from litkv.inference.conversation import Conversation
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.states.undo import truncate
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
@@ -55,7 +55,7 @@ def _turn(engine: Engine, messages: list, fed: list[int]) -> tuple[TurnResult, i
 
 def test_each_turn_feeds_only_its_new_tokens_and_a_restart_resumes(served: tuple, tmp_path: Path) -> None:
     model, tok, fed = served
-    engine = Engine(model, tok, KV, StateStore(1 << 30, tmp_path, model=model, kv_cache=KV))
+    engine = Engine(model, tok, KV, ConversationStore(1 << 30, tmp_path, model=model, kv_cache=KV))
     messages: list[tuple[str, str]] = []
     replies, held = [], 0
     for text in TURNS:
@@ -68,13 +68,13 @@ def test_each_turn_feeds_only_its_new_tokens_and_a_restart_resumes(served: tuple
         replies.append(result.reply_ids)
     assert engine.store.hits["memory"] == len(TURNS) - 1
 
-    restarted = Engine(model, tok, KV, StateStore(1 << 30, tmp_path, model=model, kv_cache=KV))
+    restarted = Engine(model, tok, KV, ConversationStore(1 << 30, tmp_path, model=model, kv_cache=KV))
     result, tokens = _turn(restarted, messages[:-1], fed)
     assert restarted.store.hits == {"memory": 0, "disk": 1}
     assert result.reply_ids == replies[-1]
     assert tokens == result.prompt_tokens - result.reused_tokens + len(result.reply_ids) < result.prompt_tokens
 
-    recomputed = Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV))
+    recomputed = Engine(model, tok, KV, ConversationStore(0, model=model, kv_cache=KV))
     for k in range(len(TURNS)):
         result, _ = _turn(recomputed, messages[: 2 * k + 1], fed)
         assert result.reply_ids == replies[k]

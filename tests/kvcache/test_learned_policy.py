@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 
 from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncate
 from litkv.checkpoints.checkpoint import load_model, save_gates
+from litkv.gates.gate import GATES_FILE, EvictionGates, unrotate_keys
 from litkv.kvcache.learned import NO_GATES, LearnedKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.kvcache.storage_kinds import known_storages
-from litkv.learned.gate import GATES_FILE, EvictionGates, unrotate_keys
 from litkv.modeling.fingerprint import model_fingerprint
 
 B = 2

@@ -13,7 +13,7 @@ import torch
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.batch import RowBatch
 from litkv.serve.guard import INFLIGHT, Guard
 from litkv.serve.scheduler import Job
@@ -55,7 +55,7 @@ def model_and_tok(ckpt: Path) -> tuple:
 
 def engine(model_and_tok: tuple, state_bytes: int = 1 << 30, state_dir: Path | None = None, **kw: object) -> Engine:
     model, tok = model_and_tok
-    store = StateStore(state_bytes, state_dir, model=model, kv_cache=KV, disk_bytes=kw.pop("disk_bytes", None))
+    store = ConversationStore(state_bytes, state_dir, model=model, kv_cache=KV, disk_bytes=kw.pop("disk_bytes", None))
     return Engine(model, tok, KV, store, stop_at_newline=False, max_batch=4, **kw)
 
 
@@ -234,7 +234,7 @@ def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
     kv = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=16)
 
     def real_engine(state_bytes: int = 1 << 30) -> Engine:
-        store = StateStore(state_bytes, model=model, kv_cache=kv)
+        store = ConversationStore(state_bytes, model=model, kv_cache=kv)
         return Engine(model, tok, kv, store, fmt=load_format(ckpt, tok, None), max_batch=2)
 
     batch = real_engine().batch  # bitwise, on the real model's shapes too

@@ -12,7 +12,7 @@ import pytest
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = [
@@ -54,18 +54,18 @@ def converse(engine: Engine, turns: list[str], max_tokens: int = 10, **kw: objec
 def test_turns_equal_from_memory_disk_and_recomputed(model_and_tok: tuple, tmp_path: Path) -> None:
     model, tok = model_and_tok
     turns = TURNS[:6]
-    memory = Engine(model, tok, KV, StateStore(1 << 30, tmp_path, model=model, kv_cache=KV))
+    memory = Engine(model, tok, KV, ConversationStore(1 << 30, tmp_path, model=model, kv_cache=KV))
     chat, messages = converse(memory, turns, temperature=0.0)
     assert memory.store.hits["memory"] == len(turns) - 1
     assert len(list(tmp_path.glob("*.safetensors"))) == len(turns)
 
     recomputed = Engine(
-        model, tok, KV, StateStore(0, model=model, kv_cache=KV)
+        model, tok, KV, ConversationStore(0, model=model, kv_cache=KV)
     )  # keeps nothing but the reply ids it generated
     assert converse(recomputed, turns, temperature=0.0)[0] == chat
 
     # a fresh store on the same directory (a restart): the last turn's state comes from disk
-    disk = Engine(model, tok, KV, StateStore(1 << 30, tmp_path, model=model, kv_cache=KV))
+    disk = Engine(model, tok, KV, ConversationStore(1 << 30, tmp_path, model=model, kv_cache=KV))
     result = TurnResult()
     "".join(disk.run(TurnRequest(messages[:-1], 10, temperature=0.0), result))
     assert disk.store.hits == {"memory": 0, "disk": 1}
@@ -75,21 +75,21 @@ def test_turns_equal_from_memory_disk_and_recomputed(model_and_tok: tuple, tmp_p
 def test_sampled_turn_same_from_store_and_recomputed(model_and_tok: tuple) -> None:
     model, tok = model_and_tok
     kw = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
-    stored, _ = converse(Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], **kw)
-    recomputed, _ = converse(Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV)), TURNS[:4], **kw)
+    stored, _ = converse(Engine(model, tok, KV, ConversationStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], **kw)
+    recomputed, _ = converse(Engine(model, tok, KV, ConversationStore(0, model=model, kv_cache=KV)), TURNS[:4], **kw)
     assert stored == recomputed
     other, _ = converse(
-        Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], temperature=0.9, seed=8
+        Engine(model, tok, KV, ConversationStore(1 << 30, model=model, kv_cache=KV)), TURNS[:4], temperature=0.9, seed=8
     )
     assert other != stored
 
 
 def test_store_is_byte_bounded(model_and_tok: tuple) -> None:
     model, tok = model_and_tok
-    engine = Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV))
+    engine = Engine(model, tok, KV, ConversationStore(1 << 30, model=model, kv_cache=KV))
     converse(engine, TURNS[:1])
     one = engine.store.nbytes
-    bounded = Engine(model, tok, KV, StateStore(3 * one, model=model, kv_cache=KV))
+    bounded = Engine(model, tok, KV, ConversationStore(3 * one, model=model, kv_cache=KV))
     for i in range(5):
         converse(bounded, [f"{TURNS[i]} {i}"])
         assert bounded.store.nbytes <= 3 * one
@@ -98,7 +98,7 @@ def test_store_is_byte_bounded(model_and_tok: tuple) -> None:
 
 def test_cancelled_turn_stores_nothing(model_and_tok: tuple) -> None:
     model, tok = model_and_tok
-    engine = Engine(model, tok, KV, StateStore(1 << 30, model=model, kv_cache=KV), stop_at_newline=False)
+    engine = Engine(model, tok, KV, ConversationStore(1 << 30, model=model, kv_cache=KV), stop_at_newline=False)
     steps = iter(range(100))
     result = TurnResult()
     list(engine.run(TurnRequest([("user", TURNS[0])], 20), result, cancelled=lambda: next(steps) >= 3))
@@ -322,7 +322,7 @@ def test_real_server_with_openai_client(ckpt: Path, model_and_tok: tuple, tmp_pa
     import openai
 
     model, tok = model_and_tok
-    solo = Engine(model, tok, KV, StateStore(0, model=model, kv_cache=KV), stop_at_newline=False)
+    solo = Engine(model, tok, KV, ConversationStore(0, model=model, kv_cache=KV), stop_at_newline=False)
     expected = converse(solo, TURNS, max_tokens=6, temperature=0.8, seed=3)[1]
     expected_text = [c for r, c in expected if r == "assistant"]
     log = tmp_path / "server.log"

@@ -26,7 +26,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.kvcache.config import ChunkPlan
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState
@@ -41,8 +41,8 @@ def model_and_tok(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return load_model(out), load_tokenizer(out)
 
 
-def _store(model: object, directory: Path | None = None, max_bytes: int = 1 << 30) -> StateStore:
-    return StateStore(max_bytes, directory, model=model, kv_cache=KV)  # type: ignore[arg-type]
+def _store(model: object, directory: Path | None = None, max_bytes: int = 1 << 30) -> ConversationStore:
+    return ConversationStore(max_bytes, directory, model=model, kv_cache=KV)  # type: ignore[arg-type]
 
 
 def _turn(engine: Engine, messages: list[tuple[str, str]]) -> TurnResult:

@@ -27,7 +27,7 @@ from tiny_checkpoint import TEXT
 
 from litkv.cli.chat_cmd import _read_turns
 from litkv.core.atomic import is_temp_name
-from litkv.finetune.state import check_resume_dir
+from litkv.finetune.checkpoint_dirs import check_resume_dir
 from litkv.states.state import CacheState
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where fork_server.py lives

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.core import atomic
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve import Engine, StateStore, TurnRequest, TurnResult
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.state import CacheState, restore
 from litkv.states.state_file import digest
@@ -44,8 +44,8 @@ def model_and_tok(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return load_model(out), load_tokenizer(out)
 
 
-def _store(model: object, directory: Path | None = None, max_bytes: int = 1 << 30, **kw: object) -> StateStore:
-    return StateStore(max_bytes, directory, model=model, kv_cache=KV, **kw)  # type: ignore[arg-type]
+def _store(model: object, directory: Path | None = None, max_bytes: int = 1 << 30, **kw: object) -> ConversationStore:
+    return ConversationStore(max_bytes, directory, model=model, kv_cache=KV, **kw)  # type: ignore[arg-type]
 
 
 def converse(engine: Engine, turns: list[str]) -> tuple[list[list[int]], list[tuple[str, str]], list[TurnResult]]:

@@ -3,7 +3,7 @@
 Two methods, same gates, same data:
 
 - `distill` (DMS-style, the default): the student is the model with soft delayed eviction
-  (`litkv.learned.soft`), the teacher the same model without eviction. Loss per step:
+  (`litkv.gates.soft`), the teacher the same model without eviction. Loss per step:
   `KL(teacher || student)` over next-token distributions (tokens with a training target weigh
   `1 + answer_weight`) plus `compression_weight * relu(mean keep - target)`, the target going from 1
   to `target_keep` over the first `ramp` of the steps while the temperature anneals.
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from litkv.core.validation import require_int
 from litkv.finetune.lora import LoRALinear, load_lora_state_dict, lora_state_dict, mark_only_lora_as_trainable
+from litkv.gates.gate import EvictionGates, unrotate_keys
+from litkv.gates.soft import SoftEviction, soft_eviction
 from litkv.gradient.distill import chunked_distill_backward
-from litkv.learned.gate import EvictionGates, unrotate_keys
-from litkv.learned.soft import SoftEviction, soft_eviction
 from litkv.modeling.config import KVCacheConfig
 
 __all__ = [

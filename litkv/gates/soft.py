@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from litkv.learned.gate import EvictionGates, unrotate_keys
+from litkv.gates.gate import EvictionGates, unrotate_keys
 
 __all__ = ["EPS", "SoftEviction", "soft_bias", "soft_eviction"]
 
