@@ -1,4 +1,4 @@
-"""Gradients through the KV cache for sequences longer than the cache (see `engine`)."""
+"""Gradients through the KV cache for sequences longer than the cache (see `chunked_backward`)."""
 
 from litkv.gradient.chunked_backward import chunked_loss_backward, record_forward
 from litkv.gradient.replay import ReplayKVCache, stored_view
