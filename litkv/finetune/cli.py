@@ -45,7 +45,6 @@ from litkv.finetune.learn_eviction import learn_eviction as run_learn_eviction
 from litkv.finetune.loop import EvalArgs, TrainArgs, TrainingRun, fit
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
 from litkv.finetune.sharding import (
-    SHARDED_DIR,
     check_sharded_resume,
     check_strategy,
     fsdp_strategy,
@@ -309,7 +308,7 @@ def run(fabric: Fabric, args: FinetuneArgs) -> GPT:
     )
     if state is not None:
         if resume_shards:
-            load_shards(fabric, args.resume / SHARDED_DIR, model, optimizer)
+            load_shards(fabric, args.resume, state.step, model, optimizer)
         else:
             _restore_optimizer(optimizer, state, args.resume)
         restore_rng(state.rng)
@@ -390,7 +389,8 @@ def _save(
     name = checkpoint_name(step, final)
     extra = None
     if args.strategy == "fsdp":  # collectives: every process takes part
-        extra = move_shards_into(save_shards(fabric, args.out_dir, name, model, optimizer), args.world_size)
+        shards, save_id = save_shards(fabric, args.out_dir, name, step, model, optimizer)
+        extra = move_shards_into(shards, args.world_size, step, save_id)
         model = full_weights(model)  # type: ignore[assignment]
     if fabric.is_global_zero:
         saved_optimizer = {"state": {}, "param_groups": []} if extra is not None else optimizer.state_dict()

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from litkv.core.validation import require_int
 from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
+from litkv.finetune.sharding import reshard
 from litkv.gradient import chunked_loss_backward
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
@@ -222,6 +223,8 @@ def validate(run: TrainingRun) -> float:
             sums += torch.stack((loss_sum, count))
     finally:
         run.model.train()
+        if run.sharded:  # a forward without backward leaves the root unit's weights gathered
+            reshard(run.model)
     sums = fabric.all_reduce(sums, reduce_op="sum")
     return float(sums[0] / sums[1].clamp(min=1.0))
 
