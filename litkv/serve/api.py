@@ -206,6 +206,30 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
 
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request looks whether its client is still there
+DRAIN_EXPIRED = "DRAIN-EXPIRED"  # marker file in the run directory: the drain's limit passed, stop what runs
+STOP_POLL_S = 0.1  # how often a reply in flight looks for that marker
+STOP_GRACE_S = 5.0  # how long the drain then waits for the stopped replies' last bytes
+
+
+def _drain_error() -> dict[str, Any]:
+    """The error a reply still running at the drain's limit ends with (an event of a stream, or a 503)."""
+    message = "the server is shutting down and this reply did not finish within its drain time (--timeout); retry"
+    return error_body(message, "server_shutting_down")
+
+
+class _Stopper:
+    """Whether the drain's limit has passed (the `DRAIN_EXPIRED` marker), looked up at most every
+    `STOP_POLL_S` seconds."""
+
+    def __init__(self, run_dir: Path | None) -> None:
+        self.marker = None if run_dir is None else Path(run_dir) / DRAIN_EXPIRED
+        self.next_look = 0.0
+
+    def expired(self) -> bool:
+        if self.marker is None or time.monotonic() < self.next_look:
+            return False
+        self.next_look = time.monotonic() + STOP_POLL_S
+        return self.marker.exists()
 
 
 class LitKVSpec(OpenAISpec):
@@ -264,18 +288,23 @@ class LitKVSpec(OpenAISpec):
         if request.stream:  # a stream notices its client going away as it writes (streaming_completion)
             return await super().chat_completion(request, background_tasks)
         answer = asyncio.ensure_future(super().chat_completion(request, background_tasks))
+        stopper = _Stopper(self.opts.cancel_dir)
         while not answer.done():  # a non-streaming client that goes away cancels its turn at the next step
             await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
             if not answer.done() and await http.is_disconnected():
                 self._cancel(request.metadata["litkv_id"])
                 break
+            if not answer.done() and stopper.expired():  # the drain's limit: a 503, not a cut connection
+                self._cancel(request.metadata["litkv_id"], "drain limit")
+                answer.cancel()
+                raise HTTPException(503, detail=_drain_error(), headers={"Retry-After": "5"})
         return await answer
 
-    def _cancel(self, turn_id: str) -> None:
+    def _cancel(self, turn_id: str, why: str = "client went away") -> None:
         """Mark turn `turn_id` cancelled: the worker stops it at its next decode step and frees its row."""
         if self.opts.cancel_dir is not None:
             (Path(self.opts.cancel_dir) / turn_id).touch()
-            log.info("client went away: turn %s cancelled", turn_id)
+            log.info("%s: turn %s cancelled", why, turn_id)
 
     async def non_streaming_completion(self, request: ChatCompletionRequest, generator_list: list) -> Any:
         reasons: dict[str, str] = {}
@@ -285,11 +314,19 @@ class LitKVSpec(OpenAISpec):
         return response
 
     async def streaming_completion(self, request: ChatCompletionRequest, pipe_responses: list) -> Any:
+        """LitServe's stream, its last chunk's `finish_reason` corrected; a stream still running when the
+        drain's limit passes ends with an error event and `[DONE]` (its turn cancelled)."""
         finished = False
         reasons: dict[str, str] = {}
+        pipes = [_finish_reason(p, reasons) for p in pipe_responses]
+        chunks = super().streaming_completion(request, pipes)
         try:
-            pipes = [_finish_reason(p, reasons) for p in pipe_responses]
-            async for chunk in super().streaming_completion(request, pipes):
+            async for chunk in _until_stopped(chunks, _Stopper(self.opts.cancel_dir)):
+                if chunk is None:
+                    self._cancel(request.metadata["litkv_id"], "drain limit (the stream ends with an error event)")
+                    yield f"data: {json.dumps(_drain_error())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    break
                 if reasons.get("finish_reason", "stop") != "stop":  # LitServe's last chunk says "stop"
                     chunk = chunk.replace('"finish_reason":"stop"', f'"finish_reason":"{reasons["finish_reason"]}"')
                 yield chunk
@@ -297,6 +334,28 @@ class LitKVSpec(OpenAISpec):
         finally:
             if not finished:
                 self._cancel(request.metadata["litkv_id"])
+
+
+async def _until_stopped(chunks: AsyncIterator[str], stopper: _Stopper) -> AsyncIterator[str | None]:
+    """`chunks` as they come, then `None` once `stopper` says the drain's limit passed (instead of the rest)."""
+    pending: asyncio.Future[str] | None = None
+    try:
+        while not stopper.expired():
+            if pending is None:
+                pending = asyncio.ensure_future(anext(chunks))
+            done, _ = await asyncio.wait({pending}, timeout=STOP_POLL_S)
+            if not done:
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield chunk
+        yield None
+    finally:
+        if pending is not None:  # the stream stopped, or its client went away while waiting for a chunk
+            pending.cancel()
 
 
 async def _finish_reason(pipe: Any, seen: dict[str, str]) -> Any:
@@ -485,16 +544,20 @@ def leave_process_group() -> None:
 def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0) -> None:
     """On SIGTERM (to the process or its process group): refuse new requests (503 with `Retry-After`), wait
     (at most `limit_s`) for those in flight to finish, then stop LitServe (its shutdown would otherwise cut
-    the streams in flight). The processes LitServe forks from here on leave the group
-    (`leave_process_group`), so the group's SIGTERM does not kill them mid-stream."""
+    the streams in flight). Replies still running at `limit_s` are stopped first (`DRAIN_EXPIRED`): a stream
+    ends with an error event and `[DONE]`, a non-streaming request gets a 503 (at most `STOP_GRACE_S` more).
+    The processes LitServe forks from here on leave the group (`leave_process_group`), so the group's
+    SIGTERM does not kill them mid-stream."""
     os.register_at_fork(after_in_child=leave_process_group)
 
     def drain() -> None:
         (Path(run_dir) / DRAINING).touch()
         log.info("SIGTERM: draining the requests in flight (at most %.0f s)", limit_s)
-        end = time.monotonic() + limit_s
-        while any(Path(run_dir).glob(f"{INFLIGHT}*")) and time.monotonic() < end:
-            time.sleep(0.1)
+        _wait_inflight(run_dir, limit_s)
+        if any(Path(run_dir).glob(f"{INFLIGHT}*")):  # past the limit: each reply ends with an error, not cut
+            log.warning("SIGTERM: the drain's %.0f s are over; stopping the replies still running", limit_s)
+            (Path(run_dir) / DRAIN_EXPIRED).touch()
+            _wait_inflight(run_dir, STOP_GRACE_S)
         time.sleep(0.2)  # the last bytes of the last response
         if server._shutdown_event is not None:
             server._shutdown_event.set()
@@ -509,6 +572,13 @@ def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0
         threading.Thread(target=drain, name="litkv-drain", daemon=True).start()
 
     previous = signal.signal(signal.SIGTERM, handler)
+
+
+def _wait_inflight(run_dir: Path, seconds: float) -> None:
+    """Until no request is in flight (the guard's markers in `run_dir`), at most `seconds`."""
+    end = time.monotonic() + seconds
+    while any(Path(run_dir).glob(f"{INFLIGHT}*")) and time.monotonic() < end:
+        time.sleep(0.1)
 
 
 def _pass_on(signum: int, frame: Any, previous: Any) -> None:
