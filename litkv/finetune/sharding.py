@@ -50,6 +50,7 @@ __all__ = [
     "full_weights",
     "load_shards",
     "move_shards_into",
+    "read_sharding",
     "reshard",
     "save_shards",
     "sharded_nbytes",
@@ -184,6 +185,8 @@ def load_shards(fabric: Fabric, resume_dir: Path, step: int, model: GPT, optimiz
         problem = ""
     except ValueError as err:
         problem = str(err)
+    except Exception as err:  # any other failure too: the other processes must not wait for this one
+        problem = f"cannot resume from {str(file)!r}: {type(err).__name__}: {' '.join(str(err).split())[:300]}"
     problems = [""] * fabric.world_size
     torch.distributed.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)
@@ -211,7 +214,7 @@ def _read_shard(
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata() or {}
     except Exception as err:  # safetensors' own error type for a truncated or foreign file
-        raise ValueError(f"{where}: not a valid safetensors file ({str(err).splitlines()[0][:200]})") from err
+        raise ValueError(f"{where}: not a valid safetensors file ({' '.join(str(err).split())[:200]})") from err
     expected = _identity(rank, world_size, step, str(save_id))
     if not isinstance(save_id, str) or set(meta) != set(expected):
         raise ValueError(

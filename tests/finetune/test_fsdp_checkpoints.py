@@ -90,7 +90,7 @@ def _assert_equal(got: dict, want: dict) -> None:
         assert got[key].dtype == value.dtype and got[key].equal(value), key
 
 
-@pytest.mark.slow  # about 40 s on the 2 shared cores (7 processes launched as 2 ranks by Fabric)
+@pytest.mark.slow  # 45-65 s on the loaded 2 shared cores (about 10 s of CPU): 2 processes, 8 Fabric launches
 def test_fsdp_saves_after_validation_and_resumes_only_its_own_shards(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "base")
     text = write_text(tmp_path / "t.txt", 120)
