@@ -267,8 +267,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _main(argv: Sequence[str] | None) -> None:
     from jsonargparse import CLI
 
-    from litkv.core.validation import one_line
-
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else argv)
@@ -278,8 +276,16 @@ def _main(argv: Sequence[str] | None) -> None:
     except (*USER_ERRORS, ImportError) as err:
         if debug:
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        print(f"error: {_message(err)}", file=sys.stderr)
         sys.exit(1)
+
+
+def _message(err: BaseException) -> str:
+    """The error on one line; a `FieldError` of the KV-cache config worded with the flags that set its
+    fields (every command takes the config as ``--kv_cache``)."""
+    from litkv.core.validation import FieldError, one_line
+
+    return " ".join(err.as_flags("--kv_cache.").split()) if isinstance(err, FieldError) else one_line(err)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ for an int (`True` is not a batch size).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
+    "FieldError",
     "check_bool",
     "check_float",
     "check_int",
@@ -19,6 +22,25 @@ __all__ = [
     "require_finite_logits",
     "require_int",
 ]
+
+
+class FieldError(ValueError):
+    """A ValueError about fields of a config dataclass, whose message names them as the API does.
+
+    `fields` lists the field names the message mentions; `as_flags(prefix)` gives the same message with
+    each of them written as the command-line flag that sets it (``chunk_size`` -> ``--kv_cache.chunk_size``).
+    """
+
+    def __init__(self, message: str, fields: Sequence[str]) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+    def as_flags(self, prefix: str) -> str:
+        """The message with each field name (not already part of a longer name) prefixed by `prefix`."""
+        message = str(self)
+        for name in self.fields:
+            message = re.sub(rf"(?<![\w.-]){re.escape(name)}\b", prefix + name, message)
+        return message
 
 
 def is_int(value: object) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,8 @@ def parameter_dtype(precision: str) -> torch.dtype:
 
 
 _DEFAULT_DATA = DataArgs()
-_DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512, chunk_size=128)
+_DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=512)
+FINETUNE_CHUNK_SIZE = 128  # tokens per chunk when `kv_cache.chunk_size` is unset (generation's default is 256)
 _DEFAULT_TRAIN = TrainArgs()
 _DEFAULT_EVAL = EvalArgs()
 _DEFAULT_LORA = LoRAArgs()
@@ -174,7 +175,8 @@ def finetune(
             tokenizer files). Default: the small model shipped with litkv (`litkv/assets/default`).
         mode: ``lora``: train low-rank adapters only; ``full``: train every parameter.
         data: Fine-tuning data.
-        kv_cache: The cache the model is fine-tuned with.
+        kv_cache: The cache the model is fine-tuned with; its chunk size, when unset, is
+            ``min(128, cache_length)``.
         train: Optimisation.
         eval: Validation.
         lora: LoRA adapters (``mode=lora``).
@@ -222,7 +224,9 @@ def finetune(
         ),
         mode=mode,
         data=data,
-        kv_cache=kv_cache,
+        kv_cache=kv_cache
+        if kv_cache.chunk_size is not None
+        else replace(kv_cache, chunk_size=min(FINETUNE_CHUNK_SIZE, kv_cache.cache_length)),
         train=train,
         eval=eval,
         lora=lora,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from litkv.core.validation import require_int
+from litkv.core.validation import FieldError, require_int
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.options import PolicyOptions, check_int, parse_options
 from litkv.kvcache.registry import get_kv_cache_class
@@ -56,29 +56,36 @@ class KVCacheConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_int("cache_length", self.cache_length, minimum=1)
-        if self.chunk_size is not None:
-            check_int("chunk_size", self.chunk_size, minimum=1)
-        check_int("quant_group_size", self.quant_group_size, minimum=1)
+        self._check_sizes()
         if not isinstance(self.policy, str) or not self.policy:
             raise TypeError(f"policy must be a non-empty string, got {self.policy!r}")
-        if self.chunk_length > self.cache_length:
-            raise ValueError(
-                f"chunk_size must be <= cache_length, got chunk_size={self.chunk_length} and "
-                f"cache_length={self.cache_length}"
-            )
-        if self.prefill_length is not None:
-            check_int("prefill_length", self.prefill_length, minimum=1)
-            if self.prefill_length > self.cache_length:
-                raise ValueError(
-                    f"prefill_length must be <= cache_length, got prefill_length={self.prefill_length} "
-                    f"and cache_length={self.cache_length}"
-                )
         check_storage_name(self.storage)
         if self.options is None:
             self.options = {}
         cls = get_kv_cache_class(self.policy)
         self._policy_options = parse_options(cls.Options, self.options, self.policy, self.cache_length)
+
+    def _check_sizes(self) -> None:
+        """ValueError (a `FieldError` naming the fields) unless the sizes are ints that fit together."""
+        _check_size("cache_length", self.cache_length)
+        if self.chunk_size is not None:
+            _check_size("chunk_size", self.chunk_size)
+        _check_size("quant_group_size", self.quant_group_size)
+        if self.chunk_length > self.cache_length:
+            given = "" if self.chunk_size is not None else f" (the default min({DEFAULT_CHUNK_SIZE}, cache_length))"
+            raise FieldError(
+                f"chunk_size must be <= cache_length, got chunk_size={self.chunk_length}{given} and "
+                f"cache_length={self.cache_length}: lower chunk_size or raise cache_length",
+                ("chunk_size", "cache_length"),
+            )
+        if self.prefill_length is not None:
+            _check_size("prefill_length", self.prefill_length)
+            if self.prefill_length > self.cache_length:
+                raise FieldError(
+                    f"prefill_length must be <= cache_length, got prefill_length={self.prefill_length} "
+                    f"and cache_length={self.cache_length}",
+                    ("prefill_length", "cache_length"),
+                )
 
     @property
     def policy_class(self) -> type[KVCache]:
@@ -103,6 +110,14 @@ class KVCacheConfig:
     def chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """The chunks `[(start, end), ...]` of one row of `seq_len` tokens (`ChunkPlan.of(self).bounds`)."""
         return ChunkPlan.of(self).bounds(seq_len)
+
+
+def _check_size(name: str, value: object) -> None:
+    """TypeError unless `value` is an int; a `FieldError` naming `name` if it is below 1."""
+    try:
+        check_int(name, value, minimum=1)
+    except ValueError as err:
+        raise FieldError(str(err), (name,)) from None
 
 
 @dataclass(frozen=True)
