@@ -97,7 +97,8 @@ def serve(
         max_documents: Most ``documents`` of a request.
         max_document_tokens: Most tokens of a request's ``documents`` in all.
     """
-    from litkv.serve.api import ServeOptions, build_server, drain_on_sigterm
+    from litkv.serve.api import ServeOptions, build_server
+    from litkv.serve.drain import drain_on_sigterm
 
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     for name, value, low in (

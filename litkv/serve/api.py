@@ -14,9 +14,6 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
-import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator
@@ -34,6 +31,7 @@ from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
 from litkv.modeling.config import KVCacheConfig
+from litkv.serve.drain import STOP_POLL_S, DrainStopper, drain_error, leave_process_group
 from litkv.serve.engine import (
     Engine,
     RequestError,
@@ -44,12 +42,12 @@ from litkv.serve.engine import (
     document_ids,
 )
 from litkv.serve.fields import NO_OP, unsupported_field
-from litkv.serve.guard import DRAINING, INFLIGHT, Guard, error_body
+from litkv.serve.guard import Guard, error_body
 from litkv.serve.scheduler import Job
 from litkv.serve.store import ConversationStore
 from litkv.states.block_store import BlockStore
 
-__all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "drain_on_sigterm", "error_body"]
+__all__ = ["LitKVAPI", "LitKVSpec", "ServeOptions", "build_server", "error_body"]
 
 log = logging.getLogger(__name__)
 
@@ -206,30 +204,6 @@ def parse_request(request: ChatCompletionRequest, opts: ServeOptions) -> TurnReq
 
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request looks whether its client is still there
-DRAIN_EXPIRED = "DRAIN-EXPIRED"  # marker file in the run directory: the drain's limit passed, stop what runs
-STOP_POLL_S = 0.1  # how often a reply in flight looks for that marker
-STOP_GRACE_S = 5.0  # how long the drain then waits for the stopped replies' last bytes
-
-
-def _drain_error() -> dict[str, Any]:
-    """The error a reply still running at the drain's limit ends with (an event of a stream, or a 503)."""
-    message = "the server is shutting down and this reply did not finish within its drain time (--timeout); retry"
-    return error_body(message, "server_shutting_down")
-
-
-class _Stopper:
-    """Whether the drain's limit has passed (the `DRAIN_EXPIRED` marker), looked up at most every
-    `STOP_POLL_S` seconds."""
-
-    def __init__(self, run_dir: Path | None) -> None:
-        self.marker = None if run_dir is None else Path(run_dir) / DRAIN_EXPIRED
-        self.next_look = 0.0
-
-    def expired(self) -> bool:
-        if self.marker is None or time.monotonic() < self.next_look:
-            return False
-        self.next_look = time.monotonic() + STOP_POLL_S
-        return self.marker.exists()
 
 
 class LitKVSpec(OpenAISpec):
@@ -288,7 +262,7 @@ class LitKVSpec(OpenAISpec):
         if request.stream:  # a stream notices its client going away as it writes (streaming_completion)
             return await super().chat_completion(request, background_tasks)
         answer = asyncio.ensure_future(super().chat_completion(request, background_tasks))
-        stopper = _Stopper(self.opts.cancel_dir)
+        stopper = DrainStopper(self.opts.cancel_dir)
         while not answer.done():  # a non-streaming client that goes away cancels its turn at the next step
             await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
             if not answer.done() and await http.is_disconnected():
@@ -297,7 +271,7 @@ class LitKVSpec(OpenAISpec):
             if not answer.done() and stopper.expired():  # the drain's limit: a 503, not a cut connection
                 self._cancel(request.metadata["litkv_id"], "drain limit")
                 answer.cancel()
-                raise HTTPException(503, detail=_drain_error(), headers={"Retry-After": "5"})
+                raise HTTPException(503, detail=drain_error(), headers={"Retry-After": "5"})
         return await answer
 
     def _cancel(self, turn_id: str, why: str = "client went away") -> None:
@@ -321,10 +295,10 @@ class LitKVSpec(OpenAISpec):
         pipes = [_finish_reason(p, reasons) for p in pipe_responses]
         chunks = super().streaming_completion(request, pipes)
         try:
-            async for chunk in _until_stopped(chunks, _Stopper(self.opts.cancel_dir)):
+            async for chunk in _until_stopped(chunks, DrainStopper(self.opts.cancel_dir)):
                 if chunk is None:
                     self._cancel(request.metadata["litkv_id"], "drain limit (the stream ends with an error event)")
-                    yield f"data: {json.dumps(_drain_error())}\n\n"
+                    yield f"data: {json.dumps(drain_error())}\n\n"
                     yield "data: [DONE]\n\n"
                     break
                 if reasons.get("finish_reason", "stop") != "stop":  # LitServe's last chunk says "stop"
@@ -336,7 +310,7 @@ class LitKVSpec(OpenAISpec):
                 self._cancel(request.metadata["litkv_id"])
 
 
-async def _until_stopped(chunks: AsyncIterator[str], stopper: _Stopper) -> AsyncIterator[str | None]:
+async def _until_stopped(chunks: AsyncIterator[str], stopper: DrainStopper) -> AsyncIterator[str | None]:
     """`chunks` as they come, then `None` once `stopper` says the drain's limit passed (instead of the rest)."""
     pending: asyncio.Future[str] | None = None
     try:
@@ -523,71 +497,3 @@ def build_server(opts: ServeOptions, timeout: float = 600.0) -> ls.LitServer:
     server.app.add_exception_handler(HTTPException, _http_exception)
     server.app.add_exception_handler(RequestValidationError, _validation_error)
     return server
-
-
-def leave_process_group() -> None:
-    """Put this process (a LitServe API server, worker or queue manager) in a process group of its own, dying
-    with its parent: a SIGTERM to the server's process group (systemd, docker, a shell's `kill -- -PGID`)
-    then reaches only the main process, which drains the requests in flight and stops the others itself."""
-    try:
-        os.setpgid(0, 0)
-    except OSError:  # a session leader cannot move; it keeps the group's signals
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
-    except (OSError, AttributeError):  # not Linux: a SIGKILL of the main process leaves them to the user
-        pass
-
-
-def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0) -> None:
-    """On SIGTERM (to the process or its process group): refuse new requests (503 with `Retry-After`), wait
-    (at most `limit_s`) for those in flight to finish, then stop LitServe (its shutdown would otherwise cut
-    the streams in flight). Replies still running at `limit_s` are stopped first (`DRAIN_EXPIRED`): a stream
-    ends with an error event and `[DONE]`, a non-streaming request gets a 503 (at most `STOP_GRACE_S` more).
-    The processes LitServe forks from here on leave the group (`leave_process_group`), so the group's
-    SIGTERM does not kill them mid-stream."""
-    os.register_at_fork(after_in_child=leave_process_group)
-
-    def drain() -> None:
-        (Path(run_dir) / DRAINING).touch()
-        log.info("SIGTERM: draining the requests in flight (at most %.0f s)", limit_s)
-        _wait_inflight(run_dir, limit_s)
-        if any(Path(run_dir).glob(f"{INFLIGHT}*")):  # past the limit: each reply ends with an error, not cut
-            log.warning("SIGTERM: the drain's %.0f s are over; stopping the replies still running", limit_s)
-            (Path(run_dir) / DRAIN_EXPIRED).touch()
-            _wait_inflight(run_dir, STOP_GRACE_S)
-        time.sleep(0.2)  # the last bytes of the last response
-        if server._shutdown_event is not None:
-            server._shutdown_event.set()
-
-    owner = os.getpid()
-    previous: Any = None
-
-    def handler(signum: int, frame: object) -> None:
-        if os.getpid() != owner:  # a worker LitServe forked inherited this handler: end as it would have
-            _pass_on(signum, frame, previous)
-            return
-        threading.Thread(target=drain, name="litkv-drain", daemon=True).start()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-
-
-def _wait_inflight(run_dir: Path, seconds: float) -> None:
-    """Until no request is in flight (the guard's markers in `run_dir`), at most `seconds`."""
-    end = time.monotonic() + seconds
-    while any(Path(run_dir).glob(f"{INFLIGHT}*")) and time.monotonic() < end:
-        time.sleep(0.1)
-
-
-def _pass_on(signum: int, frame: Any, previous: Any) -> None:
-    """SIGTERM in a forked worker: the handler it had before `drain_on_sigterm`, or the default (exit), so
-    that only the server's own process drains (and says so once)."""
-    if callable(previous):
-        previous(signum, frame)
-        return
-    if previous == signal.SIG_IGN:
-        return
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)

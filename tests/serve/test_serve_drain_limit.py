@@ -25,7 +25,8 @@ from test_serve import _free_port, wait_healthy
 from test_serve_group_sigterm import KEY, _group_alive, _post
 
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve.api import DRAIN_EXPIRED, ChatRequest, LitKVSpec, ServeOptions
+from litkv.serve.api import ChatRequest, LitKVSpec, ServeOptions
+from litkv.serve.drain import DRAIN_EXPIRED
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 2  # the drain's limit: --timeout
