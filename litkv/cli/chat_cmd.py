@@ -42,6 +42,7 @@ from litkv.inference.blocks import encode_document
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.conversation import Conversation, Pick
 from litkv.inference.generate import check_sampling, sample
+from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
@@ -147,18 +148,20 @@ class ChatSession:
         hidden = conv.feed(pending, messages, replies, documents)
         self.attached = []
         reply: list[int] = []
-        stream = _TextStream(self.tokenizer, out)
+        stream = TextStream(self.tokenizer)
         tokens = conv.reply(hidden, max_new_tokens, pick)
         while not self.interrupted:
             token = next(tokens, None)
             if token is None:
                 break
             reply.append(token)
-            stream.add(token)
+            _write(out, stream.add(token))
             if stop_at_newline and "\n" in self.tokenizer.decode(torch.tensor([token])):
                 break
         tokens.close()
-        stream.finish()
+        _write(out, stream.finish())
+        if stream.sent_text and not stream.sent_text.endswith("\n"):
+            _write(out, "\n")  # the reply's line ends
         shown = reply[:-1] if reply and reply[-1] in conv.format.stop_ids else reply
         conv.end_reply(self.tokenizer.decode(torch.tensor(shown, dtype=torch.long)) if shown else "")
         return reply
@@ -234,6 +237,12 @@ class ChatSession:
         )
 
 
+def _write(out: TextIO, text: str) -> None:
+    if text:
+        out.write(text)
+        out.flush()
+
+
 def _chat_metadata(path: Path) -> str | None:
     from safetensors import safe_open
 
@@ -269,41 +278,6 @@ def _read_layout(path: Path) -> dict[str, object] | None:
     if isinstance(data, dict) and "segments" not in data and "turns" in data:
         return None  # an earlier litkv's file: turn sizes only; its tokens are a prefix
     return data if isinstance(data, dict) else {"invalid": raw[:80]}
-
-
-class _TextStream:
-    """Writes a reply's text as its tokens come. Only the new tokens are decoded, after the last written
-    token as context (so that a word's leading space survives), and an incomplete character waits."""
-
-    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
-        self.tokenizer = tokenizer
-        self.out = out
-        self.context: list[int] = []
-        self.pending: list[int] = []
-        self.at_line_start = True
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
-
-    def add(self, token: int, final: bool = False) -> None:
-        self.pending.append(token)
-        head, text = self._decode(self.context), self._decode(self.context + self.pending)
-        if text.endswith("\ufffd") and not final:
-            return
-        new = text[len(head) :]
-        if new:
-            self.out.write(new)
-            self.out.flush()
-            self.at_line_start = new.endswith("\n")
-        self.context, self.pending = self.pending[-1:], []
-
-    def finish(self) -> None:
-        """Write what is left (an incomplete character included) and end the line."""
-        if self.pending:
-            self.add(self.pending.pop(), final=True)
-        if not self.at_line_start:
-            self.out.write("\n")
-            self.out.flush()
 
 
 #: Commands after which the session file is written again (they change the session).

@@ -45,6 +45,7 @@ from litkv.inference.chat_template import (
     TemplateFormat,
 )
 from litkv.inference.conversation import segment_plan
+from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
@@ -239,7 +240,7 @@ class Engine:
             )
         job.generator = torch.Generator(device=self.device)
         job.generator.manual_seed(self.default_seed if req.seed is None else req.seed)
-        job.scanner = _StopScanner(req.stop, "\n" if self.stop_at_newline else None)
+        job.scanner = TextStream(self.tokenizer, req.stop, self.stop_at_newline)
 
     def _restore_longest(self, job: Job, segments: list[Segment]) -> int:
         """Load the longest stored prefix that ends with an assistant message into the job's row; how many
@@ -290,21 +291,20 @@ class Engine:
         """A sampled token: True when it is a stop token (the reply ends before it); else it joins the reply
         and its text goes out (up to a stop string)."""
         result = job.result
+        result.generated += 1
         if token in self.format.stop_ids:
             result.finish_reason = "stop"
-            result.generated += 1
-            delta = job.scanner.update(self._decode(result.reply_ids), final=True)
+            delta = job.scanner.finish()
             if delta:
                 job.emit("text", delta)
             return True
         result.reply_ids.append(token)
-        result.generated += 1
-        delta = job.scanner.update(self._decode(result.reply_ids), final=False)
+        delta = job.scanner.add(token)
         if job.scanner.stopped:
             result.finish_reason = "stop"
         elif len(result.reply_ids) >= job.req.max_tokens:
             result.finish_reason = "length"
-            delta += job.scanner.update(self._decode(result.reply_ids), final=True)
+            delta += job.scanner.finish()
         if delta:
             job.emit("text", delta)
         return False
@@ -349,36 +349,3 @@ def count_prompt_tokens(fmt: Format, messages: Sequence[Message], documents: Doc
     except ChatTemplateError as err:  # the chat template refuses this conversation (raise_exception, ...)
         raise RequestError(err.reason, param="messages") from None
     return sum(len(s.ids) for s in segments)
-
-
-class _StopScanner:
-    """Cuts a reply's text at its first stop string (left out) or its first `newline` (kept); gives the
-    text safe to send so far."""
-
-    def __init__(self, stops: list[str], newline: str | None = None) -> None:
-        self.stops = [s for s in stops if s]
-        self.newline = newline
-        every = [*self.stops, *([newline] if newline else [])]
-        self.hold = max((len(s) for s in every), default=1) - 1
-        self.sent = 0
-        self.content = ""
-        self.stopped = False
-
-    def update(self, text: str, final: bool = False) -> str:
-        """New text to send for the reply's whole text so far (`stopped` turns true at a stop)."""
-        if self.stopped or (text.endswith("\ufffd") and not final):
-            return ""
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if self.newline and self.newline in text:
-            cuts.append(text.index(self.newline) + len(self.newline))
-        if cuts:
-            self.content = text[: min(cuts)]
-            self.stopped = True
-            return self._advance(len(self.content))
-        self.content = text
-        return self._advance(len(text) if final else max(len(text) - self.hold, self.sent))
-
-    def _advance(self, upto: int) -> str:
-        delta = self.content[self.sent : upto]
-        self.sent = max(self.sent, upto)
-        return delta
