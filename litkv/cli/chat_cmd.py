@@ -1,8 +1,10 @@
 """`litkv chat`: an interactive session on a checkpoint, through any KV cache policy.
 
 The conversation itself (its messages in the checkpoint's chat template or as raw text, feeding through
-the chunk runner, the reply loop) is `litkv.inference.conversation.Conversation`, shared with `litkv serve`; this
-module is the terminal around it. Each turn appends the user's message and the reply to the caches: the
+the chunk runner, the reply loop) is `litkv.inference.conversation.Conversation`, shared with `litkv serve`;
+the session (turns, `/undo`, `/attach`, `/save`, `/load`, `/stats`, the session file's format) is
+`litkv.inference.chat_session.ChatSession`; this module is the terminal around them (input, commands,
+signals, the session file's lock). Each turn appends the user's message and the reply to the caches: the
 history is never prefilled again, and with an evicting policy the conversation can run past the
 model's context length. Commands:
 `/undo` (roll back the last turn), `/attach FILE` (a document for the next message: a KV block,
@@ -22,14 +24,11 @@ the chat with a traceback.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
 
 import torch
 
@@ -37,273 +36,21 @@ from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_model, load_
 from litkv.checkpoints.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.atomic import remove_stale_temp_files
-from litkv.core.validation import read_text_file
-from litkv.inference.blocks import encode_document
-from litkv.inference.chat_template import Format, RawFormat, load_format
-from litkv.inference.conversation import Conversation, Pick
+from litkv.inference.chat_session import ChatSession
+from litkv.inference.chat_template import load_format
+from litkv.inference.conversation import Pick, check_recompute
 from litkv.inference.generate import check_sampling, sample
 from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
-from litkv.states.block_store import BlockStore
-from litkv.states.state import CacheState, restore, snapshot
-from litkv.states.state_file import read_state_header
-from litkv.states.undo import truncate
-
-if TYPE_CHECKING:
-    from litgpt.tokenizer import Tokenizer
 
 __all__ = ["ChatSession", "chat"]
 
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
-BLOCK_STORE_BYTES = 1 << 30  # documents' KV kept in memory by a chat
-#: Safetensors metadata key of a session file's chat data: `{"turns": [tokens of each turn]}` as JSON.
-CHAT_METADATA = "litkv_chat"
 HELP = (
     "commands: /undo (roll back the last turn), /attach FILE (a document for the next message), /save FILE, "
     "/load FILE, /reset, /stats, /help, /quit; "
     "Ctrl-C stops a reply, Ctrl-D exits"
 )
-
-
-class ChatSession:
-    """The chat's side of a conversation (`litkv.inference.conversation.Conversation`, batch of one): the turn as
-    the terminal runs it, `/undo` (turn boundaries), `/save`, `/load`, `/stats`.
-
-    Args:
-        model: the GPT (caches are attached to it for the session's life).
-        tokenizer: LitGPT's tokenizer of the checkpoint.
-        kv_cache: the cache config of every layer.
-        undo_depth: calls (prefill chunks and decode steps) the undo log keeps; `/undo` of a turn
-            with an evicting policy needs the turn's calls in it.
-        fmt: how messages become tokens (default: raw text, `RawFormat`).
-        blocks: where attached documents' KV is kept (default: in memory, `BLOCK_STORE_BYTES`).
-        recompute: the fraction of each spliced document's tokens recomputed in context.
-    """
-
-    def __init__(
-        self,
-        model: GPT,
-        tokenizer: Tokenizer,
-        kv_cache: KVCacheConfig,
-        undo_depth: int = 1024,
-        fmt: Format | None = None,
-        blocks: BlockStore | None = None,
-        recompute: float = 0.0,
-    ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.undo_depth = undo_depth
-        blocks = BlockStore(BLOCK_STORE_BYTES) if blocks is None else blocks
-        self.conversation = Conversation(model, fmt or RawFormat(tokenizer), kv_cache, undo_depth, blocks, recompute)
-        self.attached: list[tuple[int, ...]] = []  # documents of the next user message
-        self.loaded_turns = 0  # turns restored from a file: their undo history is not in the log
-        self.interrupted = False
-
-    @property
-    def kv_cache(self) -> KVCacheConfig:
-        return self.conversation.kv_cache
-
-    @property
-    def next_pos(self) -> int:
-        return self.conversation.next_pos
-
-    @property
-    def history(self) -> list[int]:
-        return self.conversation.history
-
-    @property
-    def turns(self) -> list[int]:
-        """Tokens of each turn (the user's segment and the reply)."""
-        return self.conversation.turn_sizes()
-
-    def reset(self) -> None:
-        """Empty caches, history and turns (and documents attached for the next message)."""
-        self.conversation.reset()
-        self.loaded_turns = 0
-        self.attached = []
-
-    def attach(self, path: Path) -> str:
-        """Attach the text of `path` as a document (a KV block) to the next user message."""
-        text = read_text_file("document file", path)  # a directory, a FIFO or a binary file: said so
-        self.attached.append(encode_document(self.tokenizer, text, f"document {str(path)!r}"))
-        return (
-            f"attached {path} ({len(self.attached[-1])} tokens) to the next message ({len(self.attached)} document(s))"
-        )
-
-    # -- a turn ---------------------------------------------------------------------------------
-
-    def turn(self, text: str, max_new_tokens: int, pick: Pick, out: TextIO, stop_at_newline: bool = True) -> list[int]:
-        """Append the user's `text` to the session (in the conversation's format) and stream the reply to `out`.
-
-        Returns:
-            The reply's token ids (all of them are in the caches when this returns).
-        """
-        conv = self.conversation
-        messages, replies = [*conv.messages, ("user", text)], [*conv.replies, None]
-        documents = {**conv.documents, **({len(conv.messages): tuple(self.attached)} if self.attached else {})}
-        pending = conv.prepare(messages, replies, documents)
-        conv.check_room(pending, max_new_tokens)
-        hidden = conv.feed(pending, messages, replies, documents)
-        self.attached = []
-        reply: list[int] = []
-        stream = _TextStream(self.tokenizer, out)
-        tokens = conv.reply(hidden, max_new_tokens, pick)
-        while not self.interrupted:
-            token = next(tokens, None)
-            if token is None:
-                break
-            reply.append(token)
-            stream.add(token)
-            if stop_at_newline and "\n" in self.tokenizer.decode(torch.tensor([token])):
-                break
-        tokens.close()
-        stream.finish()
-        shown = reply[:-1] if reply and reply[-1] in conv.format.stop_ids else reply
-        conv.end_reply(self.tokenizer.decode(torch.tensor(shown, dtype=torch.long)) if shown else "")
-        return reply
-
-    # -- commands -------------------------------------------------------------------------------
-
-    def undo(self) -> str:
-        turns = self.turns
-        if not turns:
-            return "nothing to undo"
-        n = turns[-1]
-        try:
-            truncate(self.model, n)
-        except ValueError as err:
-            raise ValueError(self._undo_error(n)) from err
-        self.conversation.drop_last_turn()
-        self.loaded_turns = min(self.loaded_turns, len(turns) - 1)
-        return f"rolled back the last turn ({n} tokens)"
-
-    def _undo_error(self, n: int) -> str:
-        """Why the last turn cannot be rolled back, in terms of the chat's options."""
-        if len(self.turns) <= self.loaded_turns:
-            return (
-                f"cannot undo this turn ({n} tokens): it was loaded from a file, and a {self.kv_cache.policy} cache "
-                "can only roll back turns taken since (a dense cache can roll back any turn)"
-            )
-        return (
-            f"cannot undo this turn ({n} tokens): it took more calls than the undo log keeps "
-            f"(--undo_depth {self.undo_depth}); restart with a larger --undo_depth"
-        )
-
-    def save(self, path: Path) -> str:
-        """Write the session (caches, token history, messages and their segments) to `path`, atomically."""
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"cannot save to {str(path)!r}: it is a directory; give a file name")
-        _check_not_foreign(path)
-        history = self.history
-        state = snapshot(self.model, device="cpu", token_ids=[history])
-        data = {"turns": self.turns, **self.conversation.layout()}
-        state.save(path, extra_metadata={CHAT_METADATA: json.dumps(data)})
-        return f"saved {len(history)} tokens to {path} ({state.nbytes() / 2**20:.2f} MiB of state)"
-
-    def load(self, path: Path) -> str:
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"cannot load {str(path)!r}: it is a directory, not a session file")
-        state = CacheState.load(path)
-        if state.batch_size != 1:
-            raise ValueError(f"{path} holds {state.batch_size} rows; a chat session has one")
-        history = list(state.token_ids[0]) if state.token_ids else []
-        layout = _read_layout(path)
-        restore(self.model, state)
-        self.conversation.kv_cache = state.configs[0]
-        try:
-            self.conversation.resume(history, layout)
-        except (TypeError, ValueError):
-            message = f"{path}: its conversation data is invalid; its tokens are kept, /undo starts here"
-            warnings.warn(message, stacklevel=2)
-            self.conversation.resume(history, None)
-        self.loaded_turns = len(self.turns)
-        return f"loaded {len(history)} tokens ({self.loaded_turns} turns) from {path} (policy {self.kv_cache.policy})"
-
-    def stats(self) -> str:
-        caches = self.model.kv_caches
-        held = int((caches[0].positions[0, 0] >= 0).sum())
-        cache_bytes = sum(c.nbytes() for c in caches)
-        return (
-            f"tokens seen: {self.next_pos} | turns: {len(self.turns)} | slots held: {held} of "
-            f"{caches[0].cache_length} per layer and head | cache: {self.kv_cache.policy}, "
-            f"{cache_bytes / 2**20:.2f} MiB | documents: {self.conversation.blocks.hits} pieces restored, "
-            f"{self.conversation.blocks.misses} computed"
-        )
-
-
-def _chat_metadata(path: Path) -> str | None:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return (f.metadata() or {}).get(CHAT_METADATA)
-
-
-def _read_turns(path: Path, history: int) -> list[int]:
-    """The turn sizes stored in a session file; `[]` (with a warning) when absent or inconsistent."""
-    raw = _chat_metadata(path)
-    if raw is None:
-        return []  # saved by `snapshot(...).save` or an earlier litkv: no turns to undo
-    try:
-        turns = json.loads(raw)["turns"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        turns = None
-    valid = isinstance(turns, list) and all(type(t) is int and t >= 1 for t in turns) and sum(turns) <= history
-    if not valid:
-        warnings.warn(f"{path}: its turn boundaries are invalid ({raw[:80]!r}); /undo starts from here", stacklevel=2)
-        return []
-    return turns
-
-
-def _read_layout(path: Path) -> dict[str, object] | None:
-    """The conversation layout a session file holds (`Conversation.layout`), or `None` without one."""
-    raw = _chat_metadata(path)
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError:
-        data = None
-    if isinstance(data, dict) and "segments" not in data and "turns" in data:
-        return None  # an earlier litkv's file: turn sizes only; its tokens are a prefix
-    return data if isinstance(data, dict) else {"invalid": raw[:80]}
-
-
-class _TextStream:
-    """Writes a reply's text as its tokens come. Only the new tokens are decoded, after the last written
-    token as context (so that a word's leading space survives), and an incomplete character waits."""
-
-    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
-        self.tokenizer = tokenizer
-        self.out = out
-        self.context: list[int] = []
-        self.pending: list[int] = []
-        self.at_line_start = True
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
-
-    def add(self, token: int, final: bool = False) -> None:
-        self.pending.append(token)
-        head, text = self._decode(self.context), self._decode(self.context + self.pending)
-        if text.endswith("\ufffd") and not final:
-            return
-        new = text[len(head) :]
-        if new:
-            self.out.write(new)
-            self.out.flush()
-            self.at_line_start = new.endswith("\n")
-        self.context, self.pending = self.pending[-1:], []
-
-    def finish(self) -> None:
-        """Write what is left (an incomplete character included) and end the line."""
-        if self.pending:
-            self.add(self.pending.pop(), final=True)
-        if not self.at_line_start:
-            self.out.write("\n")
-            self.out.flush()
 
 
 #: Commands after which the session file is written again (they change the session).
@@ -338,19 +85,6 @@ def _read_line(interactive: bool) -> str | None:
             return None
     line = sys.stdin.readline()
     return None if line == "" else line.rstrip("\n")
-
-
-def _check_not_foreign(path: Path) -> None:
-    """ValueError when `path` is a regular file that is not a litkv session (a save never replaces a
-    file of the user's: only an earlier session, or a device such as /dev/null, is written over)."""
-    if not path.is_file():
-        return
-    try:
-        read_state_header(path)
-    except (OSError, ValueError):
-        raise ValueError(
-            f"cannot save to {str(path)!r}: it exists and is not a litkv session; give a new file name"
-        ) from None
 
 
 class _Terminate(BaseException):
@@ -499,8 +233,7 @@ def chat(
         recompute: The fraction of each spliced document's tokens recomputed in context (0: pure splice).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-        raise ValueError(f"--recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
+    recompute = check_recompute(recompute, "--recompute")
     quant = parse_quantize(quantize)
     path = _session_path(session)
     try:
@@ -508,7 +241,7 @@ def chat(
             state = _start(
                 checkpoint_dir, kv_cache, chat_template, path, undo_depth, (precision, device, num_threads), quant
             )
-            state.conversation.recompute = float(recompute)
+            state.conversation.recompute = recompute
             for doc in block_file or []:
                 print(state.attach(Path(doc)), file=sys.stderr)
             if stop_at_newline is None:

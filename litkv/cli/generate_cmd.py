@@ -18,6 +18,7 @@ from litkv.inference.blocks import generate_segments, generate_segments_batch, p
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.generate import check_sampling
 from litkv.inference.generate import generate as generate_tokens
+from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.states.block_store import BlockStore
 from litkv.states.prefix import PrefixCache
@@ -282,15 +283,14 @@ def _read_prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[st
 
 
 class _Stream:
-    """`on_tokens` callback: prints the new text of a single prompt, times prefill and decode."""
+    """`on_tokens` callback: prints the new text of a single prompt (`TextStream`, up to and including a stop
+    token), times prefill and decode."""
 
     def __init__(self, tokenizer: Tokenizer, model: torch.nn.Module, echo: bool, stop: tuple[int, ...] = ()) -> None:
-        self.tokenizer = tokenizer
         self.stop = stop
         self.model = model
         self.echo = echo
-        self.ids: list[int] = []
-        self.printed = ""
+        self.text = TextStream(tokenizer)
         self.steps = 0
         self.cache_bytes = 0
         self.t_start = self.t_first = self.t_second = self.t_last = 0.0
@@ -311,20 +311,13 @@ class _Stream:
         self.steps += 1
         if not self.echo:
             return
-        if self.ids and self.ids[-1] in self.stop:
+        if self.text.ids and self.text.ids[-1] in self.stop:
             return
-        self.ids.append(values[0])
-        self._print(final=False)
-
-    def _print(self, final: bool) -> None:
-        text = self.tokenizer.decode(torch.tensor(self.ids, dtype=torch.long))
-        if final or not text.endswith("\ufffd"):  # else wait for the rest of a multi-byte character
-            print(text[len(self.printed) :], end="\n" if final else "", flush=True)
-            self.printed = text
+        print(self.text.add(values[0]), end="", flush=True)
 
     def finish(self) -> None:
         """Print what is left (an incomplete character included) and end the line."""
-        self._print(final=True)
+        print(self.text.finish(), flush=True)
 
     def summary(
         self, batch_size: int, prompt_tokens: int, new_tokens: int, kv_cache: KVCacheConfig, compiled: bool = False

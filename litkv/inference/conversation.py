@@ -1,10 +1,19 @@
-"""The conversation engine of `litkv chat` and `litkv serve`: one conversation on a model's caches.
+"""The conversation core of `litkv chat` and `litkv serve`: turns planned, documents grouped, room and
+recompute checked, runs fed to a row.
 
-A `Conversation` owns the messages, the segments already fed (`chat_template.Segment`: what the caches
-hold, in order), the feeding and the reply loop. A turn is planned from the whole conversation
-(`plan`: the format renders every message, replies kept as their token ids), and only what the caches
-do not hold yet is fed (`pending`); if the caches hold something else (another format, a template whose
-earlier turns render differently), the conversation is recomputed from an empty cache, with a warning.
+The planning is the same for both (functions of the format, no caches): `plan_segments` renders the whole
+conversation (`chat_template.Segment`s, replies kept as their token ids), `held_segments` is what caches
+hold after a reply, `runs` groups the segments as they are fed (a run of documents with the prompt text
+after it, every other segment alone), `lossless_overflow` is the room check of a lossless cache and
+`check_recompute` the check of a recompute fraction. A `Feeder` feeds a `Run` to a `Row` (the small
+protocol of where tokens go: `next_pos`, `prefill`, `feed_blocks`): a batch-of-one model run (a
+`Conversation`, chat) or one row of the server's batch (`litkv.serve.engine`).
+
+A `Conversation` is one conversation on a model's caches (chat): the messages, the segments already fed
+(what the caches hold, in order), the feeding and the reply loop. A turn is planned from the whole
+conversation and only what the caches do not hold yet is fed (`prepare`); if the caches hold something
+else (another format, a template whose earlier turns render differently), the conversation is
+recomputed from an empty cache, with a warning.
 
 Feeding goes through the chunk runner (`litkv.modeling.runner.run_chunks`): a prompt segment is cut from its own
 first token (the first segment of a conversation by `prefill_length`, then `chunk_size`; later segments
@@ -31,6 +40,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -43,7 +53,20 @@ from litkv.modeling.runner import ChunkPlan, run_chunks
 from litkv.states.block_store import BlockStore
 from litkv.states.undo import keep_undo_log
 
-__all__ = ["Conversation", "Pending", "Pick", "segment_plan"]
+__all__ = [
+    "Conversation",
+    "Feeder",
+    "Pending",
+    "Pick",
+    "Row",
+    "Run",
+    "check_recompute",
+    "held_segments",
+    "lossless_overflow",
+    "plan_segments",
+    "runs",
+    "segment_plan",
+]
 
 Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (1, V) -> next token (1,)
 
@@ -70,6 +93,118 @@ def segment_plan(seg: Segment, next_pos: int, kv_cache: KVCacheConfig) -> ChunkP
     return ChunkPlan(kv_cache.chunk_length, kv_cache.chunk_length)
 
 
+def check_recompute(value: object, name: str = "recompute") -> float:
+    """`value` as the fraction of each spliced document's tokens recomputed in context; ValueError naming
+    `name` unless it is a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1] (0: pure splice), got {value!r}")
+    return float(value)
+
+
+def plan_segments(
+    fmt: Format,
+    messages: Sequence[Message],
+    replies: Replies,
+    prefix: Sequence[int] = (),
+    add_generation_prompt: bool = True,
+    documents: Documents | None = None,
+) -> list[Segment]:
+    """Every segment of the conversation `prefix` + `messages` in `fmt` (a generation prompt at the end);
+    `documents[i]`: the documents' ids of user message `i`. Raises the format's `ChatTemplateError`."""
+    head = [Segment(tuple(prefix), False)] if prefix else []
+    return head + fmt.segments(messages, replies, not prefix, add_generation_prompt, documents)
+
+
+def held_segments(fmt: Format, messages: Sequence[Message], replies: Replies) -> list[Segment]:
+    """The segments of a conversation that ends with an assistant message, through its reply: what the
+    caches hold after that reply (no generation prompt)."""
+    segments = plan_segments(fmt, messages, replies, add_generation_prompt=False)
+    last = [i for i, s in enumerate(segments) if s.reply]
+    return segments[: last[-1] + 1] if last else segments
+
+
+def lossless_overflow(kv_cache: KVCacheConfig, filled: int, needed: int) -> int | None:
+    """The slots of a lossless `kv_cache` when `filled` tokens and `needed` more exceed them; None when they
+    fit or the policy evicts."""
+    limit = kv_cache.policy_class.max_tokens(kv_cache)
+    return limit if limit is not None and filled + needed > limit else None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one feed puts in a row: a prompt segment, a reply, or a run of documents (block segments) with
+    the prompt text after them (their recomputed tokens run with it)."""
+
+    segments: tuple[Segment, ...]
+
+    @property
+    def reply(self) -> bool:
+        return self.segments[0].reply
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(t for s in self.segments for t in s.ids)
+
+    @property
+    def documents(self) -> list[tuple[int, ...]]:
+        return [s.ids for s in self.segments if s.block]
+
+    @property
+    def text(self) -> tuple[int, ...] | None:
+        """The ids of the prompt text after a run of documents (None: none)."""
+        rest = [s for s in self.segments if not s.block]
+        return rest[0].ids if rest else None
+
+
+def runs(segments: Sequence[Segment]) -> list[Run]:
+    """`segments` grouped as they are fed: each run of documents with the prompt text after it (not a
+    reply), every other segment alone."""
+    out, i = [], 0
+    while i < len(segments):
+        end = i + 1
+        if segments[i].block:
+            while end < len(segments) and segments[end].block:
+                end += 1
+            end += end < len(segments) and not segments[end].reply
+        out.append(Run(tuple(segments[i:end])))
+        i = end
+    return out
+
+
+class Row(Protocol):
+    """Where a conversation's runs are fed: a batch-of-one model run (`Conversation`) or one row of the
+    server's batch (`litkv.serve`). Each call returns the last token's hidden state (the row's shape)."""
+
+    @property
+    def next_pos(self) -> int: ...
+    def prefill(self, ids: list[int], plan: ChunkPlan) -> torch.Tensor: ...
+    def feed_blocks(
+        self, blocks: list[tuple[int, ...]], text: tuple[int, ...] | None, store: BlockStore, recompute: float
+    ) -> torch.Tensor: ...
+
+
+class Feeder:
+    """How runs enter a row: prompt text and replies through the chunk runner (`segment_plan`), documents
+    spliced from `blocks` with `recompute` of their tokens recomputed in context.
+
+    Args:
+        blocks: where documents' KV is kept (default: a store that keeps nothing: computed at each use).
+        recompute: the fraction of each spliced document's tokens recomputed in context (0: pure splice).
+    """
+
+    def __init__(self, blocks: BlockStore | None = None, recompute: float = 0.0) -> None:
+        self.blocks = BlockStore(0) if blocks is None else blocks
+        self.recompute = check_recompute(recompute)
+
+    def feed(self, row: Row, run: Run, kv_cache: KVCacheConfig) -> torch.Tensor | None:
+        """Feed `run` to `row`; the last token's hidden state, None for an empty reply (nothing to feed)."""
+        if run.segments[0].block:
+            return row.feed_blocks(run.documents, run.text, self.blocks, self.recompute)
+        if not run.ids:
+            return None
+        return row.prefill(list(run.ids), segment_plan(run.segments[0], row.next_pos, kv_cache))
+
+
 class Conversation:
     """One conversation (batch of one) on `model`'s caches.
 
@@ -91,11 +226,8 @@ class Conversation:
         blocks: BlockStore | None = None,
         recompute: float = 0.0,
     ) -> None:
-        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-            raise ValueError(f"recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
         self.model = model
-        self.blocks = BlockStore(0) if blocks is None else blocks
-        self.recompute = float(recompute)
+        self.feeder = Feeder(blocks, recompute)
         self.documents: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.undo_depth = undo_depth
         self.format = fmt
@@ -109,6 +241,18 @@ class Conversation:
         self.reset()
 
     # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def blocks(self) -> BlockStore:
+        return self.feeder.blocks
+
+    @property
+    def recompute(self) -> float:
+        return self.feeder.recompute
+
+    @recompute.setter
+    def recompute(self, value: float) -> None:
+        self.feeder.recompute = check_recompute(value)
 
     @property
     def next_pos(self) -> int:
@@ -135,7 +279,7 @@ class Conversation:
     def adopt(self, messages: Sequence[Message], replies: Replies) -> bool:
         """Take the caches as they are (restored from a state) as holding `messages`, which end with a
         reply; False (nothing changed) when their tokens are not as many as the caches saw."""
-        segments = self._through_last_reply(self.plan(messages, replies, add_generation_prompt=False))
+        segments = held_segments(self.format, messages, replies)
         if sum(len(s.ids) for s in segments) != self.next_pos:
             return False
         self.prefix = None
@@ -191,30 +335,17 @@ class Conversation:
         self._set_messages(msgs, [next(reply_ids) if role == "assistant" else None for role, _ in msgs], documents)
         self.fed = fed
 
-    def plan(
-        self,
-        messages: Sequence[Message],
-        replies: Replies,
-        prefix: Sequence[int] = (),
-        add_generation_prompt: bool = True,
-        documents: Documents | None = None,
-    ) -> list[Segment]:
-        """Every segment of the conversation `prefix` + `messages` (a generation prompt at the end);
-        `documents[i]`: the documents' ids of user message `i`."""
-        head = [Segment(tuple(prefix), False)] if prefix else []
-        return head + self.format.segments(messages, replies, not prefix, add_generation_prompt, documents)
-
-    @staticmethod
-    def _through_last_reply(segments: list[Segment]) -> list[Segment]:
-        replies = [i for i, s in enumerate(segments) if s.reply]
-        return segments[: replies[-1] + 1] if replies else segments
+    def plan(self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None) -> list[Segment]:
+        """Every segment of the conversation's prefix (if any) + `messages`, a generation prompt at the end
+        (`plan_segments`); `documents[i]`: the documents' ids of user message `i`."""
+        prefix = self.prefix.ids if self.prefix is not None else ()
+        return plan_segments(self.format, messages, replies, prefix, documents=documents)
 
     def prepare(self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None) -> Pending:
         """What feeding `messages` (a generation prompt at the end; `documents[i]`: those of user message
         `i`) needs: the segments the caches do not hold yet, or, when the caches hold something else, all of
         them from an empty cache."""
-        prefix = self.prefix.ids if self.prefix is not None else ()
-        segments = self.plan(messages, replies, prefix, documents=documents)
+        segments = self.plan(messages, replies, documents)
         if segments[: len(self.fed)] == self.fed:
             return Pending(segments[len(self.fed) :], restart=False)
         return Pending(segments, restart=True)
@@ -223,9 +354,9 @@ class Conversation:
         """ValueError when a lossless cache cannot take `pending` and `extra` more tokens."""
         needed = pending.num_tokens + extra
         for cache in self.model.kv_caches:
-            limit = type(cache).max_tokens(cache.config)
             filled = 0 if pending.restart else cache.num_filled
-            if limit is not None and filled + needed > limit:
+            limit = lossless_overflow(cache.config, filled, needed)
+            if limit is not None:
                 raise ValueError(
                     f"the {cache.config.policy} cache is full: {filled} of {limit} slots used, this turn "
                     f"may need {needed} more; /undo, /reset, or restart with an evicting policy (--kv_cache h2o)"
@@ -246,40 +377,34 @@ class Conversation:
                 stacklevel=2,
             )
             self.reset(keep_prefix=True)
-        hidden, segments, i = None, pending.segments, 0
-        while i < len(segments):
-            seg = segments[i]
-            if seg.block:  # a run of documents and the text after it (their recomputed tokens run with it)
-                end = next((j for j in range(i, len(segments)) if not segments[j].block), len(segments))
-                text = segments[end] if end < len(segments) and not segments[end].reply else None
-                hidden = self._run_blocks(segments[i:end], text)
-                run = segments[i : end + (text is not None)]
-            else:
-                run = [seg]
-                if seg.ids:  # an empty reply (cut at once) holds no token
-                    hidden = self._run(seg)
-            self.fed.extend(run)
-            i += len(run)
+        hidden = None
+        for run in runs(pending.segments):
+            out = self.feeder.feed(self, run, self.kv_cache)
+            hidden = hidden if out is None else out
+            self.fed.extend(run.segments)
         if hidden is None:
             raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
         self._set_messages(messages, replies, documents)
         return hidden
 
-    def _run(self, seg: Segment) -> torch.Tensor:
-        n = len(seg.ids)
-        plan = segment_plan(seg, self.next_pos, self.kv_cache)
-        idx = torch.tensor([seg.ids], dtype=torch.long, device=self.device)
+    # -- the row it feeds (`Row`): the model's caches, batch of one ---------------------------------
+
+    def prefill(self, ids: list[int], plan: ChunkPlan) -> torch.Tensor:
+        """Run `ids` from `next_pos` in the calls of `plan`; hidden states `(1, 1, n_embd)` of the last token."""
+        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         start = self.next_pos
-        pos = torch.arange(start, start + n, device=self.device)[None]
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
         return run_chunks(self.model, idx, pos, plan, lm_head=False, last_only=True)
 
-    def _run_blocks(self, blocks: Sequence[Segment], text: Segment | None) -> torch.Tensor:
+    def feed_blocks(
+        self, blocks: list[tuple[int, ...]], text: tuple[int, ...] | None, store: BlockStore, recompute: float
+    ) -> torch.Tensor:
         """Documents `blocks` spliced (`feed_blocks`; a block is computed alone as a prefill from 0) and
         `text` after them; hidden states `(1, 1, n_embd)` of the last token."""
-        ids = [torch.tensor(b.ids, dtype=torch.long) for b in blocks]
-        after = None if text is None else torch.tensor(text.ids, dtype=torch.long)
+        ids = [torch.tensor(b, dtype=torch.long) for b in blocks]
+        after = None if text is None else torch.tensor(text, dtype=torch.long)
         plan = ChunkPlan.of(self.kv_cache)
-        return feed_blocks(self.model, ids, after, self.next_pos, plan, self.blocks, self.recompute)[:, None]
+        return feed_blocks(self.model, ids, after, self.next_pos, plan, store, recompute)[:, None]
 
     # -- the reply ------------------------------------------------------------------------------
 

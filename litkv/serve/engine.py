@@ -1,12 +1,13 @@
-"""The conversation engine of `litkv serve`: messages in, reply text out, through stored cache states.
+"""The turns of `litkv serve`: requests' messages in, reply text out, through stored cache states.
 
-A conversation is a list of `(role, content)` messages, made into segments by the format that `litkv
-chat` uses too (`litkv.inference.chat_template`: the checkpoint's chat template, else raw text), and fed by the
-batch loop (`litkv.serve.scheduler`): prompt text in chunks from its segment's first token
-(`litkv.inference.conversation.segment_plan`), an assistant message one token per decode step, as decoding fed
-it: the reply's exact ids when this server generated it (kept next to its state), else its text's ids
-(`Engine.text_ids`: the server returns a reply as the text of exactly the tokens it fed, so the text
-stands for the same ids unless it does not re-tokenize to them).
+A turn is planned and fed as `litkv chat`'s are (`litkv.inference.conversation`: `plan_segments` in the
+checkpoint's chat template or raw text, documents grouped into `runs`, the lossless room check, a
+`Feeder` that feeds each run to the job's row of the batch, `_BatchRow`); this module adds what only a
+server has: the messages' keys, the stored states and the continuous batch (`litkv.serve.scheduler`).
+Prompt text is fed in chunks from its segment's first token, an assistant message one token per decode
+step, as decoding fed it: the reply's exact ids when this server generated it (kept next to its state),
+else its text's ids (`Engine.text_ids`: the server returns a reply as the text of exactly the tokens it
+fed, so the text stands for the same ids unless it does not re-tokenize to them).
 
 A request's messages are matched against stored states at message boundaries: the longest prefix
 that ends with an assistant message and has a state is restored into the job's row, and only the
@@ -44,10 +45,12 @@ from litkv.inference.chat_template import (
     Segment,
     TemplateFormat,
 )
-from litkv.inference.conversation import segment_plan
+from litkv.inference.conversation import Feeder, Run, held_segments, lossless_overflow, plan_segments, runs
+from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
+from litkv.modeling.runner import ChunkPlan
 from litkv.serve.batch import RowBatch
 from litkv.serve.scheduler import Job, Scheduler
 from litkv.serve.store import ConversationStore
@@ -120,8 +123,8 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 class Engine:
     """Turns of conversations on one model, continuously batched (`litkv.serve.scheduler`): restores and
-    stores cache states, plans what each turn feeds (the conversation engine's segments), samples and
-    cuts replies.
+    stores cache states, plans what each turn feeds (`litkv.inference.conversation`'s planning), samples and
+    cuts replies (`litkv.inference.text_stream.TextStream`).
 
     Args:
         model: the GPT.
@@ -155,10 +158,7 @@ class Engine:
         max_documents: int = 8,
         max_document_tokens: int = 8192,
     ) -> None:
-        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-            raise ValueError(f"recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
-        self.blocks = BlockStore(0) if blocks is None else blocks
-        self.recompute = float(recompute)
+        self.feeder = Feeder(blocks, recompute)
         self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
         self.model = model
         self.tokenizer = tokenizer
@@ -175,7 +175,6 @@ class Engine:
         if isinstance(self.format, TemplateFormat):  # another format: other tokens, other states
             identity.append(self.format.template.source)
         self.root = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-        self.limit = kv_cache.policy_class.max_tokens(kv_cache)
         self.device = model.lm_head.weight.device
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -221,25 +220,26 @@ class Engine:
         job.replies = self._replies(job.keys, req.messages)
         documents: Documents = {len(req.messages) - 1: docs} if docs else {}
         try:
-            segments = self.format.segments(req.messages, job.replies, True, True, documents)
+            segments = plan_segments(self.format, req.messages, job.replies, documents=documents)
         except ChatTemplateError as err:  # the chat template refuses this conversation
             raise RequestError(err.reason, param="messages") from None
         held = self._restore_longest(job, segments)
-        job.pending = collections.deque(segments[held:])
-        reused = sum(len(s.ids) for s in segments[:held])
-        job.result.reused_tokens = reused
+        job.pending = collections.deque(runs(segments[held:]))
+        job.result.reused_tokens = sum(len(s.ids) for s in segments[:held])
         job.result.prompt_tokens = sum(len(s.ids) for s in segments)
-        if self.limit is not None and job.result.prompt_tokens + req.max_tokens > self.limit:
+        needed = job.result.prompt_tokens - job.result.reused_tokens + req.max_tokens
+        limit = lossless_overflow(self.kv_cache, job.result.reused_tokens, needed)
+        if limit is not None:
             raise RequestError(
                 f"the conversation needs {job.result.prompt_tokens + req.max_tokens} tokens, more than the "
-                f"{self.kv_cache.policy} cache's {self.limit} slots; use an evicting policy (--kv-cache h2o) or "
+                f"{self.kv_cache.policy} cache's {limit} slots; use an evicting policy (--kv-cache h2o) or "
                 "a larger --kv_cache.cache_length",
                 code="context_length_exceeded",
                 param="messages",
             )
         job.generator = torch.Generator(device=self.device)
         job.generator.manual_seed(self.default_seed if req.seed is None else req.seed)
-        job.scanner = _StopScanner(req.stop, "\n" if self.stop_at_newline else None)
+        job.scanner = TextStream(self.tokenizer, req.stop, self.stop_at_newline)
 
     def _restore_longest(self, job: Job, segments: list[Segment]) -> int:
         """Load the longest stored prefix that ends with an assistant message into the job's row; how many
@@ -248,7 +248,7 @@ class Engine:
         for k in range(len(messages) - 1, 0, -1):
             if messages[k - 1][0] != "assistant" or not self.store.has(job.keys[k]):
                 continue
-            held = self._held(messages[:k], job.replies[:k])
+            held = held_segments(self.format, messages[:k], job.replies[:k])
             if segments[: len(held)] != held:
                 continue
             ids = [i for s in held for i in s.ids]
@@ -264,47 +264,34 @@ class Engine:
         self.batch.clear(job.row)
         return 0
 
-    def _held(self, messages: Sequence[Message], replies: Sequence[list[int] | None]) -> list[Segment]:
-        """The segments of a conversation that ends with an assistant message, through its reply: what a
-        state stored after that reply holds."""
-        held = self.format.segments(messages, list(replies), True, False)
-        return held[: max(i for i, s in enumerate(held) if s.reply) + 1]
-
-    def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor:
-        """Feed a prompt segment to the job's row; a document: the documents after it and the text after them
-        too (taken from `job.pending`), spliced (`litkv.inference.blocks.feed_blocks`); the last token's hidden state
-        `(1, n_embd)`."""
-        if seg.block:  # the run of documents and the text after it (their recomputed tokens run with it)
-            blocks = [seg.ids]
-            while job.pending and job.pending[0].block:
-                blocks.append(job.pending.popleft().ids)
-            text = job.pending.popleft().ids if job.pending and not job.pending[0].reply else None
-            before = self.blocks.reused_tokens
-            hidden = self.batch.feed_blocks(job.row, blocks, text, self.blocks, self.recompute)
-            job.result.block_tokens += self.blocks.reused_tokens - before
-            return hidden
-        plan = segment_plan(seg, self.batch.next_pos(job.row), self.kv_cache)
-        return self.batch.prefill(job.row, list(seg.ids), plan)
+    def feed_prompt(self, job: Job, run: Run) -> torch.Tensor:
+        """Feed a run of the job's prompt (a prompt segment, or documents and the text after them) to the job's
+        row (`litkv.inference.conversation.Feeder`); the last token's hidden state `(1, n_embd)`."""
+        before = self.feeder.blocks.reused_tokens
+        hidden = self.feeder.feed(_BatchRow(self.batch, job.row), run, self.kv_cache)
+        job.result.block_tokens += self.feeder.blocks.reused_tokens - before
+        if hidden is None:
+            raise ValueError("nothing to feed: a prompt run without tokens")
+        return hidden
 
     def on_token(self, job: Job, token: int) -> bool:
         """A sampled token: True when it is a stop token (the reply ends before it); else it joins the reply
         and its text goes out (up to a stop string)."""
         result = job.result
+        result.generated += 1
         if token in self.format.stop_ids:
             result.finish_reason = "stop"
-            result.generated += 1
-            delta = job.scanner.update(self._decode(result.reply_ids), final=True)
+            delta = job.scanner.finish()
             if delta:
                 job.emit("text", delta)
             return True
         result.reply_ids.append(token)
-        result.generated += 1
-        delta = job.scanner.update(self._decode(result.reply_ids), final=False)
+        delta = job.scanner.add(token)
         if job.scanner.stopped:
             result.finish_reason = "stop"
         elif len(result.reply_ids) >= job.req.max_tokens:
             result.finish_reason = "length"
-            delta += job.scanner.update(self._decode(result.reply_ids), final=True)
+            delta += job.scanner.finish()
         if delta:
             job.emit("text", delta)
         return False
@@ -316,7 +303,7 @@ class Engine:
         result.content = job.scanner.content
         key = message_keys(job.keys[-1], [("assistant", result.content)])[-1]
         messages = [*job.req.messages, ("assistant", result.content)]
-        held = self._held(messages, [*job.replies, list(result.reply_ids)])
+        held = held_segments(self.format, messages, [*job.replies, list(result.reply_ids)])
         self.store.put(key, self.batch.take(job.row), result.reply_ids, [i for s in held for i in s.ids])
         result.stored = True
 
@@ -345,40 +332,26 @@ def count_prompt_tokens(fmt: Format, messages: Sequence[Message], documents: Doc
     replies re-tokenised from their text: an estimate for limits, made before the stored reply ids are
     looked up)."""
     try:
-        segments = fmt.segments(messages, [None] * len(messages), True, True, documents)
+        segments = plan_segments(fmt, messages, [None] * len(messages), documents=documents)
     except ChatTemplateError as err:  # the chat template refuses this conversation (raise_exception, ...)
         raise RequestError(err.reason, param="messages") from None
     return sum(len(s.ids) for s in segments)
 
 
-class _StopScanner:
-    """Cuts a reply's text at its first stop string (left out) or its first `newline` (kept); gives the
-    text safe to send so far."""
+class _BatchRow:
+    """One row of the server's batch as a conversation's `Row` (`litkv.inference.conversation.Row`)."""
 
-    def __init__(self, stops: list[str], newline: str | None = None) -> None:
-        self.stops = [s for s in stops if s]
-        self.newline = newline
-        every = [*self.stops, *([newline] if newline else [])]
-        self.hold = max((len(s) for s in every), default=1) - 1
-        self.sent = 0
-        self.content = ""
-        self.stopped = False
+    def __init__(self, batch: RowBatch, row: int) -> None:
+        self.batch, self.row = batch, row
 
-    def update(self, text: str, final: bool = False) -> str:
-        """New text to send for the reply's whole text so far (`stopped` turns true at a stop)."""
-        if self.stopped or (text.endswith("\ufffd") and not final):
-            return ""
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if self.newline and self.newline in text:
-            cuts.append(text.index(self.newline) + len(self.newline))
-        if cuts:
-            self.content = text[: min(cuts)]
-            self.stopped = True
-            return self._advance(len(self.content))
-        self.content = text
-        return self._advance(len(text) if final else max(len(text) - self.hold, self.sent))
+    @property
+    def next_pos(self) -> int:
+        return self.batch.next_pos(self.row)
 
-    def _advance(self, upto: int) -> str:
-        delta = self.content[self.sent : upto]
-        self.sent = max(self.sent, upto)
-        return delta
+    def prefill(self, ids: list[int], plan: ChunkPlan) -> torch.Tensor:
+        return self.batch.prefill(self.row, ids, plan)
+
+    def feed_blocks(
+        self, blocks: list[tuple[int, ...]], text: tuple[int, ...] | None, store: BlockStore, recompute: float
+    ) -> torch.Tensor:
+        return self.batch.feed_blocks(self.row, blocks, text, store, recompute)

@@ -19,9 +19,9 @@ import torch
 
 from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.cli.chat_cmd import ChatSession
 from litkv.core.tokens import encode_plain
 from litkv.inference.blocks import generate_segments, prefill_segments, prompt_segments
+from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, Segment, TemplateFormat
 from litkv.inference.generate import sample
 from litkv.modeling.config import KVCacheConfig

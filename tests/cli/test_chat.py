@@ -181,7 +181,7 @@ def test_session_saved_after_every_turn_with_its_turn_boundaries(
 ) -> None:
     """The file is written after each turn (not only at exit); it stores the turns, so after a resume
     /undo rolls back the last turn (dense cache: exact for any turn) and /stats counts the turns."""
-    from litkv.cli.chat_cmd import ChatSession
+    from litkv.inference.chat_session import ChatSession
 
     session = tmp_path / "s.safetensors"
     sizes: list[int] = []
@@ -292,14 +292,14 @@ def test_sigterm_and_sighup_save_and_exit_cleanly(tmp_path: Path, signum: int) -
 
 
 def _saved_turns(session: Path) -> int:
-    from litkv.cli.chat_cmd import _read_turns
+    from litkv.inference.chat_session import read_turns
     from litkv.states.state import CacheState
 
     try:
         state = CacheState.load(session)
     except FileNotFoundError:
         return 0
-    return len(_read_turns(session, len(state.token_ids[0])))
+    return len(read_turns(session, len(state.token_ids[0])))
 
 
 def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from tiny_checkpoint import TEXT
 
 from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.cli.chat_cmd import ChatSession
+from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
 from litkv.inference.generate import sample
 from litkv.modeling.config import KVCacheConfig
@@ -408,7 +408,7 @@ def test_session_file_without_a_valid_layout_resumes_as_a_prefix(
     warning) all resume: the tokens are kept as a prefix, the next turn goes on after them."""
     import warnings as w
 
-    from litkv.cli.chat_cmd import CHAT_METADATA
+    from litkv.inference.chat_session import CHAT_METADATA
     from litkv.states.state import CacheState
 
     tok = load_tokenizer(ckpt)

@@ -25,9 +25,9 @@ import pytest
 import torch
 from tiny_checkpoint import TEXT
 
-from litkv.cli.chat_cmd import _read_turns
 from litkv.core.atomic import is_temp_name
 from litkv.finetune.checkpoint_dirs import check_resume_dir
+from litkv.inference.chat_session import read_turns
 from litkv.states.state import CacheState
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/, where fork_server.py lives
@@ -124,7 +124,7 @@ def _session_turns(path: Path) -> int:
     if not path.exists():
         return 0
     state = CacheState.load(path)
-    turns = _read_turns(path, len(state.token_ids[0]))
+    turns = read_turns(path, len(state.token_ids[0]))
     assert sum(turns) == len(state.token_ids[0])
     return len(turns)
 
@@ -150,7 +150,7 @@ def _same_session(a: Path, b: Path) -> None:
         assert la.num_filled == lb.num_filled and la.config == lb.config
         fa, fb = la.full_tensors(), lb.full_tensors()
         assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa), (a, b)
-    assert _read_turns(a, len(sa.token_ids[0])) == _read_turns(b, len(sb.token_ids[0]))
+    assert read_turns(a, len(sa.token_ids[0])) == read_turns(b, len(sb.token_ids[0]))
 
 
 def test_chat_killed_at_20_points_loses_at_most_the_turn_in_progress(

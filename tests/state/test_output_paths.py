@@ -185,14 +185,14 @@ def test_write_through_gives_up_on_a_reader_that_never_reads(tmp_path: Path, mon
 
 
 def test_chat_save_never_replaces_a_file_that_is_not_a_session(tmp_path: Path) -> None:
-    from litkv.cli.chat_cmd import _check_not_foreign
+    from litkv.inference.chat_session import check_not_foreign
 
     mine = tmp_path / "notes.txt"
     mine.write_text("my notes")
     with pytest.raises(ValueError, match="it exists and is not a litkv session; give a new file name"):
-        _check_not_foreign(mine)
-    _check_not_foreign(tmp_path / "new.safetensors")  # a new name is fine
-    _check_not_foreign(Path("/dev/null"))  # a device is written through, never replaced
+        check_not_foreign(mine)
+    check_not_foreign(tmp_path / "new.safetensors")  # a new name is fine
+    check_not_foreign(Path("/dev/null"))  # a device is written through, never replaced
 
 
 def test_a_second_signal_ends_a_busy_chat() -> None:
