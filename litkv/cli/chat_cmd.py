@@ -41,7 +41,7 @@ from litkv.core.validation import read_text_file
 from litkv.inference.blocks import encode_document
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.conversation import Conversation, Pick
-from litkv.inference.generate import check_sampling, sample
+from litkv.inference.sampling import check_sampling, sample
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
