@@ -14,7 +14,7 @@ from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.validation import read_text_file, require_int
-from litkv.inference.blocks import prompt_segments
+from litkv.inference.blocks import Segment, prompt_segments
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.generate import generate as generate_tokens
 from litkv.inference.sampling import Sampling
@@ -106,16 +106,7 @@ def generate(
     model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
-    if block_file:
-        blocks = [read_text_file("block file", path) for path in block_file]
-        prompts: list = [prompt_segments(fmt, tokenizer, blocks, text) for text in texts]
-        lengths = [sum(s.ids.numel() for s in segments) for segments in prompts]
-    else:
-        prompts = [_encode(fmt, tokenizer, text, dev) for text in texts]
-        lengths = [ids.numel() for ids in prompts]
-    for i, n in enumerate(lengths):
-        if n == 0:
-            raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
+    prompts, lengths = _prompts(fmt, tokenizer, texts, block_file, dev)
     kv_cache = fit_cache(kv_cache, max(lengths), max_new_tokens)
     if max(lengths) + max_new_tokens > model.config.block_size:
         print(
@@ -179,6 +170,22 @@ def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) 
         f"({prompt_tokens} tokens) and --max_new_tokens {max_new_tokens} need --kv_cache.cache_length {needed} "
         "(or leave it unset), or a policy that evicts, e.g. --kv-cache h2o"
     )
+
+
+def _prompts(
+    fmt: Format, tokenizer: Tokenizer, texts: list[str], block_file: list[Path] | None, device: torch.device
+) -> tuple[list[torch.Tensor] | list[list[Segment]], list[int]]:
+    """Each prompt as token ids `(T,)`, or with `--block_file` as segments (the blocks, then the prompt in one
+    user message: `prompt_segments`); and their lengths. ValueError for a prompt of no tokens."""
+    if block_file:
+        blocks = [read_text_file("block file", path) for path in block_file]
+        segmented = [prompt_segments(fmt, tokenizer, blocks, text) for text in texts]
+        return segmented, [sum(int(s.ids.numel()) for s in segments) for segments in segmented]
+    encoded = [_encode(fmt, tokenizer, text, device) for text in texts]
+    for i, ids in enumerate(encoded):
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
+    return encoded, [ids.numel() for ids in encoded]
 
 
 def _echo_prompt(text: str, fmt: Format) -> None:

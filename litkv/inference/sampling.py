@@ -51,7 +51,7 @@ class Sampling:
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
         if self.seed is not None:
-            require_int("seed", self.seed, 0)
+            require_int("seed", self.seed, -(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
             if self.generator is not None:
                 raise ValueError("give Sampling a generator or a seed, not both")
 
