@@ -21,6 +21,7 @@ CACHES = {
     "snapkv-int8": KVCacheConfig("snapkv", cache_length=24, chunk_size=8, storage="int8", quant_group_size=8),
 }
 SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 1.3, "top_k": 40, "top_p": 0.95}}
+STOPS = tuple(range(3, 128, 11))  # rows stop at different steps
 PROMPTS = [random_tokens(1, n, seed=10 + n)[0] for n in (23, 9, 31)]
 DOCS = [random_tokens(1, n, seed=90 + i)[0] for i, n in enumerate((20, 13))]
 
@@ -39,7 +40,7 @@ def model() -> GPT:
 
 
 def _sampling(options: dict) -> Sampling:
-    return Sampling(**options, stop_tokens=(5, 17), seed=7)
+    return Sampling(**options, stop_tokens=STOPS, seed=7)
 
 
 def _generator() -> torch.Generator:
@@ -54,20 +55,20 @@ def test_the_three_old_paths_and_the_new_one_give_equal_tokens(model: GPT, cache
     cfg, options = CACHES[cache], SAMPLINGS[sampling]
     new = generate(model, PROMPTS, 10, cfg, _sampling(options))
     with pytest.warns(DeprecationWarning, match="sampling=litkv.Sampling"):
-        old = generate(model, PROMPTS, 10, cfg, **options, stop_tokens=(5, 17), generator=_generator())
+        old = generate(model, PROMPTS, 10, cfg, **options, stop_tokens=STOPS, generator=_generator())
     assert [t.tolist() for t in old] == [t.tolist() for t in new]
     prompts = _segment_prompts()
     new_batch = generate(model, prompts, 10, cfg, _sampling(options), block_store=BlockStore(1 << 24), recompute=0.3)
     with pytest.warns(DeprecationWarning, match="generate_segments_batch"):
         old_batch = generate_segments_batch(
-            model, prompts, 10, cfg, BlockStore(1 << 24), 0.3, **options, stop_tokens=(5, 17), generator=_generator()
+            model, prompts, 10, cfg, BlockStore(1 << 24), 0.3, **options, stop_tokens=STOPS, generator=_generator()
         )
     assert [t.tolist() for t in old_batch] == [t.tolist() for t in new_batch]
     alone_rows = []
     for segments in prompts:
         (alone,) = generate(model, [segments], 10, cfg, _sampling(options), recompute=0.3)
         with pytest.warns(DeprecationWarning, match="generate_segments"):
-            old_alone = generate_segments(model, segments, 10, cfg, None, 0.3, **options, stop_tokens=(5, 17),
+            old_alone = generate_segments(model, segments, 10, cfg, None, 0.3, **options, stop_tokens=STOPS,
                                           generator=_generator())  # fmt: skip
         assert old_alone.tolist() == alone.tolist()
         alone_rows.append(alone.tolist())
