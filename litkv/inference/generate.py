@@ -156,15 +156,17 @@ def generate(
     device = model.lm_head.weight.device
     if rows is None:
         idx, input_pos = pad_prompts(prompts, device)  # type: ignore[arg-type]
-        lengths = input_pos[:, -1] + 1
+        lengths, longest = input_pos[:, -1] + 1, idx.shape[1]
     else:
-        lengths = torch.tensor([sum(s.ids.numel() for s in row) for row in rows], device=device)
+        sizes = [sum(int(s.ids.numel()) for s in row) for row in rows]
+        lengths, longest = torch.tensor(sizes, device=device), max(sizes)
     if max_new_tokens == 0:
         return [torch.empty(0, dtype=torch.long, device=device) for _ in prompts]
-    _check_dense_room(kv_cache, int(lengths.max()), max_new_tokens)
+    _check_dense_room(kv_cache, longest, max_new_tokens)
     with model.kv_caches_attached(kv_cache, len(prompts)):
         if rows is not None:
-            hidden = _prefill_rows(model, rows, kv_cache, block_store or BlockStore(0), recompute)
+            store = BlockStore(0) if block_store is None else block_store
+            hidden = _prefill_rows(model, rows, kv_cache, store, recompute)
         elif prefix_cache is not None:  # litkv.states.prefix: restore stored prefixes, prefill the rest row by row
             hidden, lengths = prefix_cache.prefill(model, prompts, kv_cache, progress)  # type: ignore[arg-type]
         else:
