@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from litkv.checkpoints.runtime import load
     from litkv.gradient import chunked_loss_backward
-    from litkv.inference.blocks import Segment, generate_segments
+    from litkv.inference.blocks import Segment
     from litkv.inference.generate import forward_chunked, generate
+    from litkv.inference.legacy import generate_segments
+    from litkv.inference.sampling import Sampling
     from litkv.kvcache import KVCache, register_kv_cache
     from litkv.modeling.config import Config, KVCacheConfig
     from litkv.modeling.model import GPT
@@ -33,11 +35,12 @@ _LAZY: dict[str, str] = {
     "KVCache": "litkv.kvcache",
     "KVCacheConfig": "litkv.modeling.config",
     "PrefixCache": "litkv.states.prefix",
+    "Sampling": "litkv.inference.sampling",
     "Segment": "litkv.inference.blocks",
     "chunked_loss_backward": "litkv.gradient",
     "forward_chunked": "litkv.inference.generate",
     "generate": "litkv.inference.generate",
-    "generate_segments": "litkv.inference.blocks",
+    "generate_segments": "litkv.inference.legacy",
     "keep_undo_log": "litkv.states.undo",
     "load": "litkv.checkpoints.runtime",
     "register_kv_cache": "litkv.kvcache",
@@ -60,6 +63,7 @@ __all__ = [
     "KVCache",
     "KVCacheConfig",
     "PrefixCache",
+    "Sampling",
     "Segment",
     "chunked_loss_backward",
     "forward_chunked",

@@ -13,7 +13,7 @@ needle sits in one document at a random sentence; generated offline with `--seed
   forced, `--answer_tokens` positions), and the retrieval accuracy (the greedy answer contains the
   needle's value), beside the full prefill's own accuracy.
 - **Batch** (`--batch_prompts P`): P questions after the same `--quality_blocks` documents, `--answer_tokens`
-  new tokens each, one after another (`generate_segments`) and as one batch (`generate_segments_batch`),
+  new tokens each, one after another and as one batch (`generate` with one prompt, then all),
   the blocks already stored; wall and CPU seconds, best of `--repeats`.
 - **Recomputation cost** (`--cost_blocks N`): the blocks' TTFT at each r of `--ratios` with the store
   already holding the blocks, in CPU seconds of the process (steadier than wall time on a shared
@@ -33,15 +33,13 @@ from pathlib import Path
 
 import torch
 
-from litkv import GPT, KVCacheConfig, PrefixCache, restore, snapshot
+from litkv import GPT, KVCacheConfig, PrefixCache, generate, restore, snapshot
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.tokens import encode_plain
 from litkv.eval.ruler import FALLBACK_WORDS, NOISE, NiahFormat
 from litkv.inference.blocks import (
     Segment,
-    generate_segments,
-    generate_segments_batch,
     prefill_segments,
     prompt_segments,
 )
@@ -236,16 +234,16 @@ def run_batch(model: GPT, tokenizer: object, fmt: object, cfg: KVCacheConfig, ar
         prompts.append(prompt_segments(fmt, tokenizer, docs, question))
     store = BlockStore(1 << 34)
     n = args.answer_tokens
-    generate_segments(model, prompts[0], 1, cfg, store)  # fills the store
+    generate(model, prompts[:1], 1, cfg, block_store=store)  # fills the store
 
     def sequential() -> object:
-        return [generate_segments(model, p, n, cfg, store) for p in prompts]
+        return [generate(model, [p], n, cfg, block_store=store)[0] for p in prompts]
 
     print(f"\n{args.batch_prompts} prompts after {args.quality_blocks} documents, {n} new tokens each\n")
     print("| decoding | wall time | CPU time |\n|---|---|---|")
     for name, run in (
         ("one after another", sequential),
-        ("one batch", lambda: generate_segments_batch(model, prompts, n, cfg, store)),
+        ("one batch", lambda: generate(model, prompts, n, cfg, block_store=store)),
     ):
         cpu, wall = [], []
         for _ in range(args.repeats):

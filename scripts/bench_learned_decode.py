@@ -87,7 +87,7 @@ def one_round(model: GPT, prompt: torch.Tensor, new: int, order: list[tuple[str,
     """Decode tok/s of each policy of `order`, interleaved step by step."""
 
     def runner(m: GPT, config: KVCacheConfig):
-        return lambda on_tokens: generate(m, [prompt], new, config, temperature=0.0, on_tokens=on_tokens)
+        return lambda on_tokens: generate(m, [prompt], new, config, on_tokens=on_tokens)
 
     runs = [runner(policy_model(model), config) for _, config in order]
     timings = interleaved(runs)

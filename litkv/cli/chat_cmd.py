@@ -36,10 +36,11 @@ from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_model, load_
 from litkv.checkpoints.runtime import apply_num_threads, resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.atomic import remove_stale_temp_files
+from litkv.inference.blocks import check_recompute
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import load_format
-from litkv.inference.conversation import Pick, check_recompute
-from litkv.inference.generate import check_sampling, sample
+from litkv.inference.conversation import Pick
+from litkv.inference.sampling import check_sampling, sample
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
 

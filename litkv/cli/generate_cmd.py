@@ -13,11 +13,11 @@ import torch
 from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.core.validation import read_text_file
-from litkv.inference.blocks import generate_segments, generate_segments_batch, prompt_segments
+from litkv.core.validation import read_text_file, require_int
+from litkv.inference.blocks import Segment, prompt_segments
 from litkv.inference.chat_template import Format, RawFormat, load_format
-from litkv.inference.generate import check_sampling
 from litkv.inference.generate import generate as generate_tokens
+from litkv.inference.sampling import Sampling
 from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.states.block_store import BlockStore
@@ -100,25 +100,18 @@ def generate(
     Returns:
         The new tokens of each prompt.
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    sampling = Sampling(temperature, top_k, top_p, seed=seed)  # refused before the model loads
+    require_int("max_new_tokens", max_new_tokens, 0)
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
     model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
-    if block_file:
-        sampling = (temperature, top_k, top_p, seed)
-        args = (model, tokenizer, fmt, block_file, texts, max_new_tokens, kv_cache, recompute, sampling, prompt_cache)
-        return _generate_blocks(*args)
-    encoded = [_encode(fmt, tokenizer, text, dev) for text in texts]
-    for i, ids in enumerate(encoded):
-        if ids.numel() == 0:
-            raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
-    kv_cache = fit_cache(kv_cache, max(ids.numel() for ids in encoded), max_new_tokens)
-    longest = max(ids.numel() for ids in encoded) + max_new_tokens
-    if longest > model.config.block_size:
+    prompts, lengths = _prompts(fmt, tokenizer, texts, block_file, dev)
+    kv_cache = fit_cache(kv_cache, max(lengths), max_new_tokens)
+    if max(lengths) + max_new_tokens > model.config.block_size:
         print(
-            f"warning: prompt + new tokens ({longest}) exceed the model's context length "
+            f"warning: prompt + new tokens ({max(lengths) + max_new_tokens}) exceed the model's context length "
             f"({model.config.block_size}); quality may degrade",
             file=sys.stderr,
         )
@@ -126,99 +119,37 @@ def generate(
     stream = _Stream(tokenizer, model, echo=len(texts) == 1, stop=stop)
     if stream.echo:
         _echo_prompt(texts[0], fmt)
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    store = None if prompt_cache is None else PrefixCache(PROMPT_CACHE_BYTES, prompt_cache)
+    prefix_cache = block_store = None
+    if block_file:
+        block_store = BlockStore(PROMPT_CACHE_BYTES, None if prompt_cache is None else Path(prompt_cache) / "blocks")
+    elif prompt_cache is not None:
+        prefix_cache = PrefixCache(PROMPT_CACHE_BYTES, prompt_cache)
     stream.start()
     outputs = generate_tokens(
         model,
-        encoded,
+        prompts,
         max_new_tokens,
         kv_cache,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=stop,
-        generator=generator,
+        dataclasses.replace(sampling, stop_tokens=stop),
         on_tokens=stream,
         progress=True,
-        prefix_cache=store,
+        prefix_cache=prefix_cache,
+        block_store=block_store,
+        recompute=recompute,
         compile=compile,
     )
     if stream.echo:
         stream.finish()
     else:
         _print_answers(texts, outputs, tokenizer)
-    prompt_tokens = sum(ids.numel() for ids in encoded)
     new_tokens = sum(out.numel() for out in outputs)
-    print(stream.summary(len(encoded), prompt_tokens, new_tokens, kv_cache, compile), file=sys.stderr)
-    if store is not None:
-        print(f"prompt cache: {store.reused_tokens} of {prompt_tokens} prompt tokens reused", file=sys.stderr)
+    print(stream.summary(len(prompts), sum(lengths), new_tokens, kv_cache, compile), file=sys.stderr)
+    if prefix_cache is not None:
+        print(f"prompt cache: {prefix_cache.reused_tokens} of {sum(lengths)} prompt tokens reused", file=sys.stderr)
+    if block_store is not None:
+        restored = block_store.reused_tokens
+        print(f"blocks: {len(block_file)}, {restored} block tokens restored, recompute={recompute}", file=sys.stderr)
     return outputs
-
-
-def _generate_blocks(
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    fmt: Format,
-    files: list[Path],
-    texts: list[str],
-    max_new_tokens: int,
-    kv_cache: KVCacheConfig,
-    recompute: float,
-    sampling: tuple[float, int | None, float | None, int],
-    prompt_cache: Path | None,
-) -> list[torch.Tensor]:
-    """`--block_file`: each prompt after the blocks (one: streamed; several: decoded as one batch,
-    `generate_segments_batch`); a summary line (blocks reused) on stderr."""
-    blocks = []
-    for path in files:
-        blocks.append(read_text_file("block file", path))
-    prompts = [prompt_segments(fmt, tokenizer, blocks, text) for text in texts]
-    store = BlockStore(PROMPT_CACHE_BYTES, None if prompt_cache is None else Path(prompt_cache) / "blocks")
-    temperature, top_k, top_p, seed = sampling
-    device = model.lm_head.weight.device
-    if len(prompts) > 1:
-        outputs = generate_segments_batch(
-            model,
-            prompts,
-            max_new_tokens,
-            kv_cache,
-            store,
-            recompute,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_tokens=tuple(sorted(fmt.stop_ids)),
-            generator=torch.Generator(device=device).manual_seed(seed),
-        )
-        _print_answers(texts, outputs, tokenizer)
-        reused = store.reused_tokens
-        print(f"blocks: {len(blocks)}, {reused} block tokens restored, recompute={recompute}", file=sys.stderr)
-        return outputs
-    segments = prompts[0]
-    kv_cache = fit_cache(kv_cache, sum(s.ids.numel() for s in segments), max_new_tokens)
-    stream = _Stream(tokenizer, model, echo=True, stop=tuple(sorted(fmt.stop_ids)))
-    _echo_prompt(texts[0], fmt)
-    stream.start()
-    out = generate_segments(
-        model,
-        segments,
-        max_new_tokens,
-        kv_cache,
-        store,
-        recompute,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=tuple(sorted(fmt.stop_ids)),
-        generator=torch.Generator(device=device).manual_seed(seed),
-        on_tokens=stream,
-    )
-    stream.finish()
-    length = sum(s.ids.numel() for s in segments)
-    print(stream.summary(1, length, out.numel(), kv_cache), file=sys.stderr)
-    print(f"blocks: {len(blocks)}, {store.reused_tokens} block tokens restored, recompute={recompute}", file=sys.stderr)
-    return [out]
 
 
 def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) -> KVCacheConfig:
@@ -240,6 +171,22 @@ def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) 
         f"({prompt_tokens} tokens) and --max_new_tokens {max_new_tokens} need --kv_cache.cache_length {needed} "
         "(or leave it unset), or a policy that evicts, e.g. --kv-cache h2o"
     )
+
+
+def _prompts(
+    fmt: Format, tokenizer: Tokenizer, texts: list[str], block_file: list[Path] | None, device: torch.device
+) -> tuple[list[torch.Tensor] | list[list[Segment]], list[int]]:
+    """Each prompt as token ids `(T,)`, or with `--block_file` as segments (the blocks, then the prompt in one
+    user message: `prompt_segments`); and their lengths. ValueError for a prompt of no tokens."""
+    if block_file:
+        blocks = [read_text_file("block file", path) for path in block_file]
+        segmented = [prompt_segments(fmt, tokenizer, blocks, text) for text in texts]
+        return segmented, [sum(int(s.ids.numel()) for s in segments) for segments in segmented]
+    encoded = [_encode(fmt, tokenizer, text, device) for text in texts]
+    for i, ids in enumerate(encoded):
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} encodes to no tokens: give a non-empty prompt")
+    return encoded, [ids.numel() for ids in encoded]
 
 
 def _echo_prompt(text: str, fmt: Format) -> None:

@@ -193,7 +193,7 @@ def recall_accuracy(
         batch = examples[start : start + batch_size]
         prompts = [torch.tensor(ex.prompt, dtype=torch.long, device=device) for ex in batch]
         new = max(len(ex.answer) for ex in batch)
-        outputs = generate(model, prompts, new, kv_cache, temperature=0.0)
+        outputs = generate(model, prompts, new, kv_cache)
         for ex, out in zip(batch, outputs, strict=True):
             hits.setdefault(ex.depth, []).append(out[: len(ex.answer)].tolist() == ex.answer)
     return {depth: sum(h) / len(h) for depth, h in hits.items()}
@@ -220,7 +220,7 @@ def decode_speed(
     best = math.inf
     for _ in range(max(repeats, 1)):
         times.clear()
-        generate(model, [prompt], new_tokens, kv_cache, temperature=0.0, on_tokens=stamp)
+        generate(model, [prompt], new_tokens, kv_cache, on_tokens=stamp)
         best = min(best, times[-1] - times[0])
     return (new_tokens - 1) / max(best, 1e-9)
 
@@ -372,7 +372,7 @@ def ruler_score(
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
         prompts = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
-        outputs = generate(model, prompts, max(s.max_new_tokens for s in batch), kv_cache, temperature=0.0)
+        outputs = generate(model, prompts, max(s.max_new_tokens for s in batch), kv_cache)
         predictions += [tokenizer.decode(out[: s.max_new_tokens].cpu()) for s, out in zip(batch, outputs, strict=True)]
         if on_batch is not None:
             on_batch()

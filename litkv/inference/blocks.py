@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,20 +51,18 @@ import torch
 from litkv.core.rope import apply_rope
 from litkv.core.tokens import encode_plain, encode_text
 from litkv.inference.chat_template import Format, TemplateFormat
-from litkv.inference.generate import _check_dense_room, _decode, check_sampling, sample
 from litkv.kvcache.base import KVCache
 from litkv.modeling.attention import build_mask
 from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.model import GPT, check_integer_tensor, kv_cache_configs
+from litkv.modeling.model import GPT, check_integer_tensor
 from litkv.modeling.runner import ChunkPlan
 from litkv.states.block_store import BlockKV, BlockStore
 
 __all__ = [
     "Segment",
     "encode_document",
+    "check_recompute",
     "feed_blocks",
-    "generate_segments",
-    "generate_segments_batch",
     "kv_deviation",
     "prefill_segments",
     "prompt_segments",
@@ -312,10 +310,12 @@ def _run(model: GPT, ids: torch.Tensor, positions: torch.Tensor, bounds: list[tu
     return hidden  # type: ignore[return-value]
 
 
-def _check_ratio(recompute: float) -> float:
-    if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-        raise ValueError(f"recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
-    return float(recompute)
+def check_recompute(value: object, name: str = "recompute") -> float:
+    """`value` as the fraction of each spliced document's tokens recomputed in context; ValueError naming
+    `name` unless it is a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1] (0: pure splice), got {value!r}")
+    return float(value)
 
 
 @torch.inference_mode()
@@ -336,7 +336,7 @@ def prefill_segments(
     Returns:
         The last token's final hidden state `(1, n_embd)` and the prompt's length (the next position).
     """
-    ratio = _check_ratio(recompute)
+    ratio = check_recompute(recompute)
     if not segments or not all(isinstance(s, Segment) for s in segments):
         raise TypeError("segments must be a non-empty list of litkv.inference.blocks.Segment")
     store = BlockStore(0) if store is None else store
@@ -383,7 +383,7 @@ def feed_blocks(
     Returns:
         The last token's final hidden state `(1, n_embd)` (of `text`'s last token when given).
     """
-    ratio = _check_ratio(recompute)
+    ratio = check_recompute(recompute)
     device = model.lm_head.weight.device
     dtype = model.caches.policy_caches[0].dtype  # type: ignore[union-attr]
     ids_run, pos_run, hidden, pos = [], [], None, offset
@@ -408,96 +408,3 @@ def feed_blocks(
         hidden = ran if hidden is None else hidden
     model.last_pos = torch.tensor([pos - 1], device=device)
     return hidden  # type: ignore[return-value]
-
-
-@torch.inference_mode()
-def generate_segments(
-    model: GPT,
-    segments: Sequence[Segment],
-    max_new_tokens: int,
-    kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
-    store: BlockStore | None = None,
-    recompute: float = 0.0,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] = (),
-    generator: torch.Generator | None = None,
-    on_tokens: Callable[[torch.Tensor], None] | None = None,
-) -> torch.Tensor:
-    """`litkv.generate` for one prompt given as segments (blocks spliced from `store`): the new tokens `(m,)`.
-
-    Arguments as `generate` and `prefill_segments`.
-    """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
-    kv_cache_configs(kv_cache)
-    _check_ratio(recompute)
-    length = sum(int(s.ids.numel()) for s in segments)
-    device = model.lm_head.weight.device
-    if max_new_tokens == 0:
-        return torch.empty(0, dtype=torch.long, device=device)
-    _check_dense_room(kv_cache, length, max_new_tokens)
-    with model.kv_caches_attached(kv_cache, 1):
-        hidden, next_pos = prefill_segments(model, segments, kv_cache, store, recompute)
-        model.caches.end_prefill()  # type: ignore[union-attr]
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            return sample(logits, temperature, top_k, top_p, generator)
-
-        positions = torch.tensor([next_pos], device=device)
-        return _decode(model, hidden[:, None], positions, max_new_tokens, stop_tokens, pick, on_tokens)[0]
-
-
-@torch.inference_mode()
-def generate_segments_batch(
-    model: GPT,
-    prompts: Sequence[Sequence[Segment]],
-    max_new_tokens: int,
-    kv_cache: KVCacheConfig,
-    store: BlockStore | None = None,
-    recompute: float = 0.0,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] = (),
-    generator: torch.Generator | None = None,
-    on_tokens: Callable[[torch.Tensor], None] | None = None,
-) -> list[torch.Tensor]:
-    """`generate_segments` for several prompts, decoded together: the new tokens `(m_r,)` of each.
-
-    Each prompt is prefilled alone at batch one (blocks spliced from `store`, which the prompts share),
-    its cache row copied into caches of `len(prompts)` rows, and the rows decoded in one batch (each at its
-    own positions; a shorter row's empty slots are masked). A row's tokens are those of the prompt alone
-    up to the rounding of batched matmuls. Arguments as `generate_segments`; `on_tokens` gets `(B,)`.
-    """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
-    if not isinstance(kv_cache, KVCacheConfig):
-        raise TypeError(f"kv_cache must be one KVCacheConfig for every layer, got {type(kv_cache).__name__}")
-    _check_ratio(recompute)
-    if not prompts:
-        raise ValueError("prompts must be a non-empty list of segment lists")
-    lengths = [sum(int(s.ids.numel()) for s in segments) for segments in prompts]
-    device = model.lm_head.weight.device
-    if max_new_tokens == 0:
-        return [torch.empty(0, dtype=torch.long, device=device) for _ in prompts]
-    _check_dense_room(kv_cache, max(lengths), max_new_tokens)
-    store = BlockStore(0) if store is None else store
-    with model.kv_caches_attached(kv_cache, len(prompts)) as batch:
-        hidden, filled = [], [0] * len(batch.policy_caches)
-        try:
-            for row, segments in enumerate(prompts):
-                with model.kv_caches_attached(kv_cache, 1) as alone:
-                    hidden.append(prefill_segments(model, segments, kv_cache, store, recompute)[0])
-                    alone.end_prefill()
-                    batch.copy_row(row, alone, 0)
-                    filled = [max(f, c.num_filled) for f, c in zip(filled, alone.policy_caches, strict=True)]
-        finally:
-            model.set_kv_caches(batch)
-        for cache, count in zip(batch.policy_caches, filled, strict=True):
-            cache.num_filled = count  # the rows' host counter: the fullest row's (emptier rows' slots are masked)
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            return sample(logits, temperature, top_k, top_p, generator)
-
-        positions = torch.tensor(lengths, device=device)
-        return _decode(model, torch.cat(hidden)[:, None], positions, max_new_tokens, stop_tokens, pick, on_tokens)

@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 
 from litkv.core.validation import require_finite_logits
-from litkv.inference.blocks import feed_blocks
+from litkv.inference.blocks import check_recompute, feed_blocks
 from litkv.inference.chat_template import Documents, Format, Message, Replies, Segment
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
@@ -60,7 +60,6 @@ __all__ = [
     "Pick",
     "Row",
     "Run",
-    "check_recompute",
     "held_segments",
     "lossless_overflow",
     "plan_segments",
@@ -91,14 +90,6 @@ def segment_plan(seg: Segment, next_pos: int, kv_cache: KVCacheConfig) -> ChunkP
     if next_pos == 0:
         return ChunkPlan.of(kv_cache)
     return ChunkPlan(kv_cache.chunk_length, kv_cache.chunk_length)
-
-
-def check_recompute(value: object, name: str = "recompute") -> float:
-    """`value` as the fraction of each spliced document's tokens recomputed in context; ValueError naming
-    `name` unless it is a number in [0, 1]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a fraction in [0, 1] (0: pure splice), got {value!r}")
-    return float(value)
 
 
 def plan_segments(

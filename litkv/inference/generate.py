@@ -1,20 +1,24 @@
-"""Chunked forward and batched generation through per-layer KV caches (library code, no CLI)."""
+"""Chunked forward and the one `generate` (token-id or segment prompts, one decode loop) through per-layer KV
+caches (library code, no CLI)."""
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from litkv.core.validation import is_int, is_number, require_finite_logits, require_int
+from litkv.core.validation import require_finite_logits, require_int
+from litkv.inference.blocks import Segment, check_recompute, prefill_segments
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.states.block_store import BlockStore
 from litkv.states.prefix import PrefixCache
 
-__all__ = ["check_sampling", "decode_greedy", "forward_chunked", "generate", "sample", "pad_prompts"]
+__all__ = ["Prompt", "decode_greedy", "forward_chunked", "generate", "pad_prompts"]
 
 KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
 
@@ -72,70 +76,6 @@ def pad_prompts(prompts: Sequence[torch.Tensor], device: torch.device) -> tuple[
     return idx, pos
 
 
-TEMPERATURE_FLOOR = 1e-6
-"""Below it a temperature samples greedily: float32 logits then only break ties within their own
-rounding, and a temperature that underflows in float32 (1e-300, 5e-324) would divide by zero."""
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Next tokens `(B,)` from `(B, V)` logits: greedy at a temperature below `TEMPERATURE_FLOOR` (0
-    included), else top-k/top-p sampling in float32 with the row's largest logit shifted to 0 before the
-    division (so a huge temperature or a tiny top-p never makes a NaN; the nucleus keeps at least the top
-    token). A NaN logit is never drawn; a row with no finite logit falls back to its argmax."""
-    _check_sampling_options(temperature, top_k, top_p)
-    if temperature < TEMPERATURE_FLOOR:
-        return logits.argmax(dim=-1)
-    x = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-    top = x.amax(dim=-1, keepdim=True)
-    finite = torch.isfinite(top)
-    if top_k is not None:  # on the logits: a huge temperature makes ties of every scaled logit
-        kth = torch.topk(x, min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    x = ((x - torch.where(finite, top, 0.0)) / temperature).nan_to_num(nan=float("-inf"))  # <= 0, no NaN
-    if top_p is not None and top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        p = torch.softmax(sorted_x, dim=-1)
-        remove_sorted = (p.cumsum(dim=-1) - p) >= top_p
-        remove_sorted[..., 0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
-        x = x.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), float("-inf"))
-    # Exponential race (Gumbel-max in another form): argmax of p / E with E ~ Exp(1) draws from p, with
-    # device ops only (torch.multinomial reads the host), so a sampling decode step never syncs.
-    probs = torch.softmax(x, dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    drawn = (probs / race).argmax(dim=-1)
-    return torch.where(finite.squeeze(-1), drawn, logits.argmax(dim=-1))
-
-
-def _check_sampling_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """ValueError/TypeError naming the value for a NaN/inf/negative temperature, bad top_k or top_p."""
-    if not is_number(temperature):
-        raise TypeError(f"temperature must be a float >= 0, got {type(temperature).__name__} {temperature!r}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite float >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None:
-        if not is_int(top_k):
-            raise TypeError(f"top_k must be an int >= 1 or None, got {type(top_k).__name__} {top_k!r}")
-        if top_k < 1:
-            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-    if top_p is not None:
-        if not is_number(top_p):
-            raise TypeError(f"top_p must be a float in (0, 1] or None, got {type(top_p).__name__} {top_p!r}")
-        if not 0.0 < top_p <= 1.0:  # also refuses NaN
-            raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """The checks `generate` makes of its options, for callers that want them before loading a model."""
-    require_int("max_new_tokens", max_new_tokens, 0)
-    _check_sampling_options(temperature, top_k, top_p)
-
-
 def _check_dense_room(kv_cache: KVCacheSpec, prompt_len: int, max_new_tokens: int) -> None:
     configs = kv_cache_configs(kv_cache) or [kv_cache]
     needed = prompt_len + max(max_new_tokens - 1, 0)
@@ -149,75 +89,173 @@ def _check_dense_room(kv_cache: KVCacheSpec, prompt_len: int, max_new_tokens: in
             )
 
 
+Prompt = torch.Tensor | Sequence[Segment]
+"""A prompt: `(T,)` token ids, or a list of `Segment`s (some of them KV blocks, `litkv.inference.blocks`)."""
+
+
 @torch.inference_mode()
 def generate(
     model: GPT,
-    prompts: list[torch.Tensor],
+    prompts: Sequence[Prompt],
     max_new_tokens: int,
     kv_cache: KVCacheSpec,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] = (),
-    generator: torch.Generator | None = None,
+    sampling: Sampling | None = None,
+    *,
     on_tokens: Callable[[torch.Tensor], None] | None = None,
     progress: bool = False,
     prefix_cache: PrefixCache | None = None,
+    block_store: BlockStore | None = None,
+    recompute: float = 0.0,
     compile: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[torch.Tensor]:
-    """Generate from a batch of prompts of different lengths.
+    """Generate from a batch of prompts of different lengths, each token ids or segments (KV blocks).
 
-    Prompts are left-padded; pad tokens get position `-1` and are never attended, stored or scored.
-    The prefill runs in chunks cut from each prompt's own first token (`litkv.modeling.runner`: a row's tokens
-    do not depend on its batch-mates), then one token per step.
+    Token-id prompts are left-padded (pads get position `-1` and are never attended, stored or scored)
+    and prefilled together, in chunks cut from each prompt's own first token (`litkv.modeling.runner`: a
+    row's tokens do not depend on its batch-mates). When a prompt is a list of segments, each prompt is
+    prefilled alone (blocks spliced from `block_store`, `litkv.inference.blocks.prefill_segments`) and its
+    cache row copied into the batch's; a row's tokens are then those of its prompt alone up to the
+    rounding of batched matmuls. Then one token per row and step (`_decode`).
 
     Args:
         model: the GPT.
-        prompts: list of 1-D token tensors.
+        prompts: per row, `(T_i,)` token ids or a non-empty list of `Segment`s.
         max_new_tokens: tokens to generate per prompt.
-        kv_cache: cache config for all layers (or one per layer).
-        temperature, top_k, top_p, generator: sampling (temperature 0: greedy).
-        stop_tokens: a row stops after producing one of these (it is included in the output).
+        kv_cache: cache config for all layers (or one per layer; one for all with several segment prompts).
+        sampling: how tokens are picked and when a row stops (`Sampling`; default greedy, no stop token).
         on_tokens: called after each step with the step's new tokens `(B,)`, for streaming.
-        progress: show a progress bar over the prefill chunks.
-        prefix_cache: a `litkv.PrefixCache`: each row restores its longest stored prompt prefix and
-            prefills the rest alone (its tokens are those of the prompt alone); new blocks are stored.
+        progress: show a progress bar over the prefill chunks of token-id prompts.
+        prefix_cache: with token-id prompts, a `litkv.PrefixCache`: each row restores its longest stored
+            prompt prefix and prefills the rest alone (its tokens are those of the prompt alone); new
+            blocks are stored.
+        block_store: with segment prompts, where blocks' KV is kept (a `litkv.BlockStore`, shared by the
+            rows; default: one that keeps nothing).
+        recompute: with segment prompts, the fraction of each spliced block's tokens recomputed in
+            context (0: pure splice; 1: a normal prefill; docs/blocks.md).
         compile: run the decode steps through `torch.compile` (static shapes: every step attends all
             `cache_length` slots; compiled once per model and cache shape, then reused).
+        temperature, top_k, top_p, stop_tokens, generator: deprecated (DeprecationWarning; removed in the
+            next release): give `sampling=Sampling(...)`.
 
     Returns:
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    legacy = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "stop_tokens": stop_tokens}
+    sampling = _sampling(sampling, {**legacy, "generator": generator})
+    require_int("max_new_tokens", max_new_tokens, 0)
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
     kv_cache_configs(kv_cache)  # TypeError for anything but configs
+    rows = _segment_rows(prompts)
+    _check_stores(rows, kv_cache, prefix_cache, block_store, recompute)
     device = model.lm_head.weight.device
-    idx, input_pos = pad_prompts(prompts, device)
-    b, t = idx.shape
+    if rows is None:
+        idx, input_pos = pad_prompts(prompts, device)  # type: ignore[arg-type]
+        lengths, longest = input_pos[:, -1] + 1, idx.shape[1]
+    else:
+        sizes = [sum(int(s.ids.numel()) for s in row) for row in rows]
+        lengths, longest = torch.tensor(sizes, device=device), max(sizes)
     if max_new_tokens == 0:
-        return [idx.new_empty(0) for _ in range(b)]
-    _check_dense_room(kv_cache, t, max_new_tokens)
-    plan = ChunkPlan.of(kv_cache)
+        return [torch.empty(0, dtype=torch.long, device=device) for _ in prompts]
+    _check_dense_room(kv_cache, longest, max_new_tokens)
+    with model.kv_caches_attached(kv_cache, len(prompts)):
+        if rows is not None:
+            store = BlockStore(0) if block_store is None else block_store
+            hidden = _prefill_rows(model, rows, kv_cache, store, recompute)
+        elif prefix_cache is not None:  # litkv.states.prefix: restore stored prefixes, prefill the rest row by row
+            hidden, lengths = prefix_cache.prefill(model, prompts, kv_cache, progress)  # type: ignore[arg-type]
+        else:
+            plan = ChunkPlan.of(kv_cache)
+            hidden = run_chunks(model, idx, input_pos, plan, lm_head=False, last_only=True, progress=progress)
+        if rows is None or len(rows) == 1:
+            model.caches.end_prefill()  # one-shot policies compress the prompt here (segment rows: alone)
+        return _decode(model, hidden, lengths, max_new_tokens, sampling, on_tokens, compile)
+
+
+def _sampling(sampling: Sampling | None, legacy: dict[str, object]) -> Sampling:
+    """`sampling`, or one made of `generate`'s deprecated keyword arguments (those not None)."""
+    given = {name: value for name, value in legacy.items() if value is not None}
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(
+            f"sampling must be a litkv.Sampling (temperature, top_k, top_p, stop tokens, generator) or None, "
+            f"got {type(sampling).__name__} {sampling!r:.80}"
+        )
+    if not given:
+        return Sampling() if sampling is None else sampling
+    if sampling is not None:
+        raise TypeError(f"give sampling=Sampling(...) or the deprecated {', '.join(given)}, not both")
+    warnings.warn(
+        f"generate's {', '.join(given)} arguments are deprecated and go in the next release: give "
+        "sampling=litkv.Sampling(...)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return Sampling(**given)  # type: ignore[arg-type]
+
+
+def _segment_rows(prompts: Sequence[Prompt]) -> list[list[Segment]] | None:
+    """None when every prompt is token ids; else every prompt as segments (token ids: one text segment)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise TypeError(f"prompts must be a non-empty list of prompts (token ids or segments), got {prompts!r:.80}")
+    if all(isinstance(p, torch.Tensor) for p in prompts):
+        return None
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            rows.append([Segment(p)])
+        elif isinstance(p, (list, tuple)) and p and all(isinstance(s, Segment) for s in p):
+            rows.append(list(p))
+        else:
+            raise TypeError(
+                f"prompt {i} must be a 1-D tensor of token ids or a non-empty list of litkv.Segment, got {p!r:.80}"
+            )
+    return rows
+
+
+def _check_stores(
+    rows: list[list[Segment]] | None, kv_cache: KVCacheSpec, prefix_cache: object, block_store: object, recompute: float
+) -> None:
+    """TypeError/ValueError for a store that is not one, or one given with prompts it does not serve."""
+    if rows is not None and len(rows) > 1 and not isinstance(kv_cache, KVCacheConfig):
+        raise TypeError(f"kv_cache must be one KVCacheConfig for every layer, got {type(kv_cache).__name__}")
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise TypeError(f"prefix_cache must be a litkv.PrefixCache or None, got {type(prefix_cache).__name__}")
-    with model.kv_caches_attached(kv_cache, b):
-        next_pos = input_pos[:, -1] + 1
-        if prefix_cache is not None:  # litkv.states.prefix: restore stored prefixes, prefill the rest row by row
-            hidden, next_pos = prefix_cache.prefill(model, prompts, kv_cache, progress)
-        else:
-            hidden = run_chunks(model, idx, input_pos, plan, lm_head=False, last_only=True, progress=progress)
-        model.caches.end_prefill()  # one-shot policies compress the prompt here
-        return _decode(
-            model,
-            hidden,
-            next_pos,
-            max_new_tokens,
-            stop_tokens,
-            lambda logits: sample(logits, temperature, top_k, top_p, generator),
-            on_tokens,
-            compile,
-        )
+    if block_store is not None and not isinstance(block_store, BlockStore):
+        raise TypeError(f"block_store must be a litkv.BlockStore or None, got {type(block_store).__name__}")
+    check_recompute(recompute)
+    if rows is not None and prefix_cache is not None:
+        raise ValueError("prefix_cache serves token-id prompts; for prompts of segments give block_store")
+
+
+def _prefill_rows(
+    model: GPT, rows: list[list[Segment]], kv_cache: KVCacheSpec, store: BlockStore, recompute: float
+) -> torch.Tensor:
+    """Prefill each row's segments alone into the attached caches; `(B, 1, n_embd)` last hidden states.
+
+    One row is prefilled in place; several are each prefilled into caches of one row (compressed there:
+    `end_prefill`) and copied into their row of the batch's, whose host counters become the fullest row's
+    (an emptier row's slots are masked)."""
+    batch = model.caches
+    if len(rows) == 1:
+        return prefill_segments(model, rows[0], kv_cache, store, recompute)[0][:, None]
+    hidden, filled = [], [0] * len(batch.policy_caches)
+    try:
+        for row, segments in enumerate(rows):
+            with model.kv_caches_attached(kv_cache, 1) as alone:
+                hidden.append(prefill_segments(model, segments, kv_cache, store, recompute)[0])
+                alone.end_prefill()
+                batch.copy_row(row, alone, 0)
+                filled = [max(f, c.num_filled) for f, c in zip(filled, alone.policy_caches, strict=True)]
+    finally:
+        model.set_kv_caches(batch)
+    for cache, count in zip(batch.policy_caches, filled, strict=True):
+        cache.num_filled = count
+    return torch.cat(hidden)[:, None]
 
 
 # Without a streaming callback (which reads every step's tokens anyway), whether all rows have
@@ -230,17 +268,17 @@ def _decode(
     hidden: torch.Tensor,
     next_pos: torch.Tensor,
     max_new_tokens: int,
-    stop_tokens: Sequence[int],
-    pick: Callable[[torch.Tensor], torch.Tensor],
+    sampling: Sampling,
     on_tokens: Callable[[torch.Tensor], None] | None,
     compile: bool = False,
 ) -> list[torch.Tensor]:
-    """Decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`.
+    """The decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`.
 
     The inputs of every step are valid by construction (sampled tokens, the next positions), so the
     steps run under `model.trusted_inputs`: no step reads a tensor on the host, except every
     `STOP_CHECK_INTERVAL` steps to see whether all rows have stopped (every step with `on_tokens`).
     """
+    stop_tokens, pick = sampling.stop_tokens, sampling.picker(hidden.device)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=hidden.device)
     logits = model.logits(hidden[:, -1])
     if not bool(torch.isfinite(logits).all()):  # the one host sync of this check, after the prefill
@@ -324,4 +362,4 @@ def decode_greedy(
     `(B, T, n_embd)` of its last call (`run_chunks(..., lm_head=False)`), `next_pos` `(B,)` the rows' next
     positions. The tokens are those `generate` gives after the same prefill."""
     require_int("max_new_tokens", max_new_tokens, 1)
-    return _decode(model, hidden, next_pos, max_new_tokens, stop_tokens, lambda logits: logits.argmax(dim=-1), None)
+    return _decode(model, hidden, next_pos, max_new_tokens, Sampling(stop_tokens=stop_tokens), None)

@@ -35,7 +35,7 @@ import torch
 
 from litkv.core.validation import require_finite_logits
 from litkv.inference.chat_template import Segment
-from litkv.inference.generate import sample
+from litkv.inference.sampling import sample
 from litkv.serve.batch import RowBatch
 from litkv.serve.turns import TurnRequest, TurnResult
 

@@ -19,7 +19,8 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv import GPT, KVCacheConfig
 from litkv.checkpoints.checkpoint import load_tokenizer
-from litkv.inference.blocks import Segment, generate_segments
+from litkv.inference.blocks import Segment
+from litkv.inference.generate import generate
 from litkv.modeling.runner import ChunkPlan
 from litkv.states.block_store import BlockKV, BlockStore
 
@@ -136,11 +137,11 @@ def test_block_store_bounded_and_generation_unchanged_by_a_store(tiny_model: Cal
     segments = [Segment(random_tokens(1, 6, seed=11)[0]), Segment(random_tokens(1, 30, seed=12)[0], True)]
     segments.append(Segment(random_tokens(1, 4, seed=13)[0]))
     small = BlockStore(1)  # holds nothing
-    plain = generate_segments(model, segments, 6, KV, small)
+    plain = generate(model, [segments], 6, KV, block_store=small)[0]
     assert small.nbytes() == 0
     store = BlockStore(1 << 24)
     for _ in range(2):
-        assert torch.equal(generate_segments(model, segments, 6, KV, store), plain)
+        assert torch.equal(generate(model, [segments], 6, KV, block_store=store)[0], plain)
     assert store.hits == 4
     with pytest.raises(ValueError, match="max_bytes must be an int >= 0"):
         BlockStore(-1)

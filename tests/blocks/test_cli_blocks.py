@@ -10,8 +10,9 @@ import torch
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.core.tokens import encode_plain
-from litkv.inference.blocks import Segment, generate_segments, prompt_segments
+from litkv.inference.blocks import Segment, prompt_segments
 from litkv.inference.chat_template import RawFormat
+from litkv.inference.generate import generate
 from litkv.modeling.config import KVCacheConfig
 from litkv.states.block_store import BlockStore
 
@@ -52,7 +53,7 @@ def test_generate_block_files(ckpt: Path, tmp_path: Path, capsys: pytest.Capture
     model, tokenizer = load_model(ckpt), load_tokenizer(ckpt)
     segments = prompt_segments(RawFormat(tokenizer), tokenizer, list(DOCS), QUESTION)
     with torch.inference_mode():
-        tokens = generate_segments(model, segments, 6, KVCacheConfig(), BlockStore(0))
+        tokens = generate(model, [segments], 6, KVCacheConfig(), block_store=BlockStore(0))[0]
     assert outputs[0] == tokenizer.decode(tokens) + "\n"
     assert all(isinstance(s, Segment) for s in segments)
 
@@ -97,7 +98,7 @@ def test_generate_block_files_with_several_prompts_decodes_them_as_a_batch(
     for i, question in enumerate(questions):
         segments = prompt_segments(RawFormat(tokenizer), tokenizer, [DOCS[0]], question)
         with torch.inference_mode():
-            alone = generate_segments(model, segments, 5, KVCacheConfig(), BlockStore(0))
+            alone = generate(model, [segments], 5, KVCacheConfig(), block_store=BlockStore(0))[0]
         assert f"--- prompt {i} ---\n{question}\n" in captured.err
         assert captured.out.splitlines()[i] == tokenizer.decode(alone)  # one answer per line, in order
     assert "block tokens restored" in captured.err and "0 block tokens restored" not in captured.err

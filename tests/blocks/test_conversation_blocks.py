@@ -1,7 +1,7 @@
 """Documents as KV blocks in the conversation engine: `litkv chat` (`ChatSession`, `/attach`,
 `--block_file`) and `litkv serve` (`Engine`, a request's `documents`).
 
-References: `generate_segments(prompt_segments(...))`, which is what `litkv generate --block_file` runs
+References: `generate(model, [prompt_segments(...)], ...)`, which is what `litkv generate --block_file` runs
 (tests/blocks/test_cli_blocks.py ties the command to it): the same layout gives bitwise the same tokens;
 the same conversation with the documents fed as ordinary text (recompute = 100% must equal it bitwise);
 a normal prefill of the text before the documents (a system prompt stays exact).
@@ -20,10 +20,11 @@ import torch
 from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.core.tokens import encode_plain
-from litkv.inference.blocks import generate_segments, prefill_segments, prompt_segments
+from litkv.inference.blocks import prefill_segments, prompt_segments
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, Segment, TemplateFormat
-from litkv.inference.generate import sample
+from litkv.inference.generate import generate
+from litkv.inference.sampling import Sampling, sample
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
@@ -119,7 +120,7 @@ def test_chat_and_serve_with_documents_equal_generate_block_file(
     layout = prompt_segments(fmt, tok, list(DOCS), QUESTION)  # `litkv generate --block_file` with a template
     stops = tuple(sorted(fmt.stop_ids))
     with torch.inference_mode():
-        ref = generate_segments(model, layout, 10, KV, BlockStore(0), recompute, stop_tokens=stops).tolist()
+        ref = generate(model, [layout], 10, KV, Sampling(stop_tokens=stops), recompute=recompute)[0].tolist()
         with model.kv_caches_attached(KV, 1):
             hidden = prefill_segments(model, layout, KV, BlockStore(0), recompute)[0]
     session = ChatSession(model, tok, KV, fmt=fmt, recompute=recompute)
@@ -144,7 +145,7 @@ def test_raw_format_documents_after_bos_as_generate_lays_them_out(parts: tuple, 
     fmt = RawFormat(tok)  # raw text: BOS, the documents, then the message's text and its newline
     layout = prompt_segments(fmt, tok, list(DOCS), QUESTION + "\n")
     with torch.inference_mode():
-        ref = generate_segments(model, layout, 8, KV, BlockStore(0), stop_tokens=tuple(fmt.stop_ids)).tolist()
+        ref = generate(model, [layout], 8, KV, Sampling(stop_tokens=tuple(fmt.stop_ids)))[0].tolist()
     assert chat_turn(ChatSession(model, tok, KV, fmt=fmt), doc_files(tmp_path), n=8) == ref
 
 

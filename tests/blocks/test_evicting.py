@@ -11,7 +11,8 @@ import torch
 from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
 
 from litkv import GPT, KVCacheConfig
-from litkv.inference.blocks import Segment, generate_segments, prefill_segments, rope_delta, rotate_keys, splice
+from litkv.inference.blocks import Segment, prefill_segments, rope_delta, rotate_keys, splice
+from litkv.inference.generate import generate
 from litkv.kvcache import get_kv_cache_class, known_policies
 from litkv.kvcache.storage import FloatStorage
 from litkv.kvcache.storage_kinds import known_storages
@@ -66,7 +67,7 @@ def test_every_policy_and_storage_takes_spliced_blocks(model: GPT, policy: str, 
                     g, s = in_block.nonzero(as_tuple=True)
                     stored = cache.storage.keys[0, g, s]
                     assert torch.equal(stored, expected[0, g, positions[g, s] - 6])
-        tokens = generate_segments(model, segments, 4, cfg, store, recompute)
+        (tokens,) = generate(model, [segments], 4, cfg, block_store=store, recompute=recompute)
     assert tokens.shape == (4,)
 
 

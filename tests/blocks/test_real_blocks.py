@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from litkv import BlockStore, KVCacheConfig, generate, generate_segments
+from litkv import BlockStore, KVCacheConfig, generate
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.checkpoints.download import known_checkpoint_dir
 from litkv.eval.ruler import FALLBACK_WORDS, NOISE
@@ -50,7 +50,7 @@ def test_needle_in_a_spliced_document(real: Path) -> None:
     full = generate(model, [torch.cat([s.ids for s in segments])], 20, cfg)[0]
     assert value in tokenizer.decode(full)
     store = BlockStore(1 << 30)
-    spliced = generate_segments(model, segments, 20, cfg, store, recompute=0.15)
+    spliced = generate(model, [segments], 20, cfg, block_store=store, recompute=0.15)[0]
     assert value in tokenizer.decode(spliced)
-    assert torch.equal(generate_segments(model, segments, 20, cfg, store, recompute=1.0), full)
+    assert torch.equal(generate(model, [segments], 20, cfg, block_store=store, recompute=1.0)[0], full)
     assert store.hits == store.misses  # the documents were computed once, restored at the second use

@@ -17,7 +17,7 @@ import torch
 from helpers import random_tokens, reference_forward
 
 from litkv import GPT, KVCacheConfig, PrefixCache, forward_chunked, generate
-from litkv.inference.blocks import Segment, generate_segments, kv_deviation, prefill_segments, rope_delta, rotate_keys
+from litkv.inference.blocks import Segment, kv_deviation, prefill_segments, rope_delta, rotate_keys
 from litkv.modeling.runner import ChunkPlan
 from litkv.states.block_store import BlockStore
 
@@ -136,7 +136,8 @@ def test_block_at_position_zero_is_bitwise_a_normal_prefill(tiny_model: Callable
     block = random_tokens(1, 24, seed=40)[0]  # the first chunk (16) and one of 8
     question = random_tokens(1, 11, seed=41)[0]
     store = BlockStore(1 << 24)
-    got = [generate_segments(model, [Segment(block, True), Segment(question)], 12, KV, store) for _ in range(2)]
+    layout = [Segment(block, True), Segment(question)]
+    got = [generate(model, [layout], 12, KV, block_store=store)[0] for _ in range(2)]
     plain = generate(model, [torch.cat((block, question))], 12, KV)[0]
     prefix = PrefixCache(1 << 24)
     stored = [generate(model, [torch.cat((block, question))], 12, KV, prefix_cache=prefix)[0] for _ in range(2)]
@@ -166,7 +167,7 @@ def test_full_recomputation_is_the_full_prefill(tiny_model: Callable[..., GPT]) 
     partial = _last_logits(model, segments, KV, recompute=0.5)
     pure = _last_logits(model, segments, KV, recompute=0.0)
     assert (partial - full).abs().max() < (pure - full).abs().max()
-    tokens = generate_segments(model, segments, 8, KV, recompute=1.0)
+    tokens = generate(model, [segments], 8, KV, recompute=1.0)[0]
     assert torch.equal(tokens, generate(model, [ids[0]], 8, KV)[0])
 
 

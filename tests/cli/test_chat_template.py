@@ -22,7 +22,7 @@ from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
-from litkv.inference.generate import sample
+from litkv.inference.sampling import sample
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 

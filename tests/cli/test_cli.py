@@ -19,6 +19,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.generate import generate
+from litkv.inference.sampling import Sampling
 from litkv.kvcache import known_policies
 from litkv.modeling.config import KVCacheConfig
 
@@ -126,7 +127,7 @@ def test_generate_subprocess_streams_greedy_text(ckpt: Path, procs) -> None:
     assert proc.returncode == 0, proc.stderr
     model, tok = load_model(ckpt), load_tokenizer(ckpt)
     kv = KVCacheConfig(policy="h2o", cache_length=16, chunk_size=8)
-    expected = generate(model, [tok.encode(PROMPT).long()], 40, kv, stop_tokens=(tok.eos_id,))[0]
+    expected = generate(model, [tok.encode(PROMPT).long()], 40, kv, Sampling(stop_tokens=(tok.eos_id,)))[0]
     assert proc.stdout == tok.decode(expected) + "\n"  # the answer alone: it pipes
     assert proc.stderr.startswith(PROMPT + "\n")  # the prompt echo is on stderr, its own line off a terminal
     summary = proc.stderr.strip().splitlines()[-1]
@@ -148,7 +149,7 @@ def test_generate_batch_and_config_file(ckpt: Path, tmp_path: Path, capsys: pyte
     model, tok = load_model(ckpt), load_tokenizer(ckpt)
     kv = KVCacheConfig(policy="last-recent", cache_length=8, chunk_size=4)
     prompts = [tok.encode(PROMPT).long(), tok.encode("jumps over").long()]
-    expected = generate(model, prompts, 5, kv, stop_tokens=(tok.eos_id,))
+    expected = generate(model, prompts, 5, kv, Sampling(stop_tokens=(tok.eos_id,)))
     assert out.out == "".join(tok.decode(ids) + "\n" for ids in expected)  # the answers alone, one per line
 
 
@@ -248,7 +249,7 @@ def test_default_dense_cache_is_sized_to_the_prompt(ckpt: Path, tmp_path: Path, 
     out = capsys.readouterr()
     assert f"cache: dense, {n_prompt + 3} slots" in out.err
     dense = KVCacheConfig(cache_length=n_prompt + 3)
-    expected = generate(model, [tok.encode(text).long()], 4, dense, stop_tokens=(tok.eos_id,))[0]
+    expected = generate(model, [tok.encode(text).long()], 4, dense, Sampling(stop_tokens=(tok.eos_id,)))[0]
     assert out.out == tok.decode(expected) + "\n"
 
 

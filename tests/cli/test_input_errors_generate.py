@@ -16,14 +16,15 @@ import pytest
 import torch
 from test_cli import main_error
 
-from litkv import GPT, KVCacheConfig, forward_chunked, generate
+from litkv import GPT, KVCacheConfig, Sampling, forward_chunked, generate
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoints.runtime import resolve_device
 from litkv.cli import generate_cmd
 from litkv.cli.generate_cmd import _Stream
 from litkv.eval.evaluate import cache_config, evaluate_policies, recall_accuracy
 from litkv.eval.recall import RecallExample
-from litkv.inference.generate import pad_prompts, sample
+from litkv.inference.generate import pad_prompts
+from litkv.inference.sampling import sample
 
 H2O = KVCacheConfig(policy="h2o", cache_length=16, chunk_size=4)
 # The shipped default model with a small H2O cache, greedy: a fast, deterministic `litkv generate`.
@@ -105,7 +106,7 @@ def test_float_or_bool_input_pos_is_refused(model: GPT, dtype: torch.dtype) -> N
 )
 def test_bad_sampling_options(model: GPT, options: dict, error: type[Exception], named: str) -> None:
     with pytest.raises(error, match=named):
-        generate(model, [_prompt()], 3, H2O, **options)
+        Sampling(**options)
     with pytest.raises(error, match=named):
         sample(torch.zeros(1, 8), **options)
 
@@ -282,5 +283,5 @@ def test_non_finite_logits_after_prefill(model: GPT, bad: float) -> None:
     assert all(cache is None for cache in broken.kv_caches)
     tokens: list[torch.Tensor] = []
     with pytest.raises(ValueError, match="NaN/inf logits"):
-        generate(broken, [_prompt()], 4, H2O, temperature=1.0, on_tokens=tokens.append)
+        generate(broken, [_prompt()], 4, H2O, Sampling(temperature=1.0), on_tokens=tokens.append)
     assert tokens == []  # nothing was emitted (no silent EOS)

@@ -25,6 +25,7 @@ from litkv.checkpoints.checkpoint import (
 from litkv.eval.evaluate import recall_accuracy
 from litkv.eval.recall import RecallTask
 from litkv.inference.generate import generate
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -106,7 +107,7 @@ def test_samples_read_as_bible_text(shipped: tuple) -> None:
     prompt = tokenizer.encode("And God said unto Moses,").long()
     cache = KVCacheConfig(policy="h2o", cache_length=128)
     gen = torch.Generator().manual_seed(0)
-    out = generate(model, [prompt], 200, cache, temperature=0.8, top_k=40, generator=gen)
+    out = generate(model, [prompt], 200, cache, Sampling(temperature=0.8, top_k=40, generator=gen))
     words = re.findall(r"[a-z]+", tokenizer.decode(out[0]).lower())
     assert len(words) >= 60
     share = sum(w in known for w in words) / len(words)

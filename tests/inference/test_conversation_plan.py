@@ -9,8 +9,9 @@ import itertools
 
 import pytest
 
+from litkv.inference.blocks import check_recompute
 from litkv.inference.chat_template import Segment
-from litkv.inference.conversation import check_recompute, lossless_overflow, runs
+from litkv.inference.conversation import lossless_overflow, runs
 from litkv.modeling.config import KVCacheConfig
 
 KINDS = {  # prompt text, a reply, a document, an empty reply (cut at once)

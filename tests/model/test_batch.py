@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
 
-from litkv import GPT, KVCacheConfig, forward_chunked, generate
+from litkv import GPT, KVCacheConfig, Sampling, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
 
 LENGTHS = (5, 17, 40)
@@ -84,7 +84,7 @@ def test_rows_stop_independently(model: GPT, prompts: list[torch.Tensor]) -> Non
     kv_cache = CACHES["dense"]
     alone = [generate(model, [p], max_new_tokens=8, kv_cache=kv_cache)[0].tolist() for p in prompts]
     stop = alone[0][2]
-    batched = generate(model, prompts, max_new_tokens=8, kv_cache=kv_cache, stop_tokens=(stop,))
+    batched = generate(model, prompts, max_new_tokens=8, kv_cache=kv_cache, sampling=Sampling(stop_tokens=(stop,)))
     for expected, tokens in zip(alone, batched, strict=True):
         cut = expected.index(stop) + 1 if stop in expected else len(expected)
         assert tokens.tolist() == expected[:cut]

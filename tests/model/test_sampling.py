@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from litkv.inference.generate import sample
+from litkv.inference.sampling import sample
 
 
 def _frequencies(logits: torch.Tensor, n: int, **options: object) -> torch.Tensor:

@@ -19,6 +19,7 @@ from litkv.cli.bench_cmd import format_table
 from litkv.eval import peers
 from litkv.eval.peers import BenchResult
 from litkv.inference.generate import generate
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.quant_weights import Int4Linear, Int8Linear, parse_quantize, quantize_model, stored_weight_bytes
 
@@ -43,7 +44,7 @@ def test_generate_cli_int8_prints_the_quantised_models_greedy_tokens(ckpt: Path)
     assert isinstance(model.lm_head, Int8Linear)
     tok = load_tokenizer(ckpt)
     kv = KVCacheConfig(policy="dense", cache_length=1024)
-    expected = generate(model, [tok.encode(PROMPT).long()], 12, kv, stop_tokens=(tok.eos_id,))[0]
+    expected = generate(model, [tok.encode(PROMPT).long()], 12, kv, Sampling(stop_tokens=(tok.eos_id,)))[0]
     assert proc.stdout == tok.decode(expected) + "\n"
 
 
