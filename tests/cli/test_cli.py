@@ -219,7 +219,7 @@ def test_unknown_policy_lists_known_ones(ckpt: Path, capsys: pytest.CaptureFixtu
 
 def test_cache_length_must_be_positive(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
     line = main_error(capsys, "generate", str(ckpt), "--kv_cache.cache_length", "0")
-    assert line == "error: cache_length must be >= 1, got 0"
+    assert line == "error: --kv_cache.cache_length must be >= 1, got 0"
 
 
 def test_dense_cache_too_small_names_the_flag_and_the_size_that_fits(ckpt: Path, capsys: pytest.CaptureFixture) -> None:
