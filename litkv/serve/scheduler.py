@@ -8,9 +8,10 @@ reply's sampling. Each `step()` of the `Scheduler`:
 2. feeds one job's pending prompt text at batch one (`RowBatch.prefill`; one job per step, so a long
    prompt delays the others' next token by one prefill only); a job with no prompt text left samples
    its first token;
-3. runs one decode step of every row: a generating row feeds its last token, a row that replays a
+3. runs one decode step of the rows in use (`RowBatch.step`: the smallest row count of the batch's rounding
+   class that holds them): a generating row feeds its last token, a row that replays a
    reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
-   fed it; idle rows are padding. Each generating row then samples its next token with its own
+   fed it; the other rows are padding. Each generating row then samples its next token with its own
    settings and generator; a row that is done (stop token, stop string, `max_tokens`) leaves and its
    state is stored (`Engine.finish`).
 
@@ -121,6 +122,7 @@ class Scheduler:
         job.done = True
         if job.row >= 0:
             self.rows[job.row] = None
+            self.batch.release(job.row)
         job.emit(kind, value)
 
     # -- the loop -------------------------------------------------------------------------------
