@@ -148,7 +148,7 @@ def test_rows_equal_solo_runs_across_step_row_counts(model_and_tok: tuple, polic
         store = ConversationStore(1 << 30, model=model, kv_cache=kv)
         return Engine(model, tok, kv, store, stop_at_newline=False, max_batch=rows)
 
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "in", "the", "beginning", "was", "the", "word"]
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "in", "the", "beginning"]
     convs = [[" ".join(words[(i + t) % 5 : (i + t) % 5 + 3 + (i * t) % 7]) for t in range(2)] for i in range(rows + 1)]
     budgets = [[4 + (i + t) % 5 for t in range(2)] for i in range(rows + 1)]
     solo, solo_rows = [], set()
