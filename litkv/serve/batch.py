@@ -27,6 +27,7 @@ copied. Joining and leaving the batch is one row's copy (`KVCaches.copy_row`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import torch
@@ -44,6 +45,8 @@ from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState, LayerState, RecurrentLayerState
 
 __all__ = ["RowBatch"]
+
+log = logging.getLogger(__name__)
 
 
 class RowBatch:
@@ -74,6 +77,13 @@ class RowBatch:
                 stacklevel=2,
             )
         self.rounding_rows = min(self.classes.class_of(rows))  # every step rounds as a step of this many rows
+        log.info(
+            "rounding classes of 1..%d rows: %s; decode steps run %d..%d rows",
+            rows,
+            self.classes.describe(),
+            self.rounding_rows,
+            rows,
+        )
         self.batch = self._caches(rows)
         self.scratch = self._caches(1)
         self.blank = self._caches(1)  # never run: what an empty row holds

@@ -164,3 +164,39 @@ def test_rows_equal_solo_runs_across_step_row_counts(model_and_tok: tuple, polic
             assert ids == ids_alone and torch.equal(logits, logits_alone)  # bitwise
     assert solo_rows == {smallest}  # alone: the class's smallest count, not every row
     assert smallest in stepped and rows in stepped  # steps crossed the class from its smallest count to all rows
+
+
+def _real_checkpoint() -> Path | None:
+    from litkv.checkpoints.download import cache_dir
+
+    path = cache_dir("smollm2-135m-instruct")
+    return path if (path / "model.safetensors").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_real_checkpoint() is None, reason="run `litkv download smollm2-135m-instruct`")
+def test_real_model_lone_row_steps_fewer_rows_and_equals_it_under_load() -> None:
+    """SmolLM2-135M-Instruct, its chat template, h2o evicting, `--max_batch 8`: a lone conversation runs
+    steps of the class's smallest count (2 rows on the development CPU, not 8), and its logits are bitwise
+    those it gets beside 3 others (4-row steps)."""
+    from litkv.inference.chat_template import load_format
+
+    ckpt = _real_checkpoint()
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    kv = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=16)
+    fmt = load_format(ckpt, tok, None)
+
+    def engine() -> Engine:
+        store = ConversationStore(1 << 30, model=model, kv_cache=kv)
+        return Engine(model, tok, kv, store, fmt=fmt, max_batch=8)
+
+    convs = [["What is the capital of France?", "Tell me more."], ["Name three colors."], ["Why?"], ["Hi."]]
+    budgets = [[6, 30], [8], [8], [8]]
+    eng = engine()
+    alone, stepped_alone = run_together(eng, convs[:1], budgets[:1])
+    smallest = min(eng.batch.classes.class_of(8))
+    assert stepped_alone == {smallest} and smallest < 8
+    together, stepped = run_together(engine(), convs, budgets)
+    assert max(stepped) > smallest  # the load changed the steps' row count
+    for (ids, logits), (ids_alone, logits_alone) in zip(together[0], alone[0], strict=True):
+        assert ids == ids_alone and torch.equal(logits, logits_alone)
