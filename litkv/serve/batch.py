@@ -294,11 +294,16 @@ class _Narrowed:
     def __init__(self, caches: KVCaches) -> None:
         self.caches = caches
         self.bound: list[tuple[object, str, object, object]] = []  # (holder, name, view, target)
+        self.sources: list[tuple[object, str, object]] = []  # (batch's holder, name, what the views view)
 
     def bind(self, batch: KVCaches) -> None:
-        """ValueError when a tensor of these caches has no counterpart in `batch`'s."""
+        """ValueError when a tensor of these caches has no counterpart in `batch`'s. Nothing to do when the
+        batch holds the tensors the views were made of (the batch's tensors are rebound only by row copies
+        of recurrent layers)."""
+        if self.sources and all(vars(h).get(name) is src for h, name, src in self.sources):
+            return
         m = self.caches.batch_size
-        self.bound = []
+        self.bound, sources = [], []
         for small, full in zip(self.caches.layers, batch.layers, strict=True):
             holders = [(small, full)]
             if isinstance(small, KVCache) and isinstance(full, KVCache):
@@ -316,9 +321,12 @@ class _Narrowed:
                         continue
                     setattr(h_small, name, view)
                     self.bound.append((h_small, name, view, view))
+                    sources.append((h_full, name, vars(h_full).get(name)))
         if batch.last_pos is not None:
             self.caches.last_pos = batch.last_pos[:m]
             self.bound.append((self.caches, "last_pos", self.caches.last_pos, self.caches.last_pos))
+        sources.append((batch, "last_pos", batch.last_pos))
+        self.sources = sources
 
     def write_back(self) -> None:
         """Copy into the batch every tensor a call rebound (then view the batch's again)."""
