@@ -7,6 +7,7 @@ counted by re-tokenising the replies, the same way for both servers, over the wa
 to first token (TTFT) of each turn, p50 and p95 over the N clients. Then `--conversations` conversations
 one after another, and the server's RSS (all its processes) after each.
 
+`litkv-1row` is litkv with `--max_batch 1` (the peer of one client: a server meant for one user).
 `litgpt serve` is litgpt's own server code (`litgpt.deploy.serve.OpenAISpecLitAPI` on LitServe, as
 `litgpt serve --openai_spec true` builds it) started here only to bind 127.0.0.1; it reads
 `lit_model.pth`, so the checkpoint is copied to a temporary directory with its weights in that file.
@@ -70,7 +71,7 @@ LitServer(api, spec=OpenAISpec(), accelerator="cpu", devices=1, stream=True, tim
 
 def start(kind: str, ckpt: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    if kind == "litkv":
+    if kind.startswith("litkv"):  # litkv-1row: a one-row server (--max_batch 1), the lone client's peer
         argv = [
             sys.executable,
             "-m",
@@ -90,7 +91,7 @@ def start(kind: str, ckpt: Path, port: int, args: argparse.Namespace) -> subproc
             "--state_bytes",
             str(args.state_bytes),
             "--max_batch",
-            str(args.max_batch),
+            str(1 if kind == "litkv-1row" else args.max_batch),
         ]
     else:
         argv = [sys.executable, "-c", LITGPT_LAUNCH, str(litgpt_checkpoint(ckpt)), str(port)]
@@ -148,7 +149,7 @@ def run(kind: str, args: argparse.Namespace) -> dict:
     proc = start(kind, args.checkpoint, args.port, args)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=600)
-        client.model_name = client.models.list().data[0].id if kind == "litkv" else "litgpt"
+        client.model_name = client.models.list().data[0].id if kind.startswith("litkv") else "litgpt"
         loads = {}
         for n in args.clients:
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -240,7 +241,7 @@ def main() -> None:
     p.add_argument("--max_batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=18765)
-    p.add_argument("--servers", nargs="+", default=["litkv", "litgpt"])
+    p.add_argument("--servers", nargs="+", default=["litkv", "litkv-1row", "litgpt"], help="litkv, litkv-1row, litgpt")
     p.add_argument("--retokenize", type=int, default=0, help="only count replies that do not re-tokenize")
     args = p.parse_args()
     from tokenizers import Tokenizer
@@ -261,6 +262,11 @@ def main() -> None:
         for n, load in r["loads"].items():
             ttft = " | ".join(f"{1000 * a:.0f} / {1000 * b:.0f}" for a, b in zip(load["p50"], load["p95"], strict=True))
             print(f"| {kind} | {n} | {load['tps']:.1f} | {ttft} |")
+    if "litkv" in results and 1 in results["litkv"]["loads"]:
+        one = results["litkv"]["loads"][1]["tps"]
+        for peer in ("litkv-1row", "litgpt"):
+            if peer in results and 1 in results[peer]["loads"]:
+                print(f"\none client: litkv {one:.2f} tok/s = {one / results[peer]['loads'][1]['tps']:.2f}x {peer}")
     print("\n| server | RSS after conversation 1 / 10 / last (MiB) | conversations |\n|---|---|---|")
     for kind, r in results.items():
         rss = r["rss"]

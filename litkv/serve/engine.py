@@ -170,8 +170,8 @@ class Engine:
         self.default_seed = default_seed
         self.batch = RowBatch(model, kv_cache, max_batch)
         self.scheduler = Scheduler(self, self.batch)
-        # the rows' count is in the key: a state's rounding is that of decode steps of this many rows
-        identity = [model_fingerprint(model), repr(kv_cache), f"batched-rows={max_batch}"]
+        # the steps' rounding class is in the key: a state's rounding is that of decode steps of that class
+        identity = [model_fingerprint(model), repr(kv_cache), f"step-rounding-rows={self.batch.rounding_rows}"]
         if isinstance(self.format, TemplateFormat):  # another format: other tokens, other states
             identity.append(self.format.template.source)
         self.root = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

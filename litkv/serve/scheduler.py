@@ -8,9 +8,10 @@ reply's sampling. Each `step()` of the `Scheduler`:
 2. feeds one job's pending prompt text at batch one (`RowBatch.prefill`; one job per step, so a long
    prompt delays the others' next token by one prefill only); a job with no prompt text left samples
    its first token;
-3. runs one decode step of every row: a generating row feeds its last token, a row that replays a
+3. runs one decode step of the rows in use (`RowBatch.step`: the smallest row count of the batch's rounding
+   class that holds them): a generating row feeds its last token, a row that replays a
    reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
-   fed it; idle rows are padding. Each generating row then samples its next token with its own
+   fed it; the other rows are padding. Each generating row then samples its next token with its own
    settings and generator; a row that is done (stop token, stop string, `max_tokens`) leaves and its
    state is stored (`Engine.finish`).
 
@@ -34,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from litkv.core.validation import require_finite_logits
-from litkv.inference.chat_template import Segment
+from litkv.inference.conversation import Run
 from litkv.inference.sampling import sample
 from litkv.serve.batch import RowBatch
 from litkv.serve.turns import TurnRequest, TurnResult
@@ -55,7 +56,7 @@ class Job:
         cancelled: polled once per step; true: the turn stops, stores nothing.
         emit: receives ("text", delta), then ("done", result) or ("error", exception); from the loop's thread.
         keys, replies: the message prefixes' keys and every assistant message's ids (`Engine.admit`).
-        pending: segments the row still has to be fed; `forced`: ids of a reply being replayed.
+        pending: runs (`inference.conversation.Run`) the row still has to be fed; `forced`: ids of a reply being replayed.
         row: the job's row in the batch (-1: waiting).
         feed: the token the next step feeds (a generated one); `finishing`: the job is done after it.
     """
@@ -66,7 +67,7 @@ class Job:
     emit: Emit = lambda kind, value: None
     keys: list[str] = field(default_factory=list)
     replies: list[list[int] | None] = field(default_factory=list)
-    pending: collections.deque[Segment] = field(default_factory=collections.deque)
+    pending: collections.deque[Run] = field(default_factory=collections.deque)
     forced: collections.deque[int] = field(default_factory=collections.deque)
     row: int = -1
     feed: int | None = None
@@ -82,7 +83,7 @@ class Turns(Protocol):
     top_k: int | None
 
     def admit(self, job: Job) -> None: ...
-    def feed_prompt(self, job: Job, seg: Segment) -> torch.Tensor: ...
+    def feed_prompt(self, job: Job, run: Run) -> torch.Tensor: ...
     def on_token(self, job: Job, token: int) -> bool: ...
     def finish(self, job: Job) -> None: ...
 
@@ -121,6 +122,7 @@ class Scheduler:
         job.done = True
         if job.row >= 0:
             self.rows[job.row] = None
+            self.batch.release(job.row)
         job.emit(kind, value)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -162,8 +164,8 @@ class Scheduler:
         """Feed the job's prompt segments up to its next reply segment; sample its first token when none is left."""
         hidden = None
         while job.pending and not job.pending[0].reply:
-            seg = job.pending.popleft()
-            hidden = self.engine.feed_prompt(job, seg)
+            run = job.pending.popleft()
+            hidden = self.engine.feed_prompt(job, run)
         if job.pending:  # a reply to replay: one id per decode step
             job.forced.extend(job.pending.popleft().ids)
             return

@@ -225,8 +225,9 @@ def _real_checkpoint() -> Path | None:
 @pytest.mark.skipif(_real_checkpoint() is None, reason="run `litkv download smollm2-135m-instruct`")
 def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
     """SmolLM2-135M-Instruct with its chat template, float32: two conversations decoded together get their
-    solo replies (a CPU matmul rounds 1 row and 2-15 rows differently: the batch always runs all its
-    rows), and a fresh server given the replies as text (one cut by max_tokens) answers the same."""
+    solo replies (a CPU matmul rounds 1 row and 2-15 rows differently: every step runs a count of
+    one rounding class, here 2), and a fresh server given the replies as text (one cut by max_tokens)
+    answers the same."""
     from litkv.inference.chat_template import load_format
 
     ckpt = _real_checkpoint()

@@ -1,0 +1,202 @@
+"""Rounding classes measured at start (`litkv.serve.rounding`) and decode steps that run the smallest row
+count of the batch's class (`litkv.serve.batch.RowBatch`): the probe agrees with a brute-force comparison,
+and rows stay bitwise equal to their solo runs when the step's row count changes within the class."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.modeling.config import KVCacheConfig
+from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
+from litkv.serve.rounding import RoundingClasses, probe_rounding_classes
+from litkv.serve.scheduler import Job
+
+# SmolLM2-135M's matrix products: qkv, attention out, MLP in (x2), MLP out, lm head
+SMOLLM2_SHAPES = [(576, 960), (576, 576), (576, 1536), (1536, 576), (576, 49152)]
+FAST_SHAPES = [*SMOLLM2_SHAPES[:4], (576, 4096)]  # the lm head cut to 4,096 rows: a fast test
+
+
+def brute_force_classes(layers: list[nn.Module], max_rows: int) -> list[set[int]]:
+    """Counts grouped by comparing every pair of counts on every row they share, with the rows in two
+    orders (so every input row sits at two places): an independent oracle of the probe."""
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(max_rows, layer.in_features, generator=gen) for layer in layers]
+    perm = torch.randperm(max_rows, generator=gen)
+    with torch.inference_mode():
+        out = {
+            m: [
+                (layer(x[:m]), layer(x[perm[perm < m]])[torch.argsort(perm[perm < m])])
+                for layer, x in zip(layers, xs, strict=True)
+            ]
+            for m in range(1, max_rows + 1)
+        }
+    stable = {m for m in out if all(torch.equal(a, b) for a, b in out[m])}
+    groups: list[set[int]] = []
+    for m in range(1, max_rows + 1):
+        same = [
+            g
+            for g in groups
+            if m in stable
+            and all(
+                k in stable and all(torch.equal(a[0][:k], b[0][:k]) for a, b in zip(out[k], out[m], strict=True))
+                for k in g
+            )
+        ]
+        if same:
+            same[0].add(m)
+        else:
+            groups.append({m})
+    return groups
+
+
+def test_probe_agrees_with_brute_force_on_smollm2_shapes() -> None:
+    layers = [nn.Linear(a, b, bias=False) for a, b in FAST_SHAPES]
+    model = nn.Sequential(*layers)
+    probed = probe_rounding_classes(model, 16)
+    assert [set(c) for c in probed.classes] == brute_force_classes(layers, 16)
+    assert sorted(itertools.chain(*probed.classes)) == list(range(1, 17))  # a partition of 1..16
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the classes of the development CPU (AVX512)"
+)
+@pytest.mark.parametrize("shapes", [FAST_SHAPES, pytest.param(SMOLLM2_SHAPES, marks=pytest.mark.slow)])
+def test_probe_classes_of_the_development_cpu(shapes: list) -> None:
+    """On the development CPU (AVX512, float32): 1 row, 2-15 rows and 16 rows round three ways."""
+    model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in shapes])
+    probed = probe_rounding_classes(model, 16)
+    assert probed.describe() == "1 / 2-15 / 16"
+    assert [probed.step_rows(n, 8) for n in range(9)] == [2, 2, 2, 3, 4, 5, 6, 7, 8]
+    assert probed.step_rows(1, 1) == 1 and probed.step_rows(3, 16) == 16
+
+
+def test_step_rows_and_errors() -> None:
+    classes = RoundingClasses(((1,), (2, 3, 5), (4,)))
+    assert classes.describe() == "1 / 2-3,5 / 4"
+    assert [classes.step_rows(n, 5) for n in range(6)] == [2, 2, 2, 3, 5, 5]
+    with pytest.raises(ValueError, match="were not probed"):
+        classes.class_of(6)
+    with pytest.raises(ValueError, match="max_rows"):
+        probe_rounding_classes(nn.Linear(2, 2), 0)
+
+
+# -- rows through the batch with the measured classes -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(ckpt: Path) -> tuple:
+    return load_model(ckpt), load_tokenizer(ckpt)
+
+
+def narrow_batch(model: nn.Module) -> int:
+    """A `--max_batch` whose class holds several counts below it on this CPU (steps then run fewer rows)."""
+    classes = probe_rounding_classes(model, 12)
+    for rows in range(12, 1, -1):
+        if rows not in classes.place_dependent and min(classes.class_of(rows)) < rows - 1:
+            return rows
+    pytest.skip(f"no class with 3 counts here: {classes.describe()}")
+
+
+def run_together(eng: Engine, convs: list[list[str]], budgets: list[list[int]]) -> tuple[list, set[int]]:
+    """Every conversation's turns, arriving staggered; (per conversation and turn: reply ids and every logits
+    row it sampled from, stacked; row counts stepped)."""
+    sched, messages = eng.scheduler, [[] for _ in convs]
+    got: list[list] = [[] for _ in convs]
+    jobs: dict[int, Job] = {}
+    stepped = set()
+    seen: dict[int, list[torch.Tensor]] = {}
+    pick = sched._pick
+
+    def record(job: Job, logits: torch.Tensor) -> None:
+        seen.setdefault(id(job), []).append(logits.clone())
+        pick(job, logits)
+
+    sched._pick = record
+    while any(len(g) < len(c) for g, c in zip(got, convs, strict=True)):
+        for i, conv in enumerate(convs):
+            turn = len(got[i])
+            if i not in jobs and turn < len(conv) and (i + sched.steps) % (2 + i % 3) == 0:
+                messages[i].append(("user", conv[turn]))
+                jobs[i] = Job(TurnRequest(list(messages[i]), budgets[i][turn]), TurnResult())
+                sched.submit(jobs[i])
+        sched.step()
+        stepped.add(eng.batch.last_step_rows)
+        for i, job in list(jobs.items()):
+            if job.done:
+                messages[i].append(("assistant", job.result.content))
+                got[i].append((job.result.reply_ids, torch.cat(seen.pop(id(job)))))
+                del jobs[i]
+    return got, stepped
+
+
+@pytest.mark.parametrize("policy", ["h2o", "kvzip", "dense"])
+def test_rows_equal_solo_runs_across_step_row_counts(model_and_tok: tuple, policy: str) -> None:
+    """Conversations join and leave a batch whose steps run 1 row alone and up to every row (the class's
+    boundaries), with evicting caches: each equals its solo run; a solo run stepped the class's smallest count."""
+    model, tok = model_and_tok
+    rows = narrow_batch(model)
+    length = 256 if policy == "dense" else 20
+    kv = KVCacheConfig(policy=policy, cache_length=length, chunk_size=8)
+
+    def engine() -> Engine:
+        store = ConversationStore(1 << 30, model=model, kv_cache=kv)
+        return Engine(model, tok, kv, store, stop_at_newline=False, max_batch=rows)
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "in", "the", "beginning"]
+    convs = [[" ".join(words[(i + t) % 5 : (i + t) % 5 + 3 + (i * t) % 7]) for t in range(2)] for i in range(rows + 1)]
+    budgets = [[4 + (i + t) % 5 for t in range(2)] for i in range(rows + 1)]
+    solo, solo_rows = [], set()
+    for conv, budget in zip(convs, budgets, strict=True):
+        got, stepped = run_together(engine(), [conv], [budget])
+        solo.append(got[0])
+        solo_rows |= stepped
+    eng = engine()
+    smallest = min(eng.batch.classes.class_of(rows))
+    together, stepped = run_together(eng, convs, budgets)
+    for mine, alone in zip(together, solo, strict=True):
+        for (ids, logits), (ids_alone, logits_alone) in zip(mine, alone, strict=True):
+            assert ids == ids_alone and torch.equal(logits, logits_alone)  # bitwise
+    assert solo_rows == {smallest}  # alone: the class's smallest count, not every row
+    assert smallest in stepped and rows in stepped  # steps crossed the class from its smallest count to all rows
+
+
+def _real_checkpoint() -> Path | None:
+    from litkv.checkpoints.download import cache_dir
+
+    path = cache_dir("smollm2-135m-instruct")
+    return path if (path / "model.safetensors").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_real_checkpoint() is None, reason="run `litkv download smollm2-135m-instruct`")
+def test_real_model_lone_row_steps_fewer_rows_and_equals_it_under_load() -> None:
+    """SmolLM2-135M-Instruct, its chat template, h2o evicting, `--max_batch 8`: a lone conversation runs
+    steps of the class's smallest count (2 rows on the development CPU, not 8), and its logits are bitwise
+    those it gets beside 3 others (4-row steps)."""
+    from litkv.inference.chat_template import load_format
+
+    ckpt = _real_checkpoint()
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    kv = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=16)
+    fmt = load_format(ckpt, tok, None)
+
+    def engine() -> Engine:
+        store = ConversationStore(1 << 30, model=model, kv_cache=kv)
+        return Engine(model, tok, kv, store, fmt=fmt, max_batch=8)
+
+    convs = [["What is the capital of France?", "Tell me more."], ["Name three colors."], ["Why?"], ["Hi."]]
+    budgets = [[6, 30], [8], [8], [8]]
+    eng = engine()
+    alone, stepped_alone = run_together(eng, convs[:1], budgets[:1])
+    smallest = min(eng.batch.classes.class_of(8))
+    assert stepped_alone == {smallest} and smallest < 8
+    together, stepped = run_together(engine(), convs, budgets)
+    assert max(stepped) > smallest  # the load changed the steps' row count
+    for (ids, logits), (ids_alone, logits_alone) in zip(together[0], alone[0], strict=True):
+        assert ids == ids_alone and torch.equal(logits, logits_alone)
