@@ -56,7 +56,7 @@ class Job:
         cancelled: polled once per step; true: the turn stops, stores nothing.
         emit: receives ("text", delta), then ("done", result) or ("error", exception); from the loop's thread.
         keys, replies: the message prefixes' keys and every assistant message's ids (`Engine.admit`).
-        pending: runs (`inference.conversation.Run`) the row still has to be fed; `forced`: ids of a reply being replayed.
+        pending: runs (`Run`) the row still has to be fed; `forced`: ids of a reply being replayed.
         row: the job's row in the batch (-1: waiting).
         feed: the token the next step feeds (a generated one); `finishing`: the job is done after it.
     """
