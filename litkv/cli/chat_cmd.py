@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ChatSession", "chat"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "chat", "function": "chat", "checkpoint_positional": True, "repeated": ["--block_file"]}
+
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
 BLOCK_STORE_BYTES = 1 << 30  # documents' KV kept in memory by a chat
 #: Safetensors metadata key of a session file's chat data: `{"turns": [tokens of each turn]}` as JSON.
