@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "reference_forward",
     "rounding_bound",
     "tiny_config",
+    "tiny_gpt",
 ]
 
 # allowed(q_pos (T, 1), k_pos (1, T)) -> (T, T) bool, True where query q may attend to key k.
@@ -100,6 +101,46 @@ def random_gates(config: Config, seed: int = 0, window: int = 2, sinks: int = 1)
 def attach_random_gates(model: GPT, seed: int = 0, window: int = 2, sinks: int = 1) -> GPT:
     """`model` (returned) with `random_gates` as its `eviction_gates`, on its device."""
     model.eviction_gates = random_gates(model.config, seed, window, sinks).to(model.lm_head.weight.device)
+    return model
+
+
+TINY_PRESET = "SmolLM2-135M"
+
+
+def tiny_gpt(
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    config: str | Config = TINY_PRESET,
+    overrides: Mapping[str, object] | None = None,
+    gates: bool = False,
+    gate_seed: int | None = None,
+    window: int = 2,
+    sinks: int = 1,
+) -> GPT:
+    """The test model factory (conftest's `tiny_model` fixture): a fresh `random_gpt` (eval mode).
+
+    - `config`: a LitGPT preset name shrunk by `tiny_config` (with `overrides` on top), or a `Config`;
+    - `dtype`: torch.float32, or torch.float64 for `float64_model` (RMSNorm computed in float64 too);
+    - `gates=True`: `attach_random_gates(model, gate_seed, window, sinks)` after the dtype (float32 gates;
+      `gate_seed` defaults to `seed`).
+
+    Every call builds a new model, so a module-scoped fixture may mutate its own.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"tiny_gpt dtype must be torch.float32 or torch.float64, got {dtype}")
+    if isinstance(config, Config):
+        if overrides:
+            raise ValueError(f"tiny_gpt takes overrides with a preset name only, got a Config and {overrides}")
+    else:
+        config = tiny_config(config, **(overrides or {}))
+    if not gates and (gate_seed is not None or (window, sinks) != (2, 1)):
+        raise ValueError("tiny_gpt: gate_seed, window and sinks need gates=True")
+    model = random_gpt(config, seed=seed)
+    if dtype == torch.float64:
+        float64_model(model)
+    if gates:
+        attach_random_gates(model, seed if gate_seed is None else gate_seed, window, sinks)
     return model
 
 

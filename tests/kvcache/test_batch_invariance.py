@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import attach_random_gates
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -36,7 +35,7 @@ CHUNKS = (1, 7, 64, None)
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., GPT]) -> GPT:
-    return attach_random_gates(tiny_model(seed=5, dtype=torch.float64), seed=5)
+    return tiny_model(5, torch.float64, gates=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ litkv runs in float32 against the float64 oracle: differences are bounded by `ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from helpers import (
@@ -19,10 +21,8 @@ from helpers import (
     chunked_last_recent_mask,
     forward_depth,
     max_diff,
-    random_gpt,
     reference_forward,
     rounding_bound,
-    tiny_config,
 )
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
@@ -35,9 +35,9 @@ MODELS = {
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request: pytest.FixtureRequest) -> GPT:
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
     preset, overrides = MODELS[request.param]
-    return random_gpt(tiny_config(preset, **overrides), seed=21)
+    return tiny_model(21, config=preset, overrides=overrides)
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:

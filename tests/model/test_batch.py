@@ -7,9 +7,11 @@ scores in float32 (litkv/modeling/attention.py) and is bounded by float32's roun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+from helpers import forward_depth, max_diff, rounding_bound
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
@@ -32,9 +34,9 @@ CACHES = {
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request: pytest.FixtureRequest) -> GPT:
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
     preset, overrides = MODELS[request.param]
-    model = float64_model(random_gpt(tiny_config(preset, **overrides), seed=11))
+    model = tiny_model(11, torch.float64, config=preset, overrides=overrides)
     model.rounding_dtype = torch.float32 if request.param in FLOAT32_SCORES else torch.float64
     return model
 

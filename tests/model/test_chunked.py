@@ -7,9 +7,11 @@ magnitude, far tighter than any float32 tolerance and independent of the CPU's v
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import float64_model, forward_depth, max_diff, random_gpt, random_tokens, rounding_bound, tiny_config
+from helpers import forward_depth, max_diff, random_tokens, rounding_bound
 
 from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.modeling.runner import ChunkPlan
@@ -29,9 +31,9 @@ FLOAT32_SCORES = {"gemma2"}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request: pytest.FixtureRequest) -> GPT:
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
     preset, overrides = MODELS[request.param]
-    model = float64_model(random_gpt(tiny_config(preset, **overrides), seed=5))
+    model = tiny_model(5, torch.float64, config=preset, overrides=overrides)
     model.rounding_dtype = torch.float32 if request.param in FLOAT32_SCORES else torch.float64
     return model
 
@@ -68,9 +70,9 @@ def test_prefill_then_chunks(model: GPT) -> None:
     assert max_diff(forward_chunked(model, idx, kv_cache), expected) <= _bound(model, expected, T + 13)
 
 
-def test_chunked_gradients_equal_one_shot() -> None:
+def test_chunked_gradients_equal_one_shot(tiny_model: Callable[..., GPT]) -> None:
     """`forward_chunked` is differentiable with plain autograd, with the one-shot gradients."""
-    model = float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=2))
+    model = tiny_model(2, torch.float64)
     idx = _idx(length=20)
     target = torch.randn(2, 20, 128, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     kv_cache = KVCacheConfig(policy="dense", cache_length=20, chunk_size=3, prefill_length=3)
