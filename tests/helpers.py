@@ -105,12 +105,24 @@ def attach_random_gates(model: GPT, seed: int = 0, window: int = 2, sinks: int =
 
 
 TINY_PRESET = "SmolLM2-135M"
+#: Tiny architectures the tests parametrize over: name -> (LitGPT preset, overrides of `TINY`).
+ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
+    "smollm2": ("SmolLM2-135M", {}),  # GQA
+    "pythia": ("pythia-14m", {"n_query_groups": 4, "intermediate_size": 256}),  # partial rotary, parallel
+    # alternating sliding window shorter than the chunks, soft-capping
+    "gemma2": (
+        "gemma-2-2b",
+        {"sliding_window_size": 8, "attention_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3": ("gemma-3-1b-it", {"n_query_groups": 1, "sliding_window_size": 8}),  # per-layer RoPE base, q/k norm, MQA
+}
 
 
 def tiny_gpt(
     seed: int,
     dtype: torch.dtype = torch.float32,
     *,
+    arch: str | None = None,
     config: str | Config = TINY_PRESET,
     overrides: Mapping[str, object] | None = None,
     gates: bool = False,
@@ -120,6 +132,7 @@ def tiny_gpt(
 ) -> GPT:
     """The test model factory (conftest's `tiny_model` fixture): a fresh `random_gpt` (eval mode).
 
+    - `arch`: a name in `ARCHITECTURES` (its preset and overrides, `overrides` on top), or
     - `config`: a LitGPT preset name shrunk by `tiny_config` (with `overrides` on top), or a `Config`;
     - `dtype`: torch.float32, or torch.float64 for `float64_model` (RMSNorm computed in float64 too);
     - `gates=True`: `attach_random_gates(model, gate_seed, window, sinks)` after the dtype (float32 gates;
@@ -129,6 +142,11 @@ def tiny_gpt(
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"tiny_gpt dtype must be torch.float32 or torch.float64, got {dtype}")
+    if arch is not None:
+        if config != TINY_PRESET:
+            raise ValueError(f"tiny_gpt takes arch or config, not both (got {arch!r} and {config!r})")
+        config, base = ARCHITECTURES[arch]
+        overrides = {**base, **(overrides or {})}
     if isinstance(config, Config):
         if overrides:
             raise ValueError(f"tiny_gpt takes overrides with a preset name only, got a Config and {overrides}")

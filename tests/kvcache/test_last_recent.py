@@ -28,16 +28,11 @@ from helpers import (
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 
 T = 30
-MODELS = {
-    "smollm2": ("SmolLM2-135M", {}),  # GQA
-    "pythia": ("pythia-14m", dict(n_query_groups=4, intermediate_size=256)),  # partial rotary, parallel
-}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=["pythia", "smollm2"])
 def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
-    preset, overrides = MODELS[request.param]
-    return tiny_model(21, config=preset, overrides=overrides)
+    return tiny_model(21, arch=request.param)
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:

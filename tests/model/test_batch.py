@@ -17,10 +17,6 @@ from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
 
 LENGTHS = (5, 17, 40)
-MODELS = {
-    "smollm2": ("SmolLM2-135M", {}),
-    "gemma2": ("gemma-2-2b", dict(sliding_window_size=8, attention_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-}
 FLOAT32_SCORES = {"gemma2"}  # soft-capping: litkv's eager attention, float32 scores
 CACHES = {
     "dense": KVCacheConfig(policy="dense", cache_length=64, chunk_size=4, prefill_length=4),
@@ -33,10 +29,9 @@ CACHES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=["gemma2", "smollm2"])
 def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
-    preset, overrides = MODELS[request.param]
-    model = tiny_model(11, torch.float64, config=preset, overrides=overrides)
+    model = tiny_model(11, torch.float64, arch=request.param)
     model.rounding_dtype = torch.float32 if request.param in FLOAT32_SCORES else torch.float64
     return model
 

@@ -17,23 +17,14 @@ from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.modeling.runner import ChunkPlan
 
 T = 40
-MODELS = {
-    "smollm2": ("SmolLM2-135M", {}),  # GQA
-    "pythia": ("pythia-14m", dict(n_query_groups=4, intermediate_size=256)),  # partial rotary, parallel
-    # alternating sliding window shorter than the chunks, soft-capping
-    "gemma2": ("gemma-2-2b", dict(sliding_window_size=8, attention_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    # per-layer RoPE base, q/k norm, MQA
-    "gemma3": ("gemma-3-1b-it", dict(n_query_groups=1, sliding_window_size=8)),
-}
 # Soft-capping runs litkv's eager attention, whose scores are float32 even in a float64 model
 # (litkv/modeling/attention.py, `_attend_eager`): those models are bounded by float32's rounding.
 FLOAT32_SCORES = {"gemma2"}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "pythia", "smollm2"])
 def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
-    preset, overrides = MODELS[request.param]
-    model = tiny_model(5, torch.float64, config=preset, overrides=overrides)
+    model = tiny_model(5, torch.float64, arch=request.param)
     model.rounding_dtype = torch.float32 if request.param in FLOAT32_SCORES else torch.float64
     return model
 
