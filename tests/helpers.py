@@ -129,6 +129,7 @@ def tiny_gpt(
     gate_seed: int | None = None,
     window: int = 2,
     sinks: int = 1,
+    device: torch.device | str = "cpu",
 ) -> GPT:
     """The test model factory (conftest's `tiny_model` fixture): a fresh `random_gpt` (eval mode).
 
@@ -136,7 +137,8 @@ def tiny_gpt(
     - `config`: a LitGPT preset name shrunk by `tiny_config` (with `overrides` on top), or a `Config`;
     - `dtype`: torch.float32, or torch.float64 for `float64_model` (RMSNorm computed in float64 too);
     - `gates=True`: `attach_random_gates(model, gate_seed, window, sinks)` after the dtype (float32 gates;
-      `gate_seed` defaults to `seed`).
+      `gate_seed` defaults to `seed`);
+    - `device`: where the model (and its gates) live; the weights are drawn on the CPU first.
 
     Every call builds a new model, so a module-scoped fixture may mutate its own.
     """
@@ -157,6 +159,7 @@ def tiny_gpt(
     model = random_gpt(config, seed=seed)
     if dtype == torch.float64:
         float64_model(model)
+    model.to(device)  # before the gates: `attach_random_gates` puts them on the model's device
     if gates:
         attach_random_gates(model, seed if gate_seed is None else gate_seed, window, sinks)
     return model

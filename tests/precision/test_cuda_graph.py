@@ -30,7 +30,7 @@ POLICIES += ["qh2o"]
 
 
 def _model() -> torch.nn.Module:
-    return tiny_gpt(3, overrides={"block_size": 1024}, gates=True).to(CUDA)
+    return tiny_gpt(3, overrides={"block_size": 1024}, gates=True, device=CUDA)
 
 
 def _config(policy: str, storage: str) -> KVCacheConfig:
