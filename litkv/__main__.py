@@ -1,8 +1,11 @@
 """The `litkv` command line: `litkv <command> [options]` (also `python -m litkv ...`).
 
 Commands are plain functions whose typed signatures and docstrings jsonargparse turns into options
-(`--config file.yaml` works for each). Each command's module is imported only when it is used, so
-one command that cannot be imported does not break the others.
+(`--config file.yaml` works for each). Each command's module declares itself in a literal `COMMAND`
+dict (its name, its function and its argv shortcuts: `CommandSpec`), which is read from the module's
+source, never by importing it; a command's module is imported only when it is used, so one command
+that cannot be imported does not break the others. A new command: one module declaring `COMMAND` plus
+its line in `COMMAND_MODULES`, then `python scripts/update_help.py`.
 
 `litkv --help` and `litkv COMMAND --help` print the help text stored in `litkv/assets/help/` (written by
 `scripts/update_help.py` from the live parsers; `tests/cli/test_startup.py` checks that they match), so
@@ -15,30 +18,83 @@ environment variable `LITKV_DEBUG=1` to see the traceback instead.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import importlib
 import io
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["COMMANDS", "HELP_DIR", "main", "normalize_argv", "render_help"]
+__all__ = ["COMMAND_MODULES", "CommandSpec", "HELP_DIR", "commands", "main", "normalize_argv", "render_help"]
 
-COMMANDS: dict[str, str] = {
-    "generate": "litkv.cli.generate_cmd:generate",
-    "finetune": "litkv.finetune.cli:finetune",
-    "convert": "litkv.cli.convert_cmd:convert",
-    "evaluate": "litkv.cli.evaluate_cmd:evaluate",
-    "bench": "litkv.cli.bench_cmd:bench",
-    "chat": "litkv.cli.chat_cmd:chat",
-    "serve": "litkv.cli.serve_cmd:serve",
-    "download": "litkv.cli.download_cmd:download",
-}
+#: The command modules, in `litkv --help` order; each declares its `COMMAND` (one line here per command).
+COMMAND_MODULES = (
+    "litkv.cli.generate_cmd",
+    "litkv.finetune.cli",
+    "litkv.cli.convert_cmd",
+    "litkv.cli.evaluate_cmd",
+    "litkv.cli.bench_cmd",
+    "litkv.cli.chat_cmd",
+    "litkv.cli.serve_cmd",
+    "litkv.cli.download_cmd",
+)
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the directory holding the `litkv` package
 
-# Commands whose optional first positional argument is `--checkpoint_dir` (as in `litgpt generate DIR`).
-CHECKPOINT_POSITIONAL = ("generate", "evaluate", "finetune", "chat", "serve")
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """A command as its module declares it: `COMMAND = {"name": ..., "function": ..., <shortcuts>}`.
+
+    The shortcuts `normalize_argv` applies to this command's argv:
+    - `checkpoint_positional`: `litkv NAME DIR ...` (or DIR last) is `--checkpoint_dir DIR`, as in LitGPT;
+    - `flags`: boolean options that may be given bare (`--compile` is `--compile true`);
+    - `repeated`: options given several times, gathered into one JSON list (`--prompt A --prompt B`);
+    - `refused`: option-name prefix -> error message (`{option}`: the option's last dotted part,
+      `{token}`: what the user typed), for options that parse but make no sense for this command.
+    """
+
+    name: str
+    module: str
+    function: str
+    checkpoint_positional: bool = False
+    flags: tuple[str, ...] = ()
+    repeated: tuple[str, ...] = ()
+    refused: Mapping[str, str] | None = None
+
+    @classmethod
+    def read(cls, module: str) -> CommandSpec:
+        """The `COMMAND` literal of `module`'s source file (never imported: a literal, read by `ast`)."""
+        path = _SOURCE_ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("COMMAND = ")), None)
+        if start is None:
+            raise ImportError(f"{path.name} declares no `COMMAND = {{...}}` (litkv/__main__.py's CommandSpec)")
+        for end in range(start + 1, len(lines) + 1):  # the shortest run of lines that parses
+            try:
+                statement = ast.parse("\n".join(lines[start:end])).body[0]
+            except SyntaxError:
+                continue
+            declared = ast.literal_eval(statement.value)  # type: ignore[attr-defined]
+            known = {f.name for f in fields(cls)} - {"module"}
+            if not isinstance(declared, dict) or not set(declared) <= known:
+                raise ImportError(f"{path.name}: COMMAND must be a dict with keys among {sorted(known)}")
+            sequences = {key: tuple(declared[key]) for key in ("flags", "repeated") if key in declared}
+            return cls(**{**declared, **sequences, "module": module})
+        raise ImportError(f"{path.name}: COMMAND = ... does not parse")
+
+
+@functools.cache
+def commands() -> dict[str, CommandSpec]:
+    """name -> `CommandSpec` of every module in `COMMAND_MODULES`, in order (read once per process)."""
+    specs = [CommandSpec.read(module) for module in COMMAND_MODULES]
+    return {spec.name: spec for spec in specs}
+
+
 DESCRIPTION = (
     "litkv: a LitGPT-style GPT with a pluggable, evicting KV cache. Run `litkv COMMAND --help`; "
     "`litkv --version` prints the version."
@@ -68,26 +124,26 @@ def _option_name(token: str) -> tuple[str, str | None]:
     return name, (value if eq else None)
 
 
-# Boolean options that may be given bare, as a switch (`--compile` is `--compile true`).
-FLAGS = ("--compile",)
-REPEATED = ("--prompt", "--block_file")  # options given several times, gathered into one list
+_NO_COMMAND = CommandSpec(name="", module="", function="")  # argv without a known command: no shortcuts
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
     """Rewrite command-line shortcuts into what jsonargparse understands.
 
+    For every command:
     - option names may use dashes: `--max-new-tokens` is `--max_new_tokens`;
     - `--kv-cache NAME` / `--kv_cache NAME` is `--kv_cache.policy NAME` (a YAML/JSON value stays);
-    - `--kv_cache.OPTION` (not a `KVCacheConfig` field) is the policy option `--kv_cache.options.OPTION`;
-    - `--prompt A --prompt B` (repeated) becomes one list `--prompt '["A", "B"]'` (`--block_file` likewise);
-    - `litkv generate DIR ...` (and `evaluate`, `finetune`) is `litkv generate --checkpoint_dir DIR ...`;
-    - a bare flag in `FLAGS` (`--compile` not followed by a value) is `--compile true`.
+    - `--kv_cache.OPTION` (not a `KVCacheConfig` field) is the policy option `--kv_cache.options.OPTION`.
+    Those its module declares (`CommandSpec`): `litkv generate DIR ...` is `litkv generate --checkpoint_dir
+    DIR ...`; `--prompt A --prompt B` becomes one list `--prompt '["A", "B"]'`; a bare `--compile` is
+    `--compile true`; an option the command refuses is a ValueError.
     """
     argv = list(argv)
+    spec = commands().get(argv[0], _NO_COMMAND) if argv else _NO_COMMAND
     positional: list[str] = []
-    if len(argv) >= 2 and argv[0] in CHECKPOINT_POSITIONAL and not argv[1].startswith("-"):
+    if len(argv) >= 2 and spec.checkpoint_positional and not argv[1].startswith("-"):
         positional = ["--checkpoint_dir", argv.pop(1)]  # goes last, so that no --config overrides it
-    elif argv and argv[0] in CHECKPOINT_POSITIONAL and _stray_last(argv):
+    elif spec.checkpoint_positional and _stray_last(argv, spec.flags):
         positional = ["--checkpoint_dir", argv.pop()]  # `litkv generate --prompt hi DIR`
     out: list[str] = []
     repeated: dict[str, list[str]] = {}  # `--prompt` and `--block_file` values, in order
@@ -104,19 +160,14 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             continue
         name, value = _option_name(token)
         name = _policy_option_name(name)
-        if argv and argv[0] == "evaluate" and name.startswith("--kv_cache.options"):
-            option = name.rsplit(".", 1)[-1]
-            raise ValueError(
-                f"evaluate compares several policies, so a policy option goes to one of them: use "
-                f"--policy_options.POLICY.{option} VALUE (e.g. --policy_options.keydiff.{option}), got {token}"
-            )
-        if name in FLAGS and value is None and (i == len(argv) or argv[i].startswith("-")):
+        _check_not_refused(spec, name, token)
+        if name in spec.flags and value is None and (i == len(argv) or argv[i].startswith("-")):
             value = "true"
         if value is None and i < len(argv) and _is_negative_number(argv[i]):
             value, i = argv[i], i + 1  # `--kv_cache.threshold -1e30`: argparse takes -1e30 for an option
-        if name in ("--kv_cache", *REPEATED) and value is None and i < len(argv):
+        if name in ("--kv_cache", *spec.repeated) and value is None and i < len(argv):
             value, i = argv[i], i + 1
-        if name in REPEATED and value is not None:
+        if name in spec.repeated and value is not None:
             repeated_at.setdefault(name, len(out))
             repeated.setdefault(name, []).append(value)
         elif name == "--kv_cache" and value is not None:
@@ -142,15 +193,22 @@ def _is_negative_number(token: str) -> bool:
     return True
 
 
-def _stray_last(argv: Sequence[str]) -> bool:
+def _check_not_refused(spec: CommandSpec, name: str, token: str) -> None:
+    """ValueError with the command's message when option `name` (typed as `token`) is one it refuses."""
+    for prefix, message in (spec.refused or {}).items():
+        if name.startswith(prefix):
+            raise ValueError(message.format(option=name.rsplit(".", 1)[-1], token=token))
+
+
+def _stray_last(argv: Sequence[str], flags: Sequence[str]) -> bool:
     """Whether the last token of `argv` (command first) stands where an option was expected: a checkpoint
-    directory given after the options. `--name value` pairs, `--name=value` and bare `FLAGS` are options."""
+    directory given after the options. `--name value` pairs, `--name=value` and bare `flags` are options."""
     i = 1
     while i < len(argv):
         token = argv[i]
         if token == "--" or not token.startswith("-"):
             return token != "--" and i == len(argv) - 1
-        bare_flag = _option_name(token)[0] in FLAGS and (i + 1 == len(argv) or argv[i + 1] not in ("true", "false"))
+        bare_flag = _option_name(token)[0] in flags and (i + 1 == len(argv) or argv[i + 1] not in ("true", "false"))
         i += 1 if "=" in token or bare_flag or not token.startswith("--") else 2
     return False
 
@@ -184,9 +242,8 @@ def _check_utf8(prompts: Sequence[str]) -> None:
 
 
 def _load_command(name: str) -> Callable[..., object]:
-    module_name, _, attr = COMMANDS[name].partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, attr)
+    spec = commands()[name]
+    return getattr(importlib.import_module(spec.module), spec.function)
 
 
 def _load_components(selected: str | None) -> dict[str, Callable[..., object]]:
@@ -197,7 +254,7 @@ def _load_components(selected: str | None) -> dict[str, Callable[..., object]]:
         except (ImportError, AttributeError) as err:
             raise ImportError(f"command {selected!r} is not available: {err}") from err
     components = {}
-    for name in COMMANDS:
+    for name in commands():
         try:
             components[name] = _load_command(name)
         except (ImportError, AttributeError) as err:
@@ -209,7 +266,7 @@ def _help_key(argv: Sequence[str]) -> str | None:
     """`"litkv"` for `litkv --help`, `"COMMAND"` for `litkv COMMAND --help`, None for anything else."""
     if len(argv) == 1 and argv[0] in _HELP_FLAGS:
         return "litkv"
-    if len(argv) == 2 and argv[0] in COMMANDS and argv[1] in _HELP_FLAGS:
+    if len(argv) == 2 and argv[0] in commands() and argv[1] in _HELP_FLAGS:
         return argv[0]
     return None
 
@@ -270,7 +327,7 @@ def _main(argv: Sequence[str] | None) -> None:
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else argv)
-        selected = args[0] if args and args[0] in COMMANDS else None
+        selected = args[0] if args and args[0] in commands() else None
         components = _load_components(selected)
         CLI(components, args=args, prog="litkv", description=DESCRIPTION)
     except (*USER_ERRORS, ImportError) as err:

@@ -9,12 +9,12 @@ command's signature or docstring:
 
 from __future__ import annotations
 
-from litkv.__main__ import COMMANDS, HELP_DIR, render_help
+from litkv.__main__ import HELP_DIR, commands, render_help
 
 
 def main() -> None:
     HELP_DIR.mkdir(parents=True, exist_ok=True)
-    for key in ("litkv", *COMMANDS):
+    for key in ("litkv", *commands()):
         path = HELP_DIR / f"{key}.txt"
         path.write_text(render_help(key), encoding="utf-8")
         print(f"wrote {path.relative_to(HELP_DIR.parents[2])}")

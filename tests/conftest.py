@@ -19,7 +19,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv import GPT
 
-TINY_PRESET = "SmolLM2-135M"
+TINY_PRESET = helpers.TINY_PRESET
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -44,20 +44,17 @@ def tiny_config() -> Config:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_config: Config) -> Callable[..., GPT]:
-    """Factory `tiny_model(seed, dtype=torch.float32)`: a fresh `random_gpt` of `tiny_config` (eval mode).
+def tiny_model() -> Callable[..., GPT]:
+    """The test model factory (`helpers.tiny_gpt`); every test builds its model with it:
 
-    `dtype=torch.float64` gives `helpers.float64_model` of it (RMSNorm computed in float64 too). Every
-    call builds a new model, so a module-scoped fixture may mutate its own.
+    `tiny_model(seed, dtype=torch.float32, *, arch=None, config=TINY_PRESET, overrides=None, gates=False,
+    gate_seed=None, window=2, sinks=1, device="cpu")` -- a fresh random model of a tiny preset (`arch`: a name in
+    `helpers.ARCHITECTURES`; `config`: a LitGPT preset name shrunk to 2 layers, width 64, vocabulary 128,
+    `overrides` on top, or a `Config`), in
+    float64 (`float64_model`) with `dtype=torch.float64`, with random eviction gates with `gates=True`.
+    Every call builds a new model, so a module-scoped fixture may mutate its own.
     """
-
-    def build(seed: int, dtype: torch.dtype = torch.float32) -> GPT:
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"tiny_model dtype must be torch.float32 or torch.float64, got {dtype}")
-        model = helpers.random_gpt(tiny_config, seed=seed)
-        return helpers.float64_model(model) if dtype == torch.float64 else model
-
-    return build
+    return helpers.tiny_gpt
 
 
 @pytest.fixture(scope="module")

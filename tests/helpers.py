@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "reference_forward",
     "rounding_bound",
     "tiny_config",
+    "tiny_gpt",
 ]
 
 # allowed(q_pos (T, 1), k_pos (1, T)) -> (T, T) bool, True where query q may attend to key k.
@@ -100,6 +101,67 @@ def random_gates(config: Config, seed: int = 0, window: int = 2, sinks: int = 1)
 def attach_random_gates(model: GPT, seed: int = 0, window: int = 2, sinks: int = 1) -> GPT:
     """`model` (returned) with `random_gates` as its `eviction_gates`, on its device."""
     model.eviction_gates = random_gates(model.config, seed, window, sinks).to(model.lm_head.weight.device)
+    return model
+
+
+TINY_PRESET = "SmolLM2-135M"
+#: Tiny architectures the tests parametrize over: name -> (LitGPT preset, overrides of `TINY`).
+ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
+    "smollm2": ("SmolLM2-135M", {}),  # GQA
+    "pythia": ("pythia-14m", {"n_query_groups": 4, "intermediate_size": 256}),  # partial rotary, parallel
+    # alternating sliding window shorter than the chunks, soft-capping
+    "gemma2": (
+        "gemma-2-2b",
+        {"sliding_window_size": 8, "attention_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+    ),
+    "gemma3": ("gemma-3-1b-it", {"n_query_groups": 1, "sliding_window_size": 8}),  # per-layer RoPE base, q/k norm, MQA
+}
+
+
+def tiny_gpt(
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    arch: str | None = None,
+    config: str | Config = TINY_PRESET,
+    overrides: Mapping[str, object] | None = None,
+    gates: bool = False,
+    gate_seed: int | None = None,
+    window: int = 2,
+    sinks: int = 1,
+    device: torch.device | str = "cpu",
+) -> GPT:
+    """The test model factory (conftest's `tiny_model` fixture): a fresh `random_gpt` (eval mode).
+
+    - `arch`: a name in `ARCHITECTURES` (its preset and overrides, `overrides` on top), or
+    - `config`: a LitGPT preset name shrunk by `tiny_config` (with `overrides` on top), or a `Config`;
+    - `dtype`: torch.float32, or torch.float64 for `float64_model` (RMSNorm computed in float64 too);
+    - `gates=True`: `attach_random_gates(model, gate_seed, window, sinks)` after the dtype (float32 gates;
+      `gate_seed` defaults to `seed`);
+    - `device`: where the model (and its gates) live; the weights are drawn on the CPU first.
+
+    Every call builds a new model, so a module-scoped fixture may mutate its own.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"tiny_gpt dtype must be torch.float32 or torch.float64, got {dtype}")
+    if arch is not None:
+        if config != TINY_PRESET:
+            raise ValueError(f"tiny_gpt takes arch or config, not both (got {arch!r} and {config!r})")
+        config, base = ARCHITECTURES[arch]
+        overrides = {**base, **(overrides or {})}
+    if isinstance(config, Config):
+        if overrides:
+            raise ValueError(f"tiny_gpt takes overrides with a preset name only, got a Config and {overrides}")
+    else:
+        config = tiny_config(config, **(overrides or {}))
+    if not gates and (gate_seed is not None or (window, sinks) != (2, 1)):
+        raise ValueError("tiny_gpt: gate_seed, window and sinks need gates=True")
+    model = random_gpt(config, seed=seed)
+    if dtype == torch.float64:
+        float64_model(model)
+    model.to(device)  # before the gates: `attach_random_gates` puts them on the model's device
+    if gates:
+        attach_random_gates(model, seed if gate_seed is None else gate_seed, window, sinks)
     return model
 
 

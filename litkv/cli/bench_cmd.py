@@ -26,6 +26,9 @@ from litkv.modeling.quant_weights import layer_quant, parse_quantize, stored_wei
 
 __all__ = ["bench", "format_table"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "bench", "function": "bench"}
+
 
 def _run_subprocess(args: dict) -> BenchResult:
     code = "from litkv.eval.peers import worker_main; worker_main()"

@@ -46,6 +46,9 @@ from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_m
 
 __all__ = ["ChatSession", "chat"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "chat", "function": "chat", "checkpoint_positional": True, "repeated": ["--block_file"]}
+
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated
 HELP = (
     "commands: /undo (roll back the last turn), /attach FILE (a document for the next message), /save FILE, "

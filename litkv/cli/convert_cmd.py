@@ -16,6 +16,9 @@ from litkv.modeling.quant_weights import WeightQuant, parse_quantize
 
 __all__ = ["DTYPES", "convert"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "convert", "function": "convert"}
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -8,6 +8,9 @@ from litkv.checkpoints.download import MODELS, DownloadError, download_model, li
 
 __all__ = ["download"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "download", "function": "download"}
+
 
 def download(name: str) -> None:
     """Get a known model and convert it once into `$LITKV_HOME/checkpoints/NAME` (default ~/.cache/litkv).

@@ -31,6 +31,17 @@ from litkv.modeling.config import KVCacheConfig
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {
+    "name": "evaluate",
+    "function": "evaluate",
+    "checkpoint_positional": True,
+    "refused": {  # evaluate compares several policies: a policy option goes to one of them
+        "--kv_cache.options": "evaluate compares several policies, so a policy option goes to one of them: use "
+        "--policy_options.POLICY.{option} VALUE (e.g. --policy_options.keydiff.{option}), got {token}"
+    },
+}
+
 DEFAULT_POLICIES = ("last-recent", "h2o", "qh2o")
 DEFAULT_BUDGETS = (64, 128, 256, 512)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)

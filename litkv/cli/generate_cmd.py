@@ -28,6 +28,15 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PROMPT", "fit_cache", "generate"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {
+    "name": "generate",
+    "function": "generate",
+    "checkpoint_positional": True,
+    "flags": ["--compile"],
+    "repeated": ["--prompt", "--block_file"],
+}
+
 DEFAULT_PROMPT = "And it came to pass, when"
 _DEFAULT_KV_CACHE = KVCacheConfig()  # never mutated; a dataclass default lets --help list its fields
 DEFAULT_CACHE_LENGTH = _DEFAULT_KV_CACHE.cache_length

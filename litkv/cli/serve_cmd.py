@@ -16,6 +16,9 @@ from litkv.modeling.quant_weights import parse_quantize
 
 __all__ = ["serve"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "serve", "function": "serve", "checkpoint_positional": True}
+
 _DEFAULT_KV_CACHE = KVCacheConfig(policy="h2o", cache_length=256)  # never mutated
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

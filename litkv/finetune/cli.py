@@ -59,6 +59,9 @@ from litkv.modeling.quant_weights import model_quant, parse_quantize, quantize_m
 
 __all__ = ["FinetuneArgs", "finetune", "run", "MODES", "TRAINING_PRECISIONS"]
 
+#: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
+COMMAND = {"name": "finetune", "function": "finetune", "checkpoint_positional": True}
+
 #: `--mode` values (checked explicitly: jsonargparse's error for a `Literal` does not list the choices).
 MODES = ("lora", "full")
 

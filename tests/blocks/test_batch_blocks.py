@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
+from helpers import random_tokens
 
 from litkv import GPT, KVCacheConfig
 from litkv.inference.blocks import Segment
@@ -30,8 +30,8 @@ def _prompts() -> list[list[Segment]]:
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=33), seed=33)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(33, gates=True)
 
 
 def _run(model: GPT, call: Callable[[], object]) -> tuple[object, list[torch.Tensor]]:

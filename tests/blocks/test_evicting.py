@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
+from helpers import random_tokens
 
 from litkv import GPT, KVCacheConfig
 from litkv.inference.blocks import Segment, prefill_segments, rope_delta, rotate_keys, splice
@@ -25,8 +26,8 @@ TOTAL = sum(n for n, _ in LENGTHS)
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=31), seed=31)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(31, gates=True)
 
 
 def _config(policy: str, storage: str) -> KVCacheConfig:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import chunked_last_recent_mask, random_gpt, reference_forward, tiny_config
+from helpers import chunked_last_recent_mask, reference_forward, tiny_gpt
 from tiny_checkpoint import TEXT, make_tiny_checkpoint
 
 from litkv.__main__ import main
@@ -80,7 +80,7 @@ def test_cache_config_clips_chunks_and_passes_storage_through() -> None:
 
 
 def test_template_with_policy_options_is_refused() -> None:
-    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    model = tiny_gpt(3, config="pythia-14m")
     template = KVCacheConfig(policy="h2o", options={"sinks": 4})
     with pytest.raises(ValueError, match="must not hold policy options.*--policy_options"):
         evaluate_policies(model, torch.zeros(1, 17, dtype=torch.long), ["h2o"], [8], template=template)
@@ -89,7 +89,7 @@ def test_template_with_policy_options_is_refused() -> None:
 
 
 def test_policy_options_apply_to_their_policy_only() -> None:
-    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    model = tiny_gpt(3, config="pythia-14m")
     torch.manual_seed(0)
     windows = torch.randint(0, 128, (2, 41))
     run = dict(template=KVCacheConfig(chunk_size=8), batch_size=2)
@@ -107,7 +107,7 @@ def test_policy_options_apply_to_their_policy_only() -> None:
 
 
 def test_decode_speed_is_positive_and_checked() -> None:
-    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    model = tiny_gpt(3, config="pythia-14m")
     windows = torch.randint(0, 128, (1, 33))
     res = evaluate_policies(model, windows, ["h2o"], [8], template=KVCacheConfig(chunk_size=8), decode_tokens=4)
     assert all(r.decode_tps > 0 and math.isfinite(r.decode_tps) for r in res)
@@ -129,7 +129,7 @@ def _metrics(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> 
 
 
 def test_quality_metrics_match_float64_reference() -> None:
-    model = random_gpt(tiny_config("pythia-14m"), seed=3)
+    model = tiny_gpt(3, config="pythia-14m")
     torch.manual_seed(0)
     windows = torch.randint(0, 128, (3, 41))
     template = KVCacheConfig(chunk_size=8)
@@ -161,7 +161,7 @@ def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 
 
 def test_recall_accuracy_scores_greedy_answers() -> None:
-    model = random_gpt(tiny_config("pythia-14m"), seed=1)
+    model = tiny_gpt(1, config="pythia-14m")
     rng = random.Random(0)
     examples = []
     for i in range(6):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jsonargparse
 import pytest
 import torch
-from helpers import float64_model, random_gpt, random_tokens, tiny_config
+from helpers import random_tokens, tiny_config, tiny_gpt
 from kvzip_reference import brute_scores
 
 from litkv.finetune.gate_training import GateTrainArgs, attention_mass, batch_indices, evictable, train_gates
@@ -81,7 +81,7 @@ def reference_solution(
 
 
 def test_lstsq_gates_equal_brute_force_ridge_solution():
-    model = float64_model(random_gpt(CONFIG, seed=1))
+    model = tiny_gpt(1, torch.float64, config=CONFIG)
     data = examples(5)
     args = GateTrainArgs(method="lstsq", steps=3, batch_size=2, window=WINDOW, sinks=SINKS)
     gates, logs = fit_gates_lstsq(model, data, args)
@@ -95,7 +95,7 @@ def test_lstsq_gates_equal_brute_force_ridge_solution():
 def test_lstsq_kvzip_target_equals_brute_force_ridge_solution():
     """`--learn.target kvzip`: the gates regress log KVzip+ scores (KVzap); equal to the ridge solve on the
     scores of the float64 brute-force reconstruction pass."""
-    model = float64_model(random_gpt(CONFIG, seed=3))
+    model = tiny_gpt(3, torch.float64, config=CONFIG)
     data = examples(4)
     args = GateTrainArgs(method="lstsq", steps=2, batch_size=2, window=WINDOW, sinks=SINKS, target="kvzip")
     gates, _ = fit_gates_lstsq(model, data, args, repeat=REPEAT)
@@ -112,7 +112,7 @@ def test_lstsq_kvzip_target_equals_brute_force_ridge_solution():
 
 def test_lstsq_is_the_minimum_adam_approaches():
     """`regress` (Adam on the same MSE and the same batches) ends no lower than the closed form."""
-    model = random_gpt(CONFIG, seed=2)
+    model = tiny_gpt(2, config=CONFIG)
     data = examples(4)
     args = GateTrainArgs(method="lstsq", steps=2, batch_size=2, window=WINDOW, sinks=SINKS)
     gates, _ = fit_gates_lstsq(model, data, args)

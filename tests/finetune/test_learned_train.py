@@ -11,7 +11,7 @@ import jsonargparse
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import _reference_rope, band_mask, float64_model, random_gpt, random_tokens, reference_forward, tiny_config
+from helpers import _reference_rope, band_mask, float64_model, random_tokens, reference_forward, tiny_config, tiny_gpt
 
 from litkv.finetune.gate_training import GateTrainArgs, evictable, train_gates
 from litkv.gates import EvictionGates, SoftEviction, soft_eviction
@@ -62,7 +62,7 @@ def oracle_forward(
 
 
 def test_soft_forward_and_gate_gradient_equal_float64_oracle():
-    model = float64_model(random_gpt(CONFIG, seed=1))
+    model = tiny_gpt(1, torch.float64, config=CONFIG)
     idx = random_tokens(2, 12, seed=2)
     gates = random_gates(3, scale=3.0)
     w = gates.weight.double().requires_grad_(True)
@@ -89,7 +89,7 @@ def test_soft_forward_and_gate_gradient_equal_float64_oracle():
 @pytest.mark.parametrize("keep", [True, False])
 def test_saturated_gates_equal_hard_masks(keep):
     """Gates far from 0: soft == hard decision; keep-all is the dense model, evict-all is a band + sinks mask."""
-    model = float64_model(random_gpt(CONFIG, seed=5))
+    model = tiny_gpt(5, torch.float64, config=CONFIG)
     idx = random_tokens(1, 14, seed=6)
     gates = random_gates(7, window=4, sinks=2, scale=0.0, bias=60.0 if keep else -60.0)
     outs = []
@@ -122,7 +122,7 @@ def test_soft_bias_against_loops():
 
 @pytest.mark.parametrize("method, engine", [("distill", "chunked"), ("distill", "whole"), ("regress", "whole")])
 def test_training_lowers_the_loss(method, engine):
-    model = random_gpt(CONFIG, seed=8)
+    model = tiny_gpt(8, config=CONFIG)
     g = torch.Generator().manual_seed(9)
     examples = []
     for _ in range(8):

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import float64_model, random_gpt, random_tokens, tiny_config
+from helpers import random_tokens, tiny_config, tiny_gpt
 
 import litkv.gradient.distill as distill
 from litkv.finetune.gate_training import adapters_off
@@ -29,7 +29,7 @@ B, T, WINDOW, SINKS, TAU, WEIGHT = 2, 30, 4, 1, 0.7, 3.0
 
 @pytest.fixture(scope="module")
 def model():
-    return float64_model(random_gpt(CONFIG, seed=11)).requires_grad_(False)
+    return tiny_gpt(11, torch.float64, config=CONFIG).requires_grad_(False)
 
 
 def _gates(seed: int = 12) -> EvictionGates:

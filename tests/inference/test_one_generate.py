@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
+from helpers import random_tokens, tiny_gpt
 
 from litkv import GPT, BlockStore, KVCacheConfig, PrefixCache, Sampling, Segment, generate
 from litkv.inference.legacy import generate_segments, generate_segments_batch
@@ -36,7 +36,7 @@ def _segment_prompts() -> list[list[Segment]]:
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=33), seed=33)
+    return tiny_gpt(33, config="SmolLM2-135M", gates=True)
 
 
 def _sampling(options: dict) -> Sampling:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import attach_random_gates
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -31,12 +30,12 @@ STORAGES = tuple(known_storages())  # every registered format, built-ins include
 CACHE = 80  # default chunk: min(256, 80) = 80
 LENGTHS = (45, 110, 177)  # the two longer ones evict during the prefill
 NEW = 10
-CHUNKS = (1, 7, 64, None)
+CHUNKS = (1, 7, None)  # one-token (staged) calls; chunks leaving free slots, then evicting; the default (80)
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., GPT]) -> GPT:
-    return attach_random_gates(tiny_model(seed=5, dtype=torch.float64), seed=5)
+    return tiny_model(5, torch.float64, gates=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ The reference of every comparison is the same run with each layer evicted in its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, keep_undo_log, snapshot
 from litkv.kvcache import CacheShape, Candidates, KVCache, LastRecentKVCache, SlotState
@@ -22,8 +21,8 @@ N_LAYER = 4
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M", n_layer=N_LAYER), seed=5), seed=5)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(5, overrides={"n_layer": N_LAYER}, gates=True)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -122,9 +123,11 @@ def test_h2o_matches_brute_force(chunk_size: int, normalize: bool, sinks: int, r
     assert evicting_steps >= n // (2 * chunk_size)  # the cache was full (and evicting) most of the time
 
 
-def test_h2o_with_room_for_everything_equals_dense() -> None:
+def test_h2o_with_room_for_everything_equals_dense(tiny_model: Callable[..., litkv.GPT]) -> None:
     torch.manual_seed(0)
-    model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
+    model = tiny_model(
+        0, config=litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96)
+    )
     idx = torch.randint(0, 96, (2, 40))
     expected = model(idx)
     for chunk_size in (1, 7):
@@ -151,10 +154,12 @@ def test_h2o_scores_accumulate_over_prefill_chunks() -> None:
     assert max_diff(cache.slot_scores().sum(dim=2), per_row[:, None].expand(B, G)) <= rounding_bound(per_row, depth)
 
 
-def test_h2o_generates_with_eviction() -> None:
+def test_h2o_generates_with_eviction(tiny_model: Callable[..., litkv.GPT]) -> None:
     """End to end: a cache much shorter than the sequence keeps the sink and the recent window."""
     torch.manual_seed(1)
-    model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
+    model = tiny_model(
+        0, config=litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96)
+    )
     prompts = [torch.randint(0, 96, (30,)), torch.randint(0, 96, (21,))]
     caches = []
     config = KVCacheConfig("h2o", cache_length=8, chunk_size=3, options=dict(sinks=1))

@@ -11,6 +11,8 @@ litkv runs in float32 against the float64 oracle: differences are bounded by `ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from helpers import (
@@ -19,25 +21,18 @@ from helpers import (
     chunked_last_recent_mask,
     forward_depth,
     max_diff,
-    random_gpt,
     reference_forward,
     rounding_bound,
-    tiny_config,
 )
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 
 T = 30
-MODELS = {
-    "smollm2": ("SmolLM2-135M", {}),  # GQA
-    "pythia": ("pythia-14m", dict(n_query_groups=4, intermediate_size=256)),  # partial rotary, parallel
-}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request: pytest.FixtureRequest) -> GPT:
-    preset, overrides = MODELS[request.param]
-    return random_gpt(tiny_config(preset, **overrides), seed=21)
+@pytest.fixture(scope="module", params=["pythia", "smollm2"])
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(21, arch=request.param)
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from helpers import attach_random_gates, random_gates, random_gpt, tiny_config
+from helpers import attach_random_gates, random_gates
 from safetensors.torch import save_file
 
 from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncate
@@ -37,8 +37,7 @@ Check = Callable[[int, LearnedKVCache, torch.Tensor, int], None]
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., GPT]) -> GPT:
-    gpt = tiny_model(seed=31, dtype=torch.float64)
-    return attach_random_gates(gpt, seed=32, window=WINDOW, sinks=SINKS)
+    return tiny_model(31, torch.float64, gates=True, gate_seed=32, window=WINDOW, sinks=SINKS)
 
 
 def _tokens(seed: int, batch: int = B, length: int = PROMPT) -> torch.Tensor:
@@ -213,10 +212,10 @@ def test_threshold_truncate_equals_never_having_made_the_calls(model: GPT) -> No
         assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
 
 
-def test_threshold_compiled_decode_gives_eager_tokens() -> None:
+def test_threshold_compiled_decode_gives_eager_tokens(tiny_model: Callable[..., GPT]) -> None:
     from torch._dynamo.utils import counters
 
-    gpt = attach_random_gates(random_gpt(tiny_config("SmolLM2-135M", block_size=512), seed=3), seed=3, window=4)
+    gpt = tiny_model(3, overrides={"block_size": 512}, gates=True, window=4)
     cfg = KVCacheConfig("learned", cache_length=32, chunk_size=16, options={"threshold": 0.0})
     prompts = [_tokens(6, 1, 45)[0], _tokens(7, 1, 70)[0]]
     eager = generate(gpt, prompts, 60, cfg)
@@ -348,13 +347,13 @@ def test_defaults_come_from_the_gates_and_options_override_them() -> None:
     assert (cache.sinks, cache.recent) == (0, 5)
 
 
-def test_states_and_prefix_seeds_know_the_gates() -> None:
+def test_states_and_prefix_seeds_know_the_gates(tiny_model: Callable[..., GPT]) -> None:
     """A `learned` state restores only into a model with the same gates; the prefix store's seed (the
     fingerprint) changes with the gates; a state of another policy ignores them."""
     from litkv import restore
     from litkv.modeling.fingerprint import model_fingerprint
 
-    model = attach_random_gates(random_gpt(tiny_config("pythia-14m"), seed=3), seed=4)
+    model = tiny_model(3, config="pythia-14m", gates=True, gate_seed=4)
     prompt = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(5))
     states = {}
     for policy in ("learned", "h2o"):

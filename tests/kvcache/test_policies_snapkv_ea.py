@@ -4,10 +4,11 @@ against dense attention with room for every token, and batch == alone on left-pa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+from helpers import forward_depth, max_diff, rounding_bound
 
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
@@ -317,8 +318,8 @@ def test_policies_ask_for_queries_not_attention_weights() -> None:
 
 @pytest.mark.parametrize("policy", ["snapkv", "expected-attention"])
 @torch.inference_mode()
-def test_with_room_for_every_token_equals_dense(policy: str) -> None:
-    model = random_gpt(tiny_config("SmolLM2-135M"), seed=4)
+def test_with_room_for_every_token_equals_dense(policy: str, tiny_model: Callable[..., GPT]) -> None:
+    model = tiny_model(4)
     idx = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     expected = model(idx)
     for chunk in (1, 7):
@@ -327,8 +328,8 @@ def test_with_room_for_every_token_equals_dense(policy: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def model64() -> GPT:
-    return float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=8))
+def model64(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(8, torch.float64)
 
 
 @pytest.mark.parametrize("storage", ["float", "int4"])

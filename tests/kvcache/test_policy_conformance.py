@@ -21,20 +21,17 @@ import dataclasses
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
-    attach_random_gates,
-    float64_model,
     forward_depth,
     max_diff,
-    random_gpt,
     random_tokens,
     rounding_bound,
-    tiny_config,
 )
 
 from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
@@ -111,13 +108,13 @@ def _logit_bound(policy: str, storage: str, reference: torch.Tensor, depth: int)
 
 
 @pytest.fixture(scope="module")
-def model32() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=21), seed=21)
+def model32(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(21, gates=True)
 
 
 @pytest.fixture(scope="module")
-def model64() -> GPT:
-    return attach_random_gates(float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=21)), seed=21)
+def model64(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(21, torch.float64, gates=True)
 
 
 def _tokens(batch: int, length: int, seed: int) -> torch.Tensor:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import float64_model, random_gpt, tiny_config
 
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache.score import compress_all
@@ -143,8 +142,8 @@ CASES: dict[str, tuple[dict, Callable[..., set[int]]]] = {
 
 
 @pytest.fixture(scope="module", params=[1.0, 0.5], ids=["full-rope", "half-rope"])
-def model(request: pytest.FixtureRequest) -> GPT:
-    return float64_model(random_gpt(tiny_config("SmolLM2-135M", rotary_percentage=request.param), seed=11))
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(11, torch.float64, overrides={"rotary_percentage": request.param})
 
 
 @pytest.fixture(scope="module")

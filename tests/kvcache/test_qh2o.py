@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -128,9 +129,11 @@ def test_qh2o_bytes_at_most_0_3_of_h2o() -> None:
         assert qh2o.nbytes() <= 0.3 * h2o.nbytes()
 
 
-def test_qh2o_generates() -> None:
+def test_qh2o_generates(tiny_model: Callable[..., litkv.GPT]) -> None:
     torch.manual_seed(0)
-    model = litkv.GPT(litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96))
+    model = tiny_model(
+        0, config=litkv.Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=64, block_size=128, vocab_size=96)
+    )
     prompts = [torch.randint(0, 96, (25,)), torch.randint(0, 96, (9,))]
     config = KVCacheConfig("qh2o", cache_length=8, chunk_size=4, storage="int8", options=dict(sinks=1))
     out = litkv.generate(model, prompts, 6, config)

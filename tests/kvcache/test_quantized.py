@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
 
-from litkv import KVCacheConfig, generate
+from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache.dense import DenseKVCache
 from litkv.kvcache.quantized import QuantizedStorage, dequantize, quantize
 from litkv.kvcache.storage import CacheShape, FloatStorage
@@ -129,8 +130,8 @@ def test_bad_group_sizes() -> None:
     assert store.group == 16
 
 
-def test_dense_int8_greedy_tokens_equal_float() -> None:
-    model = random_gpt(tiny_config("SmolLM2-135M"), seed=0)
+def test_dense_int8_greedy_tokens_equal_float(tiny_model: Callable[..., GPT]) -> None:
+    model = tiny_model(0)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (20,), generator=gen), torch.randint(0, 128, (13,), generator=gen)]
     float_cfg = KVCacheConfig("dense", cache_length=64, chunk_size=4)

@@ -7,18 +7,16 @@ scores in float32 (litkv/modeling/attention.py) and is bounded by float32's roun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import float64_model, forward_depth, max_diff, random_gpt, rounding_bound, tiny_config
+from helpers import forward_depth, max_diff, rounding_bound
 
 from litkv import GPT, KVCacheConfig, Sampling, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
 
 LENGTHS = (5, 17, 40)
-MODELS = {
-    "smollm2": ("SmolLM2-135M", {}),
-    "gemma2": ("gemma-2-2b", dict(sliding_window_size=8, attention_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-}
 FLOAT32_SCORES = {"gemma2"}  # soft-capping: litkv's eager attention, float32 scores
 CACHES = {
     "dense": KVCacheConfig(policy="dense", cache_length=64, chunk_size=4, prefill_length=4),
@@ -31,10 +29,9 @@ CACHES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request: pytest.FixtureRequest) -> GPT:
-    preset, overrides = MODELS[request.param]
-    model = float64_model(random_gpt(tiny_config(preset, **overrides), seed=11))
+@pytest.fixture(scope="module", params=["gemma2", "smollm2"])
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
+    model = tiny_model(11, torch.float64, arch=request.param)
     model.rounding_dtype = torch.float32 if request.param in FLOAT32_SCORES else torch.float64
     return model
 

@@ -7,31 +7,24 @@ magnitude, far tighter than any float32 tolerance and independent of the CPU's v
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from helpers import float64_model, forward_depth, max_diff, random_gpt, random_tokens, rounding_bound, tiny_config
+from helpers import forward_depth, max_diff, random_tokens, rounding_bound
 
 from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.modeling.runner import ChunkPlan
 
 T = 40
-MODELS = {
-    "smollm2": ("SmolLM2-135M", {}),  # GQA
-    "pythia": ("pythia-14m", dict(n_query_groups=4, intermediate_size=256)),  # partial rotary, parallel
-    # alternating sliding window shorter than the chunks, soft-capping
-    "gemma2": ("gemma-2-2b", dict(sliding_window_size=8, attention_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    # per-layer RoPE base, q/k norm, MQA
-    "gemma3": ("gemma-3-1b-it", dict(n_query_groups=1, sliding_window_size=8)),
-}
 # Soft-capping runs litkv's eager attention, whose scores are float32 even in a float64 model
 # (litkv/modeling/attention.py, `_attend_eager`): those models are bounded by float32's rounding.
 FLOAT32_SCORES = {"gemma2"}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request: pytest.FixtureRequest) -> GPT:
-    preset, overrides = MODELS[request.param]
-    model = float64_model(random_gpt(tiny_config(preset, **overrides), seed=5))
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "pythia", "smollm2"])
+def model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
+    model = tiny_model(5, torch.float64, arch=request.param)
     model.rounding_dtype = torch.float32 if request.param in FLOAT32_SCORES else torch.float64
     return model
 
@@ -68,9 +61,9 @@ def test_prefill_then_chunks(model: GPT) -> None:
     assert max_diff(forward_chunked(model, idx, kv_cache), expected) <= _bound(model, expected, T + 13)
 
 
-def test_chunked_gradients_equal_one_shot() -> None:
+def test_chunked_gradients_equal_one_shot(tiny_model: Callable[..., GPT]) -> None:
     """`forward_chunked` is differentiable with plain autograd, with the one-shot gradients."""
-    model = float64_model(random_gpt(tiny_config("SmolLM2-135M"), seed=2))
+    model = tiny_model(2, torch.float64)
     idx = _idx(length=20)
     target = torch.randn(2, 20, 128, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     kv_cache = KVCacheConfig(policy="dense", cache_length=20, chunk_size=3, prefill_length=3)

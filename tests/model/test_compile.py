@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch._dynamo
-from helpers import attach_random_gates, random_gpt, tiny_config
+from helpers import tiny_gpt
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,7 +25,7 @@ POLICIES += ["learned"]
 
 
 def _model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M", block_size=1024), seed=3), seed=3)
+    return tiny_gpt(3, overrides={"block_size": 1024}, gates=True)
 
 
 def _config(policy: str, storage: str = "float") -> KVCacheConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import max_diff, random_gpt, random_tokens, reference_forward, tiny_config
+from helpers import max_diff, random_tokens, reference_forward, tiny_gpt
 from torch.profiler import ProfilerActivity, profile
 
 import litkv.modeling.model as model_module
@@ -50,7 +50,7 @@ def test_causal_suffix_refuses_more_queries_than_keys() -> None:
 
 
 def _model() -> model_module.GPT:
-    return random_gpt(tiny_config("SmolLM2-135M", block_size=512), seed=11)
+    return tiny_gpt(11, overrides={"block_size": 512})
 
 
 @pytest.mark.parametrize("policy", ["dense", "last-recent"])

@@ -6,6 +6,8 @@ sum in different orders) are bounded by `rounding_bound`, relative to the compar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from helpers import (
@@ -14,11 +16,9 @@ from helpers import (
     causal_mask,
     forward_depth,
     max_diff,
-    random_gpt,
     random_tokens,
     reference_forward,
     rounding_bound,
-    tiny_config,
 )
 
 from litkv import GPT, KVCache, KVCacheConfig, forward_chunked, register_kv_cache
@@ -30,8 +30,8 @@ T = 24
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return random_gpt(tiny_config("SmolLM2-135M", n_layer=3), seed=8)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(8, overrides={"n_layer": 3})
 
 
 def _idx(batch: int = 2, length: int = T) -> torch.Tensor:
@@ -124,8 +124,8 @@ def test_lm_head_false_returns_final_hidden_states(model: GPT) -> None:
 
 
 @torch.inference_mode()
-def test_lm_head_false_with_final_softcapping() -> None:
-    model = random_gpt(tiny_config("gemma-2-2b", final_logit_softcapping=3.0), seed=1)
+def test_lm_head_false_with_final_softcapping(tiny_model: Callable[..., GPT]) -> None:
+    model = tiny_model(1, config="gemma-2-2b", overrides={"final_logit_softcapping": 3.0})
     idx = _idx()
     hidden = model(idx, lm_head=False)
     logits = model(idx)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from helpers import attach_random_gates, float64_model, random_gpt, tiny_config
+from helpers import float64_model, tiny_gpt
 
 from litkv import GPT
 
@@ -27,7 +27,7 @@ def dtype_id(dtype: torch.dtype) -> str:
 
 def half_pair(dtype: torch.dtype, seed: int = 21) -> tuple[GPT, GPT]:
     """(the tiny model in `dtype` with random gates, its float64 twin holding the same rounded weights)."""
-    model = attach_random_gates(random_gpt(tiny_config("SmolLM2-135M"), seed=seed), seed=seed).to(dtype)
+    model = tiny_gpt(seed, gates=True).to(dtype)
     return model, float64_model(copy.deepcopy(model))
 
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from helpers import attach_random_gates, random_gpt, random_tokens, tiny_config
+from helpers import random_tokens, tiny_gpt
 from torch._dynamo.utils import counters
 
 from litkv import KVCacheConfig, generate
@@ -30,8 +30,7 @@ POLICIES += ["qh2o"]
 
 
 def _model() -> torch.nn.Module:
-    model = random_gpt(tiny_config("SmolLM2-135M", block_size=1024), seed=3).to(CUDA)
-    return attach_random_gates(model, seed=3)
+    return tiny_gpt(3, overrides={"block_size": 1024}, gates=True, device=CUDA)
 
 
 def _config(policy: str, storage: str) -> KVCacheConfig:

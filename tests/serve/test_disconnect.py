@@ -15,7 +15,7 @@ from pathlib import Path
 
 from test_serve import start_server, stop_server
 
-BODY = {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 1024, "temperature": 0}
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 512, "temperature": 0}
 HEADERS = {"Authorization": "Bearer sk-test", "Content-Type": "application/json"}
 
 

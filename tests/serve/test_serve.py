@@ -284,7 +284,15 @@ def start_server(ckpt: Path, state_dir: Path, log: Path) -> tuple:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status
 
-    wait_healthy(health)
+    try:
+        wait_healthy(health)
+    except BaseException:
+        proc.terminate()  # a server that never became healthy is not left running (SIGTERM ends its workers)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     return proc, url
 
 

@@ -81,7 +81,7 @@ def test_sigterm_to_the_process_group_drains_the_stream_and_refuses_new_requests
         children = _children(proc.pid)
         assert children  # LitServe's API server, inference worker and queue manager
         body = {"model": "tiny", "messages": [{"role": "user", "content": "The quick brown fox"}],
-                "temperature": 0, "max_tokens": 900, "stream": True}  # fmt: skip
+                "temperature": 0, "max_tokens": 400, "stream": True}  # fmt: skip
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             data=json.dumps(body).encode(),
@@ -96,7 +96,7 @@ def test_sigterm_to_the_process_group_drains_the_stream_and_refuses_new_requests
         assert status == 503 and refused["error"]["code"] == "server_shutting_down", refused
         assert headers.get("retry-after") == "5"
         events = [line[6:] for line in rest if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 900
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 400
         assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
         deadline = time.monotonic() + 30
         while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attach_random_gates, forge_entry, random_gpt, tiny_config
+from helpers import forge_entry
 
 from litkv import GPT, CacheState, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
@@ -23,7 +23,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., GPT]) -> GPT:
-    return attach_random_gates(tiny_model(seed=11), seed=11)
+    return tiny_model(11, gates=True)
 
 
 def _config(policy: str, chunk: int = 8) -> KVCacheConfig:
@@ -136,12 +136,12 @@ def test_store_on_disk_across_instances(model: GPT, tmp_path: Path, caplog: pyte
     assert small.disk_bytes() <= 1 and len(small) == 0
 
 
-def test_other_model_or_config_never_hits(model: GPT) -> None:
+def test_other_model_or_config_never_hits(model: GPT, tiny_model: Callable[..., GPT]) -> None:
     _, prompts = _prompts(seed=5)
     store = PrefixCache(10**9)
     generate(model, prompts[:1], 1, _config("h2o"), prefix_cache=store)
     generate(model, prompts[:1], 1, _config("tova"), prefix_cache=store)
-    other = random_gpt(tiny_config("SmolLM2-135M"), seed=12)
+    other = tiny_model(12)
     generate(other, prompts[:1], 1, _config("h2o"), prefix_cache=store)
     assert store.hits == 0 and store.misses == 3
 

@@ -9,11 +9,11 @@ own code (the innermost frame of the traceback is in the `litkv` package: never 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,8 +35,8 @@ SETTINGS = settings(
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return attach_random_gates(random_gpt(tiny_config("SmolLM2-135M", block_size=128), seed=3), seed=3)
+def model(tiny_model: Callable[..., GPT]) -> GPT:
+    return tiny_model(3, overrides={"block_size": 128}, gates=True)
 
 
 def _raised_by_litkv(err: BaseException) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attach_random_gates, random_gpt, tiny_config
 
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
 from litkv.kvcache import KVCache, SlotState, get_kv_cache_class, known_policies
@@ -31,7 +30,7 @@ B = 2
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., GPT]) -> GPT:
-    return attach_random_gates(tiny_model(seed=7), seed=7)
+    return tiny_model(7, gates=True)
 
 
 def _tokens(length: int, seed: int, batch: int = B) -> torch.Tensor:
@@ -320,10 +319,10 @@ def test_not_a_state_file(tmp_path: Path) -> None:
 
 
 @torch.inference_mode()
-def test_loading_into_another_model_is_refused(state_file: Path, model: GPT) -> None:
-    other_config = random_gpt(tiny_config("SmolLM2-135M", n_layer=3), seed=7)
+def test_loading_into_another_model_is_refused(state_file: Path, model: GPT, tiny_model: Callable[..., GPT]) -> None:
+    other_config = tiny_model(7, overrides={"n_layer": 3})
     assert "another config" in _one_line_error(state_file, other_config)
-    other_weights = random_gpt(tiny_config("SmolLM2-135M"), seed=8)
+    other_weights = tiny_model(8)
     assert "other weights" in _one_line_error(state_file, other_weights)
     restore(model, CacheState.load(state_file))  # the right model takes it
     assert model.kv_caches[0].config.storage == "int4" and model.last_pos.tolist() == [34, 34]

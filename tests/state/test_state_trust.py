@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import random_gpt, tiny_config
+from helpers import tiny_gpt
 
 from litkv import CacheState, KVCacheConfig, restore, snapshot
 from litkv.modeling.fingerprint import model_fingerprint
@@ -57,7 +57,7 @@ def _rewrite_policy(path: Path, policy: str) -> None:
 @pytest.fixture()
 def crafted(tmp_path: Path) -> tuple[Path, Path]:
     """(a state file naming `EVIL:Foo` with a valid checksum, the marker its import would write)."""
-    model = random_gpt(tiny_config("SmolLM2-135M"), seed=3)
+    model = tiny_gpt(3)
     model.set_kv_caches(model.build_kv_caches(KVCacheConfig("h2o", cache_length=16, chunk_size=8), 1))
     with torch.inference_mode():
         model(torch.arange(10)[None], torch.arange(10)[None])
@@ -131,7 +131,7 @@ def _rewrite(path: Path, mutate: Mutation) -> None:
 
 
 def _model(storage: str = "float") -> GPT:
-    model = random_gpt(tiny_config("SmolLM2-135M"), seed=3)
+    model = tiny_gpt(3)
     model.set_kv_caches(model.build_kv_caches(KVCacheConfig("h2o", cache_length=16, chunk_size=8, storage=storage), 2))
     with torch.inference_mode():
         model(torch.arange(20).view(2, 10), torch.arange(10)[None].expand(2, 10))
@@ -291,7 +291,7 @@ def test_in_place_update_after_memoisation_is_refused() -> None:
 def test_inference_mode_weights_are_hashed_every_time() -> None:
     """Inference tensors have no version counter: the fingerprint is recomputed, so a change is seen."""
     with torch.inference_mode():
-        model = random_gpt(tiny_config("SmolLM2-135M"), seed=3)
+        model = tiny_gpt(3)
         fp = model_fingerprint(model)
         model.transformer.h[0].norm_1.weight[3] *= 1 + 1e-3
         assert model_fingerprint(model) != fp
