@@ -102,7 +102,7 @@ class KVCache(ABC):
     Class attributes (a subclass sets them):
         Options: the dataclass of the policy's own options (`KVCacheConfig.options` is validated into one;
             the instance is `self.options`).
-        needs_attn_weights: `Candidates.attn_weights` is filled (attention takes the eager path).
+        needs_attn_weights: `Candidates.attn_weights` is filled (attention adds a scores-only pass).
         needs_queries: `Candidates.queries` is filled.
         needs_rope: the model hands the cache its RoPE tables when attaching it (`bind_rope`).
         needs_gates: the model hands the cache its trained eviction gates when attaching it (`bind_gates`).

@@ -258,10 +258,9 @@ def _scores_pass(
             scores = torch.tanh(scores / softcap) * softcap
         if isinstance(mask, torch.Tensor):
             scores = torch.where(mask[:, :, None, start:end], scores, float("-inf"))
-        elif mask is not None:  # CAUSAL: query `i` sees keys up to `s - t + i`
-            rows = torch.arange(start, end, device=qg.device)[:, None] + (s - t)
-            hidden = torch.arange(s, device=qg.device)[None, :] > rows
-            scores = scores.masked_fill(hidden, float("-inf"))
+        elif mask is not None:  # CAUSAL: query `i` sees keys up to `s - t + i`; only the call's own keys are hidden
+            own = torch.arange(t, device=qg.device)
+            scores[..., s - t :].masked_fill_(own[None, :] > own[start:end, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if v is not None:
             flat = probs.view(b, g, q_per_kv * n, s)
