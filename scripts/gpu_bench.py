@@ -24,7 +24,8 @@ The `learned` policy runs with fresh gates (`EvictionGates.create`: what it cost
 
 Last, one line per target of issue 44 with its figure (`met` / `MISSED`).
 
-`--device cpu --quick` runs the whole script on the CPU in seconds (what the tests can check without a GPU).
+`--device cpu --quick` runs the whole script on the CPU in seconds (what the tests can check without a GPU): every
+row and target of the full run, on a small shape of the preset with its head grouping (`quick_shape`).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="2 layers, vocabulary 512, prompts 32/64, 4 new tokens, 16 slots, batches 1,2",
+        help="the preset's heads at head size 16 (MLP 2x the width), 2 layers, vocabulary 512, prompts 32/64, "
+        "4 new tokens, 16 slots, batches 1,2, bandwidth from 64 MiB",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -152,11 +154,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def quick_shape(model: str) -> dict[str, int]:
+    """`--quick`'s shape of preset `model`: its query and KV heads (the grouping the kernels see) at head size 16,
+    an MLP twice the width, 2 layers, a vocabulary of 512 (the CPU dry run of scripts/gpu_check.sh)."""
+    n_head = litkv.Config.from_name(model).n_head
+    width = 16 * n_head
+    return {"n_layer": 2, "vocab_size": 512, "padded_vocab_size": 512, "n_embd": width, "head_size": 16,
+            "intermediate_size": 2 * width}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    quick = {"n_layer": 2, "vocab_size": 512, "padded_vocab_size": 512} if args.quick else {}
-    config = litkv.Config.from_name(args.model, **quick)
+    config = litkv.Config.from_name(args.model, **(quick_shape(args.model) if args.quick else {}))
     prompts = [int(p) for p in args.prompts.split(",")]
     config.block_size = max(config.block_size, max(*prompts, args.policy_prompt) + args.new)
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     model.eviction_gates = EvictionGates.create(config.n_layer, config.n_query_groups, config.head_size, 64, 4).to(
         device
     )
-    bandwidth = device_bandwidth(device)
+    bandwidth = device_bandwidth(device, 2**26 if args.quick else 2**30)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"## {args.model} ({config.n_layer} layers), {args.dtype}, {name}, read bandwidth {bandwidth / 1e9:.0f} GB/s\n"

@@ -102,7 +102,7 @@ class KVCache(ABC):
     Class attributes (a subclass sets them):
         Options: the dataclass of the policy's own options (`KVCacheConfig.options` is validated into one;
             the instance is `self.options`).
-        needs_attn_weights: `Candidates.attn_weights` is filled (attention takes the eager path).
+        needs_attn_weights: `Candidates.attn_weights` is filled (attention adds a scores-only pass).
         needs_queries: `Candidates.queries` is filled.
         needs_rope: the model hands the cache its RoPE tables when attaching it (`bind_rope`).
         needs_gates: the model hands the cache its trained eviction gates when attaching it (`bind_gates`).
@@ -171,6 +171,10 @@ class KVCache(ABC):
         self.static_shapes = False
         self.num_filled = 0
         self._call: OpenCall | None = None  # the call between attend_inputs and the end of its eviction
+        # Host-known: every slot holds a token (`None`: not known; `slots_known_valid` reads it once)
+        self._slots_valid: bool | None = None
+        # The keys the last `attend_inputs` returned all hold a token, known on the host (attention needs no mask)
+        self.attended_keys_valid = False
         # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
         # overwrite (an undo log records what they held); `None`: nothing is recorded.
         self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
@@ -236,6 +240,23 @@ class KVCache(ABC):
         not check their values (one host sync per call). Built-in policies override; a custom one is checked."""
         return False
 
+    def slots_known_valid(self) -> bool:
+        """Whether every slot holds a token (position `>= 0`), known on the host without reading the device on
+        a decode step: read once (one device read) when a full cache does not know it, then kept over the
+        evictions of a class whose own `select_drop` drops pads and empty slots first (every call then keeps a
+        token in every slot); forgotten when slots are written otherwise (tokens written into empty slots,
+        `load_state_tensors`, `state_tensors`, whose live tensors the caller may write). Always `False` with
+        `static_shapes` (a compiled step keeps one graph) and for a class whose drops are not its own."""
+        if self.static_shapes or self.num_filled < self.cache_length or not self.drops_valid_by_construction():
+            return False
+        if self._slots_valid is None:
+            self._slots_valid = bool((self.positions >= 0).all())
+        return self._slots_valid
+
+    def forget_valid_slots(self) -> None:
+        """Slots were emptied outside the eviction (`slots_known_valid` reads them again when asked)."""
+        self._slots_valid = None
+
     # -- contract -------------------------------------------------------------------------------
 
     def attend_inputs(
@@ -269,6 +290,7 @@ class KVCache(ABC):
             raise ValueError(f"{type(self).__name__} needs the call's queries, got None")
         b, g, t = keys.shape[:3]
         new_pos = input_pos[:, None, :].expand(b, g, t)
+        self.attended_keys_valid = False
         kept_queries = queries if self.needs_queries else None
         if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
             return self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
@@ -291,6 +313,8 @@ class KVCache(ABC):
         A storage whose format attention reads directly (`read_staged_packed`: quantised codes) hands
         over its packed slots as keys and values; the record unpacks them only if a policy reads them."""
         length, t = self.cache_length, keys.shape[2]
+        # the room holds the call's own token: a pad there is seen by its own pad query only
+        self.attended_keys_valid = self.slots_known_valid()
         self.storage.stage(keys, values)
         packed = self.storage.read_staged_packed(t)
         all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
@@ -336,6 +360,7 @@ class KVCache(ABC):
             self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
         self.storage.write_range(start, keys, values)
         self.positions[:, :, start : start + t] = new_pos
+        self._slots_valid = None  # the new tokens may be pads
         self.num_filled = start + t
         candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
         self._call = OpenCall("direct", start, candidates)
@@ -500,6 +525,7 @@ class KVCache(ABC):
         counter `num_filled` is not a tensor: read it from the attribute.
         """
         self.settle()
+        self._slots_valid = None  # the caller may write the live tensors
         out = {"positions": self.positions}
         out.update({f"storage.{k}": v for k, v in self.storage.state_tensors().items()})
         out.update({f"slot.{name}": getattr(self, name) for name in self.slot_state})
@@ -520,6 +546,7 @@ class KVCache(ABC):
             raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
         require_int("num_filled", num_filled, 0, self.cache_length)
         self._call = None  # a waiting eviction is overwritten with the rest of the state
+        self._slots_valid = None
         name = type(self).__name__
         storage = {k[len("storage.") :]: v for k, v in tensors.items() if k.startswith("storage.")}
         self.storage.load_state_tensors(storage)

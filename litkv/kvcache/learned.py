@@ -260,6 +260,7 @@ class LearnedKVCache(ScoreKVCache):
             protected = self._protected(self.positions)
             below = logits < self.threshold
             self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
+            self.forget_valid_slots()
         self.set_state("logits", logits.masked_fill_(self.positions < 0, 0.0))  # `carry` made a new tensor
 
     def _bound(self) -> tuple[EvictionGates, BoundRope]:

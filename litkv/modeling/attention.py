@@ -1,12 +1,17 @@
-"""Attention of `T` new queries over `S` keys (cache slots + new tokens), masks built from positions.
+"""Attention of `T` new queries over `S` keys (cache slots + new tokens): two paths, one for calls that need
+no attention weights (SDPA), one for calls that do (SDPA's output, then a blockwise pass over the call's queries
+for the weights).
 
-Packed slots (`PackedSlots`: a storage's own format, e.g. an int8/int4 cache's codes on a decode step)
-are attended by their own kernel (`PackedSlots.attend`), never converted here.
+Which keys a query sees is a layout (`attend`'s `mask`): a bool mask built from positions (`build_mask`: pads,
+empty slots, sliding windows, spliced positions), `CAUSAL` (the queries are the last keys, every earlier key
+valid: a prefill chunk without pads, no mask built) or `None` (every key visible: a decode step over slots that
+all hold a token, no mask built). Packed slots (`PackedSlots`: a storage's own format, e.g. an int8/int4
+cache's codes on a decode step) are attended by their own kernel (`PackedSlots.attend`), never converted here.
 
-Grouped-query attention never materialises expanded keys/values: the query heads of each KV group
-are folded into the query axis, `(B, G, q_per_kv * T, hs)`. When a cache asks for them, the softmax
-weights summed over the call's queries and over each group's query heads come back as
-`(B, G, S)` float32, computed blockwise over the queries.
+Grouped-query attention never materialises expanded keys/values on the CPU: the query heads of each KV group
+are folded into the query axis, `(B, G, q_per_kv * T, hs)`, or SDPA takes them grouped (`enable_gqa`). When a
+cache asks for them, the softmax weights summed over the call's queries and over each group's query heads come
+back as `(B, G, S)` float32, computed blockwise over the queries.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ from torch.nn.attention.bias import causal_lower_right
 
 from litkv.kvcache.storage import PackedSlots
 
-__all__ = ["attend", "attend_causal_suffix", "build_mask", "masked_sdpa", "WEIGHTS_BLOCK_ELEMENTS"]
+__all__ = [
+    "CAUSAL",
+    "attend",
+    "attend_causal_suffix",
+    "build_mask",
+    "full_mask",
+    "masked_sdpa",
+    "WEIGHTS_BLOCK_ELEMENTS",
+]
 
 # Largest number of score elements held at once by the eager (weights / soft-capping) path.
 WEIGHTS_BLOCK_ELEMENTS = 1 << 24
@@ -46,25 +59,48 @@ def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = No
     return allowed
 
 
+class _Causal:
+    """The layout of a call whose `T` queries are the last `T` of its `S` keys, in order, every earlier key valid
+    and earlier than every query: query `i` sees keys `0 .. S - T + i` (`CAUSAL`)."""
+
+    def __repr__(self) -> str:
+        return "CAUSAL"
+
+
+# `attend`'s mask for a call whose queries are its last keys (a prefill chunk without pads over filled slots, or
+# a whole sequence): no `(B, G, T, S)` mask is built.
+CAUSAL = _Causal()
+
+Layout = torch.Tensor | _Causal | None
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor | PackedSlots,
     v: torch.Tensor | PackedSlots,
-    mask: torch.Tensor,
+    mask: Layout,
     scale: float,
     softcap: float | None = None,
     need_weights: bool = False,
     query_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Masked attention with grouped queries.
+    """Attention with grouped queries: two paths, one for calls that need no weights, one for calls that do.
+
+    The output always comes from SDPA (`_sdpa`: its flash kernel on the CPU, flash / memory-efficient on CUDA where
+    the layout allows), except with soft-capping, which SDPA cannot apply. The weights, when asked, come from a
+    second, blockwise pass over the call's queries that computes the scores and their softmax only (no product
+    with the values), in blocks of at most about `WEIGHTS_BLOCK_ELEMENTS` scores; with soft-capping that pass
+    also gives the output.
 
     Args:
         q: `(B, n_head, T, hs)`.
         k: `(B, G, S, hs)`, or packed slots holding keys and values (`PackedSlots`, then `v` is the same
             object): attended by their own kernel (`k.attend`; int8/int4 codes are never dequantised).
         v: `(B, G, S, hv)`.
-        mask: `(B, G, T, S)` or `(B, 1, T, S)` bool, True where attention is allowed. A mask shared by
-            all KV groups lets a multi-token call use SDPA's grouped-query kernel.
+        mask: which keys each query sees. A `(B, G, T, S)` or `(B, 1, T, S)` bool tensor, True where attention is
+            allowed (a mask shared by all KV groups lets a multi-token call use SDPA's grouped-query kernel);
+            `CAUSAL`: the queries are the last `T` keys, every earlier key visible (no mask is built); `None`:
+            every key visible to every query (a decode step over slots that all hold a token).
         scale: factor applied to `q @ k^T`.
         softcap: attention-logit soft-capping threshold, or `None`.
         need_weights: also return the weights summed over queries and each group's heads.
@@ -73,30 +109,61 @@ def attend(
     Returns:
         `y` `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 (or `None`).
     """
+    b, n_head, t, hs = q.shape
     if isinstance(k, PackedSlots) or isinstance(v, PackedSlots):
         if v is not k:
             raise ValueError(f"packed slots hold keys and values together: v must be k, got {type(v).__name__}")
-        return k.attend(q, mask, scale, softcap, need_weights, query_valid)
+        return k.attend(q, full_mask(mask, b, k.shape[1], t, k.shape[2], q.device), scale, softcap, need_weights,
+                        query_valid)  # fmt: skip
+    g, s = k.shape[1], k.shape[2]
+    if isinstance(mask, _Causal) and t > s:
+        raise ValueError(f"attend: {t} causal queries over {s} keys (the queries are the last keys)")
+    y = _sdpa(q, k, v, mask, scale) if softcap is None else None
+    weights = None
+    if need_weights or softcap is not None:
+        qg = q.view(b, g, n_head // g, t, hs)
+        eager_y, weights = _scores_pass(qg, k, v if y is None else None, mask, scale, softcap, need_weights,
+                                        query_valid)  # fmt: skip
+        if y is None:
+            y = eager_y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
+    return y, weights
+
+
+def full_mask(mask: Layout, b: int, g: int, t: int, s: int, device: torch.device) -> torch.Tensor:
+    """A layout as a `(B, G or 1, T, S)` bool tensor (for kernels that take only tensors: packed slots)."""
+    if isinstance(mask, torch.Tensor):
+        return mask
+    if mask is None:
+        return torch.ones(1, 1, t, s, dtype=torch.bool, device=device).expand(b, g, t, s)
+    return torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=s - t).expand(b, g, t, s)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout, scale: float) -> torch.Tensor:
+    """The output of the path without weights: `(B, T, n_head * hv)` from SDPA, by layout."""
     b, n_head, t, hs = q.shape
     g, s = k.shape[1], k.shape[2]
-    q_per_kv = n_head // g
-    qg = q.view(b, g, q_per_kv, t, hs)
-    if need_weights or softcap is not None:
-        y, weights = _attend_eager(qg, k, v, mask.expand(b, g, t, s), scale, softcap, need_weights, query_valid)
-    elif t > 1 and mask.shape[1] == 1:
+    if isinstance(mask, _Causal):
+        if t == s:  # the queries are every key: SDPA's causal kernel
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return y.transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
+        return attend_causal_suffix(q, k, v, scale)
+    if mask is not None and t > 1 and mask.shape[1] == 1:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        weights = None
+        return y.transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
+    # the group's query heads folded into the query axis: plain attention per KV head (a decode step's one query
+    # per head becomes `q_per_kv` rows, which every kernel takes)
+    q_per_kv = n_head // g
+    folded_q = q.reshape(b, g, q_per_kv * t, hs)
+    if mask is None:
+        y = F.scaled_dot_product_attention(folded_q, k, v, scale=scale)
     else:
         mask = mask.expand(b, g, t, s)
         folded_mask = mask[:, :, None].expand(b, g, q_per_kv, t, s).reshape(b, g, q_per_kv * t, s)
-        folded_q = qg.reshape(b, g, q_per_kv * t, hs)
         if torch.compiler.is_compiling():  # the eager kernel as one opaque op (inductor's is slower on CPU)
             y = masked_sdpa(folded_q, k, v, folded_mask, scale)
         else:
             y = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=scale)
-        weights = None
-    y = y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
-    return y, weights
+    return y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
 
 
 def attend_causal_suffix(
@@ -148,23 +215,25 @@ def _masked_sdpa_shape(
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
-def _attend_eager(
+def _scores_pass(
     qg: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
+    v: torch.Tensor | None,
+    mask: Layout,
     scale: float,
     softcap: float | None,
     need_weights: bool,
     query_valid: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Blockwise eager attention. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)`.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Blockwise scores and their softmax: the weight sums (`need_weights`) and, when `v` is given (soft-capping),
+    the output. `qg`: `(B, G, q_per_kv, T, hs)`; returns `(B, G, q_per_kv, T, hv)` or `None`, and `(B, G, S)`
+    float32 or `None`.
 
     Products run in the model dtype (as in Hugging Face's eager attention; no float32 copy of the keys),
     float32 for float16 models (whose range a `q . k` can exceed), the softmax in float32 (float64 for
-    float64 models). Each block of queries holds at most about
-    `WEIGHTS_BLOCK_ELEMENTS` scores; the group's query heads are folded into the query axis so that
-    both products are plain batched matrix products over `(B, G)`.
+    float64 models). Each block of queries holds at most about `WEIGHTS_BLOCK_ELEMENTS` scores; the group's
+    query heads are folded into the query axis so that both products are plain batched matrix products over
+    `(B, G)`. A `CAUSAL` layout masks the block's own keys only (the earlier ones are all visible).
     """
     b, g, q_per_kv, t, hs = qg.shape
     s = k.shape[2]
@@ -174,6 +243,8 @@ def _attend_eager(
     # q.k product can exceed: inf scores would give NaN weights. bfloat16 has float32's range.
     product_dtype = score_dtype if qg.dtype == torch.float16 else qg.dtype
     keys_t = k.transpose(2, 3).to(product_dtype)
+    if isinstance(mask, torch.Tensor):
+        mask = mask.expand(b, g, t, s)
     outputs = []
     weight_sum = None
     for start in range(0, t, block):
@@ -185,14 +256,21 @@ def _attend_eager(
         scores = scores.view(b, g, q_per_kv, n, s)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        probs = torch.softmax(torch.where(mask[:, :, None, start:end], scores, float("-inf")), dim=-1)
-        flat = probs.view(b, g, q_per_kv * n, s)
-        out = torch.matmul(flat if flat.dtype == v.dtype else flat.to(v.dtype), v)
-        outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
+        if isinstance(mask, torch.Tensor):
+            scores = torch.where(mask[:, :, None, start:end], scores, float("-inf"))
+        elif mask is not None:  # CAUSAL: query `i` sees keys up to `s - t + i`; only the call's own keys are hidden
+            own = torch.arange(t, device=qg.device)
+            scores[..., s - t :].masked_fill_(own[None, :] > own[start:end, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if v is not None:
+            flat = probs.view(b, g, q_per_kv * n, s)
+            out = torch.matmul(flat if flat.dtype == v.dtype else flat.to(v.dtype), v)
+            outputs.append(out.view(b, g, q_per_kv, n, v.shape[-1]))
         if need_weights:
             part = _weight_sum(probs.detach(), None if query_valid is None else query_valid[:, start:end])
             weight_sum = part if weight_sum is None else weight_sum + part
-    return torch.cat(outputs, dim=3) if len(outputs) > 1 else outputs[0], weight_sum
+    y = None if v is None else torch.cat(outputs, dim=3) if len(outputs) > 1 else outputs[0]
+    return y, weight_sum
 
 
 def _weight_sum(probs: torch.Tensor, query_valid: torch.Tensor | None) -> torch.Tensor:

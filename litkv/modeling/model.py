@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import torch
 import torch._dynamo
 import torch.nn as nn
-import torch.nn.functional as F
 from litgpt.model import GPT as LitGPT
 
 from litkv.core.rope import apply_rope, yarn_mscale
@@ -25,7 +24,7 @@ from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.kvcache.storage import CacheShape
-from litkv.modeling.attention import attend, attend_causal_suffix, build_mask
+from litkv.modeling.attention import CAUSAL, Layout, attend, build_mask
 from litkv.modeling.config import (
     GATED_DELTANET,
     MAMBA2,
@@ -508,16 +507,8 @@ class CausalSelfAttention(nn.Module):
                     self.block_idx, q, keys, values, k_pos, input_pos, self.scale, self.window
                 )
                 weights = None
-            elif no_pads and keys.shape[2] == k.shape[2] and not cache.needs_attn_weights and self.window is None:
-                # positions increase along the call, so causal by index is causal by position (a sliding
-                # window is not: positions may skip)
-                y = self._attend_full(q, keys, values, softcap)
-                weights = None
-            elif no_pads and self._suffix_causal(cache, keys, k_pos, input_pos, softcap):
-                # the chunk's queries are its keys, after cached slots that are all filled: no mask needed
-                y, weights = attend_causal_suffix(q, keys, values, self.scale), None
             else:
-                mask = build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
+                mask = self._layout(cache, keys, k_pos, input_pos, no_pads)
                 need = cache.needs_attn_weights
                 y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
             if evict_later:
@@ -546,21 +537,39 @@ class CausalSelfAttention(nn.Module):
         k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
         return q, k, v
 
-    def _suffix_causal(
-        self, cache: KVCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, softcap: float | None
-    ) -> bool:
-        """Whether a call without pads may take `attend_causal_suffix`: no attention weights asked, no soft-capping
-        or sliding window, keys as tensors (not packed codes), the call's own keys the last `T` slots in the
-        order of its increasing positions, and every earlier slot filled and earlier than the call's first
-        position (one host read). A spliced or selectively recomputed call (positions out of slot order) is not.
+    def _layout(
+        self, cache: KVCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool
+    ) -> Layout:
+        """Which keys each of the call's queries sees (`attend`'s `mask`): `CAUSAL` for a call without pads whose
+        keys end with its own after filled earlier slots (no mask), `None` for a decode step over slots the
+        cache knows all hold a token (no mask), else a mask built from positions (pads, empty slots, a sliding
+        window, spliced positions).
+
+        Args:
+            keys: the keys `attend_inputs` returned (a tensor, or packed slots); k_pos: their positions
+                `(B, G, S)` (`-1`: empty); input_pos: the call's positions `(B, T)`; no_pads: `input_pos` has no `-1`.
+        """
+        if self.window is None and isinstance(keys, torch.Tensor):
+            if no_pads and self._suffix_causal(k_pos, input_pos):
+                return CAUSAL
+            if input_pos.shape[-1] == 1 and getattr(cache, "attended_keys_valid", False):
+                return None  # a decode step: its token is the newest, every slot holds an earlier one
+        return build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
+
+    @staticmethod
+    def _suffix_causal(k_pos: torch.Tensor, input_pos: torch.Tensor) -> bool:
+        """Whether the call's own keys are the last `T` slots in the order of its increasing positions, and every
+        earlier slot filled and earlier than the call's first position (one host read; none for a call that
+        attends only its own tokens, the first chunk). A spliced or selectively recomputed call (positions out of
+        slot order) is not.
 
         Args:
             k_pos: the slots' positions `(B, G, S)` (`-1`: empty); `input_pos`: the call's positions `(B, T)`.
         """
-        if cache.needs_attn_weights or softcap is not None or self.window is not None:
-            return False
         t = input_pos.shape[-1]
-        if not isinstance(keys, torch.Tensor) or k_pos.shape[-1] < t:
+        if k_pos.shape[-1] == t:  # positions increase along a call without pads: causal by index is by position
+            return True
+        if k_pos.shape[-1] < t:
             return False
         own = (k_pos[..., -t:] == input_pos[:, None, :]).all()
         before = k_pos[..., :-t]
@@ -570,10 +579,8 @@ class CausalSelfAttention(nn.Module):
 
     def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
         """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""
-        b, _, t, _ = q.shape
-        if self.window is None and softcap is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            return y.transpose(1, 2).reshape(b, t, -1)
-        pos = torch.arange(t, device=q.device)
-        mask = build_mask(pos[None], pos[None, None], self.window)
+        mask: Layout = CAUSAL
+        if self.window is not None:
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = build_mask(pos[None], pos[None, None], self.window)
         return attend(q, k, v, mask, self.scale, softcap)[0]

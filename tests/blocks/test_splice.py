@@ -130,25 +130,28 @@ def test_spliced_positions_and_blocks_never_attend_to_later_segments(tiny_model:
 
 
 @torch.inference_mode()
-def test_block_at_position_zero_is_bitwise_a_normal_prefill(tiny_model: Callable[..., GPT]) -> None:
-    """A block that ends on a chunk boundary, then text: the tokens and logits of `generate` and the prefix store."""
+@pytest.mark.parametrize("policy", ["dense", "h2o", "tova"])
+def test_block_at_position_zero_is_bitwise_a_normal_prefill(tiny_model: Callable[..., GPT], policy: str) -> None:
+    """A block that ends on a chunk boundary, then text: the tokens and logits of `generate` and the prefix store,
+    for a policy that reads attention weights too (its output comes from SDPA on both paths)."""
+    kv = KVCacheConfig(policy, cache_length=160, chunk_size=8, prefill_length=16)
     model = tiny_model(seed=7)
     block = random_tokens(1, 24, seed=40)[0]  # the first chunk (16) and one of 8
     question = random_tokens(1, 11, seed=41)[0]
     store = BlockStore(1 << 24)
     layout = [Segment(block, True), Segment(question)]
-    got = [generate(model, [layout], 12, KV, block_store=store)[0] for _ in range(2)]
-    plain = generate(model, [torch.cat((block, question))], 12, KV)[0]
+    got = [generate(model, [layout], 12, kv, block_store=store)[0] for _ in range(2)]
+    plain = generate(model, [torch.cat((block, question))], 12, kv)[0]
     prefix = PrefixCache(1 << 24)
-    stored = [generate(model, [torch.cat((block, question))], 12, KV, prefix_cache=prefix)[0] for _ in range(2)]
+    stored = [generate(model, [torch.cat((block, question))], 12, kv, prefix_cache=prefix)[0] for _ in range(2)]
     assert store.hits == 2 and store.misses == 2  # the second use restored both pieces
     for tokens in (*got, *stored):
         assert torch.equal(tokens, plain)
-    a = _last_logits(model, [Segment(block, True), Segment(question)], KV, store=store)
-    with model.kv_caches_attached(KV, 1):
+    a = _last_logits(model, [Segment(block, True), Segment(question)], kv, store=store)
+    with model.kv_caches_attached(kv, 1):
         ids = torch.cat((block, question))
         hidden = None
-        for s, e in ChunkPlan.of(KV).bounds(ids.numel()):
+        for s, e in ChunkPlan.of(kv).bounds(ids.numel()):
             hidden = model(ids[None, s:e], torch.arange(s, e)[None], lm_head=False)[:, -1]
         b = model.logits(hidden)[0]
     assert torch.equal(a, b)

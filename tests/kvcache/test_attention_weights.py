@@ -153,7 +153,7 @@ def test_fast_path_pays_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("eager path used")
 
-    monkeypatch.setattr(attention, "_attend_eager", fail)
+    monkeypatch.setattr(attention, "_scores_pass", fail)
     q, keys, values, q_pos, k_pos = _cache_call(2)
     y, w = attend(q, keys, values, build_mask(q_pos, k_pos), 0.25)
     assert w is None and y.shape == (B, q.shape[2], N_HEAD * HS)

@@ -13,6 +13,7 @@ import torch
 from helpers import max_diff, random_tokens, reference_forward, tiny_gpt
 from torch.profiler import ProfilerActivity, profile
 
+import litkv.modeling.attention as attention
 import litkv.modeling.model as model_module
 from litkv import KVCacheConfig, forward_chunked
 from litkv.modeling.attention import attend_causal_suffix
@@ -53,12 +54,12 @@ def _model() -> model_module.GPT:
     return tiny_gpt(11, overrides={"block_size": 512})
 
 
-@pytest.mark.parametrize("policy", ["dense", "last-recent"])
+@pytest.mark.parametrize("policy", ["dense", "last-recent", "h2o"])
 def test_chunked_prefill_takes_the_suffix_path_and_matches_float64(policy: str, monkeypatch) -> None:  # noqa: ANN001
     """Default-sized chunks over a 600-token prompt: every chunk after the first takes the mask-free path (no
     `build_mask`), and the logits are the float64 reference's (dense: plain causal)."""
     calls = {"suffix": 0, "mask": 0}
-    suffix, mask = model_module.attend_causal_suffix, model_module.build_mask
+    suffix, mask = attention.attend_causal_suffix, model_module.build_mask
 
     def spy_suffix(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls["suffix"] += 1
@@ -68,7 +69,7 @@ def test_chunked_prefill_takes_the_suffix_path_and_matches_float64(policy: str, 
         calls["mask"] += 1
         return mask(*args, **kwargs)
 
-    monkeypatch.setattr(model_module, "attend_causal_suffix", spy_suffix)
+    monkeypatch.setattr(attention, "attend_causal_suffix", spy_suffix)
     monkeypatch.setattr(model_module, "build_mask", spy_mask)
     model = _model()
     model.config.block_size = 1024
@@ -109,3 +110,99 @@ def test_dense_prefill_profile_shows_flash_not_math() -> None:
     counts = {e.key: e.count for e in prof.key_averages()}
     assert counts.get("aten::_scaled_dot_product_flash_attention_for_cpu", 0) == 4 * model.config.n_layer, counts
     assert not any("math" in name for name in counts), [name for name in counts if "math" in name]
+
+
+def _weights_oracle(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 outputs `(B, T, H * hv)` and weight sums `(B, G, S)`, one head at a time: query `i` sees keys
+    `0 .. S - T + i` (`causal`) or every key."""
+    b, h, t, _ = q.shape
+    g, s = k.shape[1], k.shape[2]
+    out = torch.zeros(b, t, h, v.shape[-1], dtype=torch.float64)
+    sums = torch.zeros(b, g, s, dtype=torch.float64)
+    allowed = torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t) if causal else torch.ones(t, s) > 0
+    for head in range(h):
+        kh, vh = k[:, head // (h // g)].double(), v[:, head // (h // g)].double()
+        scores = q[:, head].double() @ kh.transpose(-1, -2) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out[:, :, head] = probs @ vh
+        sums[:, head // (h // g)] += probs.sum(dim=1)
+    return out.reshape(b, t, h * v.shape[-1]), sums
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize(("t", "s", "layout"), [(1, 1, "causal"), (6, 6, "causal"), (7, 40, "causal"),
+                                                (1, 33, "none"), (5, 20, "none")])  # fmt: skip
+def test_weights_path_without_a_mask_matches_float64(t: int, s: int, layout: str, softcap: float | None,
+                                                     monkeypatch) -> None:  # noqa: ANN001  # fmt: skip
+    """The path for calls that need weights, with the layouts that build no mask (`CAUSAL`: a prefill chunk,
+    `None`: a decode step over valid slots), in blocks of a few queries: outputs and weight sums as float64's."""
+    monkeypatch.setattr(attention, "WEIGHTS_BLOCK_ELEMENTS", 2 * 9 * s)  # blocks of 2 queries
+    gen = torch.Generator().manual_seed(t * 100 + s)
+    b, h, g, hs = 2, 9, 3, 16
+    q, k, v = (torch.randn(b, n, m, hs, generator=gen) * 2 for n, m in ((h, t), (g, s), (g, s)))
+    mask = attention.CAUSAL if layout == "causal" else None
+    y, sums = attention.attend(q, k, v, mask, hs**-0.5, softcap, need_weights=True)
+    y_ref, sums_ref = _weights_oracle(q, k, v, hs**-0.5, layout == "causal", softcap)
+    assert max_diff(y, y_ref) < 1e-5
+    torch.testing.assert_close(sums.double(), sums_ref, rtol=1e-5, atol=1e-6)
+    assert abs(float(sums.sum()) - b * h * t) < 1e-3  # every query spreads one per head
+
+
+def _flash_and_math(model: model_module.GPT, idx: torch.Tensor, cfg: KVCacheConfig) -> tuple[int, list[str]]:
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward_chunked(model, idx, cfg)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return counts.get("aten::_scaled_dot_product_flash_attention_for_cpu", 0), [n for n in counts if "math" in n]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_weight_policies_prefill_on_flash(policy: str) -> None:
+    """h2o / tova read attention weights: their prefill's outputs still come from SDPA's CPU flash kernel, every
+    chunk (the first, those filling the cache, those evicting), none from the math kernel."""
+    model = _model()
+    idx = random_tokens(1, 512, seed=6)
+    flash, math_kernels = _flash_and_math(model, idx, KVCacheConfig(policy, cache_length=192, chunk_size=64))
+    assert flash == (512 // 64) * model.config.n_layer
+    assert not math_kernels, math_kernels
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "last-recent"])
+def test_decode_over_full_slots_builds_no_mask(policy: str, monkeypatch) -> None:  # noqa: ANN001
+    """A decode step of an evicting cache whose slots all hold a token attends without a mask (no `build_mask`)
+    and gives the masked path's tokens; a ragged batch (pads in the slots) keeps its mask."""
+    from litkv import generate
+
+    model = _model()
+    prompt = random_tokens(1, 96, seed=7)
+    cfg = KVCacheConfig(policy, cache_length=48, chunk_size=32)
+    built = []
+    real = model_module.build_mask
+
+    def spy(q_pos, k_pos, window=None):  # noqa: ANN001, ANN202
+        built.append(q_pos.shape[-1])
+        return real(q_pos, k_pos, window)
+
+    monkeypatch.setattr(model_module, "build_mask", spy)
+    with torch.inference_mode():
+        fast = generate(model, [prompt[0]], max_new_tokens=6, kv_cache=cfg)
+    assert 1 not in built, built  # no decode step built a mask
+    monkeypatch.setattr(model_module.CausalSelfAttention, "_layout", _masked_layout)
+    with torch.inference_mode():
+        masked = generate(model, [prompt[0]], max_new_tokens=6, kv_cache=cfg)
+    assert fast[0].tolist() == masked[0].tolist()
+    built.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(model_module, "build_mask", spy)
+    short = random_tokens(1, 20, seed=8)[0]
+    with torch.inference_mode():
+        generate(model, [prompt[0], short], max_new_tokens=3, kv_cache=KVCacheConfig(policy, cache_length=48))
+    assert 1 in built  # the short row's slots are not all filled: masked
+
+
+def _masked_layout(self, cache, keys, k_pos, input_pos, no_pads):  # noqa: ANN001, ANN202
+    """The layout with a mask built from positions for every call (the reference of the mask-free paths)."""
+    return model_module.build_mask(input_pos, k_pos, self.window)
