@@ -10,9 +10,11 @@ else its text's ids (`Engine.text_ids`: the server returns a reply as the text o
 fed, so the text stands for the same ids unless it does not re-tokenize to them).
 
 A request's messages are matched against stored states at message boundaries: the longest prefix
-that ends with an assistant message and has a state is restored into the job's row, and only the
-segments after it are fed. After the reply the row's state is stored under the prefix that includes
-the reply. So a turn's tokens are the same whether its state came from memory, from disk, or was
+that ends with an assistant message, or with the leading system messages, and has a state is restored
+into the job's row, and only the segments after it are fed. After the reply the row's state is stored
+under the prefix that includes the reply; a new conversation's state is also stored once its leading
+system messages are fed (when the plan ends a segment there), so conversations that share a system
+prompt prefill it once. So a turn's tokens are the same whether its state came from memory, from disk, or was
 recomputed from the messages, and whatever else runs in the batch (`litkv.serve.batch`).
 
 A request's `documents` belong to its last user message: each is tokenized alone and put at the start
