@@ -2,7 +2,8 @@
 recompute checked, runs fed to a row.
 
 The planning is the same for both (functions of the format, no caches): `plan_segments` renders the whole
-conversation (`chat_template.Segment`s, replies kept as their token ids), `held_segments` is what caches
+conversation (`chat_template.Segment`s, replies kept as their token ids; the leading system messages
+fed as a segment of their own where their tokens end cleanly), `held_segments` is what caches
 hold after a reply, `runs` groups the segments as they are fed (a run of documents with the prompt text
 after it, every other segment alone), `lossless_overflow` is the room check of a lossless cache and
 `check_recompute` the check of a recompute fraction. A `Feeder` feeds a `Run` to a `Row` (the small
@@ -65,6 +66,7 @@ __all__ = [
     "plan_segments",
     "runs",
     "segment_plan",
+    "system_count",
 ]
 
 Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (1, V) -> next token (1,)
@@ -101,9 +103,44 @@ def plan_segments(
     documents: Documents | None = None,
 ) -> list[Segment]:
     """Every segment of the conversation `prefix` + `messages` in `fmt` (a generation prompt at the end);
-    `documents[i]`: the documents' ids of user message `i`. Raises the format's `ChatTemplateError`."""
+    `documents[i]`: the documents' ids of user message `i`. The leading system messages end a segment
+    when that is a clean token boundary (`_split_at_system`), so a system prompt's state can be shared by
+    conversations (`litkv serve`). Raises the format's `ChatTemplateError`."""
     head = [Segment(tuple(prefix), False)] if prefix else []
-    return head + fmt.segments(messages, replies, not prefix, add_generation_prompt, documents)
+    segments = fmt.segments(messages, replies, not prefix, add_generation_prompt, documents)
+    return head + _split_at_system(fmt, messages, segments, not prefix)
+
+
+def system_count(messages: Sequence[Message]) -> int:
+    """The leading system messages of a conversation that goes on after them (0: none, or nothing after)."""
+    n = next((i for i, (role, _) in enumerate(messages) if role != "system"), len(messages))
+    return n if n < len(messages) else 0
+
+
+def _split_at_system(fmt: Format, messages: Sequence[Message], segments: list[Segment], first: bool) -> list[Segment]:
+    """`segments` with a feed boundary at the end of the leading system messages (`system_count`), when
+    the ids of their rendering alone (no generation prompt) are a prefix of the segments' prompt text; else
+    `segments` as they are (a template that folds the system prompt into the user turn). The ids are the
+    same; only where a feed ends moves."""
+    n = system_count(messages)
+    if n == 0:
+        return segments
+    try:
+        system = fmt.segments(messages[:n], [None] * n, first, False)
+    except ValueError:  # a template that refuses a conversation of system messages alone
+        return segments
+    ids = tuple(t for s in system for t in s.ids)
+    at = 0
+    for i, seg in enumerate(segments):
+        cut = min(len(seg.ids), len(ids) - at)
+        if not ids or seg.reply or seg.block or seg.ids[:cut] != ids[at : at + cut]:
+            return segments
+        at += cut
+        if at == len(ids):
+            if cut == len(seg.ids):  # already a boundary
+                return segments
+            return [*segments[:i], Segment(seg.ids[:cut], False), Segment(seg.ids[cut:], False), *segments[i + 1 :]]
+    return segments
 
 
 def held_segments(fmt: Format, messages: Sequence[Message], replies: Replies) -> list[Segment]:

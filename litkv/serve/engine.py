@@ -10,9 +10,11 @@ else its text's ids (`Engine.text_ids`: the server returns a reply as the text o
 fed, so the text stands for the same ids unless it does not re-tokenize to them).
 
 A request's messages are matched against stored states at message boundaries: the longest prefix
-that ends with an assistant message and has a state is restored into the job's row, and only the
-segments after it are fed. After the reply the row's state is stored under the prefix that includes
-the reply. So a turn's tokens are the same whether its state came from memory, from disk, or was
+that ends with an assistant message, or with the leading system messages, and has a state is restored
+into the job's row, and only the segments after it are fed. After the reply the row's state is stored
+under the prefix that includes the reply; a new conversation's state is also stored once its leading
+system messages are fed (when the plan ends a segment there), so conversations that share a system
+prompt prefill it once. So a turn's tokens are the same whether its state came from memory, from disk, or was
 recomputed from the messages, and whatever else runs in the batch (`litkv.serve.batch`).
 
 A request's `documents` belong to its last user message: each is tokenized alone and put at the start
@@ -45,7 +47,15 @@ from litkv.inference.chat_template import (
     Segment,
     TemplateFormat,
 )
-from litkv.inference.conversation import Feeder, Run, held_segments, lossless_overflow, plan_segments, runs
+from litkv.inference.conversation import (
+    Feeder,
+    Run,
+    held_segments,
+    lossless_overflow,
+    plan_segments,
+    runs,
+    system_count,
+)
 from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
@@ -171,11 +181,15 @@ class Engine:
         self.batch = RowBatch(model, kv_cache, max_batch)
         self.scheduler = Scheduler(self, self.batch)
         # the steps' rounding class is in the key: a state's rounding is that of decode steps of that class
+        # the planning's feed boundaries are in the key too: a state fed in other chunks rounds otherwise
         identity = [model_fingerprint(model), repr(kv_cache), f"step-rounding-rows={self.batch.rounding_rows}"]
+        identity.append("plan=system-boundary")
         if isinstance(self.format, TemplateFormat):  # another format: other tokens, other states
             identity.append(self.format.template.source)
         self.root = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
         self.device = model.lm_head.weight.device
+        # row -> (the run that ends the leading system messages, its key, the ids through it): stored once fed
+        self._share: dict[int, tuple[Run, str, list[int]]] = {}
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -223,8 +237,12 @@ class Engine:
             segments = plan_segments(self.format, req.messages, job.replies, documents=documents)
         except ChatTemplateError as err:  # the chat template refuses this conversation
             raise RequestError(err.reason, param="messages") from None
-        held = self._restore_longest(job, segments)
+        system = self._system_segments(job, segments)
+        held = self._restore_longest(job, segments, len(system))
         job.pending = collections.deque(runs(segments[held:]))
+        self._share.pop(job.row, None)
+        if system and held == 0 and not self.store.has(job.keys[system_count(req.messages)]):
+            self._share_after(job, len(system), [i for s in system for i in s.ids])
         job.result.reused_tokens = sum(len(s.ids) for s in segments[:held])
         job.result.prompt_tokens = sum(len(s.ids) for s in segments)
         needed = job.result.prompt_tokens - job.result.reused_tokens + req.max_tokens
@@ -241,12 +259,36 @@ class Engine:
         job.generator.manual_seed(self.default_seed if req.seed is None else req.seed)
         job.scanner = TextStream(self.tokenizer, req.stop, self.stop_at_newline)
 
-    def _restore_longest(self, job: Job, segments: list[Segment]) -> int:
-        """Load the longest stored prefix that ends with an assistant message into the job's row; how many
-        of `segments` it holds (0: the row starts empty)."""
+    def _system_segments(self, job: Job, segments: list[Segment]) -> list[Segment]:
+        """The segments of the job's leading system messages when the plan feeds them alone (a clean token
+        boundary after them, `plan_segments`); else [] (their state is not shared)."""
+        k = system_count(job.req.messages)
+        if k == 0:
+            return []
+        held = held_segments(self.format, job.req.messages[:k], job.replies[:k])
+        return held if held and segments[: len(held)] == held and len(segments) > len(held) else []
+
+    def _share_after(self, job: Job, count: int, ids: list[int]) -> None:
+        """Store the row's state once the runs of the first `count` segments (the system messages) are fed."""
+        fed = 0
+        for run in job.pending:
+            fed += len(run.segments)
+            if fed == count:
+                self._share[job.row] = (run, job.keys[system_count(job.req.messages)], ids)
+                return
+            if fed > count:
+                return
+
+    def _restore_longest(self, job: Job, segments: list[Segment], system: int = 0) -> int:
+        """Load the longest stored prefix that ends with an assistant message, or with the leading system
+        messages when they are the first `system` segments, into the job's row; how many of `segments` it
+        holds (0: the row starts empty)."""
         messages = job.req.messages
+        shared = system_count(messages) if system else 0
         for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1][0] != "assistant" or not self.store.has(job.keys[k]):
+            if messages[k - 1][0] != "assistant" and k != shared:
+                continue
+            if not self.store.has(job.keys[k]):
                 continue
             held = held_segments(self.format, messages[:k], job.replies[:k])
             if segments[: len(held)] != held:
@@ -272,6 +314,12 @@ class Engine:
         job.result.block_tokens += self.feeder.blocks.reused_tokens - before
         if hidden is None:
             raise ValueError("nothing to feed: a prompt run without tokens")
+        shared = self._share.get(job.row)
+        if shared is not None and shared[0] is run:  # the system messages are in: their state is shared
+            del self._share[job.row]
+            _, key, ids = shared
+            if not self.store.has(key):
+                self.store.put(key, self.batch.take(job.row), [], ids)
         return hidden
 
     def on_token(self, job: Job, token: int) -> bool:

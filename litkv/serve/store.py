@@ -1,6 +1,7 @@
 """Conversation states of `litkv serve`: the one state store (`litkv.states.state_store`) with the server's checks.
 
-A state is keyed by the digest of a conversation prefix that ends with an assistant message (see
+A state is keyed by the digest of a conversation prefix that ends with an assistant message or with
+its leading system messages (reply ids then empty; see
 `litkv.serve.engine.message_keys`; the digest's root is the model fingerprint and the cache config).
 Next to each state the store keeps the exact token ids of that assistant reply (a note of the state
 store: a count-bounded LRU in memory and `<key>.json` beside `<key>.safetensors`), so that a

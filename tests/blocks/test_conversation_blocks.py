@@ -218,9 +218,15 @@ def test_system_prompt_before_the_documents_is_an_exact_prefix(parts: tuple) -> 
     pending = conv.prepare(messages, [None, None], docs)
     conv.feed(pending, messages, [None, None], docs)
     spliced = [k[:, :, : len(head)] for k in _layer_keys(model)]
-    model.set_kv_caches(model.build_kv_caches(KV, 1))  # the head alone, as a normal prefill from 0
-    idx = torch.tensor([head])
-    run_chunks(model, idx, torch.arange(len(head))[None], ChunkPlan.of(KV), lm_head=False, last_only=True)
+    model.set_kv_caches(model.build_kv_caches(KV, 1))  # the head alone, as a normal prefill from 0 that
+    system = len(fmt.segments(messages[:1], [None], True, False)[0].ids)  # ends a feed after the system prompt
+    assert 0 < system < len(head) and conv.fed[0].ids == tuple(head[:system])
+    for start, end, plan in (
+        (0, system, ChunkPlan.of(KV)),
+        (system, len(head), ChunkPlan(KV.chunk_length, KV.chunk_length)),
+    ):
+        idx, pos = torch.tensor([head[start:end]]), torch.arange(start, end)[None]
+        run_chunks(model, idx, pos, plan, lm_head=False, last_only=True)
     assert all(torch.equal(a, b[:, :, : len(head)]) for a, b in zip(spliced, _layer_keys(model), strict=True))
 
 
