@@ -118,6 +118,7 @@ def test_bench_refuses_unknown_peer() -> None:
 # -- scripts/bench_policies.py --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_policies_quick_rows_and_byte_bound(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     report = _load_report()
     module = _load_bench_policies()

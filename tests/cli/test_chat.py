@@ -70,6 +70,7 @@ def test_undo_reset_save_load_commands(
     assert "/save needs a file name" in errors[0] and "does not exist" in errors[1] and "unknown command" in errors[2]
 
 
+@pytest.mark.slow
 def test_conversation_runs_past_the_context_length(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -102,6 +103,7 @@ def test_help_and_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
         assert exc.value.code == 1 and len(err) == 1 and err[0].startswith("error: "), err
 
 
+@pytest.mark.slow
 def test_pipe_subprocess() -> None:
     """A real process reading its standard input from a pipe."""
     cmd = [sys.executable, "-m", "litkv", "chat", *H2O, *GREEDY]
@@ -138,6 +140,7 @@ def _controlling_terminal() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_pseudo_terminal_session() -> None:
     """As a person at a terminal: banner and prompt, a long reply streamed and stopped with Ctrl-C (the
@@ -271,6 +274,7 @@ def _start_chat(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_save_and_exit_cleanly(tmp_path: Path, signum: int) -> None:
     """A real chat process, signalled while it waits for the next line: it ends with status 0, no
@@ -302,6 +306,7 @@ def _saved_turns(session: Path) -> int:
     return len(read_turns(session, len(state.token_ids[0])))
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None:
     """SIGINT while the model loads: a short message, status 130, and no session file written. The child
     restores Python's SIGINT handler first: a runner started with SIGINT ignored (a background job) passes
@@ -324,6 +329,7 @@ def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None
     assert not session.exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so(tmp_path: Path) -> None:
     """SIGINT while a long reply streams: the reply stops at the next token, the turn is kept and saved
     (the session file has it), the chat says so and goes on to the next line."""

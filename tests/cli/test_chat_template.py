@@ -346,6 +346,7 @@ def _smollm2_gguf() -> Path | None:
     return gguf_file(MODELS["smollm2-135m-instruct"], fetch=False)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_smollm2_gguf() is None, reason="the GGUF is absent: run `litkv download smollm2-135m-instruct`")
 def test_real_smollm2_template_and_tokenizer_equal_transformers(tmp_path: Path) -> None:
     """The real model's template and tokenizer (transformers' GGUF loader writes the files; about 30 s):

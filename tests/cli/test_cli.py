@@ -122,6 +122,7 @@ def test_normalize_argv() -> None:
 # -- generate -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_subprocess_streams_greedy_text(ckpt: Path, procs) -> None:
     proc = finish(procs["generate"][0])
     assert proc.returncode == 0, proc.stderr

@@ -67,6 +67,7 @@ def _litgpt_recall(model: torch.nn.Module, examples: list) -> list[bool]:
     return hits
 
 
+@pytest.mark.slow
 def test_dense_recalls_the_pass_key_at_full_context(shipped: tuple) -> None:
     """The bar: >= 90% of held-out pass keys recalled with a dense cache at the full context length."""
     model, _, task = shipped

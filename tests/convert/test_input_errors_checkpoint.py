@@ -522,6 +522,7 @@ for i, delay in enumerate(float(d) for d in sys.argv[3].split(",")):
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_checkpoint_writes_leaves_nothing_half_written(tmp_path: Path) -> None:
     """SIGKILL checkpoint writers at several points: every checkpoint file present loads completely;
     what was being written is only under temporary names, which the cleanup removes."""

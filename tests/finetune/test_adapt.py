@@ -179,6 +179,7 @@ def test_recipe_gradients_equal_naive_autograd(ckpt, text):
         assert not torch.allclose(litkv.forward_chunked(model, ids, dense), litkv.forward_chunked(model, ids, kv))
 
 
+@pytest.mark.slow
 def test_recipe_lowers_the_policy_loss(ckpt, text, tmp_path):
     examples, kv = recipe_data(ckpt, text)
     before = mean_loss(load_model(ckpt), examples, kv)
@@ -187,6 +188,7 @@ def test_recipe_lowers_the_policy_loss(ckpt, text, tmp_path):
     assert after < before - 0.05, (before, after)  # measured: 5.968 -> 5.863
 
 
+@pytest.mark.slow
 def test_adapted_lora_checkpoint_loads_in_evaluate_and_generate(ckpt, text, tmp_path, capsys):
     out = tmp_path / "run"
     jsonargparse.CLI(finetune, args=recipe_args(ckpt, text, out, "--mode", "lora", "--train.max_steps", "1"))
@@ -220,6 +222,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow
 def test_script_end_to_end(ckpt, text, tmp_path, capsys):
     raw = yaml.safe_load(RECIPE.read_text())
     raw["data"].update(seq_length=SEQ, val_fraction=0.0)

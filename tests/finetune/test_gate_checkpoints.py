@@ -64,6 +64,7 @@ def test_resume_continues_bitwise(base: Path, tmp_path: Path) -> None:
         learn_eviction(base, data, other_seed, tmp_path / "d", kv_cache=KV, resume=tmp_path / "a" / "step-000002")
 
 
+@pytest.mark.slow
 def test_lora_resume_continues_bitwise(base: Path, tmp_path: Path) -> None:
     """Gates and adapters: 5 steps in one go == 2, then 3 resumed (every output file byte for byte); the
     output loads (the gates carry the merged weights' fingerprint) and holds base + (alpha / r) B A."""

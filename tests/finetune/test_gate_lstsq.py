@@ -92,6 +92,7 @@ def test_lstsq_gates_equal_brute_force_ridge_solution():
     assert [log.step for log in logs] == [0, 1, 2] and all(log.fit > 0 for log in logs)
 
 
+@pytest.mark.slow
 def test_lstsq_kvzip_target_equals_brute_force_ridge_solution():
     """`--learn.target kvzip`: the gates regress log KVzip+ scores (KVzap); equal to the ridge solve on the
     scores of the float64 brute-force reconstruction pass."""

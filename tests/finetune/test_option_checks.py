@@ -36,6 +36,7 @@ def one_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 def test_finetune_window_longer_than_the_sequence_is_an_error(ckpt: Path, tmp_path: Path) -> None:
     """The round's finding: NaN loss on every step, exit 0 and untrained gates saved as final/."""
     text = write_text(tmp_path / "train.txt", 2000)

@@ -72,6 +72,7 @@ def test_moe_bamba_refused(hf_dir: tuple[Path, torch.nn.Module], tmp_path: Path)
         convert_hf_checkpoint(bad, tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_cli_convert_refuses_mamba1_in_one_line(hf_dir: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
     path, _ = hf_dir
     bad = tmp_path / "mamba1"

@@ -95,6 +95,7 @@ def test_what_litkv_lacks_is_one_line_at_convert(
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_cli_convert_refuses_moe_in_one_line(hf_dir: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
     path, _ = hf_dir
     bad = tmp_path / "moe"

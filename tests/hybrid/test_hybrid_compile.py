@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from litkv import KVCacheConfig, generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
 def test_compiled_decode_one_graph_eager_tokens(policy: str) -> None:
     model = litkv_from_hf(random_hf_bamba(tiny_bamba_config(), seed=5))

@@ -91,6 +91,7 @@ def _text_loss(model: GPT, tokens: torch.Tensor) -> float:
     return float(F.cross_entropy(logits[0].float(), tokens[1:]))
 
 
+@pytest.mark.slow
 def test_cli_finetune_lora_on_a_converted_hybrid_checkpoint(tmp_path: Path) -> None:
     hf_dir = tmp_path / "hf"
     random_hf_bamba(tiny_bamba_config(attn_layers=(1,), n_layer=3), seed=4).float().save_pretrained(hf_dir)

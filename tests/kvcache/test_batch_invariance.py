@@ -65,6 +65,7 @@ def _run(model: GPT, prompts: list[torch.Tensor], cfg: KVCacheConfig) -> tuple[l
     return [t.tolist() for t in out], held
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk{c or 'default'}")
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("policy", POLICIES)

@@ -212,6 +212,7 @@ def test_threshold_truncate_equals_never_having_made_the_calls(model: GPT) -> No
         assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
 
 
+@pytest.mark.slow
 def test_threshold_compiled_decode_gives_eager_tokens(tiny_model: Callable[..., GPT]) -> None:
     from torch._dynamo.utils import counters
 

@@ -278,6 +278,7 @@ def test_snapkv_matches_brute_force(chunk: int, storage: str, options: dict[str,
         (7, "int4", dict(n_sink=0)),
     ],
 )
+@pytest.mark.slow
 def test_expected_attention_matches_brute_force(chunk: int, storage: str, options: dict[str, object]) -> None:
     _run_against_brute_force("expected-attention", BruteExpectedAttention, chunk, storage, options, seed=chunk)
 
@@ -293,6 +294,7 @@ def test_expected_attention_matches_brute_force(chunk: int, storage: str, option
         ("expected-attention", dict(use_covariance=False)),
     ],
 )
+@pytest.mark.slow
 def test_decode_step_scores_match_float64(policy: str, options: dict[str, object], dtype: torch.dtype) -> None:
     """Decode steps (one token per call, the cache full): the fast path's scores of every candidate are the
     brute force's float64 ones up to float32 rounding (snapkv's attention and expected-attention's products with

@@ -67,6 +67,7 @@ def _cache_addresses(model: GPT) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_decode_is_one_graph_with_static_addresses(policy: str, storage: str) -> None:
@@ -93,6 +94,7 @@ def test_compiled_decode_is_one_graph_with_static_addresses(policy: str, storage
         assert torch.equal(ref, a) and torch.equal(ref[:20], b)
 
 
+@pytest.mark.slow
 def test_compiled_inductor_matches_eager() -> None:
     """The real compiler (inductor, C++ on the CPU) gives eager's greedy tokens for an evicting policy."""
     model = _model()

@@ -121,6 +121,7 @@ def test_a_quantised_source_is_not_quantised_again(stored: dict[str, Path], tmp_
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.slow
 def test_convert_cli_quantises_a_checkpoint_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "litkv", "convert", str(tiny_ckpt), str(tmp_path / "q"), "--quantize", "int4"]
@@ -151,6 +152,7 @@ def test_a_gguf_file_is_quantised_as_its_float_conversion(tmp_path: Path) -> Non
     assert set(direct) == set(two_steps) and all(torch.equal(direct[k], two_steps[k]) for k in direct)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_another_quantize_in_one_line(stored: dict[str, Path]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "litkv", "generate", str(stored["int4"]), "--prompt", "The", "--max_new_tokens", "2",

@@ -36,6 +36,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 # -- the CLI flag ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_cli_int8_prints_the_quantised_models_greedy_tokens(ckpt: Path) -> None:
     proc = _cli("generate", str(ckpt), "--prompt", PROMPT, "--max_new_tokens", "12", "--temperature", "0",
                 "--chat_template", "false", "--device", "cpu", "--quantize", "int8")  # fmt: skip
@@ -48,6 +49,7 @@ def test_generate_cli_int8_prints_the_quantised_models_greedy_tokens(ckpt: Path)
     assert proc.stdout == tok.decode(expected) + "\n"
 
 
+@pytest.mark.slow
 def test_generate_cli_refuses_a_group_size_the_model_cannot_take_in_one_line(ckpt: Path) -> None:
     # the tiny checkpoint's width is 32: no linear layer can take groups of 64 input columns
     proc = _cli("generate", str(ckpt), "--prompt", PROMPT, "--max_new_tokens", "2", "--device", "cpu",

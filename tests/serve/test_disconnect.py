@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from test_serve import start_server, stop_server
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 512, "temperature": 0}
@@ -24,6 +25,7 @@ def _turns(log: Path) -> list[tuple[int, str]]:
     return [(int(n), s) for n, s in re.findall(r"restored, (\d+) new, stored=(\w+)", log.read_text())]
 
 
+@pytest.mark.slow
 def test_a_non_streaming_client_that_disconnects_frees_its_row(ckpt: Path, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     proc, url = start_server(ckpt, tmp_path / "states", log)

@@ -158,6 +158,7 @@ def chat_body(**kw: object) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_api_models_health_and_completion(client) -> None:
     assert client.get("/health").status_code == 200
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
@@ -323,6 +324,7 @@ def openai_turns(client, turns: list[str], stream: bool, history: list | None = 
     return replies, messages
 
 
+@pytest.mark.slow
 def test_real_server_with_openai_client(ckpt: Path, model_and_tok: tuple, tmp_path: Path) -> None:
     import concurrent.futures
 

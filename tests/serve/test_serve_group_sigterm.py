@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from test_serve import _free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,6 +60,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_drains_the_stream_and_refuses_new_requests(ckpt: Path, tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     port = _free_port()

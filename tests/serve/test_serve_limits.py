@@ -129,6 +129,7 @@ def _status(reply: bytes) -> int:
     return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
 
 
+@pytest.mark.slow
 def test_a_chunked_body_is_cut_at_the_limit_and_memory_stays_bounded(server: tuple) -> None:
     """The round's finding: a 50 MB chunked body took the server from 1.5 to 13.2 GiB. Here 16 MB of one
     valid JSON message, sent chunked: 413 once 64 KiB are in, and the server's RSS barely moves."""
@@ -161,6 +162,7 @@ def test_a_chunked_body_is_cut_at_the_limit_and_memory_stays_bounded(server: tup
     assert post(port, chat(max_tokens=2))[0] == 200  # and it still serves
 
 
+@pytest.mark.slow
 def test_a_body_short_of_its_content_length_times_out(server: tuple) -> None:
     _, port, _ = server
     sock = _raw_request(port, ["Content-Length: 1000"])
@@ -234,6 +236,7 @@ def test_no_op_values_of_unimplemented_fields_are_accepted(server: tuple) -> Non
     assert status == 200, body
 
 
+@pytest.mark.slow
 def test_serve_options_are_checked_at_start(ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     """`--top_k 0` in a real process; the others through the same CLI entry point in process."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -268,6 +271,7 @@ def test_serve_options_are_checked_at_start(ckpt: Path, capsys: pytest.CaptureFi
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_refuses_new_requests_while_the_reply_in_flight_finishes(server: tuple) -> None:
     """Last (it ends the module's server): a 503 for a new request while the streamed reply completes."""
     proc, port, log = server

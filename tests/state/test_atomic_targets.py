@@ -166,6 +166,7 @@ def _as_nobody(work: Path) -> None:
     assert _same_node(Path("/dev/null"), stat.S_IFCHR, NULL) and _same_node(Path("/dev/full"), stat.S_IFCHR, FULL)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="mknod needs root")
 def test_chat_save_onto_a_device_a_link_and_a_directory(tmp_path: Path) -> None:
     """A real `litkv chat`: `/save` onto a device node, a symlink and a directory (the round's finding:

@@ -153,6 +153,7 @@ def _same_session(a: Path, b: Path) -> None:
     assert read_turns(a, len(sa.token_ids[0])) == read_turns(b, len(sb.token_ids[0]))
 
 
+@pytest.mark.slow
 def test_chat_killed_at_20_points_loses_at_most_the_turn_in_progress(
     server: ForkServer, ckpt: Path, tmp_path: Path
 ) -> None:
@@ -236,6 +237,7 @@ def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
     return {prefix: obj}
 
 
+@pytest.mark.slow
 def test_finetune_killed_at_20_points_resumes_to_the_uninterrupted_run(
     server: ForkServer, ckpt: Path, tmp_path: Path
 ) -> None:
@@ -283,6 +285,7 @@ def _generate_argv(ckpt: Path, prompt: str, store: Path | None) -> list[str]:
     return argv + ([] if store is None else ["--prompt_cache", str(store)])
 
 
+@pytest.mark.slow
 def test_concurrent_processes_share_a_prefix_store(server: ForkServer, ckpt: Path, tmp_path: Path) -> None:
     """Four `litkv generate --prompt_cache DIR` processes at a time, three rounds, on prompts sharing
     prefixes (so they write the same entries at the same moment), while entries are being deleted

@@ -96,6 +96,7 @@ def _greedy_without_cache(model: GPT, prompt: torch.Tensor, n: int) -> list[int]
     ),
     high=_mostly(st.just(VOCAB), st.sampled_from([VOCAB + 1, 10**6])),
 )
+@pytest.mark.slow
 @torch.no_grad()
 def test_any_config_and_prompts_work_or_raise_a_litkv_error(
     model: GPT, fields: dict[str, object], lengths: list[int], new: int, seed: int, dtype: torch.dtype, high: int
@@ -205,6 +206,7 @@ def _apply(model: GPT, expected: Expected, op: tuple[str, object], gen: torch.Ge
         restore(model, CacheState.load(tmp / "s.safetensors"))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(ops=OPS, seed=st.integers(0, 2**16))
 @torch.no_grad()
@@ -248,6 +250,7 @@ EVICTING = [p for p in ("h2o", "tova", "last-recent", "knorm", "keydiff", "snapk
     depth=st.integers(1, 6),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 @torch.no_grad()
 def test_truncate_of_an_evicting_cache_equals_never_having_made_the_calls(
     model: GPT, policy: str, calls: list[int], rollbacks: list[tuple[bool, int]], depth: int, seed: int
@@ -336,6 +339,7 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
         lambda keys: st.fixed_dictionaries({k: CLI_VALUES[k] for k in keys})
     )
 )
+@pytest.mark.slow
 def test_chat_options_work_or_fail_with_one_error_line(
     tiny_ckpt: Path, options: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -97,6 +97,7 @@ def _chat_process(args: list[str], text: str, pythonpath: Path) -> subprocess.Co
     return subprocess.run(cmd, input=text, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
 
 
+@pytest.mark.slow
 def test_chat_session_and_load_import_nothing(crafted: tuple[Path, Path]) -> None:
     """`litkv chat --session F` refuses F with one line; `/load F` inside a chat is one error line and
     the chat goes on; in neither case did the module's code run."""
