@@ -21,8 +21,8 @@ Text segments (between and after blocks) are prefilled normally, attending to ev
 
 **Exact where it can be.** A block at position 0 needs no rotation: its keys and values are those of a
 normal prefill of it (same calls, same chunking), so a prompt starting with a block gives bitwise the
-tokens of a normal prefill of the same segments (float storage; a policy that asks for attention
-weights included: its output comes from SDPA too). Elsewhere
+tokens of a normal prefill of the same segments (float storage, output from SDPA: on the CPU a policy that
+asks for attention weights takes its output from the weights pass, rounded otherwise). Elsewhere
 the splice is an approximation: a spliced block never attended to what precedes it.
 
 **Selective recomputation** (CacheBlend): `recompute=r` recomputes `ceil(r * n)` tokens of each block

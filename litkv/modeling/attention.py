@@ -1,6 +1,6 @@
 """Attention of `T` new queries over `S` keys (cache slots + new tokens): two paths, one for calls that need
-no attention weights (SDPA), one for calls that do (SDPA's output, then a blockwise pass over the call's queries
-for the weights).
+no attention weights (SDPA), one for calls that do (a blockwise pass over the call's queries for the weights;
+the output from SDPA on an accelerator, from that same pass on the CPU).
 
 Which keys a query sees is a layout (`attend`'s `mask`): a bool mask built from positions (`build_mask`: pads,
 empty slots, sliding windows, spliced positions), `CAUSAL` (the queries are the last keys, every earlier key
@@ -29,6 +29,7 @@ __all__ = [
     "build_mask",
     "full_mask",
     "masked_sdpa",
+    "weights_in_one_pass",
     "WEIGHTS_BLOCK_ELEMENTS",
 ]
 
@@ -86,11 +87,12 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with grouped queries: two paths, one for calls that need no weights, one for calls that do.
 
-    The output always comes from SDPA (`_sdpa`: its flash kernel on the CPU, flash / memory-efficient on CUDA where
-    the layout allows), except with soft-capping, which SDPA cannot apply. The weights, when asked, come from a
-    second, blockwise pass over the call's queries that computes the scores and their softmax only (no product
-    with the values), in blocks of at most about `WEIGHTS_BLOCK_ELEMENTS` scores; with soft-capping that pass
-    also gives the output.
+    A call without weights gets its output from SDPA (`_sdpa`: its flash kernel on the CPU, flash /
+    memory-efficient on CUDA where the layout allows). A call with weights gets them from a blockwise pass over
+    its queries (scores and their softmax, in blocks of at most about `WEIGHTS_BLOCK_ELEMENTS` scores): on an
+    accelerator the output still comes from SDPA and that pass skips the product with the values; on the CPU
+    (`weights_in_one_pass`), where the pass's extra `q . k` product costs more than SDPA saves, the same pass
+    gives the output too, as it does with soft-capping, which SDPA cannot apply.
 
     Args:
         q: `(B, n_head, T, hs)`.
@@ -118,7 +120,8 @@ def attend(
     g, s = k.shape[1], k.shape[2]
     if isinstance(mask, _Causal) and t > s:
         raise ValueError(f"attend: {t} causal queries over {s} keys (the queries are the last keys)")
-    y = _sdpa(q, k, v, mask, scale) if softcap is None else None
+    one_pass = softcap is not None or (need_weights and weights_in_one_pass(q.device))
+    y = None if one_pass else _sdpa(q, k, v, mask, scale)
     weights = None
     if need_weights or softcap is not None:
         qg = q.view(b, g, n_head // g, t, hs)
@@ -127,6 +130,12 @@ def attend(
         if y is None:
             y = eager_y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
     return y, weights
+
+
+def weights_in_one_pass(device: torch.device) -> bool:
+    """Whether a call that needs weights takes its output from the blockwise weights pass (one pass: the CPU)
+    rather than from SDPA plus a scores-only pass (accelerators, whose SDPA kernels are much faster)."""
+    return device.type == "cpu"
 
 
 def full_mask(mask: Layout, b: int, g: int, t: int, s: int, device: torch.device) -> torch.Tensor:

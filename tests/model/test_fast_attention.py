@@ -57,7 +57,9 @@ def _model() -> model_module.GPT:
 @pytest.mark.parametrize("policy", ["dense", "last-recent", "h2o"])
 def test_chunked_prefill_takes_the_suffix_path_and_matches_float64(policy: str, monkeypatch) -> None:  # noqa: ANN001
     """Default-sized chunks over a 600-token prompt: every chunk after the first takes the mask-free path (no
-    `build_mask`), and the logits are the float64 reference's (dense: plain causal)."""
+    `build_mask`), and the logits are the float64 reference's (dense: plain causal). h2o reads weights: its output
+    comes from SDPA as on an accelerator (forced here; on the CPU the weights pass gives it, still without a mask)."""
+    monkeypatch.setattr(attention, "weights_in_one_pass", lambda device: False)
     calls = {"suffix": 0, "mask": 0}
     suffix, mask = attention.attend_causal_suffix, model_module.build_mask
 
@@ -133,14 +135,17 @@ def _weights_oracle(
     return out.reshape(b, t, h * v.shape[-1]), sums
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "sdpa+scores"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize(("t", "s", "layout"), [(1, 1, "causal"), (6, 6, "causal"), (7, 40, "causal"),
                                                 (1, 33, "none"), (5, 20, "none")])  # fmt: skip
 def test_weights_path_without_a_mask_matches_float64(t: int, s: int, layout: str, softcap: float | None,
-                                                     monkeypatch) -> None:  # noqa: ANN001  # fmt: skip
+                                                     one_pass: bool, monkeypatch) -> None:  # noqa: ANN001  # fmt: skip
     """The path for calls that need weights, with the layouts that build no mask (`CAUSAL`: a prefill chunk,
-    `None`: a decode step over valid slots), in blocks of a few queries: outputs and weight sums as float64's."""
+    `None`: a decode step over valid slots), in blocks of a few queries, output from the weights pass (the CPU's
+    way) or from SDPA (the accelerators'): outputs and weight sums as float64's."""
     monkeypatch.setattr(attention, "WEIGHTS_BLOCK_ELEMENTS", 2 * 9 * s)  # blocks of 2 queries
+    monkeypatch.setattr(attention, "weights_in_one_pass", lambda device: one_pass)
     gen = torch.Generator().manual_seed(t * 100 + s)
     b, h, g, hs = 2, 9, 3, 16
     q, k, v = (torch.randn(b, n, m, hs, generator=gen) * 2 for n, m in ((h, t), (g, s), (g, s)))
@@ -160,9 +165,11 @@ def _flash_and_math(model: model_module.GPT, idx: torch.Tensor, cfg: KVCacheConf
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova"])
-def test_weight_policies_prefill_on_flash(policy: str) -> None:
-    """h2o / tova read attention weights: their prefill's outputs still come from SDPA's CPU flash kernel, every
-    chunk (the first, those filling the cache, those evicting), none from the math kernel."""
+def test_weight_policies_prefill_on_flash(policy: str, monkeypatch) -> None:  # noqa: ANN001
+    """h2o / tova read attention weights: with the accelerators' two passes (forced here on the CPU), their
+    prefill's outputs come from SDPA's flash kernel, every chunk (the first, those filling the cache, those
+    evicting), none from the math kernel."""
+    monkeypatch.setattr(attention, "weights_in_one_pass", lambda device: False)
     model = _model()
     idx = random_tokens(1, 512, seed=6)
     flash, math_kernels = _flash_and_math(model, idx, KVCacheConfig(policy, cache_length=192, chunk_size=64))
