@@ -39,8 +39,7 @@ from litkv.core.atomic import remove_stale_temp_files
 from litkv.inference.blocks import check_recompute
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import load_format
-from litkv.inference.conversation import Pick
-from litkv.inference.sampling import check_sampling, sample
+from litkv.inference.sampling import Sampling, check_sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
 
@@ -251,12 +250,9 @@ def chat(
             if stop_at_newline is None:
                 stop_at_newline = state.conversation.format.name == "raw"
             generator = torch.Generator(device=state.model.lm_head.weight.device).manual_seed(seed)
-
-            def pick(logits: torch.Tensor) -> torch.Tensor:
-                return sample(logits, temperature, top_k, top_p, generator)
-
+            sampling = Sampling(temperature, top_k, top_p, generator=generator)  # one draw sequence across turns
             with _Signals(state) as signals:
-                _run(state, signals, pick, path, max_new_tokens, stop_at_newline)
+                _run(state, signals, sampling, path, max_new_tokens, stop_at_newline)
     except KeyboardInterrupt:  # Ctrl-C while starting (or at a moment no handler is installed)
         print("\n(interrupted; the session file, if any, is as of the last complete turn)", file=sys.stderr)
         raise SystemExit(130) from None
@@ -300,14 +296,19 @@ def _describe(cfg: KVCacheConfig) -> str:
 
 
 def _run(
-    state: ChatSession, signals: _Signals, pick: Pick, session: Path | None, max_new_tokens: int, stop_at_newline: bool
+    state: ChatSession,
+    signals: _Signals,
+    sampling: Sampling,
+    session: Path | None,
+    max_new_tokens: int,
+    stop_at_newline: bool,
 ) -> None:
     """The chat until end of input, /quit or SIGTERM/SIGHUP; the session file is current at every return."""
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"litkv chat ({state.kv_cache.policy}, {state.kv_cache.cache_length} slots). {HELP}", file=sys.stderr)
     with suppress(_Terminate):
-        _loop(state, signals, interactive, pick, session, max_new_tokens, stop_at_newline)
+        _loop(state, signals, interactive, sampling, session, max_new_tokens, stop_at_newline)
     if signals.terminate is not None:
         name = signal.Signals(signals.terminate).name
         kept = f"; {session} holds the session as of the last complete turn" if session is not None else ""
@@ -328,7 +329,7 @@ def _loop(
     state: ChatSession,
     signals: _Signals,
     interactive: bool,
-    pick: Pick,
+    sampling: Sampling,
     session: Path | None,
     max_new_tokens: int,
     stop_at_newline: bool,
@@ -353,7 +354,7 @@ def _loop(
                         _save_session(state, session)
                     print(message, flush=True)
                     continue
-                state.turn(line, max_new_tokens, pick, sys.stdout, stop_at_newline)
+                state.turn(line, max_new_tokens, sampling, sys.stdout, stop_at_newline)
                 _save_session(state, session)
             if state.interrupted:
                 kept = " and saved" if session is not None else ""

@@ -21,7 +21,8 @@ import torch
 from litkv.core.validation import read_text_file
 from litkv.inference.blocks import encode_document
 from litkv.inference.chat_template import Format, RawFormat
-from litkv.inference.conversation import Conversation, Pick
+from litkv.inference.conversation import Conversation
+from litkv.inference.sampling import Sampling
 from litkv.inference.text_stream import TextStream
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
@@ -107,8 +108,11 @@ class ChatSession:
 
     # -- a turn ---------------------------------------------------------------------------------
 
-    def turn(self, text: str, max_new_tokens: int, pick: Pick, out: TextIO, stop_at_newline: bool = True) -> list[int]:
-        """Append the user's `text` to the session (in the conversation's format) and stream the reply to `out`.
+    def turn(
+        self, text: str, max_new_tokens: int, sampling: Sampling, out: TextIO, stop_at_newline: bool = True
+    ) -> list[int]:
+        """Append the user's `text` to the session (in the conversation's format) and stream the reply to `out`;
+        the reply's tokens are picked by `sampling` (give it a `generator` to go on drawing across turns).
 
         Returns:
             The reply's token ids (all of them are in the caches when this returns).
@@ -122,7 +126,7 @@ class ChatSession:
         self.attached = []
         reply: list[int] = []
         stream = TextStream(self.tokenizer)
-        tokens = conv.reply(hidden, max_new_tokens, pick)
+        tokens = conv.reply(hidden, max_new_tokens, sampling)
         while not self.interrupted:
             token = next(tokens, None)
             if token is None:

@@ -30,24 +30,29 @@ its KV comes from the block store (`blocks`, computed alone once) and is spliced
 Everything before the first document (the template's header, a system prompt) is ordinary prompt text,
 fed as it is without documents.
 
-`reply` is the decode loop, a generator of token ids (each is in the caches when it is yielded); it
+`reply` runs `generate`'s decode loop (`litkv.inference.generate.decode_tokens`, the tokens picked by a
+`Sampling`, every token fed) as a generator of token ids (each is in the caches when it is yielded); it
 ends at a stop token of the format (EOS, the template's end-of-turn token) or `max_new_tokens`, and the
 caller may stop it earlier (a newline, a stop string, Ctrl-C, a client gone); `end_reply` then records
-the reply as a turn.
+the reply as a turn. What a session file holds besides the tokens is `layout` (`conversation_layout`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from litkv.core.validation import require_finite_logits
 from litkv.inference.blocks import check_recompute, feed_blocks
 from litkv.inference.chat_template import Documents, Format, Message, Replies, Segment
+from litkv.inference.conversation_layout import dump_layout, parse_layout
+from litkv.inference.generate import decode_tokens
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
@@ -58,7 +63,6 @@ __all__ = [
     "Conversation",
     "Feeder",
     "Pending",
-    "Pick",
     "Row",
     "Run",
     "held_segments",
@@ -68,8 +72,6 @@ __all__ = [
     "segment_plan",
     "system_count",
 ]
-
-Pick = Callable[[torch.Tensor], torch.Tensor]  # logits (1, V) -> next token (1,)
 
 
 @dataclass
@@ -320,48 +322,23 @@ class Conversation:
         self.documents = {i: tuple(tuple(int(t) for t in d) for d in docs) for i, docs in (documents or {}).items()}
 
     def layout(self) -> dict[str, object]:
-        """What a file needs besides the token history to resume the conversation (JSON data)."""
-        return {
-            "format": self.format.name,
-            "prefix": self.prefix is not None,
-            "segments": [[len(seg.ids), seg.reply, *([True] if seg.block else [])] for seg in self.fed],
-            "messages": [list(m) for m in self.messages],
-            "documents": [[i, [list(d) for d in docs]] for i, docs in sorted(self.documents.items())],
-        }
+        """What a file needs besides the token history to resume the conversation (JSON data, `dump_layout`)."""
+        return dump_layout(self.format.name, self.prefix is not None, self.fed, self.messages, self.documents)
 
     def resume(self, history: list[int], layout: dict[str, object] | None) -> None:
         """Take the caches as they are (restored from a file) as holding `history`, laid out as `layout`
         (from `layout()`); `None`: one prefix without messages (the conversation goes on after it).
 
         Raises:
-            ValueError/TypeError: the layout does not cover the history or does not match its messages.
+            ValueError/TypeError: the layout does not cover the history or does not match its messages
+                (`parse_layout`).
         """
         if len(history) != self.next_pos:
             raise ValueError(f"the history has {len(history)} tokens, the caches saw {self.next_pos}")
-        if layout is None:
-            layout = {"prefix": bool(history), "segments": [[len(history), False]] if history else [], "messages": []}
-        segments, messages, prefix = layout.get("segments"), layout.get("messages"), layout.get("prefix")
-        if not isinstance(segments, list) or not isinstance(messages, list) or type(prefix) is not bool:
-            raise TypeError("a layout's segments and messages are lists, its prefix a bool")
-        fed, at = [], 0
-        for entry in segments:
-            n, reply, *block = entry
-            if type(n) is not int or n < 0 or type(reply) is not bool or block not in ([], [True]):
-                raise TypeError("a segment is [length, reply] or [length, false, true] (a document)")
-            fed.append(Segment(tuple(history[at : at + n]), reply, bool(block)))
-            at += n
-        documents = _read_documents(layout.get("documents", []))
-        msgs = [(str(role), str(content)) for role, content in messages]
-        if at != len(history) or (prefix and (not fed or fed[0].reply)):
-            raise ValueError(f"the layout's segments cover {at} tokens of {len(history)}")
-        reply_ids = iter([list(s.ids) for s in fed if s.reply])
-        if sum(s.reply for s in fed) != sum(role == "assistant" for role, _ in msgs):
-            raise ValueError("a layout has one reply segment per assistant message")
-        if sorted(d for docs in documents.values() for d in docs) != sorted(s.ids for s in fed if s.block):
-            raise ValueError("a layout's documents are not its document segments")
-        self.prefix = fed[0] if prefix else None
-        self._set_messages(msgs, [next(reply_ids) if role == "assistant" else None for role, _ in msgs], documents)
-        self.fed = fed
+        read = parse_layout(history, layout)
+        self.prefix = read.fed[0] if read.prefix else None
+        self._set_messages(read.messages, read.replies, read.documents)
+        self.fed = read.fed
 
     def plan(self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None) -> list[Segment]:
         """Every segment of the conversation's prefix (if any) + `messages`, a generation prompt at the end
@@ -381,7 +358,7 @@ class Conversation:
     def check_room(self, pending: Pending, extra: int) -> None:
         """ValueError when a lossless cache cannot take `pending` and `extra` more tokens."""
         needed = pending.num_tokens + extra
-        for cache in self.model.kv_caches:
+        for cache in self.model.caches.policy_caches:  # a recurrent layer (hybrid models) has no slots
             filled = 0 if pending.restart else cache.num_filled
             limit = lossless_overflow(cache.config, filled, needed)
             if limit is not None:
@@ -437,21 +414,21 @@ class Conversation:
     # -- the reply ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def reply(self, hidden: torch.Tensor, max_new_tokens: int, pick: Pick) -> Iterator[int]:
-        """Sample and feed up to `max_new_tokens` tokens after `hidden` `(1, T, n_embd)`; yields each
-        token once it is in the caches; ends after a stop token of the format. `end_reply` records it."""
+    def reply(self, hidden: torch.Tensor, max_new_tokens: int, sampling: Sampling) -> Iterator[int]:
+        """Pick (by `sampling`) and feed up to `max_new_tokens` tokens after `hidden` `(1, T, n_embd)`, through
+        `generate`'s decode loop (`litkv.inference.generate.decode_tokens`, every token fed); yields each token
+        once it is in the caches; ends after a stop token of the format (or of `sampling`). `end_reply`
+        records it. ValueError when a lossless cache has no room for `max_new_tokens` more."""
+        self.check_room(Pending([], restart=False), max_new_tokens)
         self._reply = []
-        start = self.next_pos
-        for i in range(max_new_tokens):
-            logits = self.model.logits(hidden[:, -1])
-            require_finite_logits(bool(torch.isfinite(logits).all()), i + 1)  # read with the token anyway
-            token = int(pick(logits)[0])
-            pos = torch.tensor([[start + i]], device=self.device)
-            hidden = self.model(torch.tensor([[token]], device=self.device), pos, lm_head=False)
-            self._reply.append(token)
-            yield token
-            if token in self.format.stop_ids:
-                return
+        stops = tuple(sorted({*sampling.stop_tokens, *self.format.stop_ids}))
+        sampling = dataclasses.replace(sampling, stop_tokens=stops)
+        next_pos = torch.tensor([self.next_pos], device=self.device)
+        with closing(decode_tokens(self.model, hidden, next_pos, max_new_tokens, sampling, feed_last=True)) as loop:
+            for tokens in loop:
+                token = int(tokens[0])
+                self._reply.append(token)
+                yield token
 
     def end_reply(self, content: str) -> list[int]:
         """Record the reply produced since `reply` (its tokens are in the caches) as the assistant
@@ -483,19 +460,3 @@ class Conversation:
         keep = assistants[-2] + 1 if len(assistants) >= 2 else 0
         self.messages, self.replies = self.messages[:keep], self.replies[:keep]
         self.documents = {i: docs for i, docs in self.documents.items() if i < keep}
-
-
-def _read_documents(raw: object) -> dict[int, tuple[tuple[int, ...], ...]]:
-    """A layout's documents `[[message index, [[ids], ...]], ...]`; TypeError when malformed."""
-    out = {}
-    if not isinstance(raw, list):
-        raise TypeError("a layout's documents are a list of [message index, [[token ids], ...]]")
-    for entry in raw:
-        shape_ok = isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
-        if not shape_ok or not isinstance(entry[1], list):
-            raise TypeError("a layout's documents are a list of [message index, [[token ids], ...]]")
-        docs = entry[1]
-        if not all(isinstance(d, list) and d and all(type(t) is int for t in d) for d in docs):
-            raise TypeError("a document is a non-empty list of token ids")
-        out[entry[0]] = tuple(tuple(d) for d in docs)
-    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 import torch
 
@@ -18,7 +18,7 @@ from litkv.modeling.runner import ChunkPlan, run_chunks
 from litkv.states.block_store import BlockStore
 from litkv.states.prefix import PrefixCache
 
-__all__ = ["Prompt", "decode_greedy", "forward_chunked", "generate", "pad_prompts"]
+__all__ = ["Prompt", "decode_greedy", "decode_tokens", "forward_chunked", "generate", "pad_prompts"]
 
 KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
 
@@ -272,50 +272,88 @@ def _decode(
     on_tokens: Callable[[torch.Tensor], None] | None,
     compile: bool = False,
 ) -> list[torch.Tensor]:
-    """The decode loop after the prefill. `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`.
-
-    The inputs of every step are valid by construction (sampled tokens, the next positions), so the
-    steps run under `model.trusted_inputs`: no step reads a tensor on the host, except every
-    `STOP_CHECK_INTERVAL` steps to see whether all rows have stopped (every step with `on_tokens`).
-    """
-    stop_tokens, pick = sampling.stop_tokens, sampling.picker(hidden.device)
-    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=hidden.device)
-    logits = model.logits(hidden[:, -1])
-    if not bool(torch.isfinite(logits).all()):  # the one host sync of this check, after the prefill
-        raise ValueError(
-            "the model produced NaN/inf logits after the prefill; check the checkpoint's weights "
-            "(or use a wider precision)"
-        )
-    tokens = pick(logits)
-    steps = [tokens]
-    done = torch.isin(tokens, stops)
-    if on_tokens is not None:
-        on_tokens(tokens)
+    """`decode_tokens` run to the end: per row, its tokens up to and including its first stop token.
+    `hidden`: `(B, T, n_embd)` of the last chunk; `next_pos`: `(B,)`. Without `on_tokens` (which reads
+    every step's tokens anyway), whether all rows have stopped is read every `STOP_CHECK_INTERVAL` steps."""
     interval = 1 if on_tokens is not None else STOP_CHECK_INTERVAL
-    last_position = int(next_pos.max()) + max_new_tokens
-    finite = torch.ones((), dtype=torch.bool, device=hidden.device)  # read on the host only where done is
-    with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:
-        for i in range(max_new_tokens - 1):
-            if len(stop_tokens) and i % interval == 0:
-                _check_finite(finite, i + 1)
-                if bool(done.all()):
-                    break
-            logits = step(tokens[:, None], next_pos[:, None])
-            finite = finite & torch.isfinite(logits).all()
-            tokens = pick(logits)
-            next_pos = next_pos + 1
+    steps = []
+    loop = decode_tokens(model, hidden, next_pos, max_new_tokens, sampling, compile=compile, check_every=interval)
+    with closing(loop):  # a callback that raises leaves the loop's trusted_inputs at once
+        for tokens in loop:
             steps.append(tokens)
-            done = done | torch.isin(tokens, stops)
             if on_tokens is not None:
-                _check_finite(finite, i + 2)
                 on_tokens(tokens)
-    _check_finite(finite, len(steps))
+    stops = torch.tensor(list(sampling.stop_tokens), dtype=torch.long, device=hidden.device)
     out = torch.stack(steps, dim=1)
     results = []
     for row in out:
         hits = torch.isin(row, stops).nonzero()
         results.append(row[: int(hits[0]) + 1] if len(hits) else row)
     return results
+
+
+def decode_tokens(
+    model: GPT,
+    hidden: torch.Tensor,
+    next_pos: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    *,
+    compile: bool = False,
+    check_every: int = 1,
+    feed_last: bool = False,
+) -> Iterator[torch.Tensor]:
+    """The decode loop (`generate`'s and a chat reply's): yields each step's tokens `(B,)`, after a prefill
+    that left `hidden` `(B, T, n_embd)` (its last position's is used) and the rows' next positions `next_pos`
+    `(B,)`, through the attached caches; picked by `sampling` (`Sampling.picker`), until every row has
+    produced one of its stop tokens or `max_new_tokens` steps.
+
+    `feed_last=False` (`generate`): a step's tokens are yielded before they are fed, and the last step's
+    are never fed. `feed_last=True` (a chat reply): every token is fed before it is yielded (it is in the
+    caches when the caller sees it; the caller may stop between steps).
+
+    The inputs of every step are valid by construction (picked tokens, the next positions), so the steps
+    run under `model.trusted_inputs`: no step reads a tensor on the host, except every `check_every` steps,
+    whether all rows have stopped and their logits were finite. With `check_every=1` a token is yielded only
+    after its logits were checked finite; else the check of the last ones runs when the loop ends. ValueError
+    for NaN/inf logits (after the prefill: the weights; at a decode step: an overflow).
+    """
+    if max_new_tokens == 0:
+        return
+    pick, device = sampling.picker(hidden.device), hidden.device
+    stops = torch.tensor(list(sampling.stop_tokens), dtype=torch.long, device=device)
+    logits = model.logits(hidden[:, -1])
+    if not bool(torch.isfinite(logits).all()):  # the one host sync of this check, after the prefill
+        raise ValueError(
+            "the model produced NaN/inf logits after the prefill; check the checkpoint's weights "
+            "(or use a wider precision)"
+        )
+    last_position = int(next_pos.max()) + max_new_tokens
+    finite = torch.ones(
+        (), dtype=torch.bool, device=device
+    )  # of the logits picked from; read on the host only where done is
+    with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:
+        tokens = pick(logits)
+        done = torch.isin(tokens, stops)
+        if feed_last:
+            logits, next_pos = step(tokens[:, None], next_pos[:, None]), next_pos + 1
+        yield tokens
+        for n in range(2, max_new_tokens + 1):  # n: the number of the token picked in this step
+            if len(stops) and (n - 2) % check_every == 0:
+                _check_finite(finite, n - 1)
+                if bool(done.all()):
+                    return
+            if not feed_last:
+                logits, next_pos = step(tokens[:, None], next_pos[:, None]), next_pos + 1
+            finite = finite & torch.isfinite(logits).all()
+            tokens = pick(logits)
+            done = done | torch.isin(tokens, stops)
+            if check_every == 1:
+                _check_finite(finite, n)
+            if feed_last:
+                logits, next_pos = step(tokens[:, None], next_pos[:, None]), next_pos + 1
+            yield tokens
+    _check_finite(finite, max_new_tokens)
 
 
 def _check_finite(finite: torch.Tensor, step: int) -> None:

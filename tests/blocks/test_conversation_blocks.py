@@ -24,7 +24,7 @@ from litkv.inference.blocks import prefill_segments, prompt_segments
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, Segment, TemplateFormat
 from litkv.inference.generate import generate
-from litkv.inference.sampling import Sampling, sample
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
@@ -52,8 +52,7 @@ def parts(ckpt: Path) -> tuple[GPT, object, Format]:
     return load_model(ckpt), tok, TemplateFormat(ChatTemplate(TEMPLATE, ckpt / "tokenizer_config.json"), tok)
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return sample(logits, 0.0)
+greedy = Sampling()
 
 
 def doc_files(tmp_path: Path, docs: tuple[str, ...] = DOCS) -> list[Path]:

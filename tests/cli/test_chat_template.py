@@ -22,7 +22,7 @@ from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
-from litkv.inference.sampling import sample
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
@@ -182,8 +182,7 @@ def model(ckpt: Path):  # noqa: ANN201
     return model
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return sample(logits, 0.0)
+greedy = Sampling()
 
 
 def chat_turns(session: ChatSession, turns: list[str]) -> list[list[int]]:

@@ -17,6 +17,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.checkpoints.convert import convert_hf_checkpoint
 from litkv.inference.chat_template import RawFormat
 from litkv.inference.conversation import Conversation
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.states.undo import truncate
@@ -86,7 +87,7 @@ def test_chat_conversation_feeds_only_each_turns_new_tokens_and_undo_is_exact(se
     gives its reply again (the undo log restores the recurrent states at the turn's start)."""
     model, tok, fed = served
     conv = Conversation(model, RawFormat(tok), KV, undo_depth=64)
-    greedy = lambda logits: logits.argmax(-1)  # noqa: E731
+    greedy = Sampling()
     messages: list[tuple[str, str]] = []
     replies = []
     for text in TURNS[:3]:

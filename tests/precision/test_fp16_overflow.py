@@ -13,7 +13,7 @@ import torch
 from half import half_pair
 from helpers import max_diff
 
-from litkv import KVCacheConfig, generate
+from litkv import KVCacheConfig, Sampling, generate
 from litkv.modeling.attention import attend, build_mask
 
 B, H, G, T, S, HS = 1, 4, 2, 5, 12, 16
@@ -120,7 +120,7 @@ def test_non_finite_logits_stop_a_chat_reply_before_its_token(tiny_ckpt) -> None
     tokens: list[int] = []
     try:
         with pytest.raises(ValueError, match=r"NaN/inf logits by decode step 3 .*bf16-true"):
-            for token in conv.reply(hidden, 6, lambda logits: logits.argmax(-1)):
+            for token in conv.reply(hidden, 6, Sampling()):
                 tokens.append(token)
     finally:
         handle.remove()

@@ -17,7 +17,7 @@ import torch
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, TemplateFormat
 from litkv.inference.conversation import Conversation, held_segments, plan_segments
-from litkv.inference.sampling import sample
+from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
@@ -143,7 +143,7 @@ def test_chat_and_serve_give_the_same_tokens_with_a_system_prompt(parts: tuple, 
     conv = Conversation(model, fmt, DENSE)
     hidden = conv.feed(conv.prepare(messages, [None, None]), messages, [None, None])
     ids = []
-    for token in conv.reply(hidden, 8, lambda logits: sample(logits, 0.0)):
+    for token in conv.reply(hidden, 8, Sampling()):
         if token in fmt.stop_ids:
             break
         ids.append(token)
