@@ -63,17 +63,26 @@ def tiny_config(name: str, **overrides: object) -> Config:
     return Config.from_name(name, **{**TINY, **overrides})
 
 
+# A recurrent layer's parameters (the last part of their names) -> the (low, high) of their uniform draws.
+_RECURRENT_DRAWS = {"A_log": (-1.0, 1.0), "dt_bias": (0.5, 1.5), "D": (0.5, 1.5)}
+
+
 def randomize_(module: nn.Module, seed: int) -> None:
     """Re-draw every parameter so that no weight is trivial and logits are well spread.
 
     Matrices (embeddings included, so that tied LM heads stay tame): N(0, 1/n_columns); norm weights:
-    1 + N(0, 0.1^2); biases: N(0, 0.1^2).
+    1 + N(0, 0.1^2); biases: N(0, 0.1^2). A recurrent layer's (Mamba-2, Gated DeltaNet) decay `A_log`:
+    U(-1, 1), its `dt_bias` and skip `D`: U(0.5, 1.5), so that its state keeps a part of each token over
+    several steps, differently per head.
     """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-            if param.dim() >= 2:
+            if name.rsplit(".", 1)[-1] in _RECURRENT_DRAWS:
+                low, high = _RECURRENT_DRAWS[name.rsplit(".", 1)[-1]]
+                param.copy_(low + (high - low) * torch.rand(param.shape, generator=gen, dtype=torch.float64))
+            elif param.dim() >= 2:
                 param.copy_(noise * param.shape[-1] ** -0.5)
             elif name.endswith("bias"):
                 param.copy_(noise * 0.1)
@@ -130,6 +139,7 @@ def tiny_gpt(
     window: int = 2,
     sinks: int = 1,
     device: torch.device | str = "cpu",
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> GPT:
     """The test model factory (conftest's `tiny_model` fixture): a fresh `random_gpt` (eval mode).
 
@@ -138,7 +148,9 @@ def tiny_gpt(
     - `dtype`: torch.float32, or torch.float64 for `float64_model` (RMSNorm computed in float64 too);
     - `gates=True`: `attach_random_gates(model, gate_seed, window, sinks)` after the dtype (float32 gates;
       `gate_seed` defaults to `seed`);
-    - `device`: where the model (and its gates) live; the weights are drawn on the CPU first.
+    - `device`: where the model (and its gates) live; the weights are drawn on the CPU first;
+    - `weights`: a state dict loaded (in `dtype`) in place of the random weights (`seed` unused): a parity
+      test's reference weights (e.g. a transformers model's, converted).
 
     Every call builds a new model, so a module-scoped fixture may mutate its own.
     """
@@ -156,7 +168,11 @@ def tiny_gpt(
         config = tiny_config(config, **(overrides or {}))
     if not gates and (gate_seed is not None or (window, sinks) != (2, 1)):
         raise ValueError("tiny_gpt: gate_seed, window and sinks need gates=True")
-    model = random_gpt(config, seed=seed)
+    if weights is None:
+        model = random_gpt(config, seed=seed)
+    else:
+        model = GPT(config).to(dtype).eval()
+        model.load_state_dict(weights)
     if dtype == torch.float64:
         float64_model(model)
     model.to(device)  # before the gates: `attach_random_gates` puts them on the model's device

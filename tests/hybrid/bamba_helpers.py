@@ -10,7 +10,7 @@ import torch
 from transformers import BambaConfig, BambaForCausalLM
 from transformers.models.bamba import modeling_bamba
 
-from litkv import GPT
+from litkv import GPT, Config
 from litkv.modeling.hf_hybrid import hybrid_config_from_hf, hybrid_state_dict
 
 VOCAB = 96
@@ -62,12 +62,16 @@ def randomize_hybrid(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def bamba_config(attn_layers: tuple[int, ...] = (1, 3), n_layer: int = 4, chunk: int = 8) -> Config:
+    """`tiny_bamba_config` as a litkv `Config` (for the test model factory: `helpers.tiny_gpt(seed,
+    torch.float64, config=bamba_config(...))`)."""
+    return hybrid_config_from_hf(tiny_bamba_config(attn_layers, n_layer, chunk).to_dict(), "tiny-bamba")
+
+
 def litkv_from_hf(hf_model: BambaForCausalLM) -> GPT:
-    """The same weights in a litkv `GPT` (float64, RMSNorms in float64)."""
+    """The same weights in a litkv `GPT` (float64, RMSNorms in float64), made by the test model factory."""
     config = hybrid_config_from_hf(hf_model.config.to_dict(), "tiny-bamba")
-    model = GPT(config).double()
-    model.load_state_dict(hybrid_state_dict(hf_model.state_dict(), config))
-    return helpers.float64_model(model).eval()
+    return helpers.tiny_gpt(0, torch.float64, config=config, weights=hybrid_state_dict(hf_model.state_dict(), config))
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from bamba_helpers import randomize_hybrid
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from litkv import GPT
+from litkv import GPT, Config
 from litkv.modeling.hf_qwen35 import qwen35_config_from_hf, qwen35_state_dict
 
 VOCAB = 96
@@ -48,12 +48,16 @@ def random_hf_qwen35(config: Qwen3_5TextConfig, seed: int = 0) -> torch.nn.Modul
     return randomize_hybrid(model)
 
 
-def litkv_from_hf(hf_model: torch.nn.Module) -> GPT:
-    """The same weights in a litkv `GPT` (float64, RMSNorms in float64)."""
-    config = qwen35_config_from_hf(hf_model.config.to_dict(), "tiny-qwen3.5")
-    model = GPT(config).double()
-    model.load_state_dict(qwen35_state_dict(hf_model.state_dict(), config))
-    return helpers.float64_model(model).eval()
+def qwen35_config(n_layer: int = 4, interval: int = 2, k_heads: int = 2, v_heads: int = 4) -> Config:
+    """`tiny_qwen35_config` as a litkv `Config` (for the test model factory: `helpers.tiny_gpt(seed,
+    torch.float64, config=qwen35_config(...))`)."""
+    return qwen35_config_from_hf(tiny_qwen35_config(n_layer, interval, k_heads, v_heads).to_dict(), "tiny-qwen3.5")
+
+
+def litkv_from_hf(hf_model: torch.nn.Module, name: str = "tiny-qwen3.5") -> GPT:
+    """The same weights in a litkv `GPT` (float64, RMSNorms in float64), made by the test model factory."""
+    config = qwen35_config_from_hf(hf_model.config.to_dict(), name)
+    return helpers.tiny_gpt(0, torch.float64, config=config, weights=qwen35_state_dict(hf_model.state_dict(), config))
 
 
 @contextmanager

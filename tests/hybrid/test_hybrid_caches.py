@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 import torch
-from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
-from helpers import attach_random_gates
+from bamba_helpers import VOCAB, bamba_config
+from helpers import tiny_gpt
 
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
@@ -23,7 +23,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return attach_random_gates(litkv_from_hf(random_hf_bamba(tiny_bamba_config(), seed=3)), seed=3)
+    return tiny_gpt(3, torch.float64, config=bamba_config(), gates=True)
 
 
 @pytest.fixture(scope="module")

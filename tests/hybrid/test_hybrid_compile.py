@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
+from bamba_helpers import VOCAB, bamba_config
+from helpers import tiny_gpt
 from torch._dynamo.utils import counters
 
 from litkv import KVCacheConfig, generate
@@ -16,7 +17,7 @@ from litkv import KVCacheConfig, generate
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
 def test_compiled_decode_one_graph_eager_tokens(policy: str) -> None:
-    model = litkv_from_hf(random_hf_bamba(tiny_bamba_config(), seed=5))
+    model = tiny_gpt(5, torch.float64, config=bamba_config())
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (13, 29)]
     kv = KVCacheConfig(policy, cache_length=96 if policy == "dense" else 16, chunk_size=8)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
+from bamba_helpers import VOCAB, bamba_config, tiny_bamba_config
+from helpers import tiny_gpt
 
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache import KVCache
@@ -21,14 +22,15 @@ DENSE = KVCacheConfig("dense", cache_length=16)  # one chunking for both: per-la
 
 @pytest.fixture(scope="module")
 def hf_and_model() -> tuple[object, GPT]:
-    hf = random_hf_bamba(tiny_bamba_config(attn_layers=(1, 3), n_layer=4), seed=5)
-    return hf, litkv_from_hf(hf)
+    """transformers' config (the reference of which layers attend) and a random model of it."""
+    hf_config = tiny_bamba_config(attn_layers=(1, 3), n_layer=4)
+    return hf_config, tiny_gpt(5, torch.float64, config=bamba_config(attn_layers=(1, 3), n_layer=4))
 
 
 def test_coverage_names_the_attention_layers_of_the_hf_config(hf_and_model: tuple[object, GPT]) -> None:
-    hf, model = hf_and_model
-    attention = list(hf.config.attn_layer_indices)
-    recurrent = [i for i in range(hf.config.num_hidden_layers) if i not in attention]
+    hf_config, model = hf_and_model
+    attention = list(hf_config.attn_layer_indices)
+    recurrent = [i for i in range(hf_config.num_hidden_layers) if i not in attention]
     caches = KVCaches(model.build_kv_caches(H2O, batch_size=1))
     assert caches.attention_layers == attention
     assert caches.recurrent_layers == recurrent

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
+from bamba_helpers import VOCAB, bamba_config, random_hf_bamba, tiny_bamba_config
+from helpers import tiny_gpt
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -31,7 +32,8 @@ WORDS = ["the", "cache", "key", "value", "token", "slot", "policy", "keeps", "dr
 
 
 def _lora_hybrid(seed: int) -> GPT:
-    model = litkv_from_hf(random_hf_bamba(tiny_bamba_config(attn_layers=(1,), n_layer=3), seed=seed))
+    model = tiny_gpt(seed, torch.float64, config=bamba_config(attn_layers=(1,), n_layer=3))
+    torch.manual_seed(seed)  # the adapters' A: drawn from the global generator
     apply_lora(model, LoRAArgs(r=2, alpha=4.0, targets=TARGETS))
     torch.manual_seed(seed + 1)
     with torch.no_grad():  # non-zero B, so that every adapter's A gets a gradient too

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
+from bamba_helpers import VOCAB, bamba_config
+from helpers import tiny_gpt
 
 from litkv import KVCacheConfig
 from litkv.gradient.chunked_backward import chunked_loss_backward
@@ -21,7 +22,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
 def test_engine_gradients_equal_autograd(policy: str) -> None:
-    model = litkv_from_hf(random_hf_bamba(tiny_bamba_config(chunk=4), seed=13)).train()
+    model = tiny_gpt(13, torch.float64, config=bamba_config(chunk=4)).train()
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(0, VOCAB, (2, 27), generator=gen)
     targets = torch.randint(0, VOCAB, (2, 27), generator=gen)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from bamba_helpers import VOCAB, litkv_from_hf, random_hf_bamba, tiny_bamba_config
+from bamba_helpers import VOCAB, bamba_config
+from helpers import tiny_gpt
 
 from litkv import GPT, KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache
@@ -20,7 +21,7 @@ CFG = KVCacheConfig("h2o", cache_length=16)
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return litkv_from_hf(random_hf_bamba(tiny_bamba_config(), seed=11))
+    return tiny_gpt(11, torch.float64, config=bamba_config())
 
 
 def _attach(model: GPT, rows: int = 1) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from qwen35_helpers import VOCAB, litkv_from_hf, random_hf_qwen35, tiny_qwen35_config
+from helpers import tiny_gpt
+from qwen35_helpers import VOCAB, qwen35_config
 from torch._dynamo.utils import counters
 
 from litkv import KVCacheConfig, generate
@@ -16,7 +17,7 @@ from litkv import KVCacheConfig, generate
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
 def test_compiled_decode_one_graph_eager_tokens(policy: str) -> None:
-    model = litkv_from_hf(random_hf_qwen35(tiny_qwen35_config(), seed=5))
+    model = tiny_gpt(5, torch.float64, config=qwen35_config())
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (13, 29)]
     kv = KVCacheConfig(policy, cache_length=96 if policy == "dense" else 16, chunk_size=8)

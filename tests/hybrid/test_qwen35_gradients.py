@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from qwen35_helpers import VOCAB, litkv_from_hf, random_hf_qwen35, tiny_qwen35_config
+from helpers import tiny_gpt
+from qwen35_helpers import VOCAB, qwen35_config
 
 from litkv import KVCacheConfig
 from litkv.finetune.lora import LoRAArgs, LoRALinear, apply_lora, mark_only_lora_as_trainable
@@ -24,7 +25,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
 def test_engine_gradients_equal_autograd(policy: str) -> None:
-    model = litkv_from_hf(random_hf_qwen35(tiny_qwen35_config(), seed=13)).train()
+    model = tiny_gpt(13, torch.float64, config=qwen35_config()).train()
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(0, VOCAB, (2, 27), generator=gen)
     targets = torch.randint(0, VOCAB, (2, 27), generator=gen)
@@ -52,7 +53,8 @@ GDN_TARGETS = ["attn.qkv", "attn.proj", "gdn.in_proj", "gdn.out_proj"]
 
 
 def _lora_qwen35(seed: int, targets: list[str]) -> torch.nn.Module:
-    model = litkv_from_hf(random_hf_qwen35(tiny_qwen35_config(n_layer=2), seed=seed))
+    model = tiny_gpt(seed, torch.float64, config=qwen35_config(n_layer=2))
+    torch.manual_seed(seed)  # the adapters' A: drawn from the global generator
     apply_lora(model, LoRAArgs(r=2, alpha=4.0, targets=targets))
     torch.manual_seed(seed + 1)
     with torch.no_grad():  # non-zero B, so that every adapter's A gets a gradient too

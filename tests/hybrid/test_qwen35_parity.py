@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import helpers
 import pytest
 import torch
 from bamba_helpers import randomize_hybrid
@@ -17,7 +16,6 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 from litkv import GPT, KVCacheConfig
 from litkv.inference.generate import forward_chunked, generate
 from litkv.kvcache.recurrent import RecurrentCache
-from litkv.modeling.hf_qwen35 import qwen35_config_from_hf, qwen35_state_dict
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}  # well inside the 1e-9 the issue asks
 
@@ -132,10 +130,7 @@ def test_dense_qwen3_next_matches_transformers() -> None:
     )
     torch.manual_seed(5)
     hf = randomize_hybrid(modeling_qwen3_next.Qwen3NextForCausalLM(hf_config).double().eval())
-    config = qwen35_config_from_hf(hf_config.to_dict(), "tiny-qwen3-next")
-    model = GPT(config).double()
-    model.load_state_dict(qwen35_state_dict(hf.state_dict(), config))
-    model = helpers.float64_model(model).eval()
+    model = litkv_from_hf(hf, "tiny-qwen3-next")
     idx = torch.randint(0, VOCAB, (2, 17))
     expected = _hf_logits(hf, idx)
     with torch.no_grad():

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from bamba_helpers import litkv_from_hf as bamba_from_hf
-from bamba_helpers import random_hf_bamba, tiny_bamba_config
-from qwen35_helpers import VOCAB, litkv_from_hf, random_hf_qwen35, tiny_qwen35_config
+from bamba_helpers import bamba_config
+from helpers import tiny_gpt
+from qwen35_helpers import VOCAB, qwen35_config
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache.recurrent import RecurrentCache
@@ -24,7 +24,7 @@ KINDS = ["gated_deltanet", "attention", "gated_deltanet", "attention"]
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    return litkv_from_hf(random_hf_qwen35(tiny_qwen35_config(), seed=11))
+    return tiny_gpt(11, torch.float64, config=qwen35_config())
 
 
 def _attach(model: GPT, rows: int = 1) -> None:
@@ -99,7 +99,7 @@ def test_select_and_cat_give_each_row_its_own_continuation(model: GPT) -> None:
 
 
 def test_a_mamba2_state_never_loads_into_gated_deltanet_layers(model: GPT, tmp_path: Path) -> None:
-    bamba = bamba_from_hf(random_hf_bamba(tiny_bamba_config(), seed=1))
+    bamba = tiny_gpt(1, torch.float64, config=bamba_config())
     bamba.set_kv_caches(bamba.build_kv_caches(CFG, 1))
     with torch.no_grad():
         bamba(torch.randint(0, VOCAB, (1, 5)), torch.arange(5)[None])
