@@ -329,9 +329,8 @@ def decode_tokens(
             "(or use a wider precision)"
         )
     last_position = int(next_pos.max()) + max_new_tokens
-    finite = torch.ones(
-        (), dtype=torch.bool, device=device
-    )  # of the logits picked from; read on the host only where done is
+    # whether the logits picked from so far were finite; read on the host only where `done` is
+    finite = torch.ones((), dtype=torch.bool, device=device)
     with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:
         tokens = pick(logits)
         done = torch.isin(tokens, stops)
