@@ -136,7 +136,7 @@ def test_finetune_lstsq_writes_loadable_gates_and_refuses_checkpoints(tmp_path):
     from tiny_checkpoint import make_tiny_checkpoint
 
     from litkv.checkpoints.checkpoint import load_model
-    from litkv.finetune.cli import finetune
+    from litkv.cli.finetune_cmd import finetune
 
     base = tmp_path / "base"
     make_tiny_checkpoint(base)
