@@ -13,7 +13,7 @@ from kvzip_reference import brute_scores
 from litkv.finetune.gate_training import GateTrainArgs, attention_mass, batch_indices, evictable, train_gates
 from litkv.finetune.kvzip_target import FLOOR
 from litkv.finetune.lstsq import RIDGE, NormalEquations, fit_gates_lstsq
-from litkv.inference.kvzip import RepeatPrompt
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 T, WINDOW, SINKS = 24, 3, 1
