@@ -35,7 +35,7 @@ __all__ = ["COMMAND_MODULES", "CommandSpec", "HELP_DIR", "commands", "main", "no
 #: The command modules, in `litkv --help` order; each declares its `COMMAND` (one line here per command).
 COMMAND_MODULES = (
     "litkv.cli.generate_cmd",
-    "litkv.finetune.cli",
+    "litkv.cli.finetune_cmd",
     "litkv.cli.convert_cmd",
     "litkv.cli.evaluate_cmd",
     "litkv.cli.bench_cmd",

@@ -36,8 +36,8 @@ import torch
 import yaml
 
 from litkv.cli.evaluate_cmd import evaluate
+from litkv.cli.finetune_cmd import finetune
 from litkv.eval.evaluate import PolicyResult
-from litkv.finetune.cli import finetune
 from litkv.modeling.config import KVCacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]

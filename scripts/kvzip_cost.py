@@ -27,7 +27,7 @@ from litkv.checkpoints.download import known_checkpoint_dir
 from litkv.checkpoints.runtime import load_for_inference
 from litkv.core.tokens import encode_plain
 from litkv.inference.chat_template import ChatTemplate, TemplateFormat, load_format
-from litkv.inference.kvzip import RepeatPrompt, kvzip_score
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
 from litkv.kvcache.kvzip import compress_kvzip
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.runner import ChunkPlan, run_chunks

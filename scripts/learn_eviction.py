@@ -43,10 +43,10 @@ import torch.nn.functional as F
 
 from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model, load_tokenizer
 from litkv.cli.evaluate_cmd import evaluate
+from litkv.cli.finetune_cmd import finetune
 from litkv.core.tokens import encode_plain
 from litkv.eval.evaluate import text_windows
 from litkv.eval.recall import RECALL_FILE, RecallFormat
-from litkv.finetune.cli import finetune
 from litkv.finetune.learn_eviction import LOG_FILE
 from litkv.inference.generate import forward_chunked
 from litkv.modeling.config import KVCacheConfig

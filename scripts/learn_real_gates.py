@@ -29,7 +29,7 @@ import jsonargparse
 from litkv.checkpoints.checkpoint import default_checkpoint_dir
 from litkv.checkpoints.download import SHIPPED_GATES
 from litkv.cli.common import resolve_checkpoint_dir
-from litkv.finetune.cli import finetune
+from litkv.cli.finetune_cmd import finetune
 from litkv.gates.gate import GATES_FILE
 
 REPO = Path(__file__).resolve().parents[1]

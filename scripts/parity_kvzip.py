@@ -12,7 +12,7 @@ template prefix, then `heldout.txt` tokens, `--length` in all) is
   prunes exactly `n_layers x G x (n - b)` pairs; its kept set per layer and KV head is the complement of
   `masked_key_indices`;
 - prefilled by litkv (chunks of `--chunk`) through `kvzip` caches (one-shot, `budget=b`), then
-  `litkv.inference.kvzip.kvzip_compress` with the reconstruction prompt built from the same chat
+  `litkv.inference.kvzip_reconstruction.kvzip_compress` with the reconstruction prompt built from the same chat
   template; the kept set is the slots' positions.
 
 Prints the Jaccard `|A & B| / |A | B|` per (options, budget): mean and minimum over layers and KV heads
@@ -37,7 +37,7 @@ from compare_kvpress import build_twin  # noqa: E402
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer  # noqa: E402
 from litkv.core.tokens import encode_plain  # noqa: E402
 from litkv.inference.chat_template import ChatTemplate  # noqa: E402
-from litkv.inference.kvzip import RepeatPrompt, kvzip_compress  # noqa: E402
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress  # noqa: E402
 from litkv.modeling.config import KVCacheConfig  # noqa: E402
 from litkv.modeling.runner import ChunkPlan, run_chunks  # noqa: E402
 

@@ -57,7 +57,7 @@ def serve() -> None:
     from litgpt.tokenizer import Tokenizer  # noqa: F401
 
     import litkv.cli.chat_cmd  # noqa: F401 (imported once, before forking)
-    import litkv.finetune.cli  # noqa: F401
+    import litkv.cli.finetune_cmd  # noqa: F401
 
     print("ready", flush=True)
     for line in sys.stdin:

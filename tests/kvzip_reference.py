@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from litkv.inference.kvzip import RepeatPrompt
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.modeling.model import GPT
 
 

@@ -24,7 +24,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("states", "checkpoints", "gradient"),  # cache state values/files/stores; checkpoint I/O; gradients
     ("inference",),  # generate, KV blocks, the conversation engine, chat templates
     ("eval", "serve"),  # evaluation tasks and benchmarks; the OpenAI-compatible server
-    ("finetune", "cli"),  # the training commands; the command functions
+    ("finetune",),  # the training library: loop, data, LoRA, sharding, eviction-gate training
+    ("cli",),  # the command functions (`litkv finetune` included)
     ("face",),  # litkv/__init__.py (public re-exports) and litkv/__main__.py (the command table)
 )
 LAYERS = tuple(folder for floor in FLOORS for folder in floor)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from litkv.inference.generate import decode_greedy, pad_prompts
-from litkv.inference.kvzip import RepeatPrompt, kvzip_score
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
 from litkv.kvcache.kvzip import KVzipKVCache, compress_kvzip
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT

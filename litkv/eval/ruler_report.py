@@ -30,7 +30,7 @@ from litkv.eval.ruler import (
     word_list,
 )
 from litkv.inference.chat_template import Format, RawFormat, TemplateFormat, load_format
-from litkv.inference.kvzip import RepeatPrompt
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.kvcache.registry import get_kv_cache_class
 

@@ -1,4 +1,5 @@
-"""LoRA and full fine-tuning with gradients through the KV cache (`litkv finetune`, in `cli`)."""
+"""LoRA and full fine-tuning with gradients through the KV cache: the training library (the `litkv finetune`
+command is `litkv.cli.finetune_cmd`)."""
 
 from litkv.finetune.lora import (
     LoRAArgs,

@@ -2,7 +2,7 @@
 token (KVzap, Jegou et al., 2025: a per-layer surrogate of KVzip+ trained on the model's own text).
 
 `kvzip_records(model, ids, repeat)` prefills each sequence through one-shot `kvzip` caches with KVzip+
-normalisation (`litkv/kvcache/kvzip.py`), runs the context-reconstruction pass (`litkv.inference.kvzip`),
+normalisation (`litkv/kvcache/kvzip.py`), runs the context-reconstruction pass (`litkv.inference.kvzip_reconstruction`),
 and returns per layer the pre-RoPE keys of every token and `log(score)` (scores floored at `FLOOR`), the
 pairs `litkv.finetune.lstsq` regresses the gate logits on. Unlike kvpress's `kvzap/data.py`, which
 repeats the whole prompt once under full attention, the scores are those `kvzip` ranks by (kvpress's
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from litkv.gates.gate import unrotate_keys
-from litkv.inference.kvzip import RepeatPrompt, kvzip_score
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.runner import ChunkPlan, run_chunks
 

@@ -42,7 +42,7 @@ from litkv.finetune.gate_training import GateTrainArgs, GateTrainState, StepLog,
 from litkv.finetune.lora import LoRAArgs, apply_lora, lora_state_dict, merged_state_dict
 from litkv.finetune.lstsq import fit_gates_lstsq
 from litkv.gates.gate import GATES_FILE, EvictionGates
-from litkv.inference.kvzip import RepeatPrompt
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT

@@ -31,7 +31,7 @@ from torch import nn
 from litkv.finetune.gate_training import GateTrainArgs, StepLog, attention_mass, batch_indices, evictable
 from litkv.finetune.kvzip_target import kvzip_records
 from litkv.gates.gate import EvictionGates
-from litkv.inference.kvzip import RepeatPrompt
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 
 __all__ = ["RIDGE", "NormalEquations", "fit_gates_lstsq"]
 

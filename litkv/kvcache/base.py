@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from litkv.core.validation import require_int
+from litkv.kvcache.call_checks import check_call_inputs, check_drops, check_full, row_overflow
 from litkv.kvcache.candidates import (
     Candidates,
     OpenCall,
@@ -37,8 +38,10 @@ from litkv.kvcache.candidates import (
     placement_of,
     staged_placement,
 )
+from litkv.kvcache.layer_cache import CacheSettings, LayerCache
 from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, load_into, needs_functional
+from litkv.kvcache.state_tensors import SlotState, allocate, check_slot_state, load_named, named_tensors, set_named
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 
 if TYPE_CHECKING:
@@ -50,50 +53,10 @@ __all__ = [
     "CacheShape",
     "KVCache",
     "LayerCache",
-    "OpenCall",
     "Placement",
     "SlotState",
     "drop_lowest",
-    "pair_drops",
-    "staged_placement",
 ]
-
-
-class CacheSettings(Protocol):
-    """What a cache reads of its configuration (`litkv.kvcache.config.KVCacheConfig` is the one
-    implementation; typed by protocol so that the contract does not import the config: no import circle)."""
-
-    policy: str
-    cache_length: int
-    storage: str
-    quant_group_size: int
-
-    @property
-    def policy_options(self) -> PolicyOptions: ...
-
-
-class LayerCache(Protocol):
-    """What an attention layer needs from its cache (`KVCache` and the gradient engine's replay cache)."""
-
-    needs_attn_weights: bool
-    heads_share_positions: bool
-    positions: torch.Tensor  # (B, G, n) token position of each cached slot, -1 when empty
-
-    def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]: ...
-
-    def evict_and_store(self, attn_weights: torch.Tensor | None) -> None: ...
-
-    def nbytes(self) -> int: ...
-
-
-class SlotState(NamedTuple):
-    """One per-slot state tensor a policy declares (`KVCache.slot_state`): the base allocates it `(B, G, L)`,
-    filled with `fill`, of `dtype`; the policy updates it (`after_write`)."""
-
-    fill: float = 0.0
-    dtype: torch.dtype = torch.float32
 
 
 class KVCache(ABC):
@@ -139,13 +102,7 @@ class KVCache(ABC):
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
-        declared = cls.slot_state
-        if not isinstance(declared, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, SlotState) for k, v in declared.items()
-        ):
-            raise TypeError(
-                f"{cls.__name__}.slot_state must map attribute names to SlotState(fill, dtype), got {declared!r}"
-            )
+        check_slot_state(cls.__name__, cls.slot_state)
 
     def __init__(
         self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
@@ -178,10 +135,7 @@ class KVCache(ABC):
         # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
         # overwrite (an undo log records what they held); `None`: nothing is recorded.
         self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
-        for name, (fill, state_dtype) in self.slot_state.items():  # the declared per-slot state
-            setattr(self, name, torch.full_like(self.positions, fill, dtype=state_dtype))
-        for name in self.row_state:
-            setattr(self, name, None)
+        allocate(self)  # the declared per-slot and per-row state
 
     # -- what a policy implements ---------------------------------------------------------------
 
@@ -211,29 +165,15 @@ class KVCache(ABC):
     def check_room(self, input_pos: torch.Tensor) -> None:
         """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken."""
         limit = self.max_tokens(self.config)
-        over = None if limit is None else self.overflow(input_pos, limit)
-        if over is not None:
-            row, held, need = over
-            raise ValueError(
-                f"{type(self).__name__} is full: cache_length={self.cache_length}, row {row} holds {held} tokens "
-                f"and {need - held} new tokens do not fit (need {need}). Use a larger cache_length or a policy "
-                "that evicts, e.g. 'last-recent' or 'h2o'"
-            )
+        if limit is not None:
+            check_full(type(self).__name__, self.cache_length, self.overflow(input_pos, limit))
 
     def overflow(self, input_pos: torch.Tensor, limit: int) -> tuple[int, int, int] | None:
         """`(row, tokens held, tokens needed)` of a row whose own tokens would exceed `limit` with this call.
 
-        `num_filled` counts pad columns too, so only when it says "over" are the rows' own tokens counted
-        (one host read): pads never take a slot, so a ragged batch fits where each row fits.
+        Pads never take a slot, so a ragged batch fits where each row fits (`call_checks.row_overflow`).
         """
-        if self.num_filled + input_pos.shape[1] <= limit:
-            return None
-        held = (self.positions >= 0).sum(dim=2).amax(dim=1)  # (B,) tokens held per row
-        need = held + (input_pos >= 0).sum(dim=1)
-        if not bool((need > limit).any()):
-            return None
-        row = int(need.argmax())
-        return row, int(held[row]), int(need[row])
+        return row_overflow(self.positions, self.num_filled, input_pos, limit)
 
     def drops_valid_by_construction(self) -> bool:
         """Whether `select_drop` returns valid indices by construction, so that `evict_and_store` need
@@ -285,7 +225,9 @@ class KVCache(ABC):
             and values, which `attention.attend` reads without unpacking.
         """
         self.settle()
-        self._check_inputs(keys, values, input_pos)
+        if self._call is not None:
+            raise RuntimeError("attend_inputs() called twice without evict_and_store() in between")
+        check_call_inputs(self.shape, self.dtype, keys, values, input_pos)
         if self.needs_queries and queries is None:
             raise ValueError(f"{type(self).__name__} needs the call's queries, got None")
         b, g, t = keys.shape[:3]
@@ -493,13 +435,7 @@ class KVCache(ABC):
         With `static_shapes` (compiled decode steps) the tensors there are overwritten in place, so they keep
         their addresses from step to step (a CUDA graph replays on fixed addresses); otherwise the attribute
         is rebound (a snapshot may hold the old tensors)."""
-        current = getattr(self, name, None)
-        parts, now = (value, current) if isinstance(value, tuple) else ((value,), (current,))
-        if self.static_shapes and isinstance(now, tuple) and _same_layout(now, parts):
-            for old, new in zip(now, parts, strict=True):
-                old.copy_(new)
-        else:
-            setattr(self, name, value)
+        set_named(self, name, value)
 
     def abort_call(self) -> None:
         """Forget a call interrupted between `attend_inputs` and its eviction (its eviction is not done)."""
@@ -526,16 +462,7 @@ class KVCache(ABC):
         """
         self.settle()
         self._slots_valid = None  # the caller may write the live tensors
-        out = {"positions": self.positions}
-        out.update({f"storage.{k}": v for k, v in self.storage.state_tensors().items()})
-        out.update({f"slot.{name}": getattr(self, name) for name in self.slot_state})
-        for name in self.row_state:
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor):
-                out[f"row.{name}"] = value
-            elif isinstance(value, tuple):
-                out.update({f"row.{name}.{i}": part for i, part in enumerate(value)})
-        return out
+        return named_tensors(self)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
         """Set the cache to a state shaped as `state_tensors()` returns it (copied in; row state assigned).
@@ -547,87 +474,21 @@ class KVCache(ABC):
         require_int("num_filled", num_filled, 0, self.cache_length)
         self._call = None  # a waiting eviction is overwritten with the rest of the state
         self._slots_valid = None
-        name = type(self).__name__
-        storage = {k[len("storage.") :]: v for k, v in tensors.items() if k.startswith("storage.")}
-        self.storage.load_state_tensors(storage)
-        slots = {k: v for k, v in tensors.items() if k == "positions" or k.startswith("slot.")}
-        live = {k: v for k, v in self.state_tensors().items() if k == "positions" or k.startswith("slot.")}
-        load_into(name, live, slots)
-        for attr in self.row_state:
-            parts = sorted((k for k in tensors if k == f"row.{attr}" or k.startswith(f"row.{attr}.")), key=len)
-            if not parts:
-                setattr(self, attr, None)
-            elif parts == [f"row.{attr}"]:
-                setattr(self, attr, tensors[parts[0]].clone())
-            else:
-                setattr(self, attr, tuple(tensors[f"row.{attr}.{i}"].clone() for i in range(len(parts))))
+        load_named(self, tensors)
         self.num_filled = num_filled
+
+    def _check_drop(self, drop: object, t: int) -> None:
+        """Raise naming the policy if `drop` is not `(B, G, T)` int64 distinct indices in `[0, L + T)` (the values
+        are read only for a policy whose drops are not valid by construction)."""
+        expected = (*self.positions.shape[:2], t)
+        check_drops(type(self).__name__, drop, expected, self.cache_length, not self.drops_valid_by_construction())
 
     def _keeps_state(self) -> bool:
         """Whether the class overrides `after_write` (else no `Placement` is built: nothing would read it)."""
         return type(self).after_write is not KVCache.after_write
-
-    # -- checks ---------------------------------------------------------------------------------
-
-    def _check_drop(self, drop: object, t: int) -> None:
-        """Raise naming the policy if `drop` is not `(B, G, T)` int64 distinct indices in `[0, L + T)`."""
-        name = type(self).__name__
-        expected = (*self.positions.shape[:2], t)
-        if not isinstance(drop, torch.Tensor) or drop.dtype != torch.int64:
-            got = drop.dtype if isinstance(drop, torch.Tensor) else type(drop).__name__
-            raise TypeError(f"{name}.select_drop must return an int64 tensor, got {got}")
-        if tuple(drop.shape) != expected:
-            raise ValueError(f"{name}.select_drop must return shape {expected} (B, G, T), got {tuple(drop.shape)}")
-        if self.drops_valid_by_construction():
-            return
-        n = self.cache_length + t
-        ordered = torch.sort(drop, dim=2).values
-        out_of_range = (ordered[..., 0] < 0) | (ordered[..., -1] >= n)
-        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=2)
-        if bool((out_of_range | repeated).any()):
-            row, head = (out_of_range | repeated).nonzero()[0].tolist()
-            raise ValueError(
-                f"{name}.select_drop must return {t} distinct candidate indices in [0, {n}) per (row, KV head); "
-                f"row {row}, head {head} got {drop[row, head].tolist()}"
-            )
-
-    def _check_inputs(self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor) -> None:
-        s = self.shape
-        if self._call is not None:
-            raise RuntimeError("attend_inputs() called twice without evict_and_store() in between")
-        for name, tensor, size in (("keys", keys, s.key_size), ("values", values, s.value_size)):
-            if tensor.dtype != self.dtype:
-                raise ValueError(f"{name} have dtype {tensor.dtype}, but the cache holds {self.dtype}")
-            if tensor.dim() != 4:
-                raise ValueError(f"{name} must be 4-D (B, G, T, head_size), got shape {tuple(tensor.shape)}")
-            if tensor.shape[0] != s.batch_size:
-                raise ValueError(
-                    f"batch size changed mid-sequence: the cache was built for batch size "
-                    f"{s.batch_size}, got {name} with batch size {tensor.shape[0]}"
-                )
-            expected = (s.batch_size, s.n_query_groups, keys.shape[2], size)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
-        t = keys.shape[2]
-        if tuple(input_pos.shape) != (s.batch_size, t):
-            raise ValueError(f"input_pos must have shape {(s.batch_size, t)}, got {tuple(input_pos.shape)}")
-        if t == 0:
-            raise ValueError("a call must bring at least one new token, got T=0")
-        if t > self.cache_length:
-            raise ValueError(
-                f"chunk of {t} tokens is longer than allowed: at most cache_length={self.cache_length} "
-                "new tokens per call"
-            )
 
 
 def _gather_tokens(tokens: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`tokens` `(B, G, T, D)` gathered along T by `src` `(B, G, T')` -> `(B, G, T', D)`."""
     index = src[..., None].expand(*src.shape, tokens.shape[-1])
     return tokens.gather(2, index)
-
-
-def _same_layout(old: tuple[object, ...], new: tuple[torch.Tensor, ...]) -> bool:
-    """Whether `new` can be copied into `old` tensor by tensor: as many tensors, each of the same shape and dtype."""
-    return len(old) == len(new) and all(
-        isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old, new, strict=True)
-    )

@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 import torch._dynamo
 
-from litkv.kvcache.base import KVCache, LayerCache, staged_placement
+from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.candidates import staged_placement
 from litkv.kvcache.recurrent import RecurrentCache
 
 __all__ = ["KVCaches", "CallRecorder"]

@@ -3,7 +3,7 @@ Query-Agnostic KV Cache Compression with Context Reconstruction"; kvpress 0.5.5 
 
 Each cached pair is scored by the largest attention it receives while the model repeats the context
 from the cache: after the prompt is prefilled (every token kept, as every one-shot policy), a driver
-(`litkv.inference.kvzip.kvzip_compress`, which owns the model) feeds, per chunk of `chunk_size`
+(`litkv.inference.kvzip_reconstruction.kvzip_compress`, which owns the model) feeds, per chunk of `chunk_size`
 context tokens, "Repeat the previous context exactly." (later chunks: "Repeat the part of the previous
 context exactly, starting with" and the previous chunk's last 8 tokens), the chat template's end of
 the user turn, then the chunk itself, at the positions after the prompt. Every layer's cache is then in
@@ -220,7 +220,7 @@ class KVzipKVCache(OneShot):
         """A single layer cannot rank against the others: `compress_kvzip` compresses every layer at once."""
         raise RuntimeError(
             "kvzip scores the prompt with a context-reconstruction pass that needs the model: run "
-            "litkv.inference.kvzip.kvzip_compress(model, prompts, repeat) after the prefill ("
+            "litkv.inference.kvzip_reconstruction.kvzip_compress(model, prompts, repeat) after the prefill ("
             "`litkv evaluate` does), not end_prefill()/compress() of a layer"
         )
 

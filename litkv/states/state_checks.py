@@ -11,7 +11,7 @@ import torch
 from litkv.kvcache.storage import CacheShape
 
 
-class LayerState(Protocol):
+class CheckedLayer(Protocol):
     """What is checked of one layer of a `litkv.states.state.LayerState` (typed by protocol: no import circle)."""
 
     shape: CacheShape
@@ -20,10 +20,10 @@ class LayerState(Protocol):
     length: int
 
 
-class CacheState(Protocol):
+class CheckedState(Protocol):
     """What is checked of a `litkv.states.state.CacheState`."""
 
-    layers: Sequence[LayerState]
+    layers: Sequence[CheckedLayer]
     last_pos: torch.Tensor | None
     last_hidden: torch.Tensor | None
     token_ids: list[list[int]] | None
@@ -46,7 +46,7 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         _fail(name, "holds non-finite values (NaN or inf)")
 
 
-def _check_positions(where: str, pos: torch.Tensor, layer: LayerState, last_pos: torch.Tensor | None) -> None:
+def _check_positions(where: str, pos: torch.Tensor, layer: CheckedLayer, last_pos: torch.Tensor | None) -> None:
     if pos.dtype != torch.int64:
         _fail(f"{where} positions", f"must be int64, got {pos.dtype}")
     if pos.numel() == 0:
@@ -86,7 +86,7 @@ def _check_recurrent_layer(where: str, layer: object, rows: int) -> None:
         _check_finite(f"{where} {name}", t)
 
 
-def _check_layer(i: int, layer: LayerState, rows: int, last_pos: torch.Tensor | None) -> None:
+def _check_layer(i: int, layer: CheckedLayer, rows: int, last_pos: torch.Tensor | None) -> None:
     where = f"layer {i}"
     if getattr(layer, "kind", "attention") != "attention":
         _check_recurrent_layer(where, layer, rows)
@@ -122,7 +122,7 @@ def _check_layer(i: int, layer: LayerState, rows: int, last_pos: torch.Tensor | 
     _check_positions(where, pos, layer, last_pos)
 
 
-def validate_state(state: CacheState) -> None:
+def validate_state(state: CheckedState) -> None:
     """ValueError naming the field (and layer) when the state is not one a cache could be in."""
     rows = state.batch_size
     _check_rows("last_pos", state.last_pos, rows)
@@ -142,7 +142,7 @@ def validate_state(state: CacheState) -> None:
         _check_layer(i, layer, rows, state.last_pos)
 
 
-def check_token_ids(state: CacheState, vocab_size: int) -> None:
+def check_token_ids(state: CheckedState, vocab_size: int) -> None:
     """ValueError when a token id of the state is outside `[0, vocab_size)`."""
     for r, ids in enumerate(state.token_ids or []):
         out = [t for t in ids if not 0 <= t < vocab_size]

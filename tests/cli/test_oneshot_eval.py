@@ -16,7 +16,7 @@ from litkv.eval.evaluate import cache_config, evaluate_policies, evaluate_ruler,
 from litkv.eval.oneshot import is_one_shot, oneshot_answers
 from litkv.eval.ruler import FALLBACK_WORDS, generate_samples
 from litkv.inference.generate import decode_greedy, generate, pad_prompts
-from litkv.inference.kvzip import RepeatPrompt, kvzip_compress
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks

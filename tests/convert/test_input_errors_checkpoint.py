@@ -39,9 +39,9 @@ from litkv.checkpoints.checkpoint import (
     save_state_dict_atomic,
 )
 from litkv.checkpoints.convert import convert_hf_checkpoint
+from litkv.cli.finetune_cmd import finetune
 from litkv.core.atomic import mark_output_dir, save_dir_atomic, write_atomic
 from litkv.finetune.checkpoint_dirs import STATE_FILE, TrainingState, load_training_state
-from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs, read_json_records
 from litkv.gradient import chunked_loss_backward
 from litkv.modeling.config import KVCacheConfig

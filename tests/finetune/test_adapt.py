@@ -22,8 +22,8 @@ from tiny_checkpoint import TEXT
 import litkv
 from litkv.__main__ import main as litkv_main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.cli.finetune_cmd import finetune
 from litkv.core.tokens import encode_plain
-from litkv.finetune.cli import finetune
 from litkv.finetune.data import IGNORE_INDEX, DataArgs, collate, load_examples
 from litkv.finetune.loop import chunked_loss_sum
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable

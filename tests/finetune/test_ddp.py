@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import litkv.finetune.cli as cli
+import litkv.cli.finetune_cmd as cli
 from litkv.modeling.config import KVCacheConfig
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs

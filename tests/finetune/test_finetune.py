@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import litkv
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer, save_state_dict_atomic
-from litkv.finetune.cli import finetune
+from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import IGNORE_INDEX, DataArgs, DataOrder, collate, load_examples, split_examples
 from litkv.finetune.loop import TrainArgs, lr_at
 from litkv.modeling.config import KVCacheConfig

@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 from test_finetune import SEQ, make_checkpoint, write_text
 
+from litkv.cli.finetune_cmd import finetune
 from litkv.cli.generate_cmd import generate
-from litkv.finetune.cli import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 from litkv.finetune.sharding import SHARDING_FILE, check_sharded_resume, check_strategy
@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 from litkv.modeling.config import KVCacheConfig
-from litkv.finetune.cli import finetune
+from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 

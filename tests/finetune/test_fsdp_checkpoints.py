@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from litkv.finetune.cli import finetune
+from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import EvalArgs, TrainArgs
 from litkv.modeling.config import KVCacheConfig

@@ -13,7 +13,7 @@ from kvzip_reference import brute_scores
 from litkv.finetune.gate_training import GateTrainArgs, attention_mass, batch_indices, evictable, train_gates
 from litkv.finetune.kvzip_target import FLOOR
 from litkv.finetune.lstsq import RIDGE, NormalEquations, fit_gates_lstsq
-from litkv.inference.kvzip import RepeatPrompt
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 T, WINDOW, SINKS = 24, 3, 1
@@ -136,7 +136,7 @@ def test_finetune_lstsq_writes_loadable_gates_and_refuses_checkpoints(tmp_path):
     from tiny_checkpoint import make_tiny_checkpoint
 
     from litkv.checkpoints.checkpoint import load_model
-    from litkv.finetune.cli import finetune
+    from litkv.cli.finetune_cmd import finetune
 
     base = tmp_path / "base"
     make_tiny_checkpoint(base)

@@ -167,7 +167,7 @@ def test_finetune_learn_eviction_writes_a_loadable_checkpoint(tmp_path):
     from tiny_checkpoint import make_tiny_checkpoint
 
     from litkv.checkpoints.checkpoint import load_model
-    from litkv.finetune.cli import finetune
+    from litkv.cli.finetune_cmd import finetune
     from litkv.gates import GATES_FILE
 
     base = tmp_path / "base"

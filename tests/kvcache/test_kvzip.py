@@ -1,4 +1,4 @@
-"""`kvzip` (litkv/kvcache/kvzip.py, litkv/inference/kvzip.py) against a float64 brute-force
+"""`kvzip` (litkv/kvcache/kvzip.py, litkv/inference/kvzip_reconstruction.py) against a float64 brute-force
 reconstruction pass: each row alone, the whole context + the repeat call through the plain model forward
 (no cache), every attention weight of the scored subset written out per (layer, head, query)."""
 
@@ -11,7 +11,7 @@ import torch
 from kvzip_reference import brute_scores
 
 from litkv.inference.generate import generate, pad_prompts
-from litkv.inference.kvzip import RepeatPrompt, kvzip_compress, kvzip_score
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress, kvzip_score
 from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import litkv.modeling.attention as attention
 import litkv.modeling.model as model_module
+import litkv.modeling.self_attention as self_attention
 from litkv import KVCacheConfig, forward_chunked
 from litkv.modeling.attention import attend_causal_suffix
 
@@ -61,7 +62,7 @@ def test_chunked_prefill_takes_the_suffix_path_and_matches_float64(policy: str, 
     comes from SDPA as on an accelerator (forced here; on the CPU the weights pass gives it, still without a mask)."""
     monkeypatch.setattr(attention, "weights_in_one_pass", lambda device: False)
     calls = {"suffix": 0, "mask": 0}
-    suffix, mask = attention.attend_causal_suffix, model_module.build_mask
+    suffix, mask = attention.attend_causal_suffix, self_attention.build_mask
 
     def spy_suffix(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls["suffix"] += 1
@@ -72,7 +73,7 @@ def test_chunked_prefill_takes_the_suffix_path_and_matches_float64(policy: str, 
         return mask(*args, **kwargs)
 
     monkeypatch.setattr(attention, "attend_causal_suffix", spy_suffix)
-    monkeypatch.setattr(model_module, "build_mask", spy_mask)
+    monkeypatch.setattr(self_attention, "build_mask", spy_mask)
     model = _model()
     model.config.block_size = 1024
     idx = random_tokens(2, 600, seed=2)
@@ -187,23 +188,23 @@ def test_decode_over_full_slots_builds_no_mask(policy: str, monkeypatch) -> None
     prompt = random_tokens(1, 96, seed=7)
     cfg = KVCacheConfig(policy, cache_length=48, chunk_size=32)
     built = []
-    real = model_module.build_mask
+    real = self_attention.build_mask
 
     def spy(q_pos, k_pos, window=None):  # noqa: ANN001, ANN202
         built.append(q_pos.shape[-1])
         return real(q_pos, k_pos, window)
 
-    monkeypatch.setattr(model_module, "build_mask", spy)
+    monkeypatch.setattr(self_attention, "build_mask", spy)
     with torch.inference_mode():
         fast = generate(model, [prompt[0]], max_new_tokens=6, kv_cache=cfg)
     assert 1 not in built, built  # no decode step built a mask
-    monkeypatch.setattr(model_module.CausalSelfAttention, "_layout", _masked_layout)
+    monkeypatch.setattr(self_attention.CausalSelfAttention, "_layout", _masked_layout)
     with torch.inference_mode():
         masked = generate(model, [prompt[0]], max_new_tokens=6, kv_cache=cfg)
     assert fast[0].tolist() == masked[0].tolist()
     built.clear()
     monkeypatch.undo()
-    monkeypatch.setattr(model_module, "build_mask", spy)
+    monkeypatch.setattr(self_attention, "build_mask", spy)
     short = random_tokens(1, 20, seed=8)[0]
     with torch.inference_mode():
         generate(model, [prompt[0], short], max_new_tokens=3, kv_cache=KVCacheConfig(policy, cache_length=48))
@@ -212,4 +213,4 @@ def test_decode_over_full_slots_builds_no_mask(policy: str, monkeypatch) -> None
 
 def _masked_layout(self, cache, keys, k_pos, input_pos, no_pads):  # noqa: ANN001, ANN202
     """The layout with a mask built from positions for every call (the reference of the mask-free paths)."""
-    return model_module.build_mask(input_pos, k_pos, self.window)
+    return self_attention.build_mask(input_pos, k_pos, self.window)

@@ -20,9 +20,9 @@ from litkv.checkpoints.checkpoint import load_model
 from litkv.checkpoints.runtime import PRECISIONS
 from litkv.cli.chat_cmd import chat
 from litkv.cli.evaluate_cmd import evaluate
+from litkv.cli.finetune_cmd import TRAINING_PRECISIONS, finetune
 from litkv.cli.generate_cmd import generate
 from litkv.cli.serve_cmd import serve
-from litkv.finetune.cli import TRAINING_PRECISIONS, finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs, autocast
 from litkv.modeling.config import KVCacheConfig

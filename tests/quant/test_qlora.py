@@ -19,7 +19,7 @@ from torch import nn
 
 from litkv import GPT
 from litkv.checkpoints.checkpoint import load_model
-from litkv.finetune.cli import finetune
+from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import EvalArgs, TrainArgs
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable, merged_state_dict

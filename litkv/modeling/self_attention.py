@@ -1,0 +1,167 @@
+"""The self-attention layer of a `Block` (`Block.attn` of an attention layer): queries, keys and values with
+RoPE, then attention through the layer's optional `KVCache` (`attend_inputs`, the attention kernel of
+`litkv.modeling.attention`, `evict_and_store`), with the mask layout chosen per call. The recurrent mixers
+in the same place are `litkv.modeling.mamba2.Mamba2Mixer` and `litkv.modeling.gated_deltanet.GatedDeltaNet`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from litkv.core.rope import apply_rope, yarn_mscale
+from litkv.gates.soft import SoftEviction
+from litkv.kvcache.base import KVCache
+from litkv.modeling.attention import CAUSAL, Layout, attend, build_mask
+from litkv.modeling.config import Config, HybridConfig
+
+__all__ = ["CausalSelfAttention"]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention through an optional per-layer `KVCache`."""
+
+    def __init__(self, config: Config, block_idx: int) -> None:
+        super().__init__()
+        shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
+        self.qkv = nn.Linear(config.n_embd, shape, bias=config.bias or config.attn_bias)
+        self.proj = nn.Linear(config.head_size * config.n_head, config.n_embd, bias=config.bias)
+        # Qwen3.5 / Qwen3-Next: the output is gated per channel, `proj(y * sigmoid(gate(x)))`
+        gated = isinstance(config, HybridConfig) and config.attn_output_gate
+        self.gate = nn.Linear(config.n_embd, config.head_size * config.n_head, bias=False) if gated else None
+        if config.norm_qk:
+            olmo2 = config.norm_qk_type == "olmo2"
+            q_size = config.n_head * config.head_size if olmo2 else config.head_size
+            k_size = config.n_query_groups * config.head_size if olmo2 else config.head_size
+            self.norm_q = config.norm_class(q_size, eps=config.norm_eps)
+            self.norm_k = config.norm_class(k_size, eps=config.norm_eps)
+        else:
+            self.norm_q = self.norm_k = None
+        self.window: int | None = None
+        indices = config.sliding_window_indices
+        if config.sliding_window_size is not None and indices is not None and indices[block_idx]:
+            self.window = config.sliding_window_size
+        mscale = 1.0
+        adjustments = config.rope_adjustments or {}
+        if adjustments.get("mscale_all_dim") and adjustments.get("factor"):
+            mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
+        self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
+        self.kv_cache: KVCache | None = None
+        # Set while eviction gates are trained (`litkv.gates.soft.soft_eviction`): calls attend with the
+        # gates' soft keep decisions as an additive bias (without a cache, or through one, `attend_cached`).
+        self.soft_eviction: SoftEviction | None = None
+        self.config = config
+        self.block_idx = block_idx
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        no_pads: bool = False,
+        evict_later: bool = False,
+    ) -> torch.Tensor:
+        """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `no_pads`: `input_pos` holds no `-1` (then a call
+        that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel).
+        `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
+        loop (`KVCache.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
+        q, k, v = self._qkv(x, cos, sin)
+        softcap = self.config.attention_logit_softcapping
+        if input_pos is None and self.soft_eviction is not None:
+            y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
+        elif input_pos is None:
+            y = self._attend_full(q, k, v, softcap)
+        else:
+            cache = self.kv_cache
+            if cache is None:
+                raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
+            keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
+            if self.soft_eviction is not None:  # eviction gates trained through caches
+                if cache.needs_attn_weights:
+                    raise ValueError(
+                        f"soft eviction needs a cache that reads no attention weights, got {type(cache).__name__}"
+                    )
+                y = self.soft_eviction.attend_cached(
+                    self.block_idx, q, keys, values, k_pos, input_pos, self.scale, self.window
+                )
+                weights = None
+            else:
+                mask = self._layout(cache, keys, k_pos, input_pos, no_pads)
+                need = cache.needs_attn_weights
+                y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
+            if evict_later:
+                cache.wait_for_eviction(weights)
+            else:
+                cache.evict_and_store(weights)
+        return self.proj(y if self.gate is None else y * torch.sigmoid(self.gate(x)))
+
+    def _qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `(B, n_head, T, hs)`, keys and values `(B, G, T, hs)`, RoPE applied."""
+        c = self.config
+        b, t, _ = x.shape
+        kv_size = c.n_query_groups * c.head_size
+        q, k, v = self.qkv(x).split((c.n_head * c.head_size, kv_size, kv_size), dim=-1)
+        if c.norm_qk and c.norm_qk_type == "olmo2":
+            q, k = self.norm_q(q), self.norm_k(k)
+        q = q.view(b, t, c.n_head, c.head_size).transpose(1, 2)
+        k = k.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
+        v = v.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
+        if c.norm_qk and c.norm_qk_type == "default":
+            q, k = self.norm_q(q), self.norm_k(k)
+        n = c.rope_n_elem
+        q = torch.cat((apply_rope(q[..., :n], cos, sin, c.rope_interleave), q[..., n:]), dim=-1)
+        k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
+        return q, k, v
+
+    def _layout(
+        self, cache: KVCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool
+    ) -> Layout:
+        """Which keys each of the call's queries sees (`attend`'s `mask`): `CAUSAL` for a call without pads whose
+        keys end with its own after filled earlier slots (no mask), `None` for a decode step over slots the
+        cache knows all hold a token (no mask), else a mask built from positions (pads, empty slots, a sliding
+        window, spliced positions).
+
+        Args:
+            keys: the keys `attend_inputs` returned (a tensor, or packed slots); k_pos: their positions
+                `(B, G, S)` (`-1`: empty); input_pos: the call's positions `(B, T)`; no_pads: `input_pos` has no `-1`.
+        """
+        if self.window is None and isinstance(keys, torch.Tensor):
+            if no_pads and self._suffix_causal(k_pos, input_pos):
+                return CAUSAL
+            if input_pos.shape[-1] == 1 and getattr(cache, "attended_keys_valid", False):
+                return None  # a decode step: its token is the newest, every slot holds an earlier one
+        return build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
+
+    @staticmethod
+    def _suffix_causal(k_pos: torch.Tensor, input_pos: torch.Tensor) -> bool:
+        """Whether the call's own keys are the last `T` slots in the order of its increasing positions, and every
+        earlier slot filled and earlier than the call's first position (one host read; none for a call that
+        attends only its own tokens, the first chunk). A spliced or selectively recomputed call (positions out of
+        slot order) is not.
+
+        Args:
+            k_pos: the slots' positions `(B, G, S)` (`-1`: empty); `input_pos`: the call's positions `(B, T)`.
+        """
+        t = input_pos.shape[-1]
+        if k_pos.shape[-1] == t:  # positions increase along a call without pads: causal by index is by position
+            return True
+        if k_pos.shape[-1] < t:
+            return False
+        own = (k_pos[..., -t:] == input_pos[:, None, :]).all()
+        before = k_pos[..., :-t]
+        earlier = ((before >= 0) & (before < input_pos[:, None, :1])).all()
+        increasing = (input_pos.diff(dim=-1) > 0).all()
+        return bool(own & earlier & increasing)
+
+    def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""
+        mask: Layout = CAUSAL
+        if self.window is not None:
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = build_mask(pos[None], pos[None, None], self.window)
+        return attend(q, k, v, mask, self.scale, softcap)[0]
