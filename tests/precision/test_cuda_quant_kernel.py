@@ -45,10 +45,15 @@ def _inputs(b: int, n_head: int, g: int, s: int, d: int, bits: int, group: int, 
     return q, codes, scales, offsets, mask, valid, bits, group, d**-0.5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize(("b", "n_head", "g", "s"), [(1, 32, 8, 4097), (8, 9, 3, 1000)])
-def test_compiled_kernel_equals_pytorch_path(b: int, n_head: int, g: int, s: int, bits: int, dtype) -> None:
+LLAMA, SMOLLM2 = (1, 32, 8, 4097), (8, 9, 3, 1000)  # (rows, query heads, KV heads, slots)
+
+
+@pytest.mark.parametrize(
+    ("shape", "bits", "dtype"),
+    [(LLAMA, 8, torch.float32), (LLAMA, 4, torch.bfloat16), (SMOLLM2, 8, torch.bfloat16), (SMOLLM2, 4, torch.float32)],
+)
+def test_compiled_kernel_equals_pytorch_path(shape: tuple, bits: int, dtype: torch.dtype) -> None:
+    b, n_head, g, s = shape
     from litkv.kvcache.kernels import quant_decode
 
     args = _inputs(b, n_head, g, s, 64, bits, 32, dtype)
