@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +46,8 @@ def _case(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, g, s, 2, d, generator=gen) * 1.5 + torch.randn(2, g, 1, 2, 1, generator=gen)
     x[0, 0, 1] = 0.25  # a constant vector: scale 0
-    codes, scales, offsets = quantize(x, bits, min(group, d), torch.float16)
+    scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16  # as `QuantizedStorage`
+    codes, scales, offsets = quantize(x, bits, min(group, d), scale_dtype)
     slots = QuantizedSlots(codes, scales, offsets, bits, min(group, d), dtype)
     k_pos = torch.randperm(4 * s, generator=gen)[:s].expand(2, g, s).clone()
     k_pos[:, :, :3] = -1  # empty slots
@@ -134,3 +138,46 @@ def test_supported_calls() -> None:
 
     q = torch.zeros(1, 2, 3, 8)
     assert not supported(q, 1, 8)  # the CPU keeps the PyTorch path
+
+
+# Compiles both kernels for an H100 (sm_90) to machine code without a GPU: the lowering that the interpreter skips.
+_COMPILE_FOR_SM90 = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from litkv.kvcache.kernels import quant_decode as qd
+
+POINTERS = {"Q": "*bf16", "Y": "*bf16", "Codes": "*u8", "Scales": "*bf16", "Offsets": "*bf16", "Mask": "*i1",
+            "Valid": "*i1"}
+FLOATS = {"sm_scale", "softcap"}
+
+def compile(kernel, **constexprs):
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name[0].isupper():
+            sig[name] = POINTERS.get(name, "*fp32")
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    out = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert len(out.asm["cubin"]) > 0
+
+blocks = dict(BLOCK_H=16, BLOCK_S=qd.BLOCK_S, BLOCK_D=32)
+for bits in (8, 4):
+    compile(qd._partial_kernel, BITS=bits, SOFTCAP=True, NEED_WEIGHTS=True, **blocks)
+compile(qd._combine_kernel, HAS_VALID=True, NEED_WEIGHTS=True, BLOCK_P=4, **blocks)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_an_h100_without_one() -> None:
+    """Both kernels (int8 and int4, soft-capping, weights) lowered to sm_90 machine code by Triton's own compiler and
+    ptxas, no GPU needed (about 25 s of CPU: slow)."""
+    path = os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

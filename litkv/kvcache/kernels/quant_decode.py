@@ -82,7 +82,7 @@ def decode_attend(
     Args:
         q: `(B, G, M, D)` queries, `M` the query heads of a KV head (one query each), `D` even.
         codes: `(B, G, S, 2, D * bits / 8)` uint8 (index 0 of the fourth axis: key, 1: value), the last
-            two axes contiguous; `scales`, `offsets`: `(B, G, S, 2, D / group_size)` float16 or bfloat16,
+            axis contiguous (else copied); `scales`, `offsets`: `(B, G, S, 2, D / group_size)` float16 or bfloat16,
             likewise.
         mask: `(B, G or 1, 1, S)` bool, True where attention is allowed (any strides, expanded included).
         query_valid: `(B, 1)` bool, whether the row's query counts in the weights (default: all).
@@ -96,6 +96,7 @@ def decode_attend(
     """
     b, g, m, d = q.shape
     s, half = codes.shape[2], d // 2
+    q, codes, scales, offsets = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, codes, scales, offsets))
     if split_slots is None:
         splits = max(1, min(triton.cdiv(s, BLOCK_S), triton.cdiv(PROGRAMS, b * g)))
         split_slots = triton.cdiv(triton.cdiv(s, splits), BLOCK_S) * BLOCK_S
@@ -169,7 +170,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV head, split): running softmax `(m, l, sum of values)` over the split's slots."""
-        bg = tl.program_id(0)
+        bg = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a large cache's codes exceed 2^31 bytes
         split = tl.program_id(1)
         b = bg // n_kv
         g = bg % n_kv
@@ -235,7 +236,7 @@ if triton is not None:
     ):  # fmt: skip
         """One (row, KV head, split): the splits merged by log-sum-exp; the output (first split) and the
         split's weight sums over the query heads."""
-        bg = tl.program_id(0)
+        bg = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         offs_h = tl.arange(0, BLOCK_H)
         offs_p = tl.arange(0, BLOCK_P)
