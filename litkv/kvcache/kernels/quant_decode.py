@@ -249,11 +249,15 @@ if triton is not None:
         m_use = tl.where(m == float("-inf"), 0.0, m)
         factor = tl.exp(m_parts - m_use[None, :])
         l_total = tl.sum(factor * tl.load(LPart + at, mask=p_ok[:, None], other=0.0), axis=0)
-        if split == 0:
-            acc_at = AccPart + at[:, :, None] * (2 * BLOCK_D) + offs_d[None, None, :]
-            weight = factor[:, :, None] / l_total[None, :, None]
-            lo = tl.sum(tl.load(acc_at, mask=p_ok[:, None, None], other=0.0) * weight, axis=0)
-            hi = tl.sum(tl.load(acc_at + BLOCK_D, mask=p_ok[:, None, None], other=0.0) * weight, axis=0)
+        if split == 0:  # the output: the splits' value sums, each rescaled to the common maximum
+            lo = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            hi = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            for p in range(0, n_splits):
+                at_p = (bg * n_splits + p) * BLOCK_H + offs_h
+                weight = (tl.exp(tl.load(MPart + at_p) - m_use) / l_total)[:, None]
+                acc_at = AccPart + at_p[:, None] * (2 * BLOCK_D) + offs_d[None, :]
+                lo += tl.load(acc_at) * weight
+                hi += tl.load(acc_at + BLOCK_D) * weight
             b = bg // n_kv
             g = bg % n_kv
             y_at = Y + b * stride_yb + g * stride_yg + offs_h[:, None] * stride_ym + offs_d[None, :]
