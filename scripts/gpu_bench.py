@@ -20,6 +20,8 @@ The decode table, per prompt length (batch 1, greedy, `--new` tokens):
 The policy table: every policy of `--policies` with `--cache-length` slots at a `--policy-prompt` prompt, for each
 batch of `--batches` (`--batch-policies` at batches above 1), against dense and transformers' `DynamicCache` in the
 same run: prefill s, decode tok/s, `vs dense` (decode), cache MiB (the caches' `nbytes()`, int4 scales included).
+Where qh2o runs it runs twice: with its int4 decode attention on the Triton kernel (CUDA; the PyTorch path elsewhere)
+and on the PyTorch path (`qh2o (PyTorch attention)`).
 The `learned` policy runs with fresh gates (`EvictionGates.create`: what it costs, not what it keeps).
 
 Last, one line per target of issue 44 with its figure (`met` / `MISSED`).
@@ -43,10 +45,13 @@ import litkv
 from litkv.eval.bandwidth import kv_bytes_per_token, weight_bytes
 from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
 from litkv.gates.gate import EvictionGates
+from litkv.kvcache import quant_attention
 from litkv.modeling.config import KVCacheConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POLICIES = "last-recent,h2o,tova,snapkv,keydiff,knorm,expected-attention,learned,qh2o"
+# qh2o again with its int4 attention on the PyTorch path instead of the Triton kernel (`TRITON_DECODE = False`)
+QH2O_TORCH = "qh2o (PyTorch attention)"
 
 
 class _Sink:
@@ -241,17 +246,20 @@ def _policy_table(
     print("| policy | prefill s | decode tok/s | vs dense | cache MiB |\n|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size, (batch, n), generator=gen).to(device)
-    for policy in ["dense", *policies.split(","), "hf DynamicCache"]:
+    names = policies.split(",")
+    for policy in ["dense", *names, *([QH2O_TORCH] if "qh2o" in names else []), "hf DynamicCache"]:
         mib = float("nan")
         if policy == "hf DynamicCache":
             run = _hf_run(hf, prompts, False)
         else:
             length = n + args.new if policy == "dense" else args.cache_length
-            cfg = KVCacheConfig(policy, cache_length=length, chunk_size=min(args.chunk_size, args.cache_length))
+            kind = "qh2o" if policy == QH2O_TORCH else policy
+            cfg = KVCacheConfig(kind, cache_length=length, chunk_size=min(args.chunk_size, args.cache_length))
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # qh2o says it stores int4
                 mib = sum(cache.nbytes() for cache in model.build_kv_caches(cfg, batch)) / 2**20
             run = _litkv_run(model, prompts, cfg, False)
+            run = _without_triton(run) if policy == QH2O_TORCH else run
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -264,6 +272,19 @@ def _policy_table(
         ratio = tok_s / results.get(f"b{batch}/dense/decode", float("nan"))
         print(f"| {policy} | {prefill:.3f} | {tok_s:.1f} | {ratio:.2f}x | {mib:.1f} |")
     print()
+
+
+def _without_triton(run: Run) -> Run:
+    """`run` with quantised decode attention on the PyTorch path (no Triton kernel) on every device."""
+
+    def wrapped(n: int) -> list[int]:
+        quant_attention.TRITON_DECODE = False
+        try:
+            return run(n)
+        finally:
+            quant_attention.TRITON_DECODE = True
+
+    return wrapped
 
 
 def _targets(args: argparse.Namespace, results: dict[str, float]) -> None:
@@ -299,6 +320,10 @@ def _targets(args: argparse.Namespace, results: dict[str, float]) -> None:
             lines.append(
                 (f"b{batch}: qh2o / h2o (decode)", ratio(f"b{batch}/qh2o/decode", f"b{batch}/h2o/decode"), 1.0)
             )
+        if "qh2o" in policies:  # not a target of the issue: what the Triton kernel gives qh2o (CUDA only)
+            kernel = args.device.startswith("cuda")  # elsewhere both rows take the PyTorch path: timing noise
+            gain = ratio(f"b{batch}/qh2o/decode", f"b{batch}/{QH2O_TORCH}/decode") if kernel else float("nan")
+            lines.append((f"b{batch}: qh2o with the Triton kernel / with PyTorch attention (decode)", gain, 1.0))
     hf_prefill = "b1/hf DynamicCache/prefill"
     for policy, most in (("dense", 1.3), ("h2o", 1.6), ("tova", 1.6), ("snapkv", 1.6)):
         figure = ratio(f"b1/{policy}/prefill", hf_prefill)

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import _triton_interpret  # noqa: F401  (first: sets TRITON_INTERPRET before anything imports triton)
 import helpers
 import pytest
 import torch

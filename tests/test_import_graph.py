@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "litkv"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("core",),  # validation, rope, atomic files, tokenizer helpers: imports nothing of litkv
     ("gates",),  # eviction gates and their soft attention: tensors the caches and the model read
-    ("kvcache",),  # the cache contract, policies, storage formats and their kernels
+    ("kvcache",),  # the cache contract, policies, storage formats and their kernels (kvcache/kernels/: Triton)
     ("modeling",),  # config, the GPT, attention, Mamba-2, the chunked runner, fingerprints, quantised weights
     ("states", "checkpoints", "gradient"),  # cache state values/files/stores; checkpoint I/O; gradients
     ("inference",),  # generate, KV blocks, the conversation engine, chat templates
@@ -162,3 +162,11 @@ def test_no_folder_imports_a_folder_that_imports_it() -> None:
 def test_no_import_runs_up_the_floors() -> None:
     up = imports_up(graph(), FLOORS)
     assert not up, f"{len(up)} imports run up the floors {FLOORS}:\n" + "\n".join(up)
+
+
+def test_triton_kernels_import_nothing_of_litkv() -> None:
+    """`litkv/kvcache/kernels/` sits below the PyTorch paths that call it (plain tensors in and out)."""
+    edges = graph()
+    kernels = {m: sorted(t) for m, t in edges.items() if m.startswith("litkv.kvcache.kernels")}
+    assert "litkv.kvcache.kernels.quant_decode" in kernels
+    assert all(not targets for targets in kernels.values()), kernels

@@ -130,6 +130,8 @@ class KVCache(ABC):
         self._call: OpenCall | None = None  # the call between attend_inputs and the end of its eviction
         # Host-known: every slot holds a token (`None`: not known; `slots_known_valid` reads it once)
         self._slots_valid: bool | None = None
+        # The same, fixed for a run of compiled steps when `KVCaches.static_shapes` turns on (one graph)
+        self.static_slots_valid = False
         # The keys the last `attend_inputs` returned all hold a token, known on the host (attention needs no mask)
         self.attended_keys_valid = False
         # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
@@ -185,17 +187,23 @@ class KVCache(ABC):
         a decode step: read once (one device read) when a full cache does not know it, then kept over the
         evictions of a class whose own `select_drop` drops pads and empty slots first (every call then keeps a
         token in every slot); forgotten when slots are written otherwise (tokens written into empty slots,
-        `load_state_tensors`, `state_tensors`, whose live tensors the caller may write). Always `False` with
-        `static_shapes` (a compiled step keeps one graph) and for a class whose drops are not its own."""
-        if self.static_shapes or self.num_filled < self.cache_length or not self.drops_valid_by_construction():
+        `load_state_tensors`, `state_tensors`, whose live tensors the caller may write). With `static_shapes`
+        (compiled steps) the answer is the one `KVCaches.static_shapes` fixed when the steps began
+        (`static_slots_valid`), so that a run of steps keeps one graph; always `False` for a class whose drops
+        are not its own."""
+        if self.static_shapes:
+            return self.static_slots_valid
+        if self.num_filled < self.cache_length or not self.drops_valid_by_construction():
             return False
         if self._slots_valid is None:
             self._slots_valid = bool((self.positions >= 0).all())
         return self._slots_valid
 
     def forget_valid_slots(self) -> None:
-        """Slots were emptied outside the eviction (`slots_known_valid` reads them again when asked)."""
+        """Slots were emptied outside the eviction (`slots_known_valid` reads them again when asked; compiled
+        steps keep the mask from then on)."""
         self._slots_valid = None
+        self.static_slots_valid = False
 
     # -- contract -------------------------------------------------------------------------------
 
@@ -302,7 +310,7 @@ class KVCache(ABC):
             self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
         self.storage.write_range(start, keys, values)
         self.positions[:, :, start : start + t] = new_pos
-        self._slots_valid = None  # the new tokens may be pads
+        self.forget_valid_slots()  # the new tokens may be pads
         self.num_filled = start + t
         candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
         self._call = OpenCall("direct", start, candidates)
@@ -461,7 +469,7 @@ class KVCache(ABC):
         counter `num_filled` is not a tensor: read it from the attribute.
         """
         self.settle()
-        self._slots_valid = None  # the caller may write the live tensors
+        self.forget_valid_slots()  # the caller may write the live tensors
         return named_tensors(self)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
@@ -473,7 +481,7 @@ class KVCache(ABC):
             raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
         require_int("num_filled", num_filled, 0, self.cache_length)
         self._call = None  # a waiting eviction is overwritten with the rest of the state
-        self._slots_valid = None
+        self.forget_valid_slots()
         load_named(self, tensors)
         self.num_filled = num_filled
 

@@ -107,7 +107,13 @@ class KVCaches:
 
     @static_shapes.setter
     def static_shapes(self, value: bool) -> None:
+        """Turning it on also fixes, per layer, whether its slots all hold a token for the steps to come
+        (`KVCache.static_slots_valid`, read before: a decode step then attends without a mask)."""
         for cache in self.policy_caches:
+            if not value:
+                cache.static_slots_valid = False
+            elif not cache.static_shapes:
+                cache.static_slots_valid = cache.slots_known_valid()
             cache.static_shapes = value
         for recurrent in self.recurrent_caches:
             recurrent.in_place = value

@@ -25,6 +25,10 @@ the scales multiply a sum of products instead of each product: within 1e-10 in f
 
 Under `torch.compile` the kernel is one opaque op (`litkv::quant_attend`), as `litkv::masked_sdpa`:
 compiled decode steps compute what eager ones do.
+
+On CUDA a decode step (one query per row) takes a Triton kernel instead
+(`litkv.kvcache.kernels.quant_decode`: dequantisation in registers, the attention and the weight sums in
+one pass over the codes), inside the same op; this PyTorch path is the CPU's and every other call's.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ __all__ = ["CodeSlots", "quant_attend"]
 
 # Largest number of score elements held at once (as `attention.WEIGHTS_BLOCK_ELEMENTS`).
 BLOCK_ELEMENTS = 1 << 24
+#: Whether a decode step on CUDA takes the Triton kernel (`litkv.kvcache.kernels.quant_decode`) where it
+#: applies; False: the PyTorch path everywhere (`scripts/gpu_bench.py --no-triton` measures it).
+TRITON_DECODE = True
 
 
 class CodeSlots(Protocol):
@@ -116,7 +123,34 @@ def _quant_attend_eager(
     softcap: float | None,
     need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel. `q` `(B, G, M, D)` with `M = q_per_kv * T` (heads, then queries), `mask`
+    """The op: a decode step on CUDA takes the Triton kernel (`kernels.quant_decode`, while `TRITON_DECODE`),
+    every other call the PyTorch path (`_quant_attend_torch`); shapes as there."""
+    if TRITON_DECODE and q.is_cuda and mask.shape[2] == 1:
+        from litkv.kvcache.kernels import quant_decode  # imports triton: only on CUDA
+
+        if quant_decode.supported(q, 1, q.shape[-1]):
+            return quant_decode.decode_attend(
+                q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
+            )
+    return _quant_attend_torch(
+        q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
+    )
+
+
+def _quant_attend_torch(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    mask: torch.Tensor,
+    query_valid: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path. `q` `(B, G, M, D)` with `M = q_per_kv * T` (heads, then queries), `mask`
     `(B, G or 1, T, S)` -> `y` `(B, G, M, D)` in `q`'s dtype and weight sums `(B, G, S)` float32
     (a 0-element tensor unless `need_weights`); blockwise over the queries."""
     b, g, m, d = q.shape

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache.storage_kinds import known_storages
+from litkv.modeling import attention
 
 POLICIES = ["dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention"]
 POLICIES += ["learned"]
@@ -257,3 +258,38 @@ def test_inductor_quantised_storage_gives_eager_tokens_on_the_shipped_model(
     eager = generate(model, prompts, 40, cfg)
     compiled = generate(model, prompts, 40, cfg, compile=True)
     assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
+
+
+@pytest.mark.slow  # compiling: about 5 s of CPU
+def test_compiled_decode_attends_without_a_mask_when_every_slot_holds_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged batch whose h2o caches are full of tokens after the prefill: the compiled step is traced with no mask
+    (layout `None`, fixed when the steps begin: `KVCache.static_slots_valid`), eager's tokens. A cache whose slots
+    are written otherwise forgets it; a cache not full (dense, most tests above) keeps the mask."""
+    layouts = []
+    for name in ("_sdpa", "_scores_pass"):
+        real = getattr(attention, name)
+
+        def spy(q, k, v, mask, *rest, real=real):  # noqa: ANN001, ANN202
+            layouts.append((q.shape[-2], mask is None))  # (queries per head, no mask)
+            return real(q, k, v, mask, *rest)
+
+        monkeypatch.setattr(attention, name, spy)
+    model = _model()
+    kv = _config("h2o")
+    eager = generate(model, _prompts(), 6, kv)
+    with _fresh_dynamo():  # the spy's list makes dynamo recompile (no recompilation: the 200-step test above)
+        model.compiled_decode_step(backend="eager")
+        layouts.clear()
+        compiled = generate(model, _prompts(), 6, kv, compile=True)
+    steps = [none for t, none in layouts if t == 1]  # the traced step's layers (the prefill's calls are longer)
+    assert steps and all(steps), layouts
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+    with torch.inference_mode(), model.kv_caches_attached(_config("h2o"), 1) as caches:
+        for start in (0, 20):
+            model(torch.arange(start, start + 20)[None], torch.arange(start, start + 20)[None])
+        caches.static_shapes = True
+        assert all(cache.static_slots_valid and cache.slots_known_valid() for cache in caches.policy_caches)
+        caches.policy_caches[0].forget_valid_slots()
+        assert not caches.policy_caches[0].slots_known_valid() and caches.policy_caches[1].slots_known_valid()
+        caches.static_shapes = False
+        assert not any(cache.static_slots_valid for cache in caches.policy_caches)
