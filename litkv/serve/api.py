@@ -425,7 +425,14 @@ class LitKVAPI(ls.LitAPI):
 
 
 def _worker_logging(level: str) -> None:
-    """The inference worker is a spawned process: give litkv's loggers a handler there."""
+    """The inference worker is a spawned process: give litkv's loggers a handler there, and tqdm (the prefill's
+    progress bar, off when serving) a thread lock: its default, a multiprocessing lock made at the first bar,
+    is a named semaphore that LitServe's shutdown leaves behind ("leaked semaphore" warning after SIGTERM)."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     root = logging.getLogger("litkv")
     root.setLevel(level)
     if not root.handlers:
