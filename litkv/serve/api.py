@@ -31,7 +31,7 @@ from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
 from litkv.modeling.config import KVCacheConfig
-from litkv.serve.drain import STOP_POLL_S, DrainStopper, drain_error, leave_process_group
+from litkv.serve.drain import DrainStopper, drain_error, leave_process_group, until_stopped, worker_error
 from litkv.serve.engine import (
     Engine,
     RequestError,
@@ -288,17 +288,19 @@ class LitKVSpec(OpenAISpec):
         return response
 
     async def streaming_completion(self, request: ChatCompletionRequest, pipe_responses: list) -> Any:
-        """LitServe's stream, its last chunk's `finish_reason` corrected; a stream still running when the
-        drain's limit passes ends with an error event and `[DONE]` (its turn cancelled)."""
+        """LitServe's stream, its last chunk's `finish_reason` corrected. A stream that cannot finish ends with an
+        error event and `[DONE]`: one still running when the drain's limit passes (its turn cancelled), and
+        one whose worker failed mid-reply (LitServe's own ending has no `[DONE]`)."""
         finished = False
-        reasons: dict[str, str] = {}
+        reasons: dict[str, Any] = {}
         pipes = [_finish_reason(p, reasons) for p in pipe_responses]
         chunks = super().streaming_completion(request, pipes)
         try:
-            async for chunk in _until_stopped(chunks, DrainStopper(self.opts.cancel_dir)):
-                if chunk is None:
-                    self._cancel(request.metadata["litkv_id"], "drain limit (the stream ends with an error event)")
-                    yield f"data: {json.dumps(drain_error())}\n\n"
+            async for chunk in until_stopped(chunks, DrainStopper(self.opts.cancel_dir)):
+                if chunk is None or "error" in reasons:  # LitServe's chunk after a worker's error is its own
+                    if chunk is None:
+                        self._cancel(request.metadata["litkv_id"], "drain limit (the stream ends with an error event)")
+                    yield f"data: {json.dumps(drain_error() if chunk is None else reasons['error'])}\n\n"
                     yield "data: [DONE]\n\n"
                     break
                 if reasons.get("finish_reason", "stop") != "stop":  # LitServe's last chunk says "stop"
@@ -310,32 +312,13 @@ class LitKVSpec(OpenAISpec):
                 self._cancel(request.metadata["litkv_id"])
 
 
-async def _until_stopped(chunks: AsyncIterator[str], stopper: DrainStopper) -> AsyncIterator[str | None]:
-    """`chunks` as they come, then `None` once `stopper` says the drain's limit passed (instead of the rest)."""
-    pending: asyncio.Future[str] | None = None
-    try:
-        while not stopper.expired():
-            if pending is None:
-                pending = asyncio.ensure_future(anext(chunks))
-            done, _ = await asyncio.wait({pending}, timeout=STOP_POLL_S)
-            if not done:
-                continue
-            try:
-                chunk = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield chunk
-        yield None
-    finally:
-        if pending is not None:  # the stream stopped, or its client went away while waiting for a chunk
-            pending.cancel()
-
-
-async def _finish_reason(pipe: Any, seen: dict[str, str]) -> Any:
-    """Pass a worker's outputs on, noting the `finish_reason` of the turn's last one in `seen`."""
+async def _finish_reason(pipe: Any, seen: dict[str, Any]) -> Any:
+    """Pass a worker's outputs on, noting the `finish_reason` of the turn's last one in `seen` (and, when the
+    worker failed, the error the stream ends with under "error")."""
     async for response, status in pipe:
-        if status != LitAPIStatus.ERROR and isinstance(response, str) and '"finish_reason"' in response:
+        if status == LitAPIStatus.ERROR:
+            seen["error"] = worker_error(response)
+        elif isinstance(response, str) and '"finish_reason"' in response:
             seen["finish_reason"] = json.loads(response).get("finish_reason") or "stop"
         yield response, status
 
@@ -442,7 +425,14 @@ class LitKVAPI(ls.LitAPI):
 
 
 def _worker_logging(level: str) -> None:
-    """The inference worker is a spawned process: give litkv's loggers a handler there."""
+    """The inference worker is a spawned process: give litkv's loggers a handler there, and tqdm (the prefill's
+    progress bar, off when serving) a thread lock: its default, a multiprocessing lock made at the first bar,
+    is a named semaphore that LitServe's shutdown leaves behind ("leaked semaphore" warning after SIGTERM)."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     root = logging.getLogger("litkv")
     root.setLevel(level)
     if not root.handlers:

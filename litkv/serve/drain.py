@@ -1,5 +1,6 @@
 """How `litkv serve` stops on SIGTERM: refuse new requests, let the replies in flight finish within a
-limit, end the ones still running with an error, then stop LitServe.
+limit, end the ones still running with an error, then stop LitServe. Also the errors a stream that cannot
+finish ends with (then `[DONE]`): the drain's (`drain_error`) and a failed worker's (`worker_error`).
 
 The main process and LitServe's workers share a run directory: the guard's `DRAINING` and `INFLIGHT*`
 markers (litkv.serve.guard) and `DRAIN_EXPIRED`, which this module writes when the limit passes and which
@@ -8,19 +9,33 @@ each reply in flight polls (`DrainStopper`).
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import litserve as ls
+from fastapi import HTTPException
 
 from litkv.serve.guard import DRAINING, INFLIGHT, error_body
 
-__all__ = ["DRAIN_EXPIRED", "STOP_POLL_S", "DrainStopper", "drain_error", "drain_on_sigterm", "leave_process_group"]
+__all__ = [
+    "DRAIN_EXPIRED",
+    "STOP_POLL_S",
+    "DrainStopper",
+    "drain_error",
+    "drain_on_sigterm",
+    "leave_process_group",
+    "until_stopped",
+    "worker_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +48,28 @@ def drain_error() -> dict[str, Any]:
     """The error a reply still running at the drain's limit ends with (an event of a stream, or a 503)."""
     message = "the server is shutting down and this reply did not finish within its drain time (--timeout); retry"
     return error_body(message, "server_shutting_down")
+
+
+def worker_error(response: Any) -> dict[str, Any]:
+    """The error a stream ends with when its worker failed mid-reply. `response` is what LitServe relays from
+    the worker: an `HTTPException` (a request error: its OpenAI body), pickled, or another error (a 500's)."""
+    if isinstance(response, bytes):
+        try:  # only an HTTPException is rebuilt: any other class named in the bytes is refused, never imported
+            response = _HTTPExceptionOnly(io.BytesIO(response)).load()
+        except (pickle.UnpicklingError, ValueError, TypeError, EOFError, AttributeError):
+            response = None
+    if isinstance(response, HTTPException) and isinstance(response.detail, dict) and "error" in response.detail:
+        return response.detail
+    body = error_body("the server failed while generating this reply (see its log); retry", "internal_error")
+    body["error"]["type"] = "server_error"
+    return body
+
+
+class _HTTPExceptionOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in (("fastapi.exceptions", "HTTPException"), ("starlette.exceptions", "HTTPException")):
+            return HTTPException
+        raise pickle.UnpicklingError(f"refused: {module}.{name}")
 
 
 class DrainStopper:
@@ -48,6 +85,28 @@ class DrainStopper:
             return False
         self.next_look = time.monotonic() + STOP_POLL_S
         return self.marker.exists()
+
+
+async def until_stopped(chunks: AsyncIterator[str], stopper: DrainStopper) -> AsyncIterator[str | None]:
+    """`chunks` as they come, then `None` once `stopper` says the drain's limit passed (instead of the rest)."""
+    pending: asyncio.Future[str] | None = None
+    try:
+        while not stopper.expired():
+            if pending is None:
+                pending = asyncio.ensure_future(anext(chunks))
+            done, _ = await asyncio.wait({pending}, timeout=STOP_POLL_S)
+            if not done:
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield chunk
+        yield None
+    finally:
+        if pending is not None:  # the stream stopped, or its client went away while waiting for a chunk
+            pending.cancel()
 
 
 def leave_process_group() -> None:

@@ -3,6 +3,7 @@ against dense attention with room for every token, and batch == alone on left-pa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -101,6 +102,7 @@ def rope_table(needed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat((angles.cos(), angles.cos()), dim=1), torch.cat((angles.sin(), angles.sin()), dim=1)
 
 
+@functools.cache  # a pure function of `p`; callers never write into the matrix
 def rotation(p: int) -> torch.Tensor:
     """`(HS, HS)` float64 RoPE rotation at position `p`: pair `(i, i + ROPE_N/2)` turned by `p * base^(-2i/n)`."""
     r = torch.eye(HS, dtype=torch.float64)
@@ -110,6 +112,12 @@ def rotation(p: int) -> torch.Tensor:
         c, s = math.cos(angle), math.sin(angle)
         r[i, i], r[i, i + half], r[i + half, i], r[i + half, i + half] = c, -s, s, c
     return r
+
+
+@functools.cache  # the oracle asks for the same mean once per (row, group): 512 matrices each by default
+def mean_rotation(first: int, count: int) -> torch.Tensor:
+    """`(HS, HS)` mean of `rotation(p)` over the positions `first .. first + count - 1`."""
+    return torch.stack([rotation(p) for p in range(first, first + count)]).mean(dim=0)
 
 
 def rotated(q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -156,7 +164,7 @@ class BruteExpectedAttention(BruteForce):
         if not call_scores:  # the cache scores only the calls that evict
             return {}
         o = self.opts
-        rot = sum(rotation(self.newest[b] + 1 + f) for f in range(o.n_future_positions)) / o.n_future_positions
+        rot = mean_rotation(self.newest[b] + 1, o.n_future_positions)
         visible = [j for j in held if self.pos[b, j] >= o.n_sink]
         out = dict.fromkeys(held, 0.0)
         for h in range(g * PER_KV, (g + 1) * PER_KV):

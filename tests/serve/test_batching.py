@@ -214,29 +214,18 @@ def test_queue_full_is_503_with_retry_after(tmp_path: Path) -> None:
     assert call() == 200
 
 
-def _real_checkpoint() -> Path | None:
-    from litkv.checkpoints.download import cache_dir
-
-    path = cache_dir("smollm2-135m-instruct")
-    return path if (path / "model.safetensors").is_file() else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_real_checkpoint() is None, reason="run `litkv download smollm2-135m-instruct`")
-def test_real_model_under_load_and_fresh_from_text_equal_alone() -> None:
+def test_real_model_under_load_and_fresh_from_text_equal_alone(real_smollm2: tuple) -> None:
     """SmolLM2-135M-Instruct with its chat template, float32: two conversations decoded together get their
     solo replies (a CPU matmul rounds 1 row and 2-15 rows differently: every step runs a count of
     one rounding class, here 2), and a fresh server given the replies as text (one cut by max_tokens)
     answers the same."""
-    from litkv.inference.chat_template import load_format
-
-    ckpt = _real_checkpoint()
-    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    _, model, tok, fmt = real_smollm2
     kv = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=16)
 
     def real_engine(state_bytes: int = 1 << 30) -> Engine:
         store = ConversationStore(state_bytes, model=model, kv_cache=kv)
-        return Engine(model, tok, kv, store, fmt=load_format(ckpt, tok, None), max_batch=2)
+        return Engine(model, tok, kv, store, fmt=fmt, max_batch=2)
 
     batch = real_engine().batch  # bitwise, on the real model's shapes too
     assert torch.equal(row_logits(batch, 0, False, 4), row_logits(batch, 1, True, 4))

@@ -166,25 +166,13 @@ def test_rows_equal_solo_runs_across_step_row_counts(model_and_tok: tuple, polic
     assert smallest in stepped and rows in stepped  # steps crossed the class from its smallest count to all rows
 
 
-def _real_checkpoint() -> Path | None:
-    from litkv.checkpoints.download import cache_dir
-
-    path = cache_dir("smollm2-135m-instruct")
-    return path if (path / "model.safetensors").is_file() else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_real_checkpoint() is None, reason="run `litkv download smollm2-135m-instruct`")
-def test_real_model_lone_row_steps_fewer_rows_and_equals_it_under_load() -> None:
+def test_real_model_lone_row_steps_fewer_rows_and_equals_it_under_load(real_smollm2: tuple) -> None:
     """SmolLM2-135M-Instruct, its chat template, h2o evicting, `--max_batch 8`: a lone conversation runs
     steps of the class's smallest count (2 rows on the development CPU, not 8), and its logits are bitwise
     those it gets beside 3 others (4-row steps)."""
-    from litkv.inference.chat_template import load_format
-
-    ckpt = _real_checkpoint()
-    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    _, model, tok, fmt = real_smollm2
     kv = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=16)
-    fmt = load_format(ckpt, tok, None)
 
     def engine() -> Engine:
         store = ConversationStore(1 << 30, model=model, kv_cache=kv)

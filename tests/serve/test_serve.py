@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import KEY, launch_server, wait_healthy
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.modeling.config import KVCacheConfig
@@ -135,19 +136,6 @@ def client(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         yield http
 
 
-def wait_healthy(status: Callable[[], int], seconds: float = 90) -> None:
-    """Until /health says 200 (the worker has loaded the model), at most `seconds`."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            if status() == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the server was not healthy within {seconds} s")
-
-
 def chat_body(**kw: object) -> dict:
     return {
         "model": "tiny",
@@ -235,77 +223,11 @@ def test_api_key_malformed_json_and_worker_alive(client) -> None:
 # -- a real `litkv serve` process and the openai client -------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(ckpt: Path, state_dir: Path, log: Path) -> tuple:
-    """`litkv serve` on 127.0.0.1 (h2o 32 slots, replies not cut at newlines); (process, base url)."""
-    import subprocess
-    import sys
-    import urllib.request
-
-    port = _free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "litkv",
-        "serve",
-        str(ckpt),
-        "--kv-cache",
-        "h2o",
-        "--kv_cache.cache_length",
-        "32",
-        "--kv_cache.chunk_size",
-        "8",
-        "--port",
-        str(port),
-        "--state_dir",
-        str(state_dir),
-        "--num_threads",
-        "1",
-        "--stop_at_newline",
-        "false",
-        "--model_name",
-        "tiny",
-        "--api_key",
-        "sk-test",
-    ]
-    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-
-    def health() -> int:
-        if proc.poll() is not None:
-            raise RuntimeError(f"litkv serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status
-
-    try:
-        wait_healthy(health)
-    except BaseException:
-        proc.terminate()  # a server that never became healthy is not left running (SIGTERM ends its workers)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    return proc, url
-
-
-def stop_server(proc) -> int:
-    import signal
-
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    except Exception:
-        proc.kill()
-        raise
+def server_args(ckpt: Path, state_dir: Path) -> list[str]:
+    """`litkv serve`'s arguments for this module's server: h2o 32 slots (`KV`), replies not cut at newlines."""
+    return [str(ckpt), "--kv-cache", "h2o", "--kv_cache.cache_length", "32", "--kv_cache.chunk_size", "8",
+            "--state_dir", str(state_dir), "--stop_at_newline", "false", "--model_name", "tiny",
+            "--api_key", KEY]  # fmt: skip
 
 
 def openai_turns(client, turns: list[str], stream: bool, history: list | None = None) -> tuple[list[str], list]:
@@ -336,7 +258,8 @@ def test_real_server_with_openai_client(ckpt: Path, model_and_tok: tuple, tmp_pa
     expected = converse(solo, TURNS, max_tokens=6, temperature=0.8, seed=3)[1]
     expected_text = [c for r, c in expected if r == "assistant"]
     log = tmp_path / "server.log"
-    proc, url = start_server(ckpt, tmp_path / "states", log)
+    server = launch_server(server_args(ckpt, tmp_path / "states"), log)
+    url = server.url
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=60, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -363,36 +286,40 @@ def test_real_server_with_openai_client(ckpt: Path, model_and_tok: tuple, tmp_pa
         assert openai_turns(client, ["the dog"], stream=False)[0]
         assert len(list((tmp_path / "states").glob("*.safetensors"))) == stored + 1
     finally:
-        assert stop_server(proc) == 0
+        assert server.stop() == 0
     # a restart on the same --state_dir: turn 11 restores turn 10's state from disk, same text as without
-    proc, url = start_server(ckpt, tmp_path / "states", log)
+    server = launch_server(server_args(ckpt, tmp_path / "states"), log)
+    url = server.url
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", timeout=60, max_retries=0)
         eleventh, _ = openai_turns(client, TURNS[10:11], stream=True, history=history)
         assert eleventh == expected_text[10:11]
-        # SIGTERM while a reply streams: the reply ends normally, then the server exits with 0
+        # SIGTERM while a reply streams: a new request gets 503 with Retry-After, the reply ends normally, then
+        # the server exits with 0
         import signal
 
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "the dog"}],
-            "max_tokens": 600,
-            "stream": True,
-        }
-        with httpx.stream(
-            "POST", url + "/v1/chat/completions", json=body, timeout=60, headers={"Authorization": "Bearer sk-test"}
-        ) as r:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "the dog"}], "max_tokens": 900}
+        body["stream"] = True
+        headers = {"Authorization": "Bearer sk-test"}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60, headers=headers) as r:
             lines = r.iter_lines()
             next(lines)
-            proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            refused = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers)
             rest = [line for line in lines if line]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down", refused.text
+        assert refused.headers.get("retry-after") == "5"
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["usage"]["completion_tokens"] > 100
-        assert proc.wait(timeout=30) == 0
+        assert server.proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            stop_server(proc)
+        if server.proc.poll() is None:
+            server.stop()
+    text = log.read_text()
+    assert text.count("SIGTERM: draining") == 2, text[-2000:]  # once per run: not once per LitServe process
+    assert "leaked semaphore" not in text and "Traceback" not in text, text[-2000:]
     import re
 
-    reused = [int(m) for m in re.findall(r"prompt tokens \((\d+) reused\)", log.read_text())]
+    reused = [int(m) for m in re.findall(r"prompt tokens \((\d+) reused\)", text)]
     assert len(reused) == 10 + 12 + 1 + 1 + 1 + 1 and reused[-2] > 0  # after the restart, turn 10's state from disk
-    assert log.read_text().count("stored=False") == 1  # the turn whose client went away
+    assert text.count("stored=False") == 1  # the turn whose client went away

@@ -11,31 +11,33 @@ import asyncio
 import http.client
 import json
 import os
+import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from fastapi import HTTPException
 from litserve.utils import LitAPIStatus
-from test_serve import _free_port, wait_healthy
-from test_serve_group_sigterm import KEY, _group_alive, _post
+from servers import KEY, launch_server
+from test_serve_group_sigterm import _group_alive, _post
 
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve.api import ChatRequest, LitKVSpec, ServeOptions
 from litkv.serve.drain import DRAIN_EXPIRED
+from litkv.serve.guard import error_body
 
-REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 2  # the drain's limit: --timeout
 LONG = 20_000  # tokens: far more than the tiny model decodes in LIMIT_S
 
 
-def _stream(spec: LitKVSpec, tokens: int | None, expire_after: int | None, run_dir: Path) -> list[str]:
+def _stream(
+    spec: LitKVSpec, tokens: int | None, expire_after: int | None, run_dir: Path, error: object = None
+) -> list[str]:
     """The events of `spec`'s stream over a worker that sends `tokens` tokens (None: without end), the drain's
-    limit marked after `expire_after` of them."""
+    limit marked after `expire_after` of them; then, with `error`, the worker fails (LitServe relays `error`)."""
 
     async def worker():
         sent = 0
@@ -45,13 +47,38 @@ def _stream(spec: LitKVSpec, tokens: int | None, expire_after: int | None, run_d
             if sent == expire_after:
                 (run_dir / DRAIN_EXPIRED).touch()
             yield json.dumps({"role": "assistant", "content": "x"}), LitAPIStatus.OK
+        if error is not None:
+            yield error, LitAPIStatus.ERROR
 
     async def read() -> list[str]:
         request = ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True)
         request.metadata = {"litkv_id": "turn-1"}
         return [chunk async for chunk in spec.streaming_completion(request, [worker()])]
 
-    return [c.removeprefix("data: ").strip() for c in asyncio.run(asyncio.wait_for(read(), timeout=30))]
+    chunks = asyncio.run(asyncio.wait_for(read(), timeout=30))
+    assert all(c.startswith("data: ") and c.endswith("\n\n") for c in chunks), chunks[-2:]  # each a whole event
+    return [c.removeprefix("data: ").strip() for c in chunks]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (pickle.dumps(RuntimeError("the batch loop broke")), "internal_error"),  # LitServe pickles other errors
+        (HTTPException(400, error_body("no room left", "context_length_exceeded")), "context_length_exceeded"),
+        (b"not a pickle", "internal_error"),
+    ],
+    ids=["other-error", "request-error", "unreadable"],
+)
+def test_a_worker_error_mid_stream_ends_with_an_error_event_and_done(
+    ckpt: Path, tmp_path: Path, error: object, code: str
+) -> None:
+    """A worker that fails after 3 tokens: the stream's last events are an error (its OpenAI body, the
+    request error's own when it was one) and `[DONE]`; LitServe's own ending had no `[DONE]`."""
+    opts = ServeOptions(ckpt, KVCacheConfig(policy="h2o", cache_length=64), "tiny", cancel_dir=tmp_path)
+    events = _stream(LitKVSpec(opts), tokens=3, expire_after=None, run_dir=tmp_path, error=error)
+    assert events[-1] == "[DONE]" and len(events) == 5, events
+    assert json.loads(events[-2])["error"]["code"] == code
+    assert all(json.loads(e)["choices"][0]["delta"]["content"] == "x" for e in events[:3])
 
 
 def test_a_stream_past_the_drain_limit_ends_with_an_error_event_and_done(ckpt: Path, tmp_path: Path) -> None:
@@ -70,22 +97,11 @@ def test_a_stream_past_the_drain_limit_ends_with_an_error_event_and_done(ckpt: P
 
 @pytest.mark.slow  # about 70 s on the 2 shared cores, most of it the server's start
 def test_replies_running_past_the_drain_limit_end_with_an_error(ckpt: Path, tmp_path: Path) -> None:
-    log = tmp_path / "server.log"
-    port = _free_port()
-    argv = [sys.executable, "-m", "litkv", "serve", str(ckpt), "--kv_cache", "h2o", "--kv_cache.cache_length", "64",
-            "--port", str(port), "--api_key", KEY, "--num_threads", "1", "--stop_at_newline", "false",
-            "--max_tokens", str(LONG), "--model_name", "tiny", "--timeout", str(LIMIT_S)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    args = [str(ckpt), "--kv_cache", "h2o", "--kv_cache.cache_length", "64", "--api_key", KEY, "--stop_at_newline",
+            "false", "--max_tokens", str(LONG), "--model_name", "tiny", "--timeout", str(LIMIT_S)]  # fmt: skip
+    server = launch_server(args, tmp_path / "server.log", new_session=True)
+    proc, port, log = server.proc, server.port, server.log
     try:
-
-        def health() -> int:
-            if proc.poll() is not None:
-                raise RuntimeError(f"litkv serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status
-
-        wait_healthy(health)
         ask = {"model": "tiny", "messages": [{"role": "user", "content": "The quick brown fox"}], "temperature": 0,
                "max_tokens": LONG}  # fmt: skip
         plain: list = []

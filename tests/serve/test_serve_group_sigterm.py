@@ -11,18 +11,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from test_serve import _free_port, wait_healthy
-
-REPO = Path(__file__).resolve().parents[2]
-KEY = "sk-test"
+from servers import KEY, launch_server
 
 
 def _post(port: int, body: dict) -> tuple[int, dict, dict]:
@@ -62,24 +57,13 @@ def _group_alive(pgid: int) -> bool:
 
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_drains_the_stream_and_refuses_new_requests(ckpt: Path, tmp_path: Path) -> None:
-    log = tmp_path / "server.log"
-    port = _free_port()
-    argv = [sys.executable, "-m", "litkv", "serve", str(ckpt), "--kv_cache", "h2o", "--kv_cache.cache_length", "64",
-            "--port", str(port), "--api_key", KEY, "--num_threads", "1", "--stop_at_newline", "false",
-            "--max_tokens", "1000", "--model_name", "tiny"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [str(ckpt), "--kv_cache", "h2o", "--kv_cache.cache_length", "64", "--api_key", KEY, "--stop_at_newline",
+            "false", "--max_tokens", "1000", "--model_name", "tiny"]  # fmt: skip
     # a session of its own: its process group is the server's alone (pgid == pid), as under systemd
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = launch_server(args, tmp_path / "server.log", new_session=True)
+    proc, port, log = server.proc, server.port, server.log
     children: list[int] = []
     try:
-
-        def health() -> int:
-            if proc.poll() is not None:
-                raise RuntimeError(f"litkv serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status
-
-        wait_healthy(health)
         children = _children(proc.pid)
         assert children  # LitServe's API server, inference worker and queue manager
         body = {"model": "tiny", "messages": [{"role": "user", "content": "The quick brown fox"}],

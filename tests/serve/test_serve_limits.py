@@ -1,7 +1,7 @@
-"""`litkv serve` under attack, on one real server process (shared by the module; the SIGTERM test, which
-ends it, runs last): bounded request bodies (chunked included) and body time, the OpenAI contract
-(`finish_reason`, 64-bit seeds, lone surrogates, unimplemented fields, booleans), 503 while draining,
-and the serving options checked at start.
+"""`litkv serve` under attack, on one real server process (the `shared_server` of tests/serve/conftest.py):
+bounded request bodies (chunked included) and body time, the OpenAI contract (`finish_reason`, 64-bit
+seeds, lone surrogates, unimplemented fields, booleans), and the serving options checked at start. (503
+while draining: tests/serve/test_serve.py's real server, which is SIGTERMed mid-stream.)
 """
 
 from __future__ import annotations
@@ -9,51 +9,28 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_serve import _free_port, wait_healthy
+from servers import KEY, SHARED_MAX_BODY, Server
 
 from litkv.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
-KEY = "sk-test"
-MAX_BODY = 1 << 16
+MAX_BODY = SHARED_MAX_BODY
 CHUNKED_MB = 16
 
 
 @pytest.fixture(scope="module")
-def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, int, Path]]:
-    """`litkv serve` (h2o, 64 slots, replies not cut at newlines, a 64 KiB body limit, 2 s body time)."""
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    port = _free_port()
-    argv = [sys.executable, "-m", "litkv", "serve", str(ckpt), "--kv_cache", "h2o", "--kv_cache.cache_length",
-            "64", "--port", str(port), "--api_key", KEY, "--num_threads", "1", "--stop_at_newline", "false",
-            "--max_tokens", "1000", "--max_body_bytes", str(MAX_BODY), "--body_timeout", "2",
-            "--model_name", "tiny"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(argv, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
-
-    def health() -> int:
-        if proc.poll() is not None:
-            raise RuntimeError(f"litkv serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return r.status
-
-    try:
-        wait_healthy(health)
-        yield proc, port, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+def server(shared_server: Server) -> tuple[subprocess.Popen, int, Path]:
+    """The `shared_server` (tests/serve/conftest.py: h2o 64 slots, replies not cut at newlines, a 64 KiB body
+    limit, 2 s body time): (process, port, log)."""
+    return shared_server.proc, shared_server.port, shared_server.log
 
 
 def post(port: int, body: object, raw: bytes | None = None) -> tuple[int, dict]:
@@ -269,26 +246,3 @@ def test_serve_options_are_checked_at_start(ckpt: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["serve", str(ckpt), "--host", "0.0.0.0", "--api_key", KEY])
     assert "warning" not in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_sigterm_refuses_new_requests_while_the_reply_in_flight_finishes(server: tuple) -> None:
-    """Last (it ends the module's server): a 503 for a new request while the streamed reply completes."""
-    proc, port, log = server
-    body = json.dumps(chat(max_tokens=900, stream=True)).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=body,
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as stream:
-        first = stream.readline()
-        assert first.startswith(b"data: ")
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        status, refused = post(port, chat(max_tokens=2))
-        rest = stream.read().decode().splitlines()
-    assert status == 503 and refused["error"]["code"] == "server_shutting_down", refused
-    events = [line[6:] for line in rest if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 900
-    assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
