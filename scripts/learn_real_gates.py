@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jsonargparse
+import torch
 
 from litkv.checkpoints.checkpoint import default_checkpoint_dir
 from litkv.checkpoints.download import SHIPPED_GATES
@@ -44,22 +45,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--sequences", type=int, default=32, help="training windows (2 per step)")
     p.add_argument("--seq_length", type=int, default=2048)
     p.add_argument("--recall_share", type=float, default=0.2)
+    p.add_argument("--target", choices=["attention", "kvzip"], default="attention", help="--learn.target")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--ship", action="store_true", help=f"copy the gates to litkv/{SHIPPED_GATES}/{NAME}.safetensors")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     text = adapt_to_budget.write_training_text(args.out_dir / "kjv_train.txt", default_checkpoint_dir())
     recall_format = default_checkpoint_dir() / "recall_format.json"
     cli = [
-        str(resolve_checkpoint_dir(NAME)), "--learn_eviction", "true", "--kv_cache.policy", "learned",
+        "--checkpoint_dir", str(resolve_checkpoint_dir(NAME)),
+        "--learn_eviction", "true", "--kv_cache.policy", "learned",
         "--data.path", str(text), "--data.seq_length", str(args.seq_length), "--data.val_fraction", "0",
         "--data.recall_share", str(args.recall_share), "--data.recall_format", str(recall_format),
-        "--learn.method", "lstsq", "--learn.steps", str(max(1, args.sequences // 2)), "--learn.batch_size", "2",
+        "--learn.method", "lstsq", "--learn.target", args.target,
+        "--learn.steps", str(max(1, args.sequences // 2)), "--learn.batch_size", "2",
         "--out_dir", str(args.out_dir / "lstsq"), "--overwrite", "true",
     ]  # fmt: skip
     print("litkv finetune " + " ".join(cli), flush=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     jsonargparse.CLI(finetune, args=cli)
     final = args.out_dir / "lstsq" / "final"
-    print(f"fitted in {time.perf_counter() - start:.0f} s: {final}")
+    print(f"fitted in {time.perf_counter() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU: {final}")
     if args.ship:
         target = REPO / "litkv" / SHIPPED_GATES / f"{NAME}.safetensors"
         target.parent.mkdir(parents=True, exist_ok=True)
