@@ -6,12 +6,15 @@
    RULER samples and the text of its KL rows) are excluded and checked to be.
 2. `litkv finetune NAME --learn_eviction true --learn.method lstsq`: the gates in closed form from the
    dense model's attention (`litkv.finetune.lstsq`), on `--sequences` windows of `--seq_length` tokens,
-   `--recall_share` of them pass-key rows (`litkv.eval.recall`'s format, not RULER's tasks).
+   `--recall_share` of them pass-key rows (`litkv.eval.recall`'s format, not RULER's tasks); with
+   `--target kvzip`, from the log KVzip+ scores of a reconstruction pass instead (KVzap's target,
+   `litkv.finetune.kvzip_target`). Prints the fit's wall and CPU time.
 3. With `--ship`, copies the gates into the package; `litkv download NAME` (or any command given the
    name) then adds them to the converted checkpoint, and `load_model` checks their fingerprint.
 
     python scripts/learn_real_gates.py --ship          # the shipped gates (about 40 min on 2 busy cores)
     python scripts/learn_real_gates.py --sequences 2 --seq_length 256 --out_dir out/smoke
+    nice python scripts/learn_real_gates.py --target kvzip --sequences 4 --threads 2 --out_dir out/kvzap_gates
 
 Evaluate them with `litkv evaluate` (docs/learned.md, "Gates for the real model").
 """
