@@ -155,6 +155,11 @@ class LearnedKVCache(ScoreKVCache):
         """Slots whose logit is below it are emptied after every call (`None`: none)."""
         return self.options.threshold  # type: ignore[attr-defined]
 
+    def slots_known_valid(self) -> bool:
+        """`KVCache.slots_known_valid`; always `False` in threshold mode, whose calls may empty slots (so a run
+        of compiled steps keeps the mask from its first step and one graph)."""
+        return self.threshold is None and super().slots_known_valid()
+
     # -- binding --------------------------------------------------------------------------------
 
     def bind_gates(self, gates: EvictionGates | None, layer: int) -> None:
