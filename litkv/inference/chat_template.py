@@ -1,7 +1,7 @@
 """Messages -> token segments: the checkpoint's own chat template (sandboxed Jinja), or raw text.
 
 A conversation is a list of `(role, content)` messages; what the model sees of it is a list of
-`Segment`s: prompt text (fed in chunks) and replies (a reply's exact token ids, fed one per call as
+`TurnSegment`s: prompt text (fed in chunks) and replies (a reply's exact token ids, fed one per call as
 decoding fed them). Two formats build them:
 
 - `TemplateFormat`: the template of `tokenizer_config.json` (key ``chat_template``: a string, or Hugging
@@ -47,7 +47,7 @@ __all__ = [
     "Format",
     "Message",
     "RawFormat",
-    "Segment",
+    "TurnSegment",
     "TemplateFormat",
     "load_format",
 ]
@@ -67,7 +67,7 @@ class ChatTemplateError(ValueError):
 
 
 @dataclass(frozen=True)
-class Segment:
+class TurnSegment:
     """Tokens fed together: prompt text (`reply=False`, chunked), a reply (`reply=True`, one per call) or a
     document (`block=True`: its KV computed alone and spliced, `litkv.inference.blocks`)."""
 
@@ -89,7 +89,7 @@ class Format(Protocol):
         first: bool,
         add_generation_prompt: bool,
         documents: Documents | None = None,
-    ) -> list[Segment]:
+    ) -> list[TurnSegment]:
         """Segments of `messages`; `replies[i]`: the token ids of assistant message `i` when known (else
         `None`); `first`: the conversation starts at position 0 (BOS); a generation prompt at the end;
         `documents[i]`: block segments at the start of user message `i` (module docstring)."""
@@ -113,22 +113,22 @@ class RawFormat:
         first: bool,
         add_generation_prompt: bool,
         documents: Documents | None = None,
-    ) -> list[Segment]:
+    ) -> list[TurnSegment]:
         out = []
         for i, (role, content) in enumerate(messages):
             known = replies[i] if role == "assistant" else None
             if known is not None:
-                out.append(Segment(tuple(int(t) for t in known), True))
+                out.append(TurnSegment(tuple(int(t) for t in known), True))
                 continue
             docs = _documents_of(documents, i, role)
             bos_id = getattr(self.tokenizer, "bos_id", None)
             use_bos = first and i == 0 and getattr(self.tokenizer, "use_bos", False) and bos_id is not None
             bos = [int(bos_id)] if use_bos else []  # type: ignore[arg-type]
             if docs and bos:
-                out.append(Segment(tuple(bos), False))
-            out += [Segment(doc, False, block=True) for doc in docs]
+                out.append(TurnSegment(tuple(bos), False))
+            out += [TurnSegment(doc, False, block=True) for doc in docs]
             ids = ([] if docs else bos) + encode_text(self.tokenizer, content + "\n")  # content is text
-            out.append(Segment(tuple(ids), role == "assistant"))
+            out.append(TurnSegment(tuple(ids), role == "assistant"))
         return out
 
 
@@ -258,25 +258,25 @@ class TemplateFormat:
         first: bool,
         add_generation_prompt: bool,
         documents: Documents | None = None,
-    ) -> list[Segment]:
-        markers: list[tuple[int, str, Segment]] = []  # in the order the template writes them
+    ) -> list[TurnSegment]:
+        markers: list[tuple[int, str, TurnSegment]] = []  # in the order the template writes them
         shown = []
         for i, (role, content) in enumerate(messages):
             if role == "assistant" and replies[i] is not None:
                 marker = f"<<litkv-reply-{i}-{self._nonce}>>"
-                markers.append((i, marker, Segment(tuple(int(t) for t in replies[i]), True)))  # type: ignore[union-attr]
+                markers.append((i, marker, TurnSegment(tuple(int(t) for t in replies[i]), True)))  # type: ignore[union-attr]
                 shown.append((role, marker))
                 continue
             docs = [(f"<<litkv-document-{i}-{k}-{self._nonce}>>", doc)
                     for k, doc in enumerate(_documents_of(documents, i, role))]  # fmt: skip
-            markers += [(i, marker, Segment(doc, False, block=True)) for marker, doc in docs]
+            markers += [(i, marker, TurnSegment(doc, False, block=True)) for marker, doc in docs]
             if any(s in content for s in self.special):  # control strings in content are text, not control
                 marker = f"<<litkv-content-{i}-{self._nonce}>>"
-                markers.append((i, marker, Segment(tuple(encode_text(self.tokenizer, content)), False)))
+                markers.append((i, marker, TurnSegment(tuple(encode_text(self.tokenizer, content)), False)))
                 content = marker
             shown.append((role, "".join(marker for marker, _ in docs) + content))
         text = self.template.render(shown, add_generation_prompt)
-        out: list[Segment] = []
+        out: list[TurnSegment] = []
         start = 0
         for i, marker, seg in markers:
             at = text.find(marker, start)
@@ -302,10 +302,10 @@ class TemplateFormat:
         self._add_text(out, text[start:])
         return out
 
-    def _add_text(self, out: list[Segment], text: str) -> None:
+    def _add_text(self, out: list[TurnSegment], text: str) -> None:
         ids = encode_plain(self.tokenizer, text) if text else []
         if ids:
-            out.append(Segment(tuple(ids), False))
+            out.append(TurnSegment(tuple(ids), False))
 
 
 def _documents_of(documents: Documents | None, index: int, role: str) -> list[tuple[int, ...]]:

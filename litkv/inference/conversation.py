@@ -2,7 +2,7 @@
 recompute checked, runs fed to a row.
 
 The planning is the same for both (functions of the format, no caches): `plan_segments` renders the whole
-conversation (`chat_template.Segment`s, replies kept as their token ids; the leading system messages
+conversation (`chat_template.TurnSegment`s, replies kept as their token ids; the leading system messages
 fed as a segment of their own where their tokens end cleanly), `held_segments` is what caches
 hold after a reply, `runs` groups the segments as they are fed (a run of documents with the prompt text
 after it, every other segment alone), `lossless_overflow` is the room check of a lossless cache and
@@ -49,7 +49,7 @@ from typing import Protocol
 import torch
 
 from litkv.inference.blocks import check_recompute, feed_blocks
-from litkv.inference.chat_template import Documents, Format, Message, Replies, Segment
+from litkv.inference.chat_template import Documents, Format, Message, Replies, TurnSegment
 from litkv.inference.conversation_layout import dump_layout, parse_layout
 from litkv.inference.generate import decode_tokens
 from litkv.inference.sampling import Sampling
@@ -78,7 +78,7 @@ __all__ = [
 class Pending:
     """The segments a turn still has to feed; `restart`: from an empty cache (the caches hold other tokens)."""
 
-    segments: list[Segment]
+    segments: list[TurnSegment]
     restart: bool
 
     @property
@@ -86,7 +86,7 @@ class Pending:
         return sum(len(s.ids) for s in self.segments)
 
 
-def segment_plan(seg: Segment, next_pos: int, kv_cache: KVCacheConfig) -> ChunkPlan:
+def segment_plan(seg: TurnSegment, next_pos: int, kv_cache: KVCacheConfig) -> ChunkPlan:
     """The calls of a segment fed at `next_pos`: a reply one token per call, the conversation's first
     segment by `prefill_length` then `chunk_size`, a later prompt segment by `chunk_size` (chat and serve)."""
     if seg.reply:
@@ -103,12 +103,12 @@ def plan_segments(
     prefix: Sequence[int] = (),
     add_generation_prompt: bool = True,
     documents: Documents | None = None,
-) -> list[Segment]:
+) -> list[TurnSegment]:
     """Every segment of the conversation `prefix` + `messages` in `fmt` (a generation prompt at the end);
     `documents[i]`: the documents' ids of user message `i`. The leading system messages end a segment
     when that is a clean token boundary (`_split_at_system`), so a system prompt's state can be shared by
     conversations (`litkv serve`). Raises the format's `ChatTemplateError`."""
-    head = [Segment(tuple(prefix), False)] if prefix else []
+    head = [TurnSegment(tuple(prefix), False)] if prefix else []
     segments = fmt.segments(messages, replies, not prefix, add_generation_prompt, documents)
     return head + _split_at_system(fmt, messages, segments, not prefix)
 
@@ -119,7 +119,9 @@ def system_count(messages: Sequence[Message]) -> int:
     return n if n < len(messages) else 0
 
 
-def _split_at_system(fmt: Format, messages: Sequence[Message], segments: list[Segment], first: bool) -> list[Segment]:
+def _split_at_system(
+    fmt: Format, messages: Sequence[Message], segments: list[TurnSegment], first: bool
+) -> list[TurnSegment]:
     """`segments` with a feed boundary at the end of the leading system messages (`system_count`), when
     the ids of their rendering alone (no generation prompt) are a prefix of the segments' prompt text; else
     `segments` as they are (a template that folds the system prompt into the user turn). The ids are the
@@ -141,11 +143,16 @@ def _split_at_system(fmt: Format, messages: Sequence[Message], segments: list[Se
         if at == len(ids):
             if cut == len(seg.ids):  # already a boundary
                 return segments
-            return [*segments[:i], Segment(seg.ids[:cut], False), Segment(seg.ids[cut:], False), *segments[i + 1 :]]
+            return [
+                *segments[:i],
+                TurnSegment(seg.ids[:cut], False),
+                TurnSegment(seg.ids[cut:], False),
+                *segments[i + 1 :],
+            ]
     return segments
 
 
-def held_segments(fmt: Format, messages: Sequence[Message], replies: Replies) -> list[Segment]:
+def held_segments(fmt: Format, messages: Sequence[Message], replies: Replies) -> list[TurnSegment]:
     """The segments of a conversation that ends with an assistant message, through its reply: what the
     caches hold after that reply (no generation prompt)."""
     segments = plan_segments(fmt, messages, replies, add_generation_prompt=False)
@@ -165,7 +172,7 @@ class Run:
     """What one feed puts in a row: a prompt segment, a reply, or a run of documents (block segments) with
     the prompt text after them (their recomputed tokens run with it)."""
 
-    segments: tuple[Segment, ...]
+    segments: tuple[TurnSegment, ...]
 
     @property
     def reply(self) -> bool:
@@ -186,7 +193,7 @@ class Run:
         return rest[0].ids if rest else None
 
 
-def runs(segments: Sequence[Segment]) -> list[Run]:
+def runs(segments: Sequence[TurnSegment]) -> list[Run]:
     """`segments` grouped as they are fed: each run of documents with the prompt text after it (not a
     reply), every other segment alone."""
     out, i = [], 0
@@ -265,8 +272,8 @@ class Conversation:
         self.device = model.lm_head.weight.device
         self.messages: list[Message] = []
         self.replies: list[list[int] | None] = []
-        self.fed: list[Segment] = []
-        self.prefix: Segment | None = None  # tokens of a state without messages (kept before them)
+        self.fed: list[TurnSegment] = []
+        self.prefix: TurnSegment | None = None  # tokens of a state without messages (kept before them)
         self._reply: list[int] = []
         self.reset()
 
@@ -340,7 +347,9 @@ class Conversation:
         self._set_messages(read.messages, read.replies, read.documents)
         self.fed = read.fed
 
-    def plan(self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None) -> list[Segment]:
+    def plan(
+        self, messages: Sequence[Message], replies: Replies, documents: Documents | None = None
+    ) -> list[TurnSegment]:
         """Every segment of the conversation's prefix (if any) + `messages`, a generation prompt at the end
         (`plan_segments`); `documents[i]`: the documents' ids of user message `i`."""
         prefix = self.prefix.ids if self.prefix is not None else ()
@@ -434,7 +443,7 @@ class Conversation:
         """Record the reply produced since `reply` (its tokens are in the caches) as the assistant
         message `content`; returns its ids."""
         ids, self._reply = self._reply, []
-        self.fed.append(Segment(tuple(ids), True))
+        self.fed.append(TurnSegment(tuple(ids), True))
         self.messages.append(("assistant", content))
         self.replies.append(list(ids))
         return ids

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from litkv.inference.chat_template import Message, Segment
+from litkv.inference.chat_template import Message, TurnSegment
 
 __all__ = ["Layout", "dump_layout", "parse_layout"]
 
@@ -21,7 +21,7 @@ class Layout:
     a prefix without messages, the messages, each assistant message's reply ids (None for the others) and
     the documents' ids of each user message (by message index)."""
 
-    fed: list[Segment]
+    fed: list[TurnSegment]
     prefix: bool
     messages: list[Message]
     replies: list[list[int] | None]
@@ -29,7 +29,7 @@ class Layout:
 
 
 def dump_layout(
-    format_name: str, prefix: bool, fed: Sequence[Segment], messages: Sequence[Message], documents: DocumentIds
+    format_name: str, prefix: bool, fed: Sequence[TurnSegment], messages: Sequence[Message], documents: DocumentIds
 ) -> dict[str, object]:
     """The layout of a conversation as JSON data (`parse_layout` reads it back)."""
     return {
@@ -57,7 +57,7 @@ def parse_layout(history: Sequence[int], layout: dict[str, object] | None) -> La
         n, reply, *block = entry
         if type(n) is not int or n < 0 or type(reply) is not bool or block not in ([], [True]):
             raise TypeError("a segment is [length, reply] or [length, false, true] (a document)")
-        fed.append(Segment(tuple(history[at : at + n]), reply, bool(block)))
+        fed.append(TurnSegment(tuple(history[at : at + n]), reply, bool(block)))
         at += n
     documents = _read_documents(layout.get("documents", []))
     msgs = [(str(role), str(content)) for role, content in messages]

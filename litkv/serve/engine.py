@@ -44,7 +44,7 @@ from litkv.inference.chat_template import (
     Format,
     Message,
     RawFormat,
-    Segment,
+    TurnSegment,
     TemplateFormat,
 )
 from litkv.inference.conversation import (
@@ -259,7 +259,7 @@ class Engine:
         job.generator.manual_seed(self.default_seed if req.seed is None else req.seed)
         job.scanner = TextStream(self.tokenizer, req.stop, self.stop_at_newline)
 
-    def _system_segments(self, job: Job, segments: list[Segment]) -> list[Segment]:
+    def _system_segments(self, job: Job, segments: list[TurnSegment]) -> list[TurnSegment]:
         """The segments of the job's leading system messages when the plan feeds them alone (a clean token
         boundary after them, `plan_segments`); else [] (their state is not shared)."""
         k = system_count(job.req.messages)
@@ -279,7 +279,7 @@ class Engine:
             if fed > count:
                 return
 
-    def _restore_longest(self, job: Job, segments: list[Segment], system: int = 0) -> int:
+    def _restore_longest(self, job: Job, segments: list[TurnSegment], system: int = 0) -> int:
         """Load the longest stored prefix that ends with an assistant message, or with the leading system
         messages when they are the first `system` segments, into the job's row; how many of `segments` it
         holds (0: the row starts empty)."""

@@ -22,7 +22,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.core.tokens import encode_plain
 from litkv.inference.blocks import prefill_segments, prompt_segments
 from litkv.inference.chat_session import ChatSession
-from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, Segment, TemplateFormat
+from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, TurnSegment, TemplateFormat
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
@@ -101,11 +101,11 @@ class AsText:
     def __init__(self, fmt: Format) -> None:
         self.fmt, self.name, self.stop_ids = fmt, fmt.name, fmt.stop_ids
 
-    def segments(self, *args: object) -> list[Segment]:
-        out: list[Segment] = []
+    def segments(self, *args: object) -> list[TurnSegment]:
+        out: list[TurnSegment] = []
         for seg in self.fmt.segments(*args):  # type: ignore[arg-type]
             if out and out[-1].block and not seg.reply:
-                out[-1] = Segment(out[-1].ids + seg.ids, False, block=seg.block)
+                out[-1] = TurnSegment(out[-1].ids + seg.ids, False, block=seg.block)
             else:
                 out.append(seg)
         return [dataclasses.replace(s, block=False) for s in out]

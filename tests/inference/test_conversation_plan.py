@@ -10,22 +10,22 @@ import itertools
 import pytest
 
 from litkv.inference.blocks import check_recompute
-from litkv.inference.chat_template import Segment
+from litkv.inference.chat_template import TurnSegment
 from litkv.inference.conversation import lossless_overflow, runs
 from litkv.modeling.config import KVCacheConfig
 
 KINDS = {  # prompt text, a reply, a document, an empty reply (cut at once)
-    "t": Segment((1, 2), False),
-    "r": Segment((3,), True),
-    "b": Segment((4, 5), False, True),
-    "e": Segment((), True),
+    "t": TurnSegment((1, 2), False),
+    "r": TurnSegment((3,), True),
+    "b": TurnSegment((4, 5), False, True),
+    "e": TurnSegment((), True),
 }
 
 
-def reference_runs(segments: list[Segment]) -> list[list[Segment]]:
+def reference_runs(segments: list[TurnSegment]) -> list[list[TurnSegment]]:
     """A block starts a run that takes every block after it and then one prompt text segment (not a reply)
     if one follows; any other segment is a run alone."""
-    out: list[list[Segment]] = []
+    out: list[list[TurnSegment]] = []
     for seg in segments:
         last = out[-1] if out else None
         joins_documents = last is not None and last[0].block and all(s.block for s in last)
