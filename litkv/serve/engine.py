@@ -44,8 +44,8 @@ from litkv.inference.chat_template import (
     Format,
     Message,
     RawFormat,
-    TurnSegment,
     TemplateFormat,
+    TurnSegment,
 )
 from litkv.inference.conversation import (
     Feeder,

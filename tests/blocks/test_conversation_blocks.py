@@ -22,7 +22,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.core.tokens import encode_plain
 from litkv.inference.blocks import prefill_segments, prompt_segments
 from litkv.inference.chat_session import ChatSession
-from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, TurnSegment, TemplateFormat
+from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, TemplateFormat, TurnSegment
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
 from litkv.modeling.config import KVCacheConfig
