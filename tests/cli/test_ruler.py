@@ -178,7 +178,7 @@ def test_ruler_score_and_evaluate_ruler(ckpt: Path, tokenizer: Any) -> None:
     assert all(set(r.scores) == {"niah_single_1", "vt"} and 0 <= r.mean <= 1 for r in results)
     # a sample whose reference is any string the model writes scores 1
     gen = rows["vt"][0]
-    always = RulerSample("vt", gen.prompt, gen.ids, [""], 4)
+    always = RulerSample("vt", gen.prompt, gen.ids, [""], 4, gen.context_length)
     assert ruler_score(model, tokenizer, [always], KVCacheConfig(policy="dense", cache_length=512)) == 1.0
     with pytest.raises(ValueError, match="budgets must be a non-empty list"):
         evaluate_ruler(model, tokenizer, rows, ["h2o"], [])
