@@ -24,6 +24,7 @@ from litkv.eval.ruler import (
     TASKS,
     Encode,
     NiahFormat,
+    RulerSample,
     generate_samples,
     resolve_tasks,
     split_answer_prefix,
@@ -41,6 +42,7 @@ __all__ = [
     "near_zero_tasks",
     "needs_text",
     "plot_ruler",
+    "ruler_samples",
     "run_ruler",
 ]
 
@@ -120,14 +122,11 @@ def run_ruler(
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)
     if not 64 <= length <= model.config.block_size:
         raise ValueError(f"the RULER length must be in [64, {model.config.block_size}] (the model's), got {length}")
-    words, words_from = _words(ckpt, settings["text_file"], names)
-    niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
     fmt = load_format(ckpt, tokenizer, settings["chat_template"])
-    encode = chat_encoder(fmt)
+    samples, words_from, niah = ruler_samples(ckpt, tokenizer, fmt, names, length, settings)
     repeat = None  # kvzip's reconstruction prompt, in the chat template the prompts are fed in
     if any(p == KVZIP or get_kv_cache_class(p) is KVzipKVCache for p in policies):
         repeat = RepeatPrompt.build(tokenizer, fmt.template if isinstance(fmt, TemplateFormat) else None)
-    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
     start = time.perf_counter()
     results = evaluate_ruler(
         model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
@@ -154,6 +153,19 @@ def run_ruler(
     }
     _write(Path(settings["out_dir"]), results, info)
     return results
+
+
+def ruler_samples(
+    ckpt: Path, tokenizer: Any, fmt: Format, names: Sequence[str], length: int, settings: dict[str, Any]
+) -> tuple[dict[str, list[RulerSample]], str, NiahFormat]:
+    """The samples `litkv evaluate --tasks` scores (the word list, the niah wording and `fmt`'s encoding of
+    the checkpoint; `settings`: text_file, num_samples, seed), where the words came from, the niah wording."""
+    recall = RecallFormat.load(ckpt / RECALL_FILE) if (ckpt / RECALL_FILE).is_file() else None
+    words, words_from = _words(ckpt, settings["text_file"], names)
+    niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
+    encode = chat_encoder(fmt)
+    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
+    return samples, words_from, niah
 
 
 def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) -> None:
