@@ -163,7 +163,9 @@ def test_evaluate_ruler_one_shot_rows_equal_ruler_score_alone(ckpt: Path) -> Non
     rows = generate_samples(["niah_single_1"], tokenizer, FALLBACK_WORDS, 256, 3, seed=4)
     options = {"h2o": {"mode": "one-shot"}}
     template = KVCacheConfig(chunk_size=32)
-    results = evaluate_ruler(model, tokenizer, rows, ["h2o", "last-recent"], [32, 64], template, 2, False, options, 256)
+    results = evaluate_ruler(
+        model, tokenizer, rows, ["h2o", "last-recent"], [32, 64], template, 2, False, options, 256, None, "prompt"
+    )
     assert [(r.policy, r.cache_length) for r in results] == [
         ("dense", 256),
         ("h2o", 32),
@@ -178,6 +180,11 @@ def test_evaluate_ruler_one_shot_rows_equal_ruler_score_alone(ckpt: Path) -> Non
 
 def test_evaluate_cli_runs_kvzip(ckpt: Path, tmp_path: Path) -> None:
     from litkv.__main__ import main
+    from litkv.cli.evaluate_cmd import evaluate
+
+    with pytest.raises(ValueError, match="oneshot_compress must be 'context'.*got 'question'"):
+        evaluate(ckpt, tasks="niah_single_1", oneshot_compress="question", out_dir=tmp_path / "no")
+    assert not (tmp_path / "no").exists()
 
     argv = ["evaluate", str(ckpt), "--tasks", "niah_single_1", "--policies", "[kvzip, h2o]", "--budgets", "[32, 64]"]
     main([*argv, "--task_samples", "2", "--device", "cpu", "--out_dir", str(tmp_path)])

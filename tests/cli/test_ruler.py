@@ -86,6 +86,29 @@ def test_generated_lengths_fit_the_target(tokenizer: Any, samples: dict) -> None
         generate_samples(["vt"], tokenizer, FALLBACK_WORDS, 64, 1)
 
 
+# kvpress's split of RULER's prompts (its benchmarks' dataset script): the question starts at these patterns
+QUESTION_PATTERNS = {
+    "niah": r"What (?:is|are all) the special magic",
+    "vt": r"Question: Find all variables that are assigned the value",
+    "cwe": r"Question: What are the 10 most common words in the above list\?",
+    "fwe": r"Question: Do not provide any explanation\.",
+}
+
+
+def test_context_and_question_split_where_kvpress_splits(tokenizer: Any, samples: dict) -> None:
+    """Each sample's ids are its context's then its question's, each tokenized alone, cut where kvpress's
+    patterns find the question (the whitespace before it in the context)."""
+    for task, rows in samples.items():
+        for s in rows:
+            found = list(re.finditer(QUESTION_PATTERNS[TASKS[task].kind], s.prompt))
+            assert len(found) == 1, task
+            at = found[0].start()
+            assert s.ids[: s.context_length] == encode_plain(tokenizer, s.prompt[:at]), task
+            assert s.ids[s.context_length :] == encode_plain(tokenizer, s.prompt[at:]), task
+    with pytest.raises(ValueError, match="context_length must be in"):
+        RulerSample("vt", "x", [1, 2], ["a"], 4, 2)
+
+
 def _context(prompt: str) -> str:
     return prompt[: prompt.rindex("\nWhat")] if "\nWhat" in prompt else prompt[: prompt.index("\nQuestion:")]
 
