@@ -16,7 +16,8 @@ ratio that keeps exactly b positions per KV head (`KVzipPress`: b x heads x laye
 its default), then its question (the rest of the chat template and the answer's start) is fed at the
 positions after the context with nothing evicted, and the answer decoded greedily. `--compress prompt`:
 the whole prompt but its last token is compressed instead. Scored with RULER's string_match_all; one JSON
-line per (press, budget, sample) is appended to `--jsonl` as it is answered, so a stopped run keeps its rows.
+line per (press, budget, sample) is appended to `--jsonl` as it is answered (sample by sample, the tasks
+interleaved), so a stopped run keeps what it answered.
 
     cd scripts && ../../venv-kvpress/bin/python kvpress_ruler.py --checkpoint CHECKPOINT_DIR \\
         --samples ../out/ruler_samples.json --budgets 1024,512 --presses KVzipPress,SnapKVPress --jsonl ../out/kvp.jsonl
@@ -132,23 +133,27 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, float]] = {}
     plan = [("dense (no press)", None, None)] if args.dense else []
     plan += [(f"{press} @{b}", press, int(b)) for b in args.budgets.split(",") for press in args.presses.split(",")]
-    for label, press_name, budget in plan:
-        start, per_task = time.perf_counter(), {t: [] for t in tasks}
-        for s in data["samples"]:
+    per_row: dict[str, dict[str, list[float]]] = {label: {t: [] for t in tasks} for label, _, _ in plan}
+    by_task = [[s for s in data["samples"] if s["task"] == t] for t in tasks]
+    order = [rows_[i] for i in range(max(len(r) for r in by_task)) for rows_ in by_task if i < len(rows_)]
+    for s in order:  # sample by sample, the tasks interleaved: a stopped run keeps whole samples
+        for label, press_name, budget in plan:
+            start = time.perf_counter()
             ids = s["ids"]
             split = s["context_length"] if args.compress == "context" else len(ids) - 1
             press = None if press_name is None else make_press(press_name, split, budget, model.config)
-            out = answer(model, press, ids, split, s["max_new_tokens"], stop)
-            prediction = tokenizer.decode(out)
-            per_task[s["task"]].append(score(prediction, s["references"]))
+            prediction = tokenizer.decode(answer(model, press, ids, split, s["max_new_tokens"], stop))
+            per_row[label][s["task"]].append(score(prediction, s["references"]))
+            wall = time.perf_counter() - start
+            print(f"{s['task']} {label}: {per_row[label][s['task']][-1]:.2f} {wall:.0f} s", flush=True)
             if args.jsonl:
-                line = {"row": label, "task": s["task"], "score": per_task[s["task"]][-1], "prediction": prediction}
+                line = {"row": label, "task": s["task"], "score": per_row[label][s["task"]][-1]}
                 with args.jsonl.open("a") as f:
-                    f.write(json.dumps({**line, "elapsed_s": round(time.perf_counter() - start, 1)}) + "\n")
+                    f.write(json.dumps({**line, "prediction": prediction, "wall_s": round(wall, 1)}) + "\n")
+    for label, per_task in per_row.items():
         rows[label] = {t: sum(v) / len(v) for t, v in per_task.items()}
         cells = " | ".join(f"{rows[label][t]:.2f}" for t in tasks)
-        mean = sum(rows[label].values()) / len(tasks)
-        print(f"| {label} | {cells} | {mean:.2f} | {time.perf_counter() - start:.0f} s |", flush=True)
+        print(f"| {label} | {cells} | {sum(rows[label].values()) / len(tasks):.2f} |")
     if args.json_out:
         version = importlib.metadata.version("kvpress")
         summary = {"tasks": tasks, "rows": rows, "kvpress": version, "compress": args.compress}
