@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", nargs="?")
     p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
+    p.add_argument("--answer_tasks", default=None, help="answer only these of --tasks (same samples)")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -82,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     template = KVCacheConfig(chunk_size=args.chunk_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    answered = resolve_tasks(args.answer_tasks) if args.answer_tasks else list(samples)
     for i in range(args.num_samples):
         for task, rows in samples.items():
+            if task not in answered:
+                continue
             s = rows[i]
             ids = torch.tensor(s.ids, dtype=torch.long)
             metric = METRICS[TASKS[task].metric]
