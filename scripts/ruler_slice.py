@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start_sample", type=int, default=0, help="answer samples start_sample..num_samples-1")
     p.add_argument("--text_file", type=Path, default=REPO / "litkv" / "assets" / "default" / "heldout.txt")
     p.add_argument("--rows", default="dense,kvzip", help="dense and one-shot policies, comma-separated")
     p.add_argument("--budgets", default="2048,1024,512")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     template = KVCacheConfig(chunk_size=args.chunk_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     answered = resolve_tasks(args.answer_tasks) if args.answer_tasks else list(samples)
-    for i in range(args.num_samples):
+    for i in range(args.start_sample, args.num_samples):
         for task, rows in samples.items():
             if task not in answered:
                 continue
