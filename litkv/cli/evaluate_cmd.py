@@ -22,7 +22,7 @@ from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, w
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file, require_int
 from litkv.eval.evaluate import DENSE, PolicyResult, RulerResult, evaluate_policies, text_windows
-from litkv.eval.oneshot import KVZIP
+from litkv.eval.oneshot import KVZIP, check_compress
 from litkv.eval.recall import RECALL_FILE, RecallTask
 from litkv.eval.ruler import resolve_tasks
 from litkv.eval.ruler_report import run_ruler
@@ -73,6 +73,7 @@ def evaluate(
     task_samples: int = 8,
     quantize: str = "none",
     chat_template: bool | None = None,
+    oneshot_compress: str = "context",
     overwrite: bool = False,
 ) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
@@ -119,10 +120,14 @@ def evaluate(
         chat_template: RULER tasks only: each prompt as a user message in the checkpoint's chat template
             (with the generation prompt), as an instruct model is used: true, false (the prompt's text
             alone), or unset: when the checkpoint has one.
+        oneshot_compress: RULER tasks only, one-shot policies (kvzip, `mode: one-shot`): "context" compresses
+            each sample's context, then feeds its question uncompressed (kvpress's pipeline); "prompt"
+            compresses the whole prompt, question included.
         overwrite: Replace an `out_dir` that an earlier `litkv evaluate` wrote (its marker file); any
             other non-empty directory is refused whatever this says.
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
+    check_compress(oneshot_compress)
     if tasks is not None:
         require_int("--task_samples", task_samples, 1)
         resolve_tasks(tasks)  # an unknown name is named before the output directory is
@@ -131,6 +136,7 @@ def evaluate(
             "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
             "text_file": text_file, "out_dir": out_dir, "precision": precision, "device": device,
             "num_threads": num_threads, "quantize": quantize, "chat_template": chat_template,
+            "oneshot_compress": oneshot_compress,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
         check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from litkv.eval.oneshot import KVZIP, is_one_shot, oneshot_answers
+from litkv.eval.oneshot import KVZIP, check_compress, is_one_shot, oneshot_answers
 from litkv.eval.recall import RecallExample
 from litkv.eval.ruler import METRICS as RULER_METRICS
 from litkv.eval.ruler import TASKS as RULER_TASKS
@@ -393,12 +393,15 @@ def evaluate_ruler(
     policy_options: dict[str, dict[str, Any]] | None = None,
     length: int = 0,
     repeat: RepeatPrompt | None = None,
+    oneshot_compress: str = "context",
 ) -> list[RulerResult]:
     """RULER scores of dense (cache as long as `length` or the longest sample) and of every (policy, budget).
 
     A one-shot policy (`is_one_shot`: `mode: one-shot` in its options, or `kvzip`) runs with `budget` as its
     one-shot budget and a cache as long as dense's; each batch of samples is prefilled once per policy and
-    compressed per budget (`litkv.eval.oneshot`). `repeat`: kvzip's reconstruction prompt.
+    compressed per budget (`litkv.eval.oneshot`): the samples' contexts, each question fed after it
+    uncompressed (`oneshot_compress="context"`, as kvpress), or the whole prompts (`"prompt"`). Continuous
+    policies run the whole prompt through their cache. `repeat`: kvzip's reconstruction prompt.
 
     Returns:
         The dense reference first (always), then one result per (policy, budget) in order.
@@ -411,6 +414,7 @@ def evaluate_ruler(
     if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
         raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
     options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
+    context_only = check_compress(oneshot_compress) == "context"
     longest = max(length, *(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task))
     one_shot = [p for p in dict.fromkeys(policies) if p != DENSE and is_one_shot(p, options.get(p))]
     configs = _configs(template, [p for p in policies if p not in one_shot], budgets, longest, options)
@@ -427,9 +431,11 @@ def evaluate_ruler(
             opts = {**options.get(policy, {}), "mode": "one-shot"}
             per_budget = {b: cache_config(template, policy, longest, {**opts, "budget": b}) for b in budgets}
             for task, task_samples in samples.items():
-                for budget, score in _oneshot_scores(
-                    model, tokenizer, task_samples, per_budget, batch_size, repeat, lambda _: bar.update(1)
-                ).items():
+                on_answer = lambda _: bar.update(1)  # noqa: E731
+                answered = _oneshot_scores(
+                    model, tokenizer, task_samples, per_budget, batch_size, repeat, on_answer, context_only
+                )
+                for budget, score in answered.items():
                     scores.setdefault((policy, budget), {})[task] = score
     order = [(DENSE, longest)] + [(p, b) for p in policies if p != DENSE for b in budgets]
     return [RulerResult(p, b, scores[(p, b)]) for p, b in dict.fromkeys(order)]
@@ -443,15 +449,22 @@ def _oneshot_scores(
     batch_size: int,
     repeat: RepeatPrompt | None,
     on_answer: Callable[[int], None],
+    context_only: bool = True,
 ) -> dict[int, float]:
-    """RULER's score of one task's samples for every budget of one one-shot policy (`oneshot_answers`)."""
+    """RULER's score of one task's samples for every budget of one one-shot policy (`oneshot_answers`):
+    the contexts compressed and the questions fed after them (`context_only`), or the whole prompts."""
     device = model.lm_head.weight.device
     predictions: dict[int, list[str]] = {b: [] for b in configs}
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
-        prompts = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
+        ids = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
         new = max(s.max_new_tokens for s in batch)
-        answers = oneshot_answers(model, prompts, new, configs, repeat, on_answer)
+        if context_only:
+            prompts = [x[: s.context_length] for x, s in zip(ids, batch, strict=True)]
+            questions = [x[s.context_length :] for x, s in zip(ids, batch, strict=True)]
+            answers = oneshot_answers(model, prompts, new, configs, repeat, on_answer, questions)
+        else:
+            answers = oneshot_answers(model, ids, new, configs, repeat, on_answer)
         for budget, outputs in answers.items():
             predictions[budget] += [
                 tokenizer.decode(out[: s.max_new_tokens].cpu()) for s, out in zip(batch, outputs, strict=True)

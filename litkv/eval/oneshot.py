@@ -6,8 +6,13 @@ is the same for every budget. So each batch of prompts is prefilled once per pol
 that policy (`cache_length` = the longest prompt + answer), the caches' state is taken
 (`litkv.states.state.snapshot`), and for every budget the state is given back into caches whose config
 has that budget (`restore`), compressed (`end_prefill`, or `compress_kvzip`), and the answer decoded
-greedily. The answers are those of a separate `generate` per (policy, budget): same prefill, same
-compression, same decode (tests/cli/test_oneshot_eval.py).
+greedily.
+
+What is compressed (`COMPRESS`): `"context"` (kvpress's pipeline, the default of `litkv evaluate`): the
+prompts are contexts, compressed alone (kvzip reconstructs the context only), and each row's question is
+then fed into the compressed cache, which keeps every question token, before the answer is decoded;
+`"prompt"`: the whole prompt, question included, is compressed. The answers are those of a separate run per
+(policy, budget) (tests/cli/test_oneshot_eval.py).
 """
 
 from __future__ import annotations
@@ -26,9 +31,22 @@ from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
 from litkv.states.state import CacheState, restore, snapshot
 
-__all__ = ["KVZIP", "is_one_shot", "oneshot_answers"]
+__all__ = ["COMPRESS", "KVZIP", "check_compress", "is_one_shot", "oneshot_answers"]
 
 KVZIP = "kvzip"
+#: What a one-shot evaluation compresses: the context alone (the question fed after, uncompressed; kvpress's
+#: pipeline) or the whole prompt, question included.
+COMPRESS = ("context", "prompt")
+
+
+def check_compress(compress: object) -> str:
+    """`compress` if it is one of `COMPRESS`, else ValueError naming what was given."""
+    if compress not in COMPRESS:
+        raise ValueError(
+            f"oneshot_compress must be 'context' (compress the context, then feed the question uncompressed, as "
+            f"kvpress does) or 'prompt' (compress the whole prompt, question included), got {compress!r}"
+        )
+    return str(compress)
 
 
 def is_one_shot(policy: str, options: Mapping[str, Any] | None) -> bool:
@@ -51,16 +69,21 @@ def oneshot_answers(
     configs: Mapping[int, KVCacheConfig],
     repeat: RepeatPrompt | None = None,
     on_answer: Callable[[int], None] | None = None,
+    questions: Sequence[torch.Tensor] | None = None,
 ) -> dict[int, list[torch.Tensor]]:
     """Greedy answers to `prompts` for each budget's one-shot config, from one prefill.
 
     Args:
         model: the GPT.
-        prompts: 1-D token tensors (one batch, left-padded here).
+        prompts: 1-D token tensors (one batch, left-padded here): the whole prompts, or with `questions`
+            their contexts (what is compressed).
         max_new_tokens: tokens decoded per prompt.
-        configs: budget -> config of one policy in mode `one-shot` (they differ in `budget` only).
+        configs: budget -> config of one policy in mode `one-shot` (they differ in `budget` only); their
+            `cache_length` must hold each prompt, its question and its answer.
         repeat: the reconstruction prompt (`kvzip` only).
         on_answer: called with the budget after each budget's answers (a progress bar).
+        questions: per prompt, its question `(m_r,)` (non-empty), fed at the positions after its context
+            once the context is compressed; none: the prompts are compressed whole.
 
     Returns:
         budget -> the new tokens of each prompt.
@@ -73,9 +96,11 @@ def oneshot_answers(
         raise ValueError("kvzip needs its reconstruction prompt (repeat=RepeatPrompt.build(tokenizer, template))")
     device = model.lm_head.weight.device
     idx, pos = pad_prompts(list(prompts), device)
+    after = None if questions is None else _question_batch(questions, pos[:, -1] + 1, len(prompts), device)
+    plan = ChunkPlan.of(first)
     out: dict[int, list[torch.Tensor]] = {}
     with model.kv_caches_attached(first, idx.shape[0]):
-        hidden = run_chunks(model, idx, pos, ChunkPlan.of(first), lm_head=False, last_only=True)
+        hidden = run_chunks(model, idx, pos, plan, lm_head=False, last_only=True)
         if kvzip:
             kvzip_score(model, prompts, repeat, repeat.prefix_length)  # type: ignore[union-attr]
         state = snapshot(model)
@@ -85,7 +110,21 @@ def oneshot_answers(
                 compress_kvzip(list(model.caches))  # type: ignore[arg-type]
             else:
                 model.caches.end_prefill()
-            out[budget] = decode_greedy(model, hidden, pos[:, -1] + 1, max_new_tokens)
+            last, next_pos = hidden, pos[:, -1] + 1
+            if after is not None:  # the question, into the compressed cache (which keeps all of it)
+                last = run_chunks(model, after[0], after[1], plan, lm_head=False, last_only=True)
+                next_pos = after[1][:, -1] + 1
+            out[budget] = decode_greedy(model, last, next_pos, max_new_tokens)
             if on_answer is not None:
                 on_answer(budget)
     return out
+
+
+def _question_batch(
+    questions: Sequence[torch.Tensor], starts: torch.Tensor, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `(B, M)` question ids and their positions (row `r` from `starts[r]`, `-1` at pads)."""
+    if len(questions) != rows:
+        raise ValueError(f"{len(questions)} questions for {rows} prompts: give one question per prompt")
+    idx, pos = pad_prompts(list(questions), device)
+    return idx, torch.where(pos >= 0, pos + starts[:, None], pos)

@@ -35,15 +35,18 @@ __all__ = [
     "RulerSample",
     "RulerTask",
     "generate_samples",
+    "question_start",
     "resolve_tasks",
     "string_match_all",
     "string_match_part",
     "word_list",
 ]
 
+#: A prompt's (context, question) texts -> the token ids the model is fed for each (tokenized apart, as
+#: kvpress's pipeline tokenizes its context and question; the sample's ids are their concatenation).
+Encode = Callable[[str, str], tuple[list[int], list[int]]]
+
 # RULER's noise haystack sentence.
-#: A prompt's text -> the token ids the model is fed.
-Encode = Callable[[str], list[int]]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 VT_PROMPT = (
@@ -193,13 +196,30 @@ def resolve_tasks(tasks: str | Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class RulerSample:
-    """A prompt (token ids and text) and the references its answer must contain."""
+    """A prompt (token ids and text) and the references its answer must contain.
+
+    The prompt is a context and a question, as kvpress splits RULER's prompts: `ids[:context_length]` is
+    the (templated) prompt up to the end of the haystack, `ids[context_length:]` the question, the rest of
+    the chat template and the answer's start. A one-shot evaluation compresses the context only and feeds
+    the question after it (`litkv.eval.oneshot`).
+    """
 
     task: str
     prompt: str
     ids: list[int]
     references: list[str]
     max_new_tokens: int
+    context_length: int
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        if isinstance(self.context_length, bool) or not isinstance(self.context_length, int):
+            raise TypeError(f"RulerSample.context_length must be an int, got {self.context_length!r}")
+        if not 1 <= self.context_length < n:
+            raise ValueError(
+                f"RulerSample.context_length must be in [1, {n - 1}] (a context and a question of {n} ids), "
+                f"got {self.context_length}"
+            )
 
 
 def word_list(text: str, min_len: int = 3, max_len: int = 10, skip_frequent: int = 200) -> list[str]:
@@ -270,15 +290,33 @@ def split_answer_prefix(prompt: str) -> tuple[str, str]:
     return prompt, ""
 
 
-def _fit(build: Callable[[int], str], encode: Encode, budget: int, hi: int) -> tuple[str, list[int]]:
-    """The prompt `build(n)` with the largest `n` in [0, hi] whose tokens fit in `budget` (binary search)."""
+def question_start(prompt: str) -> int:
+    """Where the question of a RULER prompt begins (kvpress's split of RULER's prompts): at the last
+    "Question:" (vt, cwe, fwe); a niah prompt's question is the text after its haystack, which the
+    builder knows (`_niah_builder`)."""
+    at = prompt.rfind("Question:")
+    if at < 0:
+        raise ValueError(f"no 'Question:' in the RULER prompt ending {prompt[-80:]!r}")
+    return at
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    text: str
+    ids: list[int]
+    context_length: int
+
+
+def _fit(build: Callable[[int], tuple[str, int]], encode: Encode, budget: int, hi: int) -> _Fitted:
+    """The prompt `build(n)` (text, where its question starts) with the largest `n` in [0, hi] whose
+    tokens fit in `budget` (binary search)."""
     lo, best = 0, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        text = build(mid)
-        ids = encode(text)
-        if len(ids) <= budget:
-            best, lo = (text, ids), mid + 1
+        text, split = build(mid)
+        context, question = encode(text[:split], text[split:])
+        if len(context) + len(question) <= budget:
+            best, lo = _Fitted(text, context + question, len(context)), mid + 1
         else:
             hi = mid - 1
     if best is None:
@@ -288,7 +326,7 @@ def _fit(build: Callable[[int], str], encode: Encode, budget: int, hi: int) -> t
 
 def _niah_builder(
     task: RulerTask, words: Sequence[str], rng: random.Random, fmt: NiahFormat
-) -> tuple[Callable[[int], str], list[str]]:
+) -> tuple[Callable[[int], tuple[str, int]], list[str]]:
     keys = rng.sample(list(words), task.num_keys)
     if task.value_type == "numbers":
         values = [[_number(rng, fmt.num_digits, fmt.distinct_digits) for _ in range(task.num_values)] for _ in keys]
@@ -307,7 +345,9 @@ def _niah_builder(
     others = [w for w in words if w not in keys]
     pool = [rng.choice(others) for _ in range(4096)] if task.haystack == "words" else []
 
-    def build(n: int) -> str:
+    lead = len(question) - len(question.lstrip())  # whitespace before the question ends the context
+
+    def build(n: int) -> tuple[str, int]:
         units = [NOISE] * n if task.haystack == "noise" else [pool[i % len(pool)] for i in range(n)]
         parts, last = [], 0
         for depth, needle in zip(depths, needles, strict=True):
@@ -315,12 +355,15 @@ def _niah_builder(
             parts += [" ".join(units[last:cut]), needle]
             last = cut
         parts.append(" ".join(units[last:]))
-        return "".join(parts) + question
+        context = "".join(parts)
+        return context + question, len(context) + lead
 
     return build, [v for i in queried for v in values[i]]
 
 
-def _vt_builder(words: Sequence[str], rng: random.Random, hops: int = 4) -> tuple[Callable[[int], str], list[str]]:
+def _vt_builder(
+    words: Sequence[str], rng: random.Random, hops: int = 4
+) -> tuple[Callable[[int], tuple[str, int]], list[str]]:
     names: list[str] = []
     while len(names) < hops + 1:
         name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
@@ -329,7 +372,7 @@ def _vt_builder(words: Sequence[str], rng: random.Random, hops: int = 4) -> tupl
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
     depths = sorted(rng.random() for _ in chain)
 
-    def build(n: int) -> str:
+    def build(n: int) -> tuple[str, int]:
         units: list[str] = []
         last = 0
         for depth, line in zip(depths, chain, strict=True):
@@ -337,33 +380,38 @@ def _vt_builder(words: Sequence[str], rng: random.Random, hops: int = 4) -> tupl
             units += [NOISE] * (cut - last) + [line]
             last = cut
         units += [NOISE] * (n - last)
-        return VT_PROMPT.format(context=" ".join(units), value=value, n=len(names))
+        text = VT_PROMPT.format(context=" ".join(units), value=value, n=len(names))
+        return text, question_start(text)
 
     return build, names
 
 
 def _cwe_builder(
     words: Sequence[str], rng: random.Random, num_cw: int = 10, freq_cw: int = 10, freq_ucw: int = 3
-) -> tuple[Callable[[int], str], list[str]]:
+) -> tuple[Callable[[int], tuple[str, int]], list[str]]:
     chosen = rng.sample(list(words), min(len(words), num_cw + 400))
     common, uncommon = chosen[:num_cw], chosen[num_cw:]
 
-    def build(n: int) -> str:
+    def build(n: int) -> tuple[str, int]:
         items = common * freq_cw + uncommon[:n] * freq_ucw
         random.Random(len(items)).shuffle(items)
         context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
-        return CWE_PROMPT.format(context=context, n=num_cw)
+        text = CWE_PROMPT.format(context=context, n=num_cw)
+        return text, question_start(text)
 
     return build, common
 
 
-def _fwe_builder(rng: random.Random, alpha: float = 2.0, vocab: int = 600) -> tuple[Callable[[int], str], list[str]]:
+def _fwe_builder(
+    rng: random.Random, alpha: float = 2.0, vocab: int = 600
+) -> tuple[Callable[[int], tuple[str, int]], list[str]]:
     coded = list(dict.fromkeys("".join(rng.choice(string.ascii_lowercase) for _ in range(6)) for _ in range(vocab)))
     weights = [1.0 / (rank + 1) ** alpha for rank in range(len(coded))]  # Zipf over the coded words
     stream = rng.choices(coded, weights=weights, k=4000)
 
-    def build(n: int) -> str:
-        return FWE_PROMPT.format(context=" ".join(stream[:n]))
+    def build(n: int) -> tuple[str, int]:
+        text = FWE_PROMPT.format(context=" ".join(stream[:n]))
+        return text, question_start(text)
 
     return build, []
 
@@ -374,30 +422,30 @@ def _sample(
     budget = length - task.max_new_tokens
     if task.kind == "niah":
         build, refs = _niah_builder(task, words, rng, fmt)
-        text, ids = _fit(build, encode, budget, hi=4096 if task.haystack == "words" else 400)
+        fitted = _fit(build, encode, budget, hi=4096 if task.haystack == "words" else 400)
     elif task.kind == "vt":
         build, refs = _vt_builder(words, rng)
-        text, ids = _fit(build, encode, budget, hi=400)
+        fitted = _fit(build, encode, budget, hi=400)
     elif task.kind == "cwe":
-        text, ids, refs = _fit_cwe(encode, words, budget, rng)
+        fitted, refs = _fit_cwe(encode, words, budget, rng)
     else:
         build, _ = _fwe_builder(rng)
-        text, ids = _fit(build, encode, budget, hi=4000)
-        refs = _fwe_top(text)
-    return RulerSample(task.name, text, ids, refs, task.max_new_tokens)
+        fitted = _fit(build, encode, budget, hi=4000)
+        refs = _fwe_top(fitted.text)
+    return RulerSample(task.name, fitted.text, fitted.ids, refs, task.max_new_tokens, fitted.context_length)
 
 
-def _fit_cwe(encode: Encode, words: Sequence[str], budget: int, rng: random.Random) -> tuple[str, list[int], list[str]]:
+def _fit_cwe(encode: Encode, words: Sequence[str], budget: int, rng: random.Random) -> tuple[_Fitted, list[str]]:
     """RULER's cwe frequencies (common words 10x here, 30x in RULER at 4K+ tokens; others 3x), lowered to
     6x/2x then 3x/1x when even the common words alone do not fit in `budget` tokens."""
     seed = rng.random()
     for freq_cw, freq_ucw in ((10, 3), (6, 2), (3, 1)):
         build, refs = _cwe_builder(words, random.Random(seed), freq_cw=freq_cw, freq_ucw=freq_ucw)
         try:
-            text, ids = _fit(build, encode, budget, hi=400)
+            fitted = _fit(build, encode, budget, hi=400)
         except ValueError:
             continue
-        return text, ids, refs
+        return fitted, refs
     raise ValueError(f"even the cwe common words (3 times each) do not fit in {budget} prompt tokens")
 
 
@@ -405,6 +453,10 @@ def _fwe_top(prompt: str) -> list[str]:
     """The three most frequent coded words of an fwe prompt's context (what is really in the prompt)."""
     context = prompt[prompt.index("\n") + 1 : prompt.index("\nQuestion:")]
     return [w for w, _ in Counter(context.split()).most_common(3)]
+
+
+def _plain(tokenizer: Any, context: str, question: str) -> tuple[list[int], list[int]]:
+    return encode_plain(tokenizer, context), encode_plain(tokenizer, question)
 
 
 def generate_samples(
@@ -420,8 +472,9 @@ def generate_samples(
     """`num_samples` samples per task, each at most `length` tokens with its answer; deterministic in `seed`.
 
     `words`: the local word list (`word_list`) for keys and word haystacks; `niah_format`: the needle wording
-    (default: RULER's English template); `encode`: a prompt's text -> the token ids the model is fed
-    (default: the text alone, `encode_plain`; an instruct model's chat template: `chat_encoder`).
+    (default: RULER's English template); `encode`: a prompt's context and question texts -> the token ids
+    the model is fed for each (default: each text alone, `encode_plain`; an instruct model's chat template:
+    `chat_encoder`). A sample's ids are the context's then the question's (`RulerSample.context_length`).
     """
     fmt = NiahFormat() if niah_format is None else niah_format
     if isinstance(length, bool) or not isinstance(length, int) or length < 64:
@@ -430,7 +483,7 @@ def generate_samples(
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     if len(words) < 20:
         raise ValueError(f"the word list needs at least 20 words (keys and haystack), got {len(words)}")
-    enc: Encode = encode or (lambda text: encode_plain(tokenizer, text))
+    enc: Encode = encode or (lambda context, question: _plain(tokenizer, context, question))
     out: dict[str, list[RulerSample]] = {}
     for index, name in enumerate(resolve_tasks(list(tasks))):
         rng = random.Random(f"{seed}/{index}/{name}")

@@ -24,12 +24,13 @@ from litkv.eval.ruler import (
     TASKS,
     Encode,
     NiahFormat,
+    RulerSample,
     generate_samples,
     resolve_tasks,
     split_answer_prefix,
     word_list,
 )
-from litkv.inference.chat_template import Format, RawFormat, TemplateFormat, load_format
+from litkv.inference.chat_template import Format, TemplateFormat, load_format
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.kvcache.registry import get_kv_cache_class
@@ -41,6 +42,7 @@ __all__ = [
     "near_zero_tasks",
     "needs_text",
     "plot_ruler",
+    "ruler_samples",
     "run_ruler",
 ]
 
@@ -49,16 +51,26 @@ NEAR_ZERO = 0.1
 
 
 def chat_encoder(fmt: Format) -> Encode | None:
-    """A RULER prompt as an instruct model is fed it in chat, as RULER does: the question as a user message
-    of `fmt`'s chat template, the generation prompt, then the answer's start (`split_answer_prefix`) as the
-    first tokens of the reply; None for raw text (the prompt's own tokens)."""
-    if isinstance(fmt, RawFormat):
+    """A RULER prompt as an instruct model is fed it in chat, as RULER and kvpress do: the context and the
+    question as one user message of `fmt`'s chat template, the generation prompt, then the answer's start
+    (`split_answer_prefix`) as the first tokens of the reply; the templated text is cut where the question
+    starts and each side tokenized apart (kvpress's pipeline: the templated context, then the question, the
+    template's end of the turn and the answer's start). None for raw text (each text's own tokens)."""
+    if not isinstance(fmt, TemplateFormat):
         return None
+    template = fmt.template
 
-    def encode(text: str) -> list[int]:
-        question, prefix = split_answer_prefix(text)
-        ids = [t for seg in fmt.segments([("user", question)], [None], True, True) for t in seg.ids]
-        return ids + (encode_plain(fmt.tokenizer, prefix) if prefix else [])
+    def encode(context: str, question: str) -> tuple[list[int], list[int]]:
+        message, prefix = split_answer_prefix(context + question)
+        if len(message) < len(context):
+            raise ValueError(f"the answer's start {prefix[:40]!r} begins inside the context")
+        text = template.render([("user", message)], add_generation_prompt=True)
+        at = text.find(message)
+        if at < 0 or text.count(message) != 1:
+            raise ValueError("the chat template does not write the RULER prompt once and verbatim")
+        cut = at + len(context)
+        tail = encode_plain(fmt.tokenizer, prefix) if prefix else []
+        return encode_plain(fmt.tokenizer, text[:cut]), encode_plain(fmt.tokenizer, text[cut:]) + tail
 
     return encode
 
@@ -99,7 +111,8 @@ def run_ruler(
     `settings`: length (None: the recall format's context length, else the model's), num_samples, seed,
     kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads, quantize,
     chat_template (None: the checkpoint's template when it has one, each prompt a user message with the
-    generation prompt; False: the prompt's text alone).
+    generation prompt; False: the prompt's text alone), oneshot_compress ("context": one-shot policies
+    compress each sample's context and get its question after, as kvpress; "prompt": the whole prompt).
     """
     names = resolve_tasks(tasks)
     runtime = (settings["precision"], settings["device"], settings["num_threads"], settings["quantize"])
@@ -109,18 +122,15 @@ def run_ruler(
     length = settings["length"] or min(recall.context_length if recall else 10**9, model.config.block_size)
     if not 64 <= length <= model.config.block_size:
         raise ValueError(f"the RULER length must be in [64, {model.config.block_size}] (the model's), got {length}")
-    words, words_from = _words(ckpt, settings["text_file"], names)
-    niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
     fmt = load_format(ckpt, tokenizer, settings["chat_template"])
-    encode = chat_encoder(fmt)
+    samples, words_from, niah = ruler_samples(ckpt, tokenizer, fmt, names, length, settings)
     repeat = None  # kvzip's reconstruction prompt, in the chat template the prompts are fed in
     if any(p == KVZIP or get_kv_cache_class(p) is KVzipKVCache for p in policies):
         repeat = RepeatPrompt.build(tokenizer, fmt.template if isinstance(fmt, TemplateFormat) else None)
-    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
     start = time.perf_counter()
     results = evaluate_ruler(
         model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
-        settings["policy_options"], length, repeat,
+        settings["policy_options"], length, repeat, settings.get("oneshot_compress", "context"),
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(format_ruler_table(results))
@@ -137,11 +147,25 @@ def run_ruler(
         "seed": settings["seed"],
         "words_from": words_from,
         "niah_format": niah.__dict__,
+        "oneshot_compress": settings.get("oneshot_compress", "context"),
         "near_zero_dense": near_zero_tasks(results),
         "elapsed_s": round(elapsed, 1),
     }
     _write(Path(settings["out_dir"]), results, info)
     return results
+
+
+def ruler_samples(
+    ckpt: Path, tokenizer: Any, fmt: Format, names: Sequence[str], length: int, settings: dict[str, Any]
+) -> tuple[dict[str, list[RulerSample]], str, NiahFormat]:
+    """The samples `litkv evaluate --tasks` scores (the word list, the niah wording and `fmt`'s encoding of
+    the checkpoint; `settings`: text_file, num_samples, seed), where the words came from, the niah wording."""
+    recall = RecallFormat.load(ckpt / RECALL_FILE) if (ckpt / RECALL_FILE).is_file() else None
+    words, words_from = _words(ckpt, settings["text_file"], names)
+    niah = NiahFormat.from_recall(recall) if recall else NiahFormat()
+    encode = chat_encoder(fmt)
+    samples = generate_samples(names, tokenizer, words, length, settings["num_samples"], settings["seed"], niah, encode)
+    return samples, words_from, niah
 
 
 def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) -> None:

@@ -434,7 +434,8 @@ def test_session_file_without_a_valid_layout_resumes_as_a_prefix(
 def test_ruler_prompts_through_the_chat_template_equal_transformers(ckpt: Path, hf_tokenizer) -> None:  # noqa: ANN001
     """`litkv evaluate --tasks` on an instruct model: each RULER question is fed as a user message with the
     generation prompt and the answer's start after it (as RULER feeds chat models), ids equal to
-    transformers' `apply_chat_template` + the prefix's tokens, and the sample still fits in the length."""
+    transformers' `apply_chat_template` + the prefix's tokens, split where the question starts (kvpress's
+    context and question), and the sample still fits in the length."""
     from litkv.eval.ruler import FALLBACK_WORDS, generate_samples, split_answer_prefix
     from litkv.eval.ruler_report import chat_encoder
 
@@ -449,5 +450,10 @@ def test_ruler_prompts_through_the_chat_template_equal_transformers(ckpt: Path, 
             assert prefix.startswith(("The ", "According to")), prefix
             expected = hf_ids(hf_tokenizer, [("user", question)], add_generation_prompt=True)
             assert templated.ids == expected + hf_tokenizer.encode(prefix, add_special_tokens=False)
+            # the context (kvpress's split): the template's start and the prompt up to its question
+            at = max(templated.prompt.rfind("Question:"), templated.prompt.rfind("What is the special"))
+            context = hf_tokenizer.decode(templated.ids[: templated.context_length])
+            assert context.endswith(templated.prompt[:at][-30:]) and context.startswith("<|im_start|>")
+            assert hf_tokenizer.decode(templated.ids[templated.context_length :]).startswith(templated.prompt[at:][:30])
             assert len(templated.ids) + templated.max_new_tokens <= 800 and len(templated.ids) > 0.8 * len(plain.ids)
     assert chat_encoder(load_format(ckpt, tok, chat_template=False)) is None  # raw text: the prompt alone

@@ -86,6 +86,29 @@ def test_generated_lengths_fit_the_target(tokenizer: Any, samples: dict) -> None
         generate_samples(["vt"], tokenizer, FALLBACK_WORDS, 64, 1)
 
 
+# kvpress's split of RULER's prompts (its benchmarks' dataset script): the question starts at these patterns
+QUESTION_PATTERNS = {
+    "niah": r"What (?:is|are all) the special magic",
+    "vt": r"Question: Find all variables that are assigned the value",
+    "cwe": r"Question: What are the 10 most common words in the above list\?",
+    "fwe": r"Question: Do not provide any explanation\.",
+}
+
+
+def test_context_and_question_split_where_kvpress_splits(tokenizer: Any, samples: dict) -> None:
+    """Each sample's ids are its context's then its question's, each tokenized alone, cut where kvpress's
+    patterns find the question (the whitespace before it in the context)."""
+    for task, rows in samples.items():
+        for s in rows:
+            found = list(re.finditer(QUESTION_PATTERNS[TASKS[task].kind], s.prompt))
+            assert len(found) == 1, task
+            at = found[0].start()
+            assert s.ids[: s.context_length] == encode_plain(tokenizer, s.prompt[:at]), task
+            assert s.ids[s.context_length :] == encode_plain(tokenizer, s.prompt[at:]), task
+    with pytest.raises(ValueError, match="context_length must be in"):
+        RulerSample("vt", "x", [1, 2], ["a"], 4, 2)
+
+
 def _context(prompt: str) -> str:
     return prompt[: prompt.rindex("\nWhat")] if "\nWhat" in prompt else prompt[: prompt.index("\nQuestion:")]
 
@@ -178,7 +201,7 @@ def test_ruler_score_and_evaluate_ruler(ckpt: Path, tokenizer: Any) -> None:
     assert all(set(r.scores) == {"niah_single_1", "vt"} and 0 <= r.mean <= 1 for r in results)
     # a sample whose reference is any string the model writes scores 1
     gen = rows["vt"][0]
-    always = RulerSample("vt", gen.prompt, gen.ids, [""], 4)
+    always = RulerSample("vt", gen.prompt, gen.ids, [""], 4, gen.context_length)
     assert ruler_score(model, tokenizer, [always], KVCacheConfig(policy="dense", cache_length=512)) == 1.0
     with pytest.raises(ValueError, match="budgets must be a non-empty list"):
         evaluate_ruler(model, tokenizer, rows, ["h2o"], [])
