@@ -16,6 +16,8 @@ from litkv import KVCacheConfig, forward_chunked, generate
 from litkv.kvcache.storage_kinds import known_storages
 from litkv.modeling.attention import attend, build_mask
 
+QUANTISED = [s for s in known_storages() if s != "float"]  # every packed format, built-ins included
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)"),
@@ -59,7 +61,7 @@ def test_16bit_model_on_gpu_matches_its_float64_twin(policy: str, dtype: torch.d
         assert max_diff(got, ref) <= half_bound(ref, dtype, LOGIT_EPS)
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("storage", QUANTISED)
 def test_quantised_storage_on_gpu_equals_cpu(storage: str) -> None:
     """float32 model: the GPU's int8/int4 caches give the CPU's logits within float32 rounding of the
     codes' attention (a code may flip at a rounding boundary: at most one quantum, 1e-3 of the logits)."""

@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 from litkv import KVCacheConfig, generate
 from litkv.inference.generate import _decode_steps
+from litkv.kvcache.storage_kinds import known_storages
 from litkv.modeling.attention import attend_causal_suffix
 
 pytestmark = [
@@ -44,7 +45,7 @@ QUICK = {("dense", "float"), ("h2o", "int8"), ("qh2o", "int4")}
 CASES = [
     (p, s) if (p, s) in QUICK else pytest.param(p, s, marks=pytest.mark.slow)
     for p in POLICIES
-    for s in ("float", "int8", "int4")
+    for s in known_storages()
 ]
 
 
