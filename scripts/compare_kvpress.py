@@ -217,6 +217,16 @@ def twin_difference(model: LlamaForCausalLM, reference: Path) -> tuple[float, in
 # -- recall ----------------------------------------------------------------------------------------
 
 
+def ratio_for(n_pairs: int, pruned: int) -> float:
+    """The float `r` with `int(n_pairs * r) == pruned` (kvpress's count of pruned pairs)."""
+    r = pruned / n_pairs
+    while int(n_pairs * r) < pruned:
+        r = float(torch.nextafter(torch.tensor(r, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)))
+    if int(n_pairs * r) != pruned:
+        raise ValueError(f"no ratio prunes exactly {pruned} of {n_pairs}")
+    return r
+
+
 def ratio_for_budget(n: int, budget: int) -> float:
     """`1 - budget / n`, nudged up to the float for which kvpress keeps exactly `budget` positions."""
     if not 1 <= budget < n:

@@ -35,7 +35,7 @@ from typing import Any
 
 import kvpress
 import torch
-from compare_kvpress import build_twin, ratio_for_budget  # the twin; budget -> ratio of the recall comparison
+from compare_kvpress import build_twin, ratio_for, ratio_for_budget  # the twin; budget -> kvpress ratio
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 PRESSES: dict[str, Callable[[float], kvpress.BasePress]] = {
@@ -55,13 +55,7 @@ PRESSES: dict[str, Callable[[float], kvpress.BasePress]] = {
 def ratio_over_layers(n: int, budget: int, heads: int, layers: int) -> float:
     """The ratio `r` for which `KVzipPress` (budgets across layers) prunes exactly `(n - budget) x heads x
     layers` of its `n x heads x layers` scores (`int(numel * r)`)."""
-    total, pruned = n * heads * layers, (n - budget) * heads * layers
-    r = pruned / total
-    while int(total * r) < pruned:
-        r = float(torch.nextafter(torch.tensor(r, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)))
-    if int(total * r) != pruned:
-        raise ValueError(f"no ratio prunes exactly {pruned} of {total}")
-    return r
+    return ratio_for(n * heads * layers, (n - budget) * heads * layers)
 
 
 def make_press(name: str, n: int, budget: int, config: Any) -> kvpress.BasePress:

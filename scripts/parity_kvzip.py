@@ -32,7 +32,7 @@ from kvpress import KVzipPress
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_kvpress import build_twin  # noqa: E402
+from compare_kvpress import build_twin, ratio_for  # noqa: E402
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer  # noqa: E402
 from litkv.core.tokens import encode_plain  # noqa: E402
@@ -59,16 +59,6 @@ def prompt_ids(ckpt: Path, length: int) -> tuple[list[int], RepeatPrompt]:
     text = (ckpt / "heldout.txt") if (ckpt / "heldout.txt").is_file() else Path("litkv/assets/default/heldout.txt")
     body = encode_plain(tokenizer, text.read_text(encoding="utf-8"))
     return head + body[: length - len(head)], repeat
-
-
-def ratio_for(n_pairs: int, pruned: int) -> float:
-    """The float `r` with `int(n_pairs * r) == pruned` (kvpress's count of pruned pairs)."""
-    r = pruned / n_pairs
-    while int(n_pairs * r) < pruned:
-        r = float(torch.nextafter(torch.tensor(r, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)))
-    if int(n_pairs * r) != pruned:
-        raise ValueError(f"no ratio prunes exactly {pruned} of {n_pairs}")
-    return r
 
 
 @torch.inference_mode()
