@@ -78,6 +78,10 @@ class KVCache(ABC):
             row selection, files and the undo log (`journal`) handle them with the keys and values.
         row_state: names of the attributes holding per-row state: a tensor `(B, ...)`, a tuple of them,
             or `None` (not set yet: the base sets each to `None`).
+        row_state_zero_is_unset: all-zero row state means to the policy's calls what `None` means (sums
+            of what the calls saw): `KVCaches.copy_row` may then copy a row that has row state into caches
+            that have none yet (their other rows get zeros), and a row that has none into caches that do
+            (its row gets zeros). Without it such a copy is refused.
 
     Optional classmethod (the one opt-in of the batched decode step):
         select_drop_layers(caches, calls) -> `(n_layers, B, G, 1)`: the drops of the waiting decode steps
@@ -99,6 +103,7 @@ class KVCache(ABC):
     needs_gates: ClassVar[bool] = False
     slot_state: ClassVar[Mapping[str, SlotState]] = {}
     row_state: ClassVar[tuple[str, ...]] = ()
+    row_state_zero_is_unset: ClassVar[bool] = False
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()

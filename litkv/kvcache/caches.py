@@ -272,11 +272,17 @@ class KVCaches:
                 t[row].copy_(given[name][source_row])
             dst_r.update(fresh["conv"], fresh["ssm"])
         for i, (dst, src) in enumerate(zip(self.policy_caches, source.policy_caches, strict=True)):
+            if dst.row_state_zero_is_unset:
+                _zero_unset_row_state(dst, src)
             live, given = dst.state_tensors(), src.state_tensors()
-            if set(live) != set(given):
+            unset = set(live) - set(given) if dst.row_state_zero_is_unset else set()
+            if set(live) - unset != set(given):
                 raise ValueError(f"copy_row: layer {i} holds {sorted(live)}, the source {sorted(given)}")
             for name, t in live.items():
-                t[row].copy_(given[name][source_row])
+                if name in unset:
+                    t[row].zero_()
+                else:
+                    t[row].copy_(given[name][source_row])
         if source.last_pos is not None or self.last_pos is not None:
             if self.last_pos is None:
                 device = next(iter(self[0].state_tensors().values())).device
@@ -288,6 +294,19 @@ class KVCaches:
     def nbytes(self) -> int:
         """Bytes held by all layers: keys and values (quantised: codes, scales and offsets) and recurrent states."""
         return sum(cache.nbytes() for cache in self.layers)
+
+
+def _zero_unset_row_state(dst: KVCache, src: KVCache) -> None:
+    """Give `dst` all-zero row state `(B, ...)` where `src` has row state and `dst` none yet (a class whose
+    zero row state means unset: `KVCache.row_state_zero_is_unset`)."""
+    batch = dst.positions.shape[0]
+    for name in dst.row_state:
+        have, given = getattr(dst, name), getattr(src, name)
+        if have is not None or given is None:
+            continue
+        parts = given if isinstance(given, tuple) else (given,)
+        zeros = tuple(t.new_zeros((batch, *t.shape[1:])) for t in parts)
+        dst.set_state(name, zeros if isinstance(given, tuple) else zeros[0])
 
 
 @functools.cache

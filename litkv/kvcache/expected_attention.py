@@ -136,6 +136,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     needs_queries: ClassVar[bool] = True
     needs_rope: ClassVar[bool] = True
     row_state: ClassVar[tuple[str, ...]] = ("stats",)
+    row_state_zero_is_unset: ClassVar[bool] = True  # sums: zeros plus a call's terms are the call's terms
     stats: Stats | None  # `None` until the first call
     _rope: BoundRope | None = None  # set by bind_rope, with the two below (read only once it is set)
     _future: tuple[torch.Tensor, torch.Tensor]  # mean cos and sin of the future offsets
