@@ -219,3 +219,11 @@ def test_max_step_tokens_is_checked(model_and_tok: tuple, bad: object) -> None:
     eng = make_engine(model_and_tok, kv_config("h2o"))
     with pytest.raises(ValueError, match="max_step_tokens must be an int >= 1"):
         Scheduler(eng, eng.batch, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, True])
+def test_serve_refuses_a_bad_max_step_tokens_before_starting(ckpt: Path, bad: object) -> None:
+    from litkv.cli.serve_cmd import serve
+
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        serve(ckpt, max_step_tokens=bad)  # type: ignore[arg-type]
