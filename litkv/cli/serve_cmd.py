@@ -34,7 +34,7 @@ def serve(
     state_dir: Path | None = None,
     state_dir_bytes: int | None = None,
     max_batch: int = 8,
-    max_step_tokens: int = 512,
+    max_step_tokens: int = 1,
     max_queue: int = 64,
     max_tokens: int = 1024,
     default_max_tokens: int = 128,
@@ -75,9 +75,10 @@ def serve(
         state_dir_bytes: Bytes of files kept in ``state_dir`` (least recently used deleted first).
             Default: ``state_bytes``.
         max_batch: Conversations decoded at once (rows of the running batch); more requests wait.
-        max_step_tokens: Prompt tokens fed per step of the batch at most, in chunks of the cache config's
-            chunking (at least one chunk): prompts that arrive together are fed before the next decode
-            step while they fit; a long prompt holds the other rows' next token back by this many at most.
+        max_step_tokens: Prompt tokens fed per step of the batch at most, in whole chunks of the cache
+            config's chunking, at least one chunk (the default, 1: one chunk per step). Higher: prompts that
+            arrive together are fed before the next decode step while they fit (their first tokens come
+            sooner, but their replies then run in step and their next turns arrive together: docs/serve.md).
         max_queue: Requests that may wait for a row; beyond ``max_batch + max_queue`` in flight a request
             gets 503 (``server_overloaded``, ``Retry-After: 1``).
         max_tokens: Largest ``max_tokens`` a request may ask for.

@@ -66,7 +66,7 @@ class ServeOptions:
     state_dir: Path | None = None
     state_dir_bytes: int | None = None
     max_batch: int = 8
-    max_step_tokens: int = 512
+    max_step_tokens: int = 1
     max_queue: int = 64
     max_tokens: int = 1024
     default_max_tokens: int = 128

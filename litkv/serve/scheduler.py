@@ -11,10 +11,12 @@ reply's sampling. Each `step()` of the `Scheduler`:
    so no prompt overtakes an earlier one). A chunk is exactly a chunk of the solo run (the bounds of
    the segment's `ChunkPlan`, `segment_plan`, cut from the segment's first token), fed at batch one
    (`RowBatch.prefill` of that chunk alone): a row gets the same calls, so the same bits, whatever
-   else is fed in the step. So prompts that arrive together are all fed before the next decode step
-   (not one per round), and a long prompt delays the other rows' next token by at most a budget's
-   chunks. Documents (a run of KV blocks) go in whole, their tokens counted against the budget. A job
-   with no prompt text left samples its first token;
+   else is fed in the step. With a large budget, prompts that arrive together are all fed before the
+   next decode step (not one per round); a long prompt delays the other rows' next token by at most a
+   budget's chunks. Documents (a run of KV blocks) go in whole, their tokens counted against the budget. A job
+   with no prompt text left samples its first token. The default budget is one chunk per step: prompts
+   fed together decode in step and end together, so a closed loop of clients then sends its next turns
+   together (docs/serve.md);
 3. runs one decode step of the rows in use (`RowBatch.step`: the smallest row count of the batch's rounding
    class that holds them): a generating row feeds its last token, a row that replays a
    reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
@@ -50,7 +52,7 @@ from litkv.serve.turns import TurnRequest, TurnResult
 
 __all__ = ["DEFAULT_STEP_TOKENS", "Job", "Scheduler"]
 
-DEFAULT_STEP_TOKENS = 512  # two default chunks (256 tokens) per step
+DEFAULT_STEP_TOKENS = 1  # one chunk per step: a burst of prompts is fed one per round (docs/serve.md)
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,8 @@ class Scheduler:
     Args:
         engine: turns in and out (restore, plan, sampling settings, store).
         batch: the rows.
-        max_step_tokens: prompt tokens fed per step at most (but always one chunk when a prompt waits).
+        max_step_tokens: prompt tokens fed per step at most (but always one chunk when a prompt waits; the
+            default, 1: one chunk per step).
     """
 
     def __init__(self, engine: Turns, batch: RowBatch, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
