@@ -34,6 +34,7 @@ def serve(
     state_dir: Path | None = None,
     state_dir_bytes: int | None = None,
     max_batch: int = 8,
+    max_step_tokens: int = 1,
     max_queue: int = 64,
     max_tokens: int = 1024,
     default_max_tokens: int = 128,
@@ -74,6 +75,10 @@ def serve(
         state_dir_bytes: Bytes of files kept in ``state_dir`` (least recently used deleted first).
             Default: ``state_bytes``.
         max_batch: Conversations decoded at once (rows of the running batch); more requests wait.
+        max_step_tokens: Prompt tokens fed per step of the batch at most, in whole chunks of the cache
+            config's chunking, at least one chunk (the default, 1: one chunk per step). Higher: prompts that
+            arrive together are fed before the next decode step while they fit (their first tokens come
+            sooner, but their replies then run in step and their next turns arrive together: docs/serve.md).
         max_queue: Requests that may wait for a row; beyond ``max_batch + max_queue`` in flight a request
             gets 503 (``server_overloaded``, ``Retry-After: 1``).
         max_tokens: Largest ``max_tokens`` a request may ask for.
@@ -108,6 +113,7 @@ def serve(
         ("port", port, 0),
         ("state_bytes", state_bytes, 0),
         ("max_batch", max_batch, 1),
+        ("max_step_tokens", max_step_tokens, 1),
         ("max_queue", max_queue, 0),
         ("max_tokens", max_tokens, 1),
         ("default_max_tokens", default_max_tokens, 1),
@@ -133,7 +139,7 @@ def serve(
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, state_dir_bytes=state_dir_bytes,
-        max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens,
+        max_batch=max_batch, max_step_tokens=max_step_tokens, max_queue=max_queue, max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
         body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template,
         seed=seed, api_key=api_key, num_threads=num_threads, quantize=quantize,

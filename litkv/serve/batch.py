@@ -19,9 +19,10 @@ tokens alone and under load, and from a stored state or recomputed. Two things w
   fed it.
 
 Prompt text is fed at batch one, in a scratch set of caches of one row: the row's state is copied
-there, the segment runs through the chunk runner (`litkv.modeling.runner.run_chunks`, the chunking of
-`litkv.inference.conversation.segment_plan`), and the row is copied back: the other rows are neither run nor
-copied. Joining and leaving the batch is one row's copy (`KVCaches.copy_row`).
+there, the text runs through the chunk runner (`litkv.modeling.runner.run_chunks`: the scheduler gives
+one chunk of `litkv.inference.conversation.segment_plan`'s chunking at a time, documents go in whole), and
+the row is copied back: the other rows are neither run nor copied. Joining and leaving the batch is one
+row's copy (`KVCaches.copy_row`).
 """
 
 from __future__ import annotations

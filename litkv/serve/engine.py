@@ -62,7 +62,7 @@ from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan
 from litkv.serve.batch import RowBatch
-from litkv.serve.scheduler import Job, Scheduler
+from litkv.serve.scheduler import DEFAULT_STEP_TOKENS, Job, Scheduler
 from litkv.serve.store import ConversationStore
 from litkv.serve.turns import RequestError, TurnRequest, TurnResult
 from litkv.states.block_store import BlockStore
@@ -150,6 +150,7 @@ class Engine:
         blocks: where documents' KV is kept (default: a store that keeps nothing).
         recompute: the fraction of each spliced document's tokens recomputed in context (0: pure splice).
         max_documents, max_document_tokens: most documents of a request, and their tokens in all.
+        max_step_tokens: prompt tokens a step of the batch feeds at most (`litkv.serve.scheduler`).
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class Engine:
         recompute: float = 0.0,
         max_documents: int = 8,
         max_document_tokens: int = 8192,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         self.feeder = Feeder(blocks, recompute)
         self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
@@ -179,7 +181,7 @@ class Engine:
         self.stop_at_newline = self.format.name == "raw" if stop_at_newline is None else stop_at_newline
         self.default_seed = default_seed
         self.batch = RowBatch(model, kv_cache, max_batch)
-        self.scheduler = Scheduler(self, self.batch)
+        self.scheduler = Scheduler(self, self.batch, max_step_tokens)
         # the steps' rounding class is in the key: a state's rounding is that of decode steps of that class
         # the planning's feed boundaries are in the key too: a state fed in other chunks rounds otherwise
         identity = [model_fingerprint(model), repr(kv_cache), f"step-rounding-rows={self.batch.rounding_rows}"]
@@ -314,13 +316,18 @@ class Engine:
         job.result.block_tokens += self.feeder.blocks.reused_tokens - before
         if hidden is None:
             raise ValueError("nothing to feed: a prompt run without tokens")
+        self.prompt_fed(job, run)
+        return hidden
+
+    def prompt_fed(self, job: Job, run: Run) -> None:
+        """`run` is in the job's row (`feed_prompt`, or the scheduler's chunks): store the row's state when it
+        ends the leading system messages (conversations sharing them restore it)."""
         shared = self._share.get(job.row)
         if shared is not None and shared[0] is run:  # the system messages are in: their state is shared
             del self._share[job.row]
             _, key, ids = shared
             if not self.store.has(key):
                 self.store.put(key, self.batch.take(job.row), [], ids)
-        return hidden
 
     def on_token(self, job: Job, token: int) -> bool:
         """A sampled token: True when it is a stop token (the reply ends before it); else it joins the reply

@@ -5,9 +5,18 @@ reply's sampling. Each `step()` of the `Scheduler`:
 
 1. drops cancelled jobs (their row is free at once; nothing is stored) and lets waiting jobs into free
    rows (`Engine.admit`: restore the longest stored state into the row, or start it empty);
-2. feeds one job's pending prompt text at batch one (`RowBatch.prefill`; one job per step, so a long
-   prompt delays the others' next token by one prefill only); a job with no prompt text left samples
-   its first token;
+2. feeds waiting prompt text, chunk by chunk, up to a token budget (`max_step_tokens`): the jobs with
+   prompt text left, in the order they were admitted, each feeds its next chunks while they fit the
+   budget (the step's first chunk always goes in; the walk stops at the first chunk that does not fit,
+   so no prompt overtakes an earlier one). A chunk is exactly a chunk of the solo run (the bounds of
+   the segment's `ChunkPlan`, `segment_plan`, cut from the segment's first token), fed at batch one
+   (`RowBatch.prefill` of that chunk alone): a row gets the same calls, so the same bits, whatever
+   else is fed in the step. With a large budget, prompts that arrive together are all fed before the
+   next decode step (not one per round); a long prompt delays the other rows' next token by at most a
+   budget's chunks. Documents (a run of KV blocks) go in whole, their tokens counted against the budget. A job
+   with no prompt text left samples its first token. The default budget is one chunk per step: prompts
+   fed together decode in step and end together, so a closed loop of clients then sends its next turns
+   together (docs/serve.md);
 3. runs one decode step of the rows in use (`RowBatch.step`: the smallest row count of the batch's rounding
    class that holds them): a generating row feeds its last token, a row that replays a
    reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
@@ -35,12 +44,15 @@ from typing import Any, Protocol
 import torch
 
 from litkv.core.validation import require_finite_logits
-from litkv.inference.conversation import Run
+from litkv.inference.conversation import Run, segment_plan
 from litkv.inference.sampling import sample
+from litkv.modeling.runner import ChunkPlan
 from litkv.serve.batch import RowBatch
 from litkv.serve.turns import TurnRequest, TurnResult
 
-__all__ = ["Job", "Scheduler"]
+__all__ = ["DEFAULT_STEP_TOKENS", "Job", "Scheduler"]
+
+DEFAULT_STEP_TOKENS = 1  # one chunk per step: a burst of prompts is fed one per round (docs/serve.md)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +71,9 @@ class Job:
         pending: runs (`Run`) the row still has to be fed; `forced`: ids of a reply being replayed.
         row: the job's row in the batch (-1: waiting).
         feed: the token the next step feeds (a generated one); `finishing`: the job is done after it.
+        chunks: `(start, end)` bounds of `pending[0]`'s ids still to feed (a run fed chunk by chunk).
+        hidden: the last fed token's hidden state `(1, n_embd)` (the first token is sampled from it).
+        admitted: the job's place in the order of admission (prompt chunks are fed in that order).
     """
 
     req: TurnRequest
@@ -75,6 +90,9 @@ class Job:
     done: bool = False
     generator: torch.Generator | None = None
     scanner: Any = None
+    chunks: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)
+    hidden: torch.Tensor | None = None
+    admitted: int = -1
 
 
 class Turns(Protocol):
@@ -84,6 +102,7 @@ class Turns(Protocol):
 
     def admit(self, job: Job) -> None: ...
     def feed_prompt(self, job: Job, run: Run) -> torch.Tensor: ...
+    def prompt_fed(self, job: Job, run: Run) -> None: ...
     def on_token(self, job: Job, token: int) -> bool: ...
     def finish(self, job: Job) -> None: ...
 
@@ -94,9 +113,14 @@ class Scheduler:
     Args:
         engine: turns in and out (restore, plan, sampling settings, store).
         batch: the rows.
+        max_step_tokens: prompt tokens fed per step at most (but always one chunk when a prompt waits; the
+            default, 1: one chunk per step).
     """
 
-    def __init__(self, engine: Turns, batch: RowBatch) -> None:
+    def __init__(self, engine: Turns, batch: RowBatch, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
+        if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be an int >= 1, got {max_step_tokens!r}")
+        self.max_step_tokens = max_step_tokens
         self.engine = engine
         self.batch = batch
         self.rows: list[Job | None] = [None] * batch.rows
@@ -105,6 +129,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
+        self._admitted = 0
+        self.last_step_tokens = 0  # prompt tokens the last step fed
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -128,13 +154,11 @@ class Scheduler:
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One round: admit, one prefill, one decode step (see the module docstring)."""
+        """One round: admit, prompt chunks up to the budget, one decode step (see the module docstring)."""
         with self._lock:
             self._drop_cancelled()
             self._admit()
-        job = next((j for j in self.rows if j is not None and j.pending and not j.forced and j.feed is None), None)
-        if job is not None:
-            self._guard(job, self._advance_prompt)
+        self._feed_prompts()
         self._decode()
         self.steps += 1
 
@@ -157,18 +181,66 @@ class Scheduler:
         while self.waiting and None in self.rows:
             job = self.waiting.popleft()
             job.row = self.rows.index(None)
+            job.admitted, self._admitted = self._admitted, self._admitted + 1
             self.rows[job.row] = job
             self._guard(job, self.engine.admit)
 
-    def _advance_prompt(self, job: Job) -> None:
-        """Feed the job's prompt segments up to its next reply segment; sample its first token when none is left."""
-        hidden = None
-        while job.pending and not job.pending[0].reply:
-            run = job.pending.popleft()
-            hidden = self.engine.feed_prompt(job, run)
-        if job.pending:  # a reply to replay: one id per decode step
+    def _feeds_prompt(self, job: Job | None) -> bool:
+        """`job` has prompt text to feed now (not a reply being replayed, not a token to decode)."""
+        return job is not None and not job.done and bool(job.pending) and not job.forced and job.feed is None
+
+    def _feed_prompts(self) -> None:
+        """Feed the waiting prompts' chunks, in admission order, while they fit the step's token budget."""
+        left, fed = self.max_step_tokens, 0
+        for job in sorted((j for j in self.rows if self._feeds_prompt(j)), key=lambda j: j.admitted):
+            while self._feeds_prompt(job):
+                cost = self._next_cost(job)
+                if fed and cost > left:
+                    self.last_step_tokens = fed
+                    return
+                self._guard(job, self._feed_next)
+                left, fed = left - cost, fed + cost
+        self.last_step_tokens = fed
+
+    def _next_cost(self, job: Job) -> int:
+        """Tokens the job's next feed (`_feed_next`) runs."""
+        if job.chunks:
+            start, end = job.chunks[0]
+            return end - start
+        run = job.pending[0]
+        if run.reply:
+            return 0
+        if run.segments[0].block or not run.ids:
+            return len(run.ids)
+        return next(iter(self._plan(job, run)))[1]
+
+    def _plan(self, job: Job, run: Run) -> collections.deque[tuple[int, int]]:
+        """The chunks a solo run feeds `run` in (from the row's next position)."""
+        plan = segment_plan(run.segments[0], self.batch.next_pos(job.row), self.batch.kv_cache)
+        return collections.deque(plan.bounds(len(run.ids)))
+
+    def _feed_next(self, job: Job) -> None:
+        """Feed the job's next chunk of prompt text (or a whole run of documents); move a reply to replay
+        to `forced`; sample the first token once no prompt text is left."""
+        run = job.pending[0]
+        if run.reply:  # a reply to replay: one id per decode step
             job.forced.extend(job.pending.popleft().ids)
             return
+        if not job.chunks and (run.segments[0].block or not run.ids):  # documents: in whole
+            job.pending.popleft()
+            job.hidden = self.engine.feed_prompt(job, run)
+        else:
+            if not job.chunks:
+                job.chunks = self._plan(job, run)
+            start, end = job.chunks.popleft()
+            job.hidden = self.batch.prefill(job.row, list(run.ids[start:end]), ChunkPlan(end - start, end - start))
+            if job.chunks:
+                return
+            job.pending.popleft()
+            self.engine.prompt_fed(job, run)
+        if job.pending:
+            return
+        hidden, job.hidden = job.hidden, None
         if hidden is None:
             raise ValueError("nothing to feed: the conversation's new messages encode to no tokens")
         self._pick(job, self.batch.logits(hidden))

@@ -76,6 +76,25 @@ def test_probe_classes_of_the_development_cpu(shapes: list) -> None:
     assert probed.step_rows(1, 1) == 1 and probed.step_rows(3, 16) == 16
 
 
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the classes of the development CPU (AVX512)"
+)
+def test_prompt_chunk_row_counts_round_alike_on_the_development_cpu() -> None:
+    """Rows 16 to 640 (prompt chunks and whole steps of them, sampled) round as 16 rows do for SmolLM2-135M's
+    block shapes, and differently from 2..15: a chunk's tokens could share a matmul with other chunks of 16 or
+    more tokens, but not with decode rows stepped at 2..15 rows."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [nn.Linear(a, b, bias=False) for a, b in SMOLLM2_SHAPES[:4]]
+    counts = sorted({*range(16, 641, 97), 17, 64, 65, 256, 257, 512, 513, 640})
+    with torch.inference_mode():
+        for layer in layers:
+            x = torch.randn(640, layer.in_features, generator=gen)
+            full = layer(x)
+            for m in counts:
+                assert torch.equal(layer(x[:m]), full[:m]), m
+            assert not torch.equal(layer(x[:15]), full[:15])
+
+
 def test_step_rows_and_errors() -> None:
     classes = RoundingClasses(((1,), (2, 3, 5), (4,)))
     assert classes.describe() == "1 / 2-3,5 / 4"

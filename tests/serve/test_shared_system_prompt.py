@@ -59,16 +59,15 @@ def make_engine(parts: tuple, fmt: Format, kv: KVCacheConfig, state_bytes: int =
 
 
 def record_hidden(engine: Engine) -> list[torch.Tensor]:
-    """The last hidden state of each prompt run the engine feeds (a copy)."""
+    """The last prompt token's hidden state of each turn (what its first token is sampled from; a copy)."""
     seen: list[torch.Tensor] = []
-    feed = engine.feed_prompt
+    logits = engine.batch.logits
 
-    def record(job: object, run: object) -> torch.Tensor:
-        out = feed(job, run)  # type: ignore[arg-type]
-        seen.append(out.reshape(-1).clone())
-        return out
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.reshape(-1).clone())
+        return logits(hidden)
 
-    engine.feed_prompt = record  # type: ignore[method-assign]
+    engine.batch.logits = record  # type: ignore[method-assign]
     return seen
 
 
