@@ -154,18 +154,7 @@ def assert_equal(together: list, solo: list) -> None:
             assert ids == ids_alone and torch.equal(logits, logits_alone)  # bitwise
 
 
-# expected-attention's row statistics appear at its first call, so a row copied out of the batch-one caches
-# has tensors the batch's rows lack (`KVCaches.copy_row` refuses): the server fails it on main too
-BROKEN = {"expected-attention": "copy_row: the policy's row statistics are created at its first call"}
-
-
-@pytest.mark.parametrize(
-    "policy",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(raises=ValueError, reason=BROKEN[p], strict=True)) if p in BROKEN else p
-        for p in known_policies()
-    ],
-)
+@pytest.mark.parametrize("policy", known_policies())
 def test_prompts_fed_beside_decoding_rows_equal_solo_runs(model_and_tok: tuple, policy: str) -> None:
     """One chunk per step (budget 8: a prompt spread over steps while the other rows decode) and a budget of
     several prompts' chunks at once: every reply and every logits row equals its solo run, bitwise."""
