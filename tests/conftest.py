@@ -8,10 +8,12 @@ Helpers to import in tests live in `tests/helpers.py`, `tests/tiny_checkpoint.py
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import _triton_interpret  # noqa: F401  (first: sets TRITON_INTERPRET before anything imports triton)
+import early
 import helpers
 import pytest
 import torch
@@ -77,3 +79,24 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ckpt(tiny_ckpt: Path) -> Path:
     """`tiny_ckpt` under the name most tests use (a module that needs another checkpoint overrides `ckpt`)."""
     return tiny_ckpt
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The selected tests' `EARLY_START` processes start now (`tests/early.py`), beside the rest of the suite."""
+    if not session.config.option.collectonly:
+        early.start_selected(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    early.stop_all()
+
+
+@pytest.fixture
+def early_process(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen | None, Path]]:
+    """This test's `EARLY_START` process and its working directory (`tests/early.py`): started with the session
+    (or now, where it was not); killed if still running and the directory removed after the test."""
+    proc, work = early.take(request.node)
+    try:
+        yield proc, work
+    finally:
+        early.finish(proc, work)

@@ -18,6 +18,7 @@ __all__ = [
     "PackedCandidates",
     "Placement",
     "drop_lowest",
+    "keep_highest",
     "pair_drops",
     "placement_of",
     "staged_placement",
@@ -156,10 +157,22 @@ def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.
         lowest = scores == scores.amin(dim=-1, keepdim=True)
         top = torch.iinfo(torch.long).max
         return torch.where(lowest, positions, top).argmin(dim=-1, keepdim=True)
+    return torch.topk(_order_key(scores, positions), k, dim=-1, largest=False, sorted=False).indices
+
+
+def keep_highest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` candidates with the highest scores, equal scores broken by position as `drop_lowest` does
+    (the newer is kept), so that a one-shot compression keeps the same tokens alone and in a batch.
+    `scores` `(..., N)` float32 (no NaN), `positions` `(..., N)` int64 in `[-1, 2^31)`; returns `(..., k)`
+    int64 candidate indices."""
+    return torch.topk(_order_key(scores, positions), k, dim=-1, sorted=False).indices
+
+
+def _order_key(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 key ordered as (score, position): the float32 score's order-preserving bit pattern, then the position."""
     bits = scores.contiguous().view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    key = ordered * (1 << 32) + (positions + 1)
-    return torch.topk(key, k, dim=-1, largest=False, sorted=False).indices
+    return ordered * (1 << 32) + (positions + 1)
 
 
 def pair_drops(drop: torch.Tensor, cache_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import ClassVar
 import torch
 
 from litkv.kvcache.base import CacheSettings, Candidates, KVCache, drop_lowest
+from litkv.kvcache.candidates import keep_highest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
 
@@ -96,9 +97,10 @@ class OneShot(KVCache):
         self.compressed = True
 
     def select_keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`(B, G, L)` bool: the `budget` highest `scores` of each (row, KV head) among the filled slots."""
+        """`(B, G, L)` bool: the `budget` highest float32 `scores` of each (row, KV head) among the filled
+        slots, equal scores broken by position (`keep_highest`: not by the slots the tokens sit in)."""
         rank = scores.masked_fill(positions < 0, float("-inf"))
-        top = torch.topk(rank, min(self.budget, self.cache_length), dim=2).indices
+        top = keep_highest(rank, positions, min(self.budget, self.cache_length))
         return torch.zeros_like(positions, dtype=torch.bool).scatter_(2, top, True) & (positions >= 0)
 
     def end_prefill(self) -> None:

@@ -6,6 +6,7 @@ The shipped model and greedy decoding throughout, with an H2O cache small enough
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import select
@@ -13,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,15 +107,14 @@ def test_help_and_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_pipe_subprocess() -> None:
-    """A real process reading its standard input from a pipe."""
-    cmd = [sys.executable, "-m", "litkv", "chat", *H2O, *GREEDY]
-    text = f"{TURNS[0]}\n/stats\n{TURNS[1]}\n/undo\n{TURNS[1]}\n"
-    done = subprocess.run(cmd, input=text, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    out = done.stdout.splitlines()
+def test_pipe_subprocess(chats: dict[str, Any]) -> None:
+    """A real process reading its standard input from a pipe (written and closed when it started)."""
+    proc = chats["pipe"]
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    out = stdout.splitlines()
     assert len(out) == 5 and out[1].startswith("tokens seen:") and out[2] == out[4] and out[0]
-    assert "litkv chat" not in done.stderr  # no banner when the input is not a terminal
+    assert "litkv chat" not in stderr  # no banner when the input is not a terminal
 
 
 def _read_until(fd: int, needle: str, timeout: float = 60.0) -> str:
@@ -142,18 +144,10 @@ def _controlling_terminal() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
-def test_pseudo_terminal_session() -> None:
+def test_pseudo_terminal_session(chats: dict[str, Any]) -> None:
     """As a person at a terminal: banner and prompt, a long reply streamed and stopped with Ctrl-C (the
     session stays: /stats counts the tokens), then Ctrl-D exits with status 0."""
-    import pty
-
-    main_fd, child_fd = pty.openpty()
-    cmd = [sys.executable, "-m", "litkv", "chat", *H2O, "--temperature", "0", "--num_threads", "1"]
-    cmd += ["--max_new_tokens", "100000", "--stop_at_newline", "false"]
-    proc = subprocess.Popen(
-        cmd, stdin=child_fd, stdout=child_fd, stderr=child_fd, cwd=REPO, preexec_fn=_controlling_terminal
-    )
-    os.close(child_fd)
+    proc, main_fd = chats["pty"]
     try:
         banner = _read_until(main_fd, "> ")
         assert "litkv chat (h2o, 64 slots)" in banner
@@ -173,7 +167,6 @@ def test_pseudo_terminal_session() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        os.close(main_fd)
 
 
 # -- sessions: per-turn saves, turn boundaries, bad paths, locks, signals ---------------------------------
@@ -267,20 +260,12 @@ def test_a_second_chat_on_a_session_in_use_is_refused(
     assert len(out) == 1 and session.is_file()
 
 
-def _start_chat(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "litkv", "chat", *H2O, *GREEDY, *args]
-    return subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, **kwargs
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_and_sighup_save_and_exit_cleanly(tmp_path: Path, signum: int) -> None:
+def test_sigterm_and_sighup_save_and_exit_cleanly(chats: dict[str, Any], signum: int) -> None:
     """A real chat process, signalled while it waits for the next line: it ends with status 0, no
     traceback, and the session file holds both turns (a resume goes on from them)."""
-    session = tmp_path / "s.safetensors"
-    proc = _start_chat(["--session", str(session)])
+    proc, session = chats[signal.Signals(signum).name]
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(f"{TURNS[0]}\n{TURNS[1]}\n")
     proc.stdin.flush()
@@ -306,35 +291,35 @@ def _saved_turns(session: Path) -> int:
     return len(read_turns(session, len(state.token_ids[0])))
 
 
+# SIGINT while the model loads, in a child that restores Python's SIGINT handler first: a runner started with
+# SIGINT ignored (a background job) passes the ignoring on, and a user's terminal does not.
+_INTERRUPTED_START = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "import litkv.cli.chat_cmd as c; from litkv.__main__ import main\n"
+    "load = c.load_model\n"
+    "def slow(*a, **k):\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "    return load(*a, **k)\n"
+    "c.load_model = slow\n"
+    "main(sys.argv[1:])\n"
+)
+
+
 @pytest.mark.slow
-def test_ctrl_c_while_starting_exits_without_a_traceback(tmp_path: Path) -> None:
-    """SIGINT while the model loads: a short message, status 130, and no session file written. The child
-    restores Python's SIGINT handler first: a runner started with SIGINT ignored (a background job) passes
-    the ignoring on, and a user's terminal does not."""
-    code = (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "import litkv.cli.chat_cmd as c; from litkv.__main__ import main\n"
-        "load = c.load_model\n"
-        "def slow(*a, **k):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    return load(*a, **k)\n"
-        "c.load_model = slow\n"
-        "main(sys.argv[1:])\n"
-    )
-    session = tmp_path / "s.safetensors"
-    done = subprocess.run(
-        [sys.executable, "-c", code, "chat", "--session", str(session)], capture_output=True, text=True, cwd=REPO
-    )
-    assert done.returncode == 130 and "Traceback" not in done.stderr and "interrupted" in done.stderr, done.stderr
+def test_ctrl_c_while_starting_exits_without_a_traceback(chats: dict[str, Any]) -> None:
+    """SIGINT while the model loads (`_INTERRUPTED_START`): a short message, status 130, and no session file
+    written."""
+    proc, session = chats["interrupted_start"]
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr, stderr
     assert not session.exists()
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so(tmp_path: Path) -> None:
+def test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so(chats: dict[str, Any]) -> None:
     """SIGINT while a long reply streams: the reply stops at the next token, the turn is kept and saved
     (the session file has it), the chat says so and goes on to the next line."""
-    session = tmp_path / "s.safetensors"
-    proc = _start_chat(["--session", str(session), "--max_new_tokens", "100000", "--stop_at_newline", "false"])
+    proc, session = chats["ctrl_c_reply"]
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(f"{TURNS[0]}\n")
     proc.stdin.flush()
@@ -364,3 +349,70 @@ def test_session_with_other_cache_settings_says_so_and_goes_on_with_the_files(
     monkeypatch.setattr(sys, "stdin", io.StringIO("/stats\n"))
     main(["chat", "--num_threads", "1", "--session", str(session)])  # no --kv_cache at all
     assert "warning" not in capsys.readouterr().err
+
+
+# -- the real `litkv chat` processes of the subprocess tests ---------------------------------------
+
+
+def _start_chat(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "litkv", "chat", *H2O, *GREEDY, *args]
+    options = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.Popen(cmd, text=True, cwd=REPO, **options)
+
+
+def _start_pty_chat() -> tuple[subprocess.Popen[bytes], int]:
+    """A chat on a pseudo-terminal that is its controlling terminal: (process, the terminal's main side)."""
+    import pty
+
+    main_fd, child_fd = pty.openpty()
+    cmd = [sys.executable, "-m", "litkv", "chat", *H2O, "--temperature", "0", "--num_threads", "1"]
+    cmd += ["--max_new_tokens", "100000", "--stop_at_newline", "false"]
+    proc = subprocess.Popen(
+        cmd, stdin=child_fd, stdout=child_fd, stderr=child_fd, cwd=REPO, preexec_fn=_controlling_terminal
+    )
+    os.close(child_fd)
+    return proc, main_fd
+
+
+@pytest.fixture(scope="module", autouse=True)
+def chats(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The real processes of this file's subprocess tests (those selected), all started when the module's
+    first test runs: their imports and model loads (most of each one's time) run at once, beside the
+    in-process tests, instead of one after another. Each test then drives its own process as before: a
+    process waits for its input (or, for the pipe and the interrupted start, runs on its own) until then."""
+    wanted = {item.originalname for item in request.session.items if item.module is request.module}
+    work = tmp_path_factory.mktemp("chats")
+    started: dict[str, Any] = {}
+    if "test_pipe_subprocess" in wanted:  # its whole input, written at once (less than a pipe's buffer)
+        read_end, write_end = os.pipe()
+        started["pipe"] = _start_chat([], stdin=read_end)
+        os.close(read_end)
+        os.write(write_end, f"{TURNS[0]}\n/stats\n{TURNS[1]}\n/undo\n{TURNS[1]}\n".encode())
+        os.close(write_end)
+    if "test_pseudo_terminal_session" in wanted and sys.platform != "win32":
+        started["pty"] = _start_pty_chat()
+    if "test_sigterm_and_sighup_save_and_exit_cleanly" in wanted:
+        for name in ("SIGTERM", "SIGHUP"):
+            session = work / f"{name}.safetensors"
+            started[name] = (_start_chat(["--session", str(session)]), session)
+    if "test_ctrl_c_while_starting_exits_without_a_traceback" in wanted:
+        session = work / "interrupted.safetensors"
+        cmd = [sys.executable, "-c", _INTERRUPTED_START, "chat", "--session", str(session)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        started["interrupted_start"] = (proc, session)
+    if "test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so" in wanted:
+        session = work / "ctrl_c.safetensors"
+        args = ["--session", str(session), "--max_new_tokens", "100000", "--stop_at_newline", "false"]
+        started["ctrl_c_reply"] = (_start_chat(args), session)
+    yield started
+    for entry in started.values():
+        proc = entry[0] if isinstance(entry, tuple) else entry
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # a pipe to a process that is gone
+                    pipe.close()
+    if "pty" in started:
+        os.close(started["pty"][1])

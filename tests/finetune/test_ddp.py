@@ -1,6 +1,6 @@
 """`litkv finetune --devices 2`: data parallel over 2 CPU processes (gloo) through Fabric's DDP strategy.
 
-A script written into `tmp_path` calls `finetune(..., devices=2)` (full, then LoRA), which launches a
+A script written into a temporary directory calls `finetune(..., devices=2)` (full, then LoRA), which launches a
 second process; each process dumps its parameters after one step. Both processes must hold identical
 parameters, equal to one single-process step (plain autograd through `forward_chunked` + AdamW) on the
 combined batch of both processes.
@@ -92,34 +92,43 @@ def _assert_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
         assert (got[key] - value).abs().max() <= 1e-5 + 1e-4 * value.abs().max(), key
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_step_on_the_combined_batch(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "base")
-    text = _text_with_four_windows(ckpt, tmp_path / "t.txt")
-    script = tmp_path / "ddp_script.py"
+def _start_two_processes(work: Path) -> subprocess.Popen:
+    """The two-process run of `SCRIPT` in `work` (checkpoint `base`, text `t.txt`, results under `out`, its
+    output in `stdout.txt` and `stderr.txt`)."""
+    ckpt = make_checkpoint(work / "base")
+    text = _text_with_four_windows(ckpt, work / "t.txt")
+    script = work / "ddp_script.py"
     header = f"SEQ, LR, KV, TARGETS = {SEQ}, {LR}, {KV!r}, {TARGETS!r}\n"
     script.write_text(header + SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(ckpt), str(text), str(tmp_path / "out")],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout
+    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
+        argv = [sys.executable, str(script), str(ckpt), str(text), str(work / "out")]
+        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+
+
+# the two processes (a quarter of a minute of two cores) start with the test session, beside the other tests
+# (tests/early.py)
+EARLY_START = {"test_two_processes_match_one_step_on_the_combined_batch": _start_two_processes}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_step_on_the_combined_batch(early_process: tuple[subprocess.Popen, Path]) -> None:
+    proc, work = early_process
+    proc.wait(timeout=300)
+    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "2 process(es)" in stdout
+    ckpt, text = work / "base", work / "t.txt"
     inputs, targets = windows(ckpt, text)
 
-    full = [load_file(str(tmp_path / "out" / "full" / f"rank{r}.safetensors")) for r in (0, 1)]
+    full = [load_file(str(work / "out" / "full" / f"rank{r}.safetensors")) for r in (0, 1)]
     assert all(torch.equal(full[0][k], full[1][k]) for k in full[0])
     model = load_model(ckpt).train()
     _assert_close(full[0], _reference_step(model, inputs, targets))
-    _assert_close(load_file(str(tmp_path / "out" / "full" / "final" / "model.safetensors")), model.state_dict())
+    _assert_close(load_file(str(work / "out" / "full" / "final" / "model.safetensors")), model.state_dict())
 
-    lora = [load_file(str(tmp_path / "out" / "lora" / f"rank{r}.safetensors")) for r in (0, 1)]
+    lora = [load_file(str(work / "out" / "lora" / f"rank{r}.safetensors")) for r in (0, 1)]
     assert all(torch.equal(lora[0][k], lora[1][k]) for k in lora[0])
     model = load_model(ckpt).train()
     apply_lora(model, LoRAArgs(r=4, alpha=8.0, targets=TARGETS))

@@ -65,27 +65,41 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.dim() > 0)
 
 
-@pytest.mark.slow
-def test_two_sharded_processes_train_as_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ckpt = make_checkpoint(tmp_path / "base")
-    text = write_text(tmp_path / "t.txt", 120)
-    script = tmp_path / "fsdp_script.py"
+def _start_two_processes(work: Path) -> subprocess.Popen:
+    """The two-process run of `SCRIPT` in `work` (checkpoint `base`, text `t.txt`, results under `out`, its
+    output in `stdout.txt` and `stderr.txt`)."""
+    ckpt = make_checkpoint(work / "base")
+    text = write_text(work / "t.txt", 120)
+    script = work / "fsdp_script.py"
     script.write_text(f"SEQ, KV, TRAIN = {SEQ}, {KV!r}, {TRAIN!r}\n" + SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(ckpt), str(text), str(tmp_path / "out")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout
+    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
+        argv = [sys.executable, str(script), str(ckpt), str(text), str(work / "out")]
+        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+
+
+# the two processes (half a minute of two cores) start with the test session, beside the other tests (tests/early.py)
+EARLY_START = {"test_two_sharded_processes_train_as_one": _start_two_processes}
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_train_as_one(
+    early_process: tuple[subprocess.Popen, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc, work = early_process
+    proc.wait(timeout=400)
+    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "2 process(es)" in stdout
+    ckpt, text = work / "base", work / "t.txt"
 
     single = tmp_path / "single"
     finetune(
         ckpt, mode="full", data=DataArgs(path=text, seq_length=SEQ, val_fraction=0.0), kv_cache=KVCacheConfig(**KV),
         train=TrainArgs(**TRAIN), out_dir=single, precision="32-true", devices=1,
     )  # fmt: skip
-    fsdp = tmp_path / "out" / "fsdp"
+    fsdp = work / "out" / "fsdp"
     ref_losses, losses = _losses(single), _losses(fsdp)
     assert len(ref_losses) == len(losses) == STEPS
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-5)
@@ -98,9 +112,9 @@ def test_two_sharded_processes_train_as_one(tmp_path: Path, capsys: pytest.Captu
     for key, value in ref.items():
         assert (got[key] - value).abs().max() <= 1e-5 + 1e-4 * value.abs().max(), key
         assert not torch.equal(got[key], base[key]), key
-    resumed = load_file(str(tmp_path / "out" / "resumed" / "final" / "model.safetensors"))
+    resumed = load_file(str(work / "out" / "resumed" / "final" / "model.safetensors"))
     assert all(torch.equal(resumed[k], got[k]) for k in got)
-    assert _losses(tmp_path / "out" / "resumed") == _losses(fsdp)[2:]
+    assert _losses(work / "out" / "resumed") == _losses(fsdp)[2:]
 
     assert json.loads((fsdp / "final" / SHARDING_FILE).read_text())["devices"] == 2
     unsharded = 3 * _nbytes(ref)  # weights, AdamW's exp_avg and exp_avg_sq

@@ -90,21 +90,34 @@ def _assert_equal(got: dict, want: dict) -> None:
         assert got[key].dtype == value.dtype and got[key].equal(value), key
 
 
-@pytest.mark.slow  # 45-65 s on the loaded 2 shared cores (about 10 s of CPU): 2 processes, 8 Fabric launches
-def test_fsdp_saves_after_validation_and_resumes_only_its_own_shards(tmp_path: Path) -> None:
-    ckpt = make_checkpoint(tmp_path / "base")
-    text = write_text(tmp_path / "t.txt", 120)
+def _start_two_processes(work: Path) -> subprocess.Popen:
+    """The two-process run of `SCRIPT` in `work` (results under `out`, its output in `stdout.txt`, `stderr.txt`)."""
+    ckpt = make_checkpoint(work / "base")
+    text = write_text(work / "t.txt", 120)
     kv = dict(policy="h2o", cache_length=8, chunk_size=4)
-    script = tmp_path / "fsdp_script.py"
+    script = work / "fsdp_script.py"
     script.write_text(f"SEQ, KV = {SEQ}, {kv!r}\n" + SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     env.pop("LOCAL_RANK", None)
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(ckpt), str(text), str(out)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
+        argv = [sys.executable, str(script), str(ckpt), str(text), str(work / "out")]
+        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+
+
+# the run (about 10 s of CPU, 2 processes, 8 Fabric launches; 45-65 s on the loaded 2 shared cores) starts with the
+# test session, beside the other tests (tests/early.py)
+EARLY_START = {"test_fsdp_saves_after_validation_and_resumes_only_its_own_shards": _start_two_processes}
+
+
+@pytest.mark.slow
+def test_fsdp_saves_after_validation_and_resumes_only_its_own_shards(
+    early_process: tuple[subprocess.Popen, Path],
+) -> None:
+    proc, work = early_process
+    proc.wait(timeout=400)
+    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    out = work / "out"
 
     run = out / "run"
     assert _val_steps(run) == [1, 2, 3]  # each save below came right after a validation pass

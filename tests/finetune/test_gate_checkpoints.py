@@ -127,27 +127,48 @@ def test_nan_mid_run_names_the_intact_checkpoint(base: Path, lora: bool) -> None
         assert any(t.abs().max() > 0 for k, t in saved[-1].adapters.items() if k.endswith("lora_B"))
 
 
+# the schedule depends on the number of steps: the killed run, the resumed one and the fresh one share it
+_KILL_STEPS = 12
+
+
+def _finetune_cli(base: Path, text: Path, steps: int, out_dir: Path, *extra: str) -> subprocess.Popen:
+    """`litkv finetune --learn_eviction true --learn.lora true` on `base` and `text`, a checkpoint every step."""
+    argv = [sys.executable, "-m", "litkv", "finetune", str(base), "--learn_eviction", "true",
+            "--kv_cache.policy", "learned", "--kv_cache.cache_length", "24", "--kv_cache.chunk_size", "8",
+            "--data.path", str(text), "--data.seq_length", "40", "--data.val_fraction", "0",
+            "--learn.steps", str(steps), "--learn.batch_size", "2", "--learn.window", "4", "--learn.sinks", "1",
+            "--learn.lr", "0.1", "--learn.lora", "true", "--learn.lora_lr", "0.01", "--lora.r", "2",
+            "--lora.alpha", "4", "--lora.targets", "[attn.qkv, attn.proj, mlp]",
+            "--learn.checkpoint_interval", "1", "--out_dir", str(out_dir), *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _start_fresh_run(work: Path) -> subprocess.Popen:
+    """The never-killed run of the kill test: `work/base` (the tiny checkpoint), `work/train.txt`, into
+    `work/fresh`; the killed and resumed runs use the same base and text."""
+    make_tiny_checkpoint(work / "base")
+    text = write_text(work / "train.txt", 3000)
+    return _finetune_cli(work / "base", text, _KILL_STEPS, work / "fresh")
+
+
+# the never-killed run starts with the test session, beside the other tests (tests/early.py)
+EARLY_START = {"test_kill_mid_run_with_lora_leaves_a_resumable_checkpoint": _start_fresh_run}
+
+
 @pytest.mark.slow
-def test_kill_mid_run_with_lora_leaves_a_resumable_checkpoint(base: Path, tmp_path: Path) -> None:
+def test_kill_mid_run_with_lora_leaves_a_resumable_checkpoint(
+    early_process: tuple[subprocess.Popen, Path], tmp_path: Path
+) -> None:
     """`kill -9` of `litkv finetune --learn_eviction true --learn.lora true` mid-run: every `step-XXXXXX/`
     left is whole; a temporary directory of a dead writer is removed by the next run; `--resume` from the
-    last checkpoint gives bitwise what a run that was never killed gives (all runs in one-thread processes)."""
-    text = write_text(tmp_path / "train.txt", 3000)
+    last checkpoint gives bitwise what a run that was never killed gives (all runs in one-thread processes;
+    the one never killed is `_start_fresh_run`)."""
+    fresh, work = early_process
+    base, text = work / "base", work / "train.txt"
     out = tmp_path / "out"
-
-    def cli(steps: int, out_dir: Path, *extra: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "litkv", "finetune", str(base), "--learn_eviction", "true",
-                "--kv_cache.policy", "learned", "--kv_cache.cache_length", "24", "--kv_cache.chunk_size", "8",
-                "--data.path", str(text), "--data.seq_length", "40", "--data.val_fraction", "0",
-                "--learn.steps", str(steps), "--learn.batch_size", "2", "--learn.window", "4", "--learn.sinks", "1",
-                "--learn.lr", "0.1", "--learn.lora", "true", "--learn.lora_lr", "0.01", "--lora.r", "2",
-                "--lora.alpha", "4", "--lora.targets", "[attn.qkv, attn.proj, mlp]",
-                "--learn.checkpoint_interval", "1", "--out_dir", str(out_dir), *extra]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-        return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    n = 12  # the schedule depends on the number of steps: the killed run, the resumed one and the fresh one share it
-    proc = cli(n, out)
+    n = _KILL_STEPS
+    proc = _finetune_cli(base, text, n, out)
     deadline = time.monotonic() + 120
     while not (out / "step-000002").is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -163,12 +184,12 @@ def test_kill_mid_run_with_lora_leaves_a_resumable_checkpoint(base: Path, tmp_pa
     last = steps[-1]
     dead = out / f"{TMP_PREFIX}step-999999.{proc.pid}-0123abcd"  # as a write cut by the kill leaves it
     shutil.copytree(last, dead)
-    runs = [cli(n, out, "--resume", str(last)), cli(n, tmp_path / "fresh")]
+    runs = [_finetune_cli(base, text, n, out, "--resume", str(last)), fresh]
     for run in runs:
         assert run.wait(timeout=300) == 0, run.stderr.read().decode()[-2000:]
     assert not dead.exists()
     assert "removed 1 temporary file(s) of interrupted checkpoint writes" in runs[0].stderr.read().decode()
-    _assert_same_output(tmp_path / "fresh" / "final", out / "final")
+    _assert_same_output(work / "fresh" / "final", out / "final")
 
 
 def _assert_same_output(one: Path, two: Path) -> None:

@@ -27,10 +27,10 @@ from litkv.kvcache.storage_kinds import known_storages
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
 STORAGES = tuple(known_storages())  # every registered format, built-ins included
-CACHE = 80  # default chunk: min(256, 80) = 80
-LENGTHS = (45, 110, 177)  # the two longer ones evict during the prefill
+CACHE = 40  # default chunk: min(256, 40) = 40
+LENGTHS = (22, 55, 88)  # the two longer ones evict during the prefill (the longest: 2.2x the cache)
 NEW = 10
-CHUNKS = (1, 7, None)  # one-token (staged) calls; chunks leaving free slots, then evicting; the default (80)
+CHUNKS = (1, 7, None)  # one-token (staged) calls; chunks leaving free slots, then evicting; the default (40)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_one_shot_compresses_at_the_end_of_the_prompt_whatever_the_chunking(
     """One-shot mode keeps the whole prompt and compresses it when generate ends the prefill
     (`KVCaches.end_prefill`), not at the first one-token call: chunk 1 (every prefill call is one token)
     gives the tokens and kept sets of chunk 64 and of the default, alone and in a ragged batch."""
-    options = {"mode": "one-shot", "budget": 24}
+    options = {"mode": "one-shot", "budget": 16}  # below every prompt's length
     if policy == "snapkv":
         options["window"] = 8
     results = []
@@ -115,4 +115,4 @@ def test_one_shot_compresses_at_the_end_of_the_prompt_whatever_the_chunking(
         assert results[-1][0] == [a[0][0] for a in alone] and results[-1][1] == [a[1][0] for a in alone]
     assert results[0] == results[1] == results[2]
     held = results[0][1][2]  # the longest prompt: its prompt tokens were cut to the budget
-    assert all(sum(p < max(LENGTHS) for p in head) == 24 for layer in held for head in layer)
+    assert all(sum(p < max(LENGTHS) for p in head) == 16 for layer in held for head in layer)

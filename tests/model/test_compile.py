@@ -51,6 +51,7 @@ def _fresh_dynamo() -> Iterator[None]:
 
 
 STORAGES = known_storages()  # float, int4, int8
+STEPS = 100  # decode steps of `test_compiled_decode_is_one_graph_with_static_addresses` (why: its docstring)
 
 
 def _cache_addresses(model: GPT) -> dict[str, int]:
@@ -72,26 +73,30 @@ def _cache_addresses(model: GPT) -> dict[str, int]:
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_decode_is_one_graph_with_static_addresses(policy: str, storage: str) -> None:
-    """Every policy x storage, a ragged batch: 200 compiled steps (`fullgraph=True`, dynamo erroring on any
+    """Every policy x storage, a ragged batch: 100 compiled steps (`fullgraph=True`, dynamo erroring on any
     recompilation), then a second `generate` (fresh caches) reusing the graph; one graph, no break; every
-    cache tensor keeps its address over the steps (what a CUDA graph's replay needs); eager's tokens."""
+    cache tensor keeps its address over the steps (what a CUDA graph's replay needs); eager's tokens.
+
+    100 steps: an evicting cache (32 slots, full from the prefill on) rewrites each slot three times over, a
+    dense one fills from 70 to 170 of its 400 slots, and every position stays inside the RoPE table built
+    for the model's 1,024 (`block_size`), so no step reaches a state the first steps have not shown."""
     model = _model()
     kv = _config(policy, storage)
-    eager = generate(model, _prompts(), 200, kv)
+    eager = generate(model, _prompts(), STEPS, kv)
     addresses: list[dict[str, int]] = []
     with _fresh_dynamo(), torch._dynamo.config.patch(error_on_recompile=True):
         model.compiled_decode_step(backend="eager")
         first = generate(
-            model, _prompts(), 200, kv, compile=True, on_tokens=lambda _: addresses.append(_cache_addresses(model))
+            model, _prompts(), STEPS, kv, compile=True, on_tokens=lambda _: addresses.append(_cache_addresses(model))
         )
         second = generate(model, _prompts(), 20, kv, compile=True)
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     # addresses[0] is after the prefill's token (eager), then one per compiled step
     moved = {name for step in addresses[2:] for name, ptr in step.items() if ptr != addresses[1][name]}
-    assert len(addresses) == 200 and not moved, sorted(moved)
+    assert len(addresses) == STEPS and not moved, sorted(moved)
     for ref, a, b in zip(eager, first, second, strict=True):
-        assert len(ref) == 200
+        assert len(ref) == STEPS
         assert torch.equal(ref, a) and torch.equal(ref[:20], b)
 
 
@@ -277,7 +282,7 @@ def test_compiled_decode_attends_without_a_mask_when_every_slot_holds_a_token(mo
     model = _model()
     kv = _config("h2o")
     eager = generate(model, _prompts(), 6, kv)
-    with _fresh_dynamo():  # the spy's list makes dynamo recompile (no recompilation: the 200-step test above)
+    with _fresh_dynamo():  # the spy's list makes dynamo recompile (no recompilation: the 100-step test above)
         model.compiled_decode_step(backend="eager")
         layouts.clear()
         compiled = generate(model, _prompts(), 6, kv, compile=True)

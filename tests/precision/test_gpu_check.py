@@ -86,17 +86,29 @@ def test_gpu_bench_targets_say_met_missed_and_unmeasured(capsys) -> None:  # noq
     assert any("tova / hf DynamicCache" in line and line.endswith("not measured") for line in lines)
 
 
+def _start_dry_run(work: Path) -> subprocess.Popen | None:
+    """`scripts/gpu_check.sh --dry-run WORK/r.md` in `work` (its output in WORK/out.txt); None where a CUDA GPU
+    is visible (the test skips)."""
+    if torch.cuda.is_available():
+        return None
+    env = {**os.environ, "PYTHON": sys.executable}
+    with (work / "out.txt").open("wb") as out:
+        argv = [str(SCRIPT), "--dry-run", str(work / "r.md")]
+        return subprocess.Popen(argv, stdout=out, stderr=out, env=env, cwd=work)
+
+
+# the dry run (a minute of one core) starts with the test session, beside the other tests (tests/early.py)
+EARLY_START = {"test_gpu_check_dry_run_on_the_cpu": _start_dry_run}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible: the dry run is for the CPU")
-def test_gpu_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
+def test_gpu_check_dry_run_on_the_cpu(early_process: tuple[subprocess.Popen, Path]) -> None:
     """`scripts/gpu_check.sh --dry-run`: every section passes on the CPU (the cuda tests skip), both shapes' tables
     and the targets are in the report, each section with its time."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    report = tmp_path / "r.md"
-    proc = subprocess.run(
-        [str(SCRIPT), "--dry-run", str(report)], capture_output=True, text=True, env=env, timeout=3600, cwd=tmp_path
-    )
-    text = report.read_text()
+    proc, work = early_process
+    proc.wait(timeout=3600)
+    text = (work / "r.md").read_text()
     assert proc.returncode == 0, text[-3000:]
     assert "Status: passed" in text and "litkv imports;" in text
     for model in ("SmolLM2-135M", "Llama-3.2-1B"):

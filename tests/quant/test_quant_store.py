@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -121,14 +122,35 @@ def test_a_quantised_source_is_not_quantised_again(stored: dict[str, Path], tmp_
     assert not (tmp_path / "again").exists()
 
 
-@pytest.mark.slow
-def test_convert_cli_quantises_a_checkpoint_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def procs(tiny_ckpt: Path, stored: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The `python -m litkv` processes of this file, started at once so that their imports overlap:
+    "convert" (into the returned directory's `q`) and "refused"."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "litkv", "convert", str(tiny_ckpt), str(tmp_path / "q"), "--quantize", "int4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert "(int4 weights)" in proc.stdout
-    assert isinstance(load_model(tmp_path / "q").transformer.h[1].mlp.proj, Int4Linear)
+    out = tmp_path_factory.mktemp("cli")
+    commands = {
+        "convert": ["convert", str(tiny_ckpt), str(out / "q"), "--quantize", "int4"],
+        "refused": ["generate", str(stored["int4"]), "--prompt", "The", "--max_new_tokens", "2", "--device", "cpu",
+                    "--quantize", "int8"],
+    }  # fmt: skip
+    started = {
+        name: subprocess.Popen([sys.executable, "-m", "litkv", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, cwd=REPO)
+        for name, args in commands.items()
+    }  # fmt: skip
+    yield {"out": out, **started}
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.slow
+def test_convert_cli_quantises_a_checkpoint_directory(procs: dict) -> None:
+    stdout, stderr = procs["convert"].communicate(timeout=600)
+    assert procs["convert"].returncode == 0, stderr
+    assert "(int4 weights)" in stdout
+    assert isinstance(load_model(procs["out"] / "q").transformer.h[1].mlp.proj, Int4Linear)
 
 
 def test_bfloat16_float_parts_round_trip_bitwise(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -153,11 +175,9 @@ def test_a_gguf_file_is_quantised_as_its_float_conversion(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_the_cli_refuses_another_quantize_in_one_line(stored: dict[str, Path]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "litkv", "generate", str(stored["int4"]), "--prompt", "The", "--max_new_tokens", "2",
-           "--device", "cpu", "--quantize", "int8"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0 and proc.stdout == "" and len(lines) == 1, proc.stderr
+def test_the_cli_refuses_another_quantize_in_one_line(procs: dict) -> None:
+    proc = procs["refused"]
+    stdout, stderr = proc.communicate(timeout=600)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode != 0 and stdout == "" and len(lines) == 1, stderr
     assert "stored quantised as int4, --quantize int8 asks for another scheme" in lines[0]

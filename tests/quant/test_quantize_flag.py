@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,19 +28,40 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _start_cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "litkv", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def procs(ckpt: Path) -> Iterator[dict[str, subprocess.Popen]]:
+    """The `python -m litkv generate` processes of this file, started at once so that their imports overlap."""
+    started = {
+        "int8": _start_cli("generate", str(ckpt), "--prompt", PROMPT, "--max_new_tokens", "12", "--temperature", "0",
+                           "--chat_template", "false", "--device", "cpu", "--quantize", "int8"),
+        # the tiny checkpoint's width is 32: no linear layer can take groups of 64 input columns
+        "int4-g64": _start_cli("generate", str(ckpt), "--prompt", PROMPT, "--max_new_tokens", "2", "--device", "cpu",
+                               "--quantize", "int4-g64"),
+    }  # fmt: skip
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 # -- the CLI flag ---------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_generate_cli_int8_prints_the_quantised_models_greedy_tokens(ckpt: Path) -> None:
-    proc = _cli("generate", str(ckpt), "--prompt", PROMPT, "--max_new_tokens", "12", "--temperature", "0",
-                "--chat_template", "false", "--device", "cpu", "--quantize", "int8")  # fmt: skip
+def test_generate_cli_int8_prints_the_quantised_models_greedy_tokens(ckpt: Path, procs) -> None:
+    proc = _finish(procs["int8"])
     assert proc.returncode == 0, proc.stderr
     model, _ = load_for_inference(ckpt, None, "cpu", 1, "int8")
     assert isinstance(model.lm_head, Int8Linear)
@@ -50,10 +72,8 @@ def test_generate_cli_int8_prints_the_quantised_models_greedy_tokens(ckpt: Path)
 
 
 @pytest.mark.slow
-def test_generate_cli_refuses_a_group_size_the_model_cannot_take_in_one_line(ckpt: Path) -> None:
-    # the tiny checkpoint's width is 32: no linear layer can take groups of 64 input columns
-    proc = _cli("generate", str(ckpt), "--prompt", PROMPT, "--max_new_tokens", "2", "--device", "cpu",
-                "--quantize", "int4-g64")  # fmt: skip
+def test_generate_cli_refuses_a_group_size_the_model_cannot_take_in_one_line(procs) -> None:
+    proc = _finish(procs["int4-g64"])
     assert proc.returncode != 0 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "multiple of the group size 64, got 32" in lines[0], proc.stderr

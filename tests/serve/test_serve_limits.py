@@ -215,13 +215,11 @@ def test_no_op_values_of_unimplemented_fields_are_accepted(server: tuple) -> Non
 
 @pytest.mark.slow
 def test_serve_options_are_checked_at_start(ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    """`--top_k 0` in a real process; the others through the same CLI entry point in process."""
+    """`--top_k 0` in a real process (started first: it imports while the others run through the same CLI entry
+    point in process)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "litkv", "serve", str(ckpt), "--top_k", "0"], capture_output=True,
-                          text=True, env=env, timeout=120)  # fmt: skip
-    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        "error: --top_k must be an int >= 1 (--top_k null samples from every token), got 0"
-    ]
+    real = subprocess.Popen([sys.executable, "-m", "litkv", "serve", str(ckpt), "--top_k", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     for args, words in (
         (["--timeout", "-1"], "--timeout must be a number of seconds > 0, got -1.0"),
         (["--body_timeout", "0"], "--body_timeout must be a number of seconds > 0"),
@@ -246,3 +244,7 @@ def test_serve_options_are_checked_at_start(ckpt: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["serve", str(ckpt), "--host", "0.0.0.0", "--api_key", KEY])
     assert "warning" not in capsys.readouterr().err
+    _, stderr = real.communicate(timeout=120)
+    assert real.returncode == 1 and stderr.strip().splitlines() == [
+        "error: --top_k must be an int >= 1 (--top_k null samples from every token), got 0"
+    ]

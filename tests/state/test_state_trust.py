@@ -91,21 +91,37 @@ def test_a_policy_from_an_imported_module_still_loads(crafted: tuple[Path, Path]
     assert state.configs[0].policy == "litkv.kvcache.h2o:H2OKVCache"
 
 
-def _chat_process(args: list[str], text: str, pythonpath: Path) -> subprocess.CompletedProcess[str]:
+def _chat_process(args: list[str], text: str, pythonpath: Path) -> subprocess.Popen[str]:
+    """`litkv chat ARGS` started with `text` as its whole standard input (`_finish` waits for it)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "litkv", "chat", "--num_threads", "1", "--max_new_tokens", "4", *args]
-    return subprocess.run(cmd, input=text, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        cmd, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
+    os.close(read_end)
+    os.write(write_end, text.encode())  # a few bytes: less than a pipe's buffer
+    os.close(write_end)
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.slow
 def test_chat_session_and_load_import_nothing(crafted: tuple[Path, Path]) -> None:
     """`litkv chat --session F` refuses F with one line; `/load F` inside a chat is one error line and
-    the chat goes on; in neither case did the module's code run."""
+    the chat goes on; in neither case did the module's code run. (The two processes run at once: neither
+    writes F.)"""
     path, marker = crafted
-    done = _chat_process(["--session", str(path)], "hello\n", marker.parent)
+    refused = _chat_process(["--session", str(path)], "hello\n", marker.parent)
+    loaded = _chat_process([], f"/load {path}\n/stats\n", marker.parent)
+    done = _finish(refused)
     assert done.returncode != 0 and "not imported in this process" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and not marker.exists()
-    done = _chat_process([], f"/load {path}\n/stats\n", marker.parent)
+    assert "Traceback" not in done.stderr
+    done = _finish(loaded)
     assert done.returncode == 0, done.stderr
     assert "not imported in this process" in done.stdout + done.stderr
     assert "tokens seen: 0" in done.stdout and not marker.exists()

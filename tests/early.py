@@ -1,0 +1,72 @@
+"""Subprocesses that start when the test session starts, long before their test runs.
+
+A self-contained subprocess (a script run to its end, whose output a test then checks) spends most of its
+time importing and computing on one core; started when its test's turn comes, the suite waits for it. A
+test module can name such processes in `EARLY_START` (test function name -> a function of a fresh
+working directory that starts the process, or returns None where the test will skip): tests/conftest.py
+starts those of the selected tests when collection finishes, so they run beside the rest of the suite
+(which runs one thread: `_torch_threads`), and the test takes its process with the `early_process`
+fixture (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+
+Starter = Callable[[Path], "subprocess.Popen | None"]
+
+_started: dict[str, tuple[subprocess.Popen | None, Path]] = {}
+
+
+def starter_of(item: pytest.Item) -> Starter | None:
+    """The `EARLY_START` entry of `item`'s test function, if its module has one."""
+    module = getattr(item, "module", None)
+    return getattr(module, "EARLY_START", {}).get(getattr(item, "originalname", None))
+
+
+def start(starter: Starter) -> tuple[subprocess.Popen | None, Path]:
+    """Run `starter` in a new temporary directory: (its process or None, the directory)."""
+    work = Path(tempfile.mkdtemp(prefix="litkv-early-"))
+    return starter(work), work
+
+
+def start_selected(items: Iterable[pytest.Item]) -> None:
+    """Start the `EARLY_START` processes of `items` (the selected tests), one per test id."""
+    for item in items:
+        starter = starter_of(item)
+        if starter is not None and item.nodeid not in _started:
+            _started[item.nodeid] = start(starter)
+
+
+def take(item: pytest.Item) -> tuple[subprocess.Popen | None, Path]:
+    """`item`'s process and directory: the one started with the session, or one started now."""
+    started = _started.pop(item.nodeid, None)
+    if started is not None:
+        return started
+    starter = starter_of(item)
+    if starter is None:
+        raise LookupError(f"{item.nodeid}: its module's EARLY_START names no process for it")
+    return start(starter)
+
+
+def finish(proc: subprocess.Popen | None, work: Path) -> None:
+    """Kill `proc` if it still runs, wait for it and remove its directory."""
+    if proc is not None:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def stop_all() -> None:
+    """At the end of the session: the processes of tests that did not run (deselected late, `-x`, Ctrl-C)."""
+    while _started:
+        finish(*_started.popitem()[1])
