@@ -31,6 +31,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -430,6 +431,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if __name__ == "__main__":  # a SIGTERM still stops the servers started here (the `finally` blocks)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from tokenizers import Tokenizer
 
     if not args.checkpoint.exists():  # a model name: litkv's cache directory of it
