@@ -276,7 +276,8 @@ def run(kind: str, args: argparse.Namespace) -> dict:
             tokens = sum(reply_tokens(args.tokenizer, r) for r in records)
             loads[n] = {"records": records, "seconds": seconds, "tps": tokens / seconds, "samples": samples}
             print(f"{kind} {n} clients: {count} conversations, {tokens} tokens in {seconds:.0f} s,"
-                  f" {tokens / seconds:.2f} tok/s", flush=True)  # fmt: skip
+                  f" {tokens / seconds:.2f} tok/s; TTFT p50 / p95 by turn (s):"
+                  f" {', '.join(f'{a:.2f} / {b:.2f}' for a, b in ttft_by_turn(records))}", flush=True)  # fmt: skip
     finally:
         stop(proc)
         shutil.rmtree(state_dir, ignore_errors=True)
