@@ -293,10 +293,16 @@ def replay(kind: str, loads: dict, args: argparse.Namespace) -> dict[int, list[t
         client = connect(kind, args.port)
         out = {}
         for n, load in loads.items():
-            t0 = time.perf_counter()
-            again, _ = through_clients(
-                lambda r: replay_one(client, r, args.max_tokens), load["records"], args.replay_clients
-            )
+            t0, bad = time.perf_counter(), []
+
+            def check(record: Record, n: int = n, bad: list = bad) -> Record:  # progress as it goes
+                again = replay_one(client, record, args.max_tokens)
+                bad.append(sum(x != y for x, y in zip(record.replies, again.replies, strict=True)))
+                print(f"  {kind} replay of the {n}-client load: {len(bad)} conversations, {sum(bad)} replies differ",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return again
+
+            again, _ = through_clients(check, load["records"], args.replay_clients)
             out[n] = mismatches(load["records"], again)
             seconds = time.perf_counter() - t0
             print(f"{kind} replay of the {n}-client load ({len(again)} conversations, {seconds:.0f} s):"
