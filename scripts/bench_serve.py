@@ -1,31 +1,43 @@
-"""Multi-turn chat workload against `litkv serve` and `litgpt serve` on the same checkpoint.
+"""Multi-turn chat workload against `litkv serve` and `litgpt serve` on the same checkpoint: the long run.
 
-For each count N of `--clients` (default 1 2 4 8), N clients at once, each running one conversation of
-`--turns` turns through the `openai` client (streaming), each turn adding a user message of about
-`--words` words, replies of at most `--max_tokens` tokens. Reports the aggregate tokens/s (reply tokens
-counted by re-tokenising the replies, the same way for both servers, over the wall time) and the time
-to first token (TTFT) of each turn, p50 and p95 over the N clients. Then `--conversations` conversations
-one after another, and the server's RSS (all its processes) after each.
+For each count N of `--clients` (default 1 2 4 8), `--conversations` conversations (one count, or one per
+N) go through N clients at once (a client takes the next conversation when its own ends), each of
+`--turns` turns through the `openai` client (streaming, greedy: temperature 0). The user messages are
+generated offline from `--seed` (about `--words` words each); replies have at most `--max_tokens` tokens.
+Reported per N: the aggregate tokens/s (reply tokens counted by re-tokenising the replies, the same way for
+both servers, over the wall time) and the time to first token (TTFT) p50 / p95 by turn index over all the
+conversations; while it runs, the server's RSS (all its processes) and the bytes in its `--state_dir`
+after every finished conversation (the series' first / middle / last / largest value).
+
+Replay (litkv servers, unless `--replay_clients 0`): after the run a fresh server (a new process with an
+empty `--state_dir`) replays every recorded conversation, `--replay_clients` at a time: turn t sends the
+same user messages and the replies recorded under load for turns before t, and its greedy reply must equal
+the one recorded. The mismatches are counted and printed (the contract says 0).
 
 `litkv-1row` is litkv with `--max_batch 1` (the peer of one client: a server meant for one user).
 `litgpt serve` is litgpt's own server code (`litgpt.deploy.serve.OpenAISpecLitAPI` on LitServe, as
-`litgpt serve --openai_spec true` builds it) started here only to bind 127.0.0.1; it reads
+`litgpt serve --openai_spec true` builds it) started here only to bind 127.0.0.1, greedy; it reads
 `lit_model.pth`, so the checkpoint is copied to a temporary directory with its weights in that file.
 
-    nice python scripts/bench_serve.py --checkpoint smollm2-135m-instruct --turns 3 --clients 1 2 4 8
+    nice python scripts/bench_serve.py --checkpoint smollm2-135m-instruct --turns 10 --clients 1 2 4 8 \
+        --conversations 2 2 4 16 --max_tokens 8 --words 20
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -38,9 +50,20 @@ TEXT = (
 WORDS = TEXT.split()
 
 
-def user_message(conversation: int, turn: int, words: int) -> str:
-    start = (conversation * 7 + turn * 13) % len(WORDS)
-    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(words)).capitalize() + "."
+def user_messages(seed: int, conversations: int, turns: int, words: int) -> list[list[str]]:
+    """`conversations` lists of `turns` user messages, drawn from `seed` alone: each message `words` words of
+    TEXT from a random start, 1 in 4 words replaced by a random word of TEXT, capitalised, ending in a period."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(conversations):
+        convo = []
+        for _ in range(turns):
+            start = rng.randrange(len(WORDS))
+            picked = [WORDS[(start + i) % len(WORDS)] for i in range(words)]
+            picked = [rng.choice(WORDS) if rng.random() < 0.25 else w for w in picked]
+            convo.append(" ".join(picked).capitalize() + ".")
+        out.append(convo)
+    return out
 
 
 def litgpt_checkpoint(src: Path) -> Path:
@@ -62,82 +85,131 @@ from pathlib import Path
 from litserve import LitServer
 from litserve.specs.openai import OpenAISpec
 from litgpt.deploy.serve import OpenAISpecLitAPI
-api = OpenAISpecLitAPI(checkpoint_dir=Path(sys.argv[1]), quantize=None, precision="32-true", temperature=0.8,
-                       top_k=50, top_p=1.0, max_new_tokens=50, devices=1, api_path="/predict")
+api = OpenAISpecLitAPI(checkpoint_dir=Path(sys.argv[1]), quantize=None, precision="32-true",
+                       temperature=float(sys.argv[3]), top_k=50, top_p=1.0, max_new_tokens=50, devices=1,
+                       api_path="/predict")
 LitServer(api, spec=OpenAISpec(), accelerator="cpu", devices=1, stream=True, timeout=600).run(
     host="127.0.0.1", port=int(sys.argv[2]), generate_client_file=False)
 """
 
 
-def start(kind: str, ckpt: Path, port: int, args: argparse.Namespace) -> subprocess.Popen:
+def start(kind: str, ckpt: Path, port: int, state_dir: Path | None, args: argparse.Namespace) -> subprocess.Popen:
+    """`kind`'s server on 127.0.0.1:`port`, healthy; litkv's keeps its states in `state_dir` too."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if kind.startswith("litkv"):  # litkv-1row: a one-row server (--max_batch 1), the lone client's peer
-        argv = [
-            sys.executable,
-            "-m",
-            "litkv",
-            "serve",
-            str(ckpt),
-            "--port",
-            str(port),
-            "--num_threads",
-            str(args.threads),
-            "--kv-cache",
-            args.policy,
-            "--kv_cache.cache_length",
-            str(args.cache_length),
-            "--stop_at_newline",
-            "false",
-            "--state_bytes",
-            str(args.state_bytes),
-            "--max_batch",
-            str(1 if kind == "litkv-1row" else args.max_batch),
-        ]
+        argv = [sys.executable, "-m", "litkv", "serve", str(ckpt), "--port", str(port),
+                "--num_threads", str(args.threads), "--kv-cache", args.policy,
+                "--kv_cache.cache_length", str(args.cache_length), "--stop_at_newline", "false",
+                "--state_bytes", str(args.state_bytes), "--state_dir", str(state_dir),
+                "--state_dir_bytes", str(args.state_dir_bytes),
+                "--max_batch", str(1 if kind == "litkv-1row" else args.max_batch)]  # fmt: skip
     else:
-        argv = [sys.executable, "-c", LITGPT_LAUNCH, str(litgpt_checkpoint(ckpt)), str(port)]
+        argv = [sys.executable, "-c", LITGPT_LAUNCH, str(litgpt_checkpoint(ckpt)), str(port), "0.0"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    end = time.monotonic() + 180
+    proc.copied = None if kind.startswith("litkv") else Path(argv[3])  # removed by stop()
+    end = time.monotonic() + 300
     while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} serve exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return proc
         except OSError:
             time.sleep(0.5)
-    proc.kill()
+    stop(proc)
     raise TimeoutError(f"{kind} serve did not come up")
 
 
 def rss_mib(proc: subprocess.Popen) -> float:
+    """Resident memory of `proc` and all its descendants, MiB."""
     root = psutil.Process(proc.pid)
     procs = [root, *root.children(recursive=True)]
-    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total / 2**20
 
 
-def conversation(client: openai.OpenAI, c: int, args: argparse.Namespace) -> tuple[list[float], int, float]:
-    """One conversation; (TTFT of each turn, tokens received, seconds)."""
-    messages: list[dict] = []
-    ttfts, tokens, t0 = [], 0, time.perf_counter()
-    for t in range(args.turns):
-        messages.append({"role": "user", "content": user_message(c, t, args.words)})
-        sent = time.perf_counter()
-        first, parts = None, []
-        stream = client.chat.completions.create(
-            model=client.model_name,
-            messages=messages,
-            stream=True,
-            max_completion_tokens=args.max_tokens,
-            temperature=0.8,
-            seed=c,
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
-                parts.append(chunk.choices[0].delta.content)
-        ttfts.append((first or time.perf_counter()) - sent)
-        messages.append({"role": "assistant", "content": "".join(parts)})
-        tokens += len(args.tokenizer.encode(messages[-1]["content"], add_special_tokens=False).ids)
-    return ttfts, tokens, time.perf_counter() - t0
+def dir_bytes(path: Path | None) -> int:
+    """Bytes of the regular files under `path` (0 when it is None or missing); files deleted meanwhile skipped."""
+    total = 0
+    for root, _, files in os.walk(path) if path else ():
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_size
+    return total
+
+
+@dataclass
+class Sample:
+    """The server's resident memory and its state directory's bytes after `done` conversations of a load."""
+
+    clients: int
+    done: int
+    rss_mib: float
+    state_dir_bytes: int
+
+
+def series(values: list[float]) -> tuple[float, float, float, float]:
+    """(first, middle, last, largest) of a non-empty series."""
+    return values[0], values[len(values) // 2], values[-1], max(values)
+
+
+@dataclass
+class Record:
+    """One conversation as a client saw it: its user messages, and per turn the reply and its TTFT (s)."""
+
+    users: list[str]
+    replies: list[str] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+
+    def messages(self, turn: int) -> list[dict]:
+        """The request of turn `turn` (0-based): users 0..turn, with the recorded replies in between."""
+        out = []
+        for t in range(turn + 1):
+            out.append({"role": "user", "content": self.users[t]})
+            if t < turn:
+                out.append({"role": "assistant", "content": self.replies[t]})
+        return out
+
+
+def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+    """One greedy streamed turn: (seconds to its first content, the reply)."""
+    sent = time.perf_counter()
+    first, parts = None, []
+    stream = client.chat.completions.create(
+        model=client.model_name, messages=messages, stream=True, max_completion_tokens=max_tokens, temperature=0
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            parts.append(chunk.choices[0].delta.content)
+    return (first or time.perf_counter()) - sent, "".join(parts)
+
+
+def converse(client: openai.OpenAI, users: list[str], max_tokens: int) -> Record:
+    """A conversation of `len(users)` turns, each sending the whole history so far."""
+    record = Record(users)
+    for t in range(len(users)):
+        ttft, reply = ask(client, record.messages(t), max_tokens)
+        record.ttfts.append(ttft)
+        record.replies.append(reply)
+    return record
+
+
+def through_clients(work, items: list, clients: int, on_done=None) -> tuple[list, float]:
+    """`work(item)` for every item, `clients` at a time; results in the items' order, and the wall seconds.
+    `on_done(count)` runs after each finished item."""
+    t0, results = time.perf_counter(), [None] * len(items)
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        futures = {pool.submit(work, item): i for i, item in enumerate(items)}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            results[futures[future]] = future.result()
+            if on_done:
+                on_done(done)
+    return results, time.perf_counter() - t0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -145,31 +217,100 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def ttft_by_turn(records: list[Record]) -> list[tuple[float, float]]:
+    """(p50, p95) of the TTFT of each turn index over the conversations."""
+    turns = len(records[0].ttfts)
+    return [(percentile(t, 0.5), percentile(t, 0.95)) for t in ([r.ttfts[i] for r in records] for i in range(turns))]
+
+
+def mismatches(recorded: list[Record], replayed: list[Record]) -> list[tuple[int, int]]:
+    """(conversation, turn) of every reply of `replayed` that differs from `recorded`'s (0-based)."""
+    return [
+        (c, t)
+        for c, (a, b) in enumerate(zip(recorded, replayed, strict=True))
+        for t, (x, y) in enumerate(zip(a.replies, b.replies, strict=True))
+        if x != y
+    ]
+
+
+def replay_one(client: openai.OpenAI, record: Record, max_tokens: int) -> Record:
+    """`record`'s turns asked again with its recorded history (not the replay's own replies)."""
+    again = Record(record.users)
+    for t in range(len(record.users)):
+        ttft, reply = ask(client, record.messages(t), max_tokens)
+        again.ttfts.append(ttft)
+        again.replies.append(reply)
+    return again
+
+
+def reply_tokens(tokenizer, record: Record) -> int:
+    """Tokens of `record`'s replies, re-tokenised (the same count for every server)."""
+    return sum(len(tokenizer.encode(x, add_special_tokens=False).ids) for x in record.replies)
+
+
+def connect(kind: str, port: int) -> openai.OpenAI:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=1200, max_retries=0)
+    client.model_name = client.models.list().data[0].id if kind.startswith("litkv") else "litgpt"
+    return client
+
+
 def run(kind: str, args: argparse.Namespace) -> dict:
-    proc = start(kind, args.checkpoint, args.port, args)
+    """Every load of `args.clients` on one `kind` server: per load its records, seconds and samples."""
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-serve-states-"))
+    proc = start(kind, args.checkpoint, args.port, state_dir, args)
+    loads = {}
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=600)
-        client.model_name = client.models.list().data[0].id if kind.startswith("litkv") else "litgpt"
-        loads = {}
-        for n in args.clients:
-            with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                t0 = time.perf_counter()
-                results = list(pool.map(lambda c: conversation(client, c, args), [100 * n + c for c in range(n)]))
-                seconds = time.perf_counter() - t0
-            per_turn = [[r[0][t] for r in results] for t in range(args.turns)]
-            loads[n] = {
-                "tps": sum(r[1] for r in results) / seconds,
-                "p50": [percentile(t, 0.5) for t in per_turn],
-                "p95": [percentile(t, 0.95) for t in per_turn],
-            }
-            print(kind, n, "clients", loads[n], flush=True)
-        rss = []
-        for c in range(args.conversations):
-            conversation(client, 10000 + c, args)
-            rss.append(rss_mib(proc))
-        return {"loads": loads, "rss": rss}
+        client = connect(kind, args.port)
+        counts = args.litgpt_conversations if kind == "litgpt" else args.conversations
+        for n, count in zip(args.clients, counts, strict=True):
+            if count == 0:
+                continue
+            convos = user_messages(args.seed * 1000 + n, count, args.turns, args.words)
+            samples = [Sample(n, 0, rss_mib(proc), dir_bytes(state_dir))]
+
+            def sample(done: int, n: int = n, samples: list = samples) -> None:
+                samples.append(Sample(n, done, rss_mib(proc), dir_bytes(state_dir)))
+                print(f"  {kind} {n} clients: {done} conversations done, {samples[-1]}", file=sys.stderr, flush=True)
+
+            records, seconds = through_clients(lambda u: converse(client, u, args.max_tokens), convos, n, sample)
+            tokens = sum(reply_tokens(args.tokenizer, r) for r in records)
+            loads[n] = {"records": records, "seconds": seconds, "tps": tokens / seconds, "samples": samples}
+            print(f"{kind} {n} clients: {count} conversations, {tokens} tokens in {seconds:.0f} s,"
+                  f" {tokens / seconds:.2f} tok/s; TTFT p50 / p95 by turn (s):"
+                  f" {', '.join(f'{a:.2f} / {b:.2f}' for a, b in ttft_by_turn(records))}", flush=True)  # fmt: skip
     finally:
         stop(proc)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return loads
+
+
+def replay(kind: str, loads: dict, args: argparse.Namespace) -> dict[int, list[tuple[int, int]]]:
+    """Per load, the (conversation, turn) whose reply from a fresh `kind` server (empty `--state_dir`)
+    differs from the one recorded under load."""
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-serve-replay-"))
+    proc = start(kind, args.checkpoint, args.port, state_dir, args)
+    try:
+        client = connect(kind, args.port)
+        out = {}
+        for n, load in loads.items():
+            t0, bad = time.perf_counter(), []
+
+            def check(record: Record, n: int = n, bad: list = bad) -> Record:  # progress as it goes
+                again = replay_one(client, record, args.max_tokens)
+                bad.append(sum(x != y for x, y in zip(record.replies, again.replies, strict=True)))
+                print(f"  {kind} replay of the {n}-client load: {len(bad)} conversations, {sum(bad)} replies differ",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return again
+
+            again, _ = through_clients(check, load["records"], args.replay_clients)
+            out[n] = mismatches(load["records"], again)
+            seconds = time.perf_counter() - t0
+            print(f"{kind} replay of the {n}-client load ({len(again)} conversations, {seconds:.0f} s):"
+                  f" {len(out[n])} mismatches {out[n][:5]}", flush=True)  # fmt: skip
+        return out
+    finally:
+        stop(proc)
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -184,6 +325,8 @@ def stop(proc: subprocess.Popen) -> None:
     for child in children:
         if child.is_running():
             child.kill()
+    if getattr(proc, "copied", None):  # litgpt's copy of the checkpoint
+        shutil.rmtree(proc.copied, ignore_errors=True)
 
 
 QUESTIONS = [
@@ -227,23 +370,76 @@ def count_retokenize(args: argparse.Namespace) -> None:
         print(f"finish_reason {reason}: {bad} of {n} replies do not re-tokenize to their ids")
 
 
-def main() -> None:
+def report(results: dict, replays: dict, args: argparse.Namespace) -> None:
+    """The tables: tok/s and TTFT by turn per server and load; RSS and state bytes; replay mismatches."""
+    turns = " | ".join(f"TTFT t{i + 1} p50 / p95 (s)" for i in range(args.turns))
+    print(f"\n| server | clients | conversations | tok/s | {turns} |")
+    print("|---" * (args.turns + 4) + "|")
+    for kind, loads in results.items():
+        for n, load in loads.items():
+            ttft = " | ".join(f"{a:.2f} / {b:.2f}" for a, b in ttft_by_turn(load["records"]))
+            print(f"| {kind} | {n} | {len(load['records'])} | {load['tps']:.2f} | {ttft} |")
+    if "litkv" in results and 1 in results["litkv"]:
+        one = results["litkv"][1]["tps"]
+        for n, load in results["litkv"].items():
+            print(f"litkv {n} clients: {load['tps'] / one:.2f}x one client")
+        for peer in ("litkv-1row", "litgpt"):
+            if 1 in results.get(peer, {}):
+                print(f"one client: litkv {one:.2f} tok/s = {one / results[peer][1]['tps']:.2f}x {peer}")
+    print("\n| server | clients | samples | RSS first / middle / last / max (MiB) |"
+          " state_dir first / middle / last / max (MB) |\n|---|---|---|---|---|")  # fmt: skip
+    for kind, loads in results.items():
+        for n, load in loads.items():
+            rss = series([s.rss_mib for s in load["samples"]])
+            mb = series([s.state_dir_bytes / 1e6 for s in load["samples"]])
+            print(f"| {kind} | {n} | {len(load['samples'])} | {' / '.join(f'{v:.0f}' for v in rss)} |"
+                  f" {' / '.join(f'{v:.1f}' for v in mb)} |")  # fmt: skip
+    for kind, per_load in replays.items():
+        replies = sum(len(r.replies) for load in results[kind].values() for r in load["records"])
+        bad = sum(len(m) for m in per_load.values())
+        print(f"\n{kind}: {bad} of {replies} replies differ from a fresh server's replay (target 0)")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=Path(__file__).parents[1] / "litkv/assets/default")
-    p.add_argument("--conversations", type=int, default=20, help="sequential conversations for the RSS")
-    p.add_argument("--turns", type=int, default=10)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--conversations", type=int, nargs="+", default=[100], help="per load: one count or one per N")
+    p.add_argument("--turns", type=int, default=10)
     p.add_argument("--words", type=int, default=30)
     p.add_argument("--max_tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0, help="draws the user messages")
     p.add_argument("--policy", default="h2o")
     p.add_argument("--cache_length", type=int, default=256)
     p.add_argument("--state_bytes", type=int, default=64 << 20)
+    p.add_argument("--state_dir_bytes", type=int, default=64 << 20)
     p.add_argument("--max_batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", nargs="+", default=["litkv", "litkv-1row", "litgpt"], help="litkv, litkv-1row, litgpt")
+    p.add_argument("--replay_clients", type=int, default=1, help="clients of the replay (0: no replay)")
     p.add_argument("--retokenize", type=int, default=0, help="only count replies that do not re-tokenize")
-    args = p.parse_args()
+    p.add_argument("--litgpt_conversations", type=int, nargs="+", help="litgpt's (0: skip); default --conversations")
+    args = p.parse_args(argv)
+    args.litgpt_conversations = args.litgpt_conversations or args.conversations
+    for name in ("conversations", "litgpt_conversations"):
+        counts = getattr(args, name)
+        counts = counts * len(args.clients) if len(counts) == 1 else counts
+        if len(counts) != len(args.clients):
+            p.error(f"--{name}: one count or one per --clients ({len(args.clients)}), got {counts}")
+        setattr(args, name, counts)
+    if min(args.clients + args.conversations + [args.turns]) < 1 or min(args.litgpt_conversations) < 0:
+        p.error("--clients, --conversations and --turns must be at least 1")
+    unknown = set(args.servers) - {"litkv", "litkv-1row", "litgpt"}
+    if unknown:
+        p.error(f"--servers: unknown {sorted(unknown)} (litkv, litkv-1row, litgpt)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    if __name__ == "__main__":  # a SIGTERM still stops the servers started here (the `finally` blocks)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from tokenizers import Tokenizer
 
     if not args.checkpoint.exists():  # a model name: litkv's cache directory of it
@@ -252,26 +448,14 @@ def main() -> None:
         args.checkpoint = cache_dir(str(args.checkpoint))
     if args.retokenize:
         count_retokenize(args)
-        return
+        return {}
     args.tokenizer = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))  # counts both servers' replies
     results = {kind: run(kind, args) for kind in args.servers}
-    turns = " | ".join(f"TTFT t{i + 1} p50 / p95 (ms)" for i in range(args.turns))
-    print(f"| server | clients | tok/s | {turns} |")
-    print("|---" * (args.turns + 3) + "|")
-    for kind, r in results.items():
-        for n, load in r["loads"].items():
-            ttft = " | ".join(f"{1000 * a:.0f} / {1000 * b:.0f}" for a, b in zip(load["p50"], load["p95"], strict=True))
-            print(f"| {kind} | {n} | {load['tps']:.1f} | {ttft} |")
-    if "litkv" in results and 1 in results["litkv"]["loads"]:
-        one = results["litkv"]["loads"][1]["tps"]
-        for peer in ("litkv-1row", "litgpt"):
-            if peer in results and 1 in results[peer]["loads"]:
-                print(f"\none client: litkv {one:.2f} tok/s = {one / results[peer]['loads'][1]['tps']:.2f}x {peer}")
-    print("\n| server | RSS after conversation 1 / 10 / last (MiB) | conversations |\n|---|---|---|")
-    for kind, r in results.items():
-        rss = r["rss"]
-        mid = rss[min(9, len(rss) - 1)] if rss else 0.0
-        print(f"| {kind} | {rss[0] if rss else 0:.0f} / {mid:.0f} / {rss[-1] if rss else 0:.0f} | {len(rss)} |")
+    replays = {}
+    if args.replay_clients:
+        replays = {kind: replay(kind, results[kind], args) for kind in results if kind.startswith("litkv")}
+    report(results, replays, args)
+    return {"results": results, "replays": replays}
 
 
 if __name__ == "__main__":
