@@ -102,7 +102,8 @@ def start(kind: str, ckpt: Path, port: int, state_dir: Path | None, args: argpar
                 "--kv_cache.cache_length", str(args.cache_length), "--stop_at_newline", "false",
                 "--state_bytes", str(args.state_bytes), "--state_dir", str(state_dir),
                 "--state_dir_bytes", str(args.state_dir_bytes),
-                "--max_batch", str(1 if kind == "litkv-1row" else args.max_batch)]  # fmt: skip
+                "--max_batch", str(1 if kind == "litkv-1row" else args.max_batch),
+                "--max_step_tokens", str(args.max_step_tokens)]  # fmt: skip
     else:
         argv = [sys.executable, "-c", LITGPT_LAUNCH, str(litgpt_checkpoint(ckpt)), str(port), "0.0"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -414,6 +415,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--state_bytes", type=int, default=64 << 20)
     p.add_argument("--state_dir_bytes", type=int, default=64 << 20)
     p.add_argument("--max_batch", type=int, default=8)
+    p.add_argument("--max_step_tokens", type=int, default=1, help="litkv serve's prompt tokens per step (1: a chunk)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", nargs="+", default=["litkv", "litkv-1row", "litgpt"], help="litkv, litkv-1row, litgpt")
