@@ -89,6 +89,19 @@ def prompt_hidden(owner: object, name: str) -> list[torch.Tensor]:
     return seen
 
 
+def sampled_hidden(eng: Engine) -> list[torch.Tensor]:
+    """Record the hidden state each turn's first token is sampled from (`RowBatch.logits`'s input, a copy)."""
+    seen: list[torch.Tensor] = []
+    logits = eng.batch.logits
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.reshape(1, -1).clone())
+        return logits(hidden)
+
+    eng.batch.logits = record  # type: ignore[method-assign]
+    return seen
+
+
 def engine(model: GPT, tok: object, fmt: Format, **kw: object) -> Engine:
     store = ConversationStore(1 << 30, model=model, kv_cache=KV)
     return Engine(model, tok, KV, store, fmt=fmt, stop_at_newline=False, **kw)  # type: ignore[arg-type]
@@ -197,7 +210,7 @@ def test_full_recomputation_is_the_prefill_of_the_documents_as_text(parts: tuple
     chat_turn(ChatSession(model, tok, KV, fmt=fmt, recompute=0.0), files, n=6)
     assert not all(torch.equal(a, b) for a, b in zip(keys, _layer_keys(model), strict=True))  # r=0 differs
     full, text = engine(model, tok, fmt, recompute=1.0), engine(model, tok, AsText(fmt))  # type: ignore[arg-type]
-    seen = [prompt_hidden(full, "feed_prompt"), prompt_hidden(text, "feed_prompt")]
+    seen = [sampled_hidden(full), sampled_hidden(text)]  # text runs are fed chunk by chunk, not by feed_prompt
     assert serve_turn(full, DOCS, n=6).reply_ids == serve_turn(text, DOCS, n=6).reply_ids
     assert torch.equal(seen[0][-1], seen[1][-1])
 

@@ -144,8 +144,10 @@ def run_together(eng: Engine, convs: list[list[str]], budgets: list[list[int]]) 
                 messages[i].append(("user", conv[turn]))
                 jobs[i] = Job(TurnRequest(list(messages[i]), budgets[i][turn]), TurnResult())
                 sched.submit(jobs[i])
+        eng.batch.last_step_rows = 0
         sched.step()
-        stepped.add(eng.batch.last_step_rows)
+        if eng.batch.last_step_rows:  # 0: the step only fed prompt chunks
+            stepped.add(eng.batch.last_step_rows)
         for i, job in list(jobs.items()):
             if job.done:
                 messages[i].append(("assistant", job.result.content))
