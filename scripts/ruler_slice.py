@@ -9,7 +9,7 @@ and appends each answer to `--out` at once; `--summarize` prints the markdown ta
 
     python scripts/ruler_slice.py smollm2-135m-instruct --tasks niah_single_1,niah_single_2 --length 4096 \\
         --num_samples 3 --rows dense,kvzip --budgets 2048,1024,512 --out out/slice.jsonl
-    python scripts/ruler_slice.py --summarize out/slice.jsonl
+    python scripts/ruler_slice.py --summarize out/slice.jsonl out/slice2.jsonl
 """
 
 from __future__ import annotations
@@ -37,12 +37,22 @@ from litkv.modeling.config import KVCacheConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
-def summarize(path: Path) -> str:
-    """Markdown table: per row (and budget) and task, the mean score and the samples it is over."""
+def summarize(paths: list[Path], common: bool = False) -> str:
+    """Markdown tables of what JSONL files hold: per row (and budget) and task, the mean score and the samples it
+    is over, then per row the CPU and wall seconds per sample (a one-shot row's budgets share one prefill).
+    `common`: only the (task, sample) pairs that every row answered (a stopped run's rows on the same prompts)."""
     cells: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    times: dict[str, dict[tuple[str, int], tuple[float, float]]] = defaultdict(dict)
+    lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    if common:
+        answered: dict[str, set[tuple[str, int]]] = defaultdict(set)
+        for r in lines:
+            answered[r["row"]].add((r["task"], r["sample"]))
+        keep = set.intersection(*answered.values()) if answered else set()
+        lines = [r for r in lines if (r["task"], r["sample"]) in keep]
+    for r in lines:
         cells[(r["row"], r["budget"])][r["task"]].append(r["score"])
+        times[r["row"]][(r["task"], r["sample"])] = (r["cpu_s"], r["wall_s"])
     tasks = sorted({t for per in cells.values() for t in per})
     out = ["| row | budget | " + " | ".join(tasks) + " | mean |", "|---|---:|" + "---:|" * (len(tasks) + 1)]
     for (row, budget), per in cells.items():
@@ -50,6 +60,11 @@ def summarize(path: Path) -> str:
         shown = [f"{m:.2f} ({len(per.get(t, []))})" for m, t in zip(means, tasks, strict=True)]
         done = [m for m in means if m == m]
         out.append(f"| {row} | {budget} | " + " | ".join(shown) + f" | {sum(done) / len(done):.2f} |")
+    out += ["", "| row | samples | CPU s per sample | wall s per sample |", "|---|---:|---:|---:|"]
+    for row, per_sample in times.items():
+        cpu, wall = zip(*per_sample.values(), strict=True)
+        n = len(per_sample)
+        out.append(f"| {row} | {n} | {sum(cpu) / n:.0f} ({min(cpu):.0f}-{max(cpu):.0f}) | {sum(wall) / n:.0f} |")
     return "\n".join(out)
 
 
@@ -69,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oneshot_compress", choices=["context", "prompt"], default="context")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("out/ruler_slice.jsonl"))
-    p.add_argument("--summarize", type=Path, default=None, help="print the table of a JSONL file and stop")
+    p.add_argument("--summarize", type=Path, nargs="+", default=None, help="print the tables of JSONL files, stop")
+    p.add_argument("--common", action="store_true", help="--summarize: only prompts that every row answered")
     args = p.parse_args(argv)
     if args.summarize is not None:
-        print(summarize(args.summarize))
+        print(summarize(args.summarize, args.common))
         return 0
     ckpt = resolve_checkpoint_dir(args.checkpoint_dir)
     model, _ = load_for_inference(ckpt, "32-true", "cpu", args.threads, "none")
