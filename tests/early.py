@@ -12,10 +12,12 @@ fixture (tests/conftest.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,24 @@ def finish(proc: subprocess.Popen | None, work: Path) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=30)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def run_script(work: Path, script: Path, args: Sequence[Path]) -> subprocess.Popen:
+    """Start `python script args...` in `work`: one torch thread, this checkout importable, not a rank of an
+    outer launcher (no `LOCAL_RANK`); its output in `work/stdout.txt` and `work/stderr.txt`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop("LOCAL_RANK", None)
+    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
+        argv = [sys.executable, str(script), *map(str, args)]
+        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+
+
+def output_of(proc: subprocess.Popen, work: Path, timeout: float) -> str:
+    """Wait for a `run_script` process; its stdout. AssertionError with both outputs' tails unless it exited 0."""
+    proc.wait(timeout=timeout)
+    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
 
 
 def stop_all() -> None:

@@ -53,6 +53,31 @@ TINY = dict(
 )
 
 
+# words of the serve tests' user messages (ragged turns cut from them)
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "in",
+    "the",
+    "beginning",
+    "was",
+    "the",
+    "word",
+    "and",
+    "the",
+    "passkey",
+    "is",
+    "12345",
+]
+
+
 def random_tokens(batch: int, length: int, seed: int, low: int = 0, high: int = 128) -> torch.Tensor:
     """(batch, length) int64 token ids uniform in [low, high), drawn from a generator seeded with `seed`."""
     return torch.randint(low, high, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -8,9 +8,7 @@ combined batch of both processes.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import litkv
 from litkv.checkpoints.checkpoint import load_model
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
 from litkv.modeling.config import KVCacheConfig
+from tests.early import output_of, run_script
 
 LR = 0.01
 KV = dict(policy="h2o", cache_length=8, chunk_size=4)
@@ -100,11 +99,7 @@ def _start_two_processes(work: Path) -> subprocess.Popen:
     script = work / "ddp_script.py"
     header = f"SEQ, LR, KV, TARGETS = {SEQ}, {LR}, {KV!r}, {TARGETS!r}\n"
     script.write_text(header + SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    env.pop("LOCAL_RANK", None)
-    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
-        argv = [sys.executable, str(script), str(ckpt), str(text), str(work / "out")]
-        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+    return run_script(work, script, [ckpt, text, work / "out"])
 
 
 # the two processes (a quarter of a minute of two cores) start with the test session, beside the other tests
@@ -115,9 +110,7 @@ EARLY_START = {"test_two_processes_match_one_step_on_the_combined_batch": _start
 @pytest.mark.slow
 def test_two_processes_match_one_step_on_the_combined_batch(early_process: tuple[subprocess.Popen, Path]) -> None:
     proc, work = early_process
-    proc.wait(timeout=300)
-    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout = output_of(proc, work, timeout=300)
     assert "2 process(es)" in stdout
     ckpt, text = work / "base", work / "t.txt"
     inputs, targets = windows(ckpt, text)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 from litkv.finetune.sharding import SHARDING_FILE, check_sharded_resume, check_strategy
 from litkv.modeling.config import KVCacheConfig
+from tests.early import output_of, run_script
 
 STEPS = 3
 KV = dict(policy="h2o", cache_length=8, chunk_size=4)
@@ -72,11 +71,7 @@ def _start_two_processes(work: Path) -> subprocess.Popen:
     text = write_text(work / "t.txt", 120)
     script = work / "fsdp_script.py"
     script.write_text(f"SEQ, KV, TRAIN = {SEQ}, {KV!r}, {TRAIN!r}\n" + SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    env.pop("LOCAL_RANK", None)
-    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
-        argv = [sys.executable, str(script), str(ckpt), str(text), str(work / "out")]
-        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+    return run_script(work, script, [ckpt, text, work / "out"])
 
 
 # the two processes (half a minute of two cores) start with the test session, beside the other tests (tests/early.py)
@@ -88,9 +83,7 @@ def test_two_sharded_processes_train_as_one(
     early_process: tuple[subprocess.Popen, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     proc, work = early_process
-    proc.wait(timeout=400)
-    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout = output_of(proc, work, timeout=400)
     assert "2 process(es)" in stdout
     ckpt, text = work / "base", work / "t.txt"
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_finetune import SEQ, make_checkpoint, write_text
+
+from tests.early import output_of, run_script
 
 SCRIPT = """
 import json
@@ -97,11 +97,7 @@ def _start_two_processes(work: Path) -> subprocess.Popen:
     kv = dict(policy="h2o", cache_length=8, chunk_size=4)
     script = work / "fsdp_script.py"
     script.write_text(f"SEQ, KV = {SEQ}, {kv!r}\n" + SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    env.pop("LOCAL_RANK", None)
-    with (work / "stdout.txt").open("wb") as out, (work / "stderr.txt").open("wb") as err:
-        argv = [sys.executable, str(script), str(ckpt), str(text), str(work / "out")]
-        return subprocess.Popen(argv, env=env, cwd=work, stdout=out, stderr=err)
+    return run_script(work, script, [ckpt, text, work / "out"])
 
 
 # the run (about 10 s of CPU, 2 processes, 8 Fabric launches; 45-65 s on the loaded 2 shared cores) starts with the
@@ -114,9 +110,7 @@ def test_fsdp_saves_after_validation_and_resumes_only_its_own_shards(
     early_process: tuple[subprocess.Popen, Path],
 ) -> None:
     proc, work = early_process
-    proc.wait(timeout=400)
-    stdout, stderr = (work / "stdout.txt").read_text(), (work / "stderr.txt").read_text()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    output_of(proc, work, timeout=400)
     out = work / "out"
 
     run = out / "run"

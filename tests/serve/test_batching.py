@@ -17,30 +17,9 @@ from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.batch import RowBatch
 from litkv.serve.guard import INFLIGHT, Guard
 from litkv.serve.scheduler import Job
+from tests.helpers import WORDS
 
 KV = KVCacheConfig(policy="h2o", cache_length=24, chunk_size=8)  # evicts during prefill and decode
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "the",
-    "lazy",
-    "dog",
-    "in",
-    "the",
-    "beginning",
-    "was",
-    "the",
-    "word",
-    "and",
-    "the",
-    "passkey",
-    "is",
-    "12345",
-]
 
 
 def user_turns(i: int, n: int) -> list[str]:

@@ -16,30 +16,7 @@ from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.runner import ChunkPlan
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.scheduler import Job, Scheduler
-from tests.helpers import attach_random_gates
-
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "the",
-    "lazy",
-    "dog",
-    "in",
-    "the",
-    "beginning",
-    "was",
-    "the",
-    "word",
-    "and",
-    "the",
-    "passkey",
-    "is",
-    "12345",
-]
+from tests.helpers import WORDS, attach_random_gates
 
 
 @pytest.fixture(scope="module")
