@@ -224,6 +224,12 @@ def ttft_by_turn(records: list[Record]) -> list[tuple[float, float]]:
     return [(percentile(t, 0.5), percentile(t, 0.95)) for t in ([r.ttfts[i] for r in records] for i in range(turns))]
 
 
+def ttft_all_turns(records: list[Record]) -> tuple[float, float]:
+    """(p50, p95) of the TTFT of every turn of every conversation."""
+    ttfts = [t for r in records for t in r.ttfts]
+    return percentile(ttfts, 0.5), percentile(ttfts, 0.95)
+
+
 def mismatches(recorded: list[Record], replayed: list[Record]) -> list[tuple[int, int]]:
     """(conversation, turn) of every reply of `replayed` that differs from `recorded`'s (0-based)."""
     return [
@@ -382,8 +388,11 @@ def report(results: dict, replays: dict, args: argparse.Namespace) -> None:
             print(f"| {kind} | {n} | {len(load['records'])} | {load['tps']:.2f} | {ttft} |")
     if "litkv" in results and 1 in results["litkv"]:
         one = results["litkv"][1]["tps"]
+        one_p95 = ttft_all_turns(results["litkv"][1]["records"])[1]
         for n, load in results["litkv"].items():
-            print(f"litkv {n} clients: {load['tps'] / one:.2f}x one client")
+            p50, p95 = ttft_all_turns(load["records"])
+            print(f"litkv {n} clients: {load['tps'] / one:.2f}x one client's tok/s; TTFT over all turns p50 {p50:.2f}"
+                  f" s, p95 {p95:.2f} s = {p95 / one_p95:.2f}x one client's p95")  # fmt: skip
         for peer in ("litkv-1row", "litgpt"):
             if 1 in results.get(peer, {}):
                 print(f"one client: litkv {one:.2f} tok/s = {one / results[peer][1]['tps']:.2f}x {peer}")

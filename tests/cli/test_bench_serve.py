@@ -47,6 +47,7 @@ def test_ttft_by_turn_index() -> None:
     bench = _load()
     records = [bench.Record(["a", "b"], ttfts=[float(i), 100.0 + i]) for i in range(21)]  # turn 1: 0..20
     assert bench.ttft_by_turn(records) == [(10.0, 19.0), (110.0, 119.0)]  # p95 of 21 values: the 20th
+    assert bench.ttft_all_turns(records) == (20.0, 118.0)  # 42 values pooled: 0..20, 100..120
     assert bench.series([3.0, 1.0, 5.0, 2.0]) == (3.0, 5.0, 2.0, 5.0)
 
 
