@@ -121,3 +121,20 @@ def test_plan_packs_and_refusals(model: GPT) -> None:
     kv = KVCacheConfig(policy="dense", cache_length=32)
     with pytest.raises(ValueError, match="not a partition"):
         packed_forward(model, make_groups(model, kv, 2, [4]), [[0]])
+
+
+@pytest.mark.slow
+def test_real_model_decode_rows_share_a_product_with_chunks(real_smollm2: tuple) -> None:
+    """SmolLM2-135M-Instruct, h2o evicting: 16 decode rows and chunks of 64 and 32 tokens, packed as the probe
+    allows (on the development CPU all three in one product of 112 rows: the class of 16 and more), each group
+    bitwise its own call."""
+    model = real_smollm2[1]
+    kv = KVCacheConfig(policy="h2o", cache_length=80)
+    expected = [alone(model, g) for g in make_groups(model, kv, 16, [64, 32])]
+    probe = CountProbe(model.transformer.h, 128)
+    groups = make_groups(model, kv, 16, [64, 32])
+    packs = plan_packs([g.rows for g in groups], probe.alike)
+    for g, (h, want) in enumerate(zip(packed_forward(model, groups, packs), expected, strict=True)):
+        assert torch.equal(h, want), (g, packs)
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert packs == [[0, 1, 2]]
