@@ -170,6 +170,7 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             self._admit()
+        self._staged = []  # nothing left from a step that failed
         self._feed_prompts()
         self._decode()
         self.steps += 1
