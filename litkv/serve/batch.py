@@ -24,7 +24,7 @@ one chunk of `litkv.inference.conversation.segment_plan`'s chunking at a time, d
 the row is copied back: the other rows are neither run nor copied. Joining and leaving the batch is one
 row's copy (`KVCaches.copy_row`).
 
-A step that feeds prompt chunks and decodes runs them in one model call (`packed_step`,
+With `packing`, a step that feeds prompt chunks and decodes runs them in one model call (`packed_step`,
 `litkv.modeling.packed`): the decode rows through the batch's caches and each chunk through a scratch row of
 its own, the groups sharing the linear layers' products only where the pack's row count rounds like each
 group's own (`litkv.serve.rounding.CountProbe`), so every row gets the bits of its separate calls.
@@ -71,7 +71,8 @@ class RowBatch:
         classes: the rounding classes of counts `1..rows` (default: measured now,
             `litkv.serve.rounding.probe_rounding_classes`).
         packing: run a step's prompt chunks and decode rows in one call (`packed_step`) where the model
-            allows (`litkv.modeling.packed.packing_refusal`); `packing` says whether it does.
+            allows (`litkv.modeling.packed.packing_refusal`); `packing` says whether it does. Off by default:
+            a prompt's first token then waits for the other rows' decode tokens (docs/serve.md).
     """
 
     def __init__(
@@ -80,7 +81,7 @@ class RowBatch:
         kv_cache: KVCacheConfig,
         rows: int,
         classes: RoundingClasses | None = None,
-        packing: bool = True,
+        packing: bool = False,
     ) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an int >= 1, got {rows!r}")

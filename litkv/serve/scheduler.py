@@ -16,7 +16,10 @@ reply's sampling. Each `step()` of the `Scheduler`:
    budget's chunks. Documents (a run of KV blocks) go in whole, their tokens counted against the budget. A job
    with no prompt text left samples its first token. The default budget is one chunk per step: prompts
    fed together decode in step and end together, so a closed loop of clients then sends its next turns
-   together (docs/serve.md);
+   together (docs/serve.md). Where the batch packs (`RowBatch.packing`, off by default), each job's last
+   chunk of the step waits for the decode step and runs in the same model call (`RowBatch.packed_step`);
+   its earlier ones run alone before it (a chunk needs the one before it in its row), and a job whose
+   prompt ends in the packed call samples its first token after it and feeds it in the next step;
 3. runs one decode step of the rows in use (`RowBatch.step`: the smallest row count of the batch's rounding
    class that holds them): a generating row feeds its last token, a row that replays a
    reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
