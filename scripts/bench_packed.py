@@ -7,7 +7,13 @@ preset's shapes (the arithmetic is that of the real checkpoint's; the tokens do 
 step's time both ways and their ratio, the products the packed call shared, and a table of the linear
 layers' microseconds per row.
 
+With `--loop CHECKPOINT` (a converted chat checkpoint): instead, a closed loop of `--clients` conversations
+through the server's engine in process (`--max_batch 8`, h2o), each client sending its next turn when its
+reply ends, packing off and on alternated `--reps` times: time to first token p50 / max per turn, and
+whether the replies are equal.
+
     nice python scripts/bench_packed.py --rows 2 8 16 --chunks 64 256 --reps 5
+    nice python scripts/bench_packed.py --loop smollm2-135m-instruct --reps 2
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -35,6 +42,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="timed steps per way and setting")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--linear_rows", type=int, nargs="+", default=[1, 2, 8, 16, 64, 256, 600])
+    p.add_argument("--loop", help="a checkpoint (name or path): the closed-loop TTFT comparison instead")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
     return p.parse_args()
 
 
@@ -96,9 +106,108 @@ def linear_costs(model: GPT, counts: list[int], reps: int) -> list[tuple[int, fl
     return out
 
 
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "a",
+    "cat",
+    "sleeps",
+    "near",
+    "the",
+    "warm",
+    "fire",
+    "in",
+    "winter",
+    "and",
+]
+
+
+def closed_loop(engine: object, clients: int, turns: int, seed: int) -> tuple[list[list[float]], list]:
+    """`clients` conversations of `turns` turns (20-word messages, 8-token greedy replies), each next turn sent
+    when its reply ends: TTFT (s, from submit to the first text) per turn, and every reply's ids."""
+    from litkv.serve import TurnRequest, TurnResult
+    from litkv.serve.scheduler import Job
+
+    sched, msgs = engine.scheduler, [[] for _ in range(clients)]  # type: ignore[attr-defined]
+    ttft: list[list[float]] = [[] for _ in range(turns)]
+    live: dict[int, tuple[Job, dict, int]] = {}
+    replies = []
+
+    def submit(i: int) -> None:
+        t = sum(role == "user" for role, _ in msgs[i])
+        msgs[i].append(("user", " ".join(WORDS[(3 * i + t + seed) % 9 :][:20])))
+        sent, seen = time.perf_counter(), {}
+
+        def emit(kind: str, value: object) -> None:
+            if kind == "text":
+                seen.setdefault("first", time.perf_counter() - sent)
+
+        live[i] = (Job(TurnRequest(list(msgs[i]), 8), TurnResult(), emit=emit), seen, t)
+        sched.submit(live[i][0])
+
+    for i in range(clients):
+        submit(i)
+    while live:
+        sched.step()
+        for i, (job, seen, t) in list(live.items()):
+            if job.done:
+                ttft[t].append(seen.get("first", float("nan")))
+                msgs[i].append(("assistant", job.result.content))
+                replies.append((i, t, job.result.reply_ids))
+                del live[i]
+                if t + 1 < turns:
+                    submit(i)
+    return ttft, sorted(replies)
+
+
+def loop_main(args: argparse.Namespace) -> None:
+    from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+    from litkv.checkpoints.download import cache_dir
+    from litkv.inference.chat_template import load_format
+    from litkv.serve import ConversationStore, Engine
+
+    ckpt = Path(args.loop) if Path(args.loop).is_dir() else cache_dir(args.loop)
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    fmt = load_format(ckpt, tok, None)
+    kv = KVCacheConfig(policy="h2o", cache_length=args.cache_length)
+    print(f"{ckpt.name}, float32, {torch.get_num_threads()} thread(s), h2o {args.cache_length}, --max_batch 8, "
+          f"{args.clients} clients x {args.turns} turns, closed loop")  # fmt: skip
+    print("| packing | rep | TTFT p50 by turn (s) | TTFT max by turn (s) | wall (s) |")
+    print("|---|---|---|---|---|")
+    same = True
+    for rep in range(args.reps):
+        got = {}
+        for packing in (False, True):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine = Engine(
+                    model, tok, kv, ConversationStore(1 << 30, model=model, kv_cache=kv), fmt=fmt, max_batch=8
+                )
+            engine.batch.packing = packing
+            start = time.perf_counter()
+            ttft, got[packing] = closed_loop(engine, args.clients, args.turns, rep)
+            wall = time.perf_counter() - start
+            p50 = " / ".join(f"{statistics.median(x):.2f}" for x in ttft)
+            top = " / ".join(f"{max(x):.2f}" for x in ttft)
+            print(f"| {'on' if packing else 'off'} | {rep} | {p50} | {top} | {wall:.1f} |", flush=True)
+        same = same and got[True] == got[False]
+    print(f"replies equal with packing on and off: {same}")
+
+
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
+    if args.loop:
+        loop_main(args)
+        return
     torch.manual_seed(0)
     model = GPT(Config.from_name(args.preset)).eval()
     print(f"{args.preset} (random weights), float32, {torch.get_num_threads()} thread(s), h2o {args.cache_length}")
