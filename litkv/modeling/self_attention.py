@@ -69,43 +69,67 @@ class CausalSelfAttention(nn.Module):
         `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
         loop (`KVCache.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
         q, k, v = self._qkv(x, cos, sin)
-        softcap = self.config.attention_logit_softcapping
         if input_pos is None and self.soft_eviction is not None:
             y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
         elif input_pos is None:
-            y = self._attend_full(q, k, v, softcap)
+            y = self._attend_full(q, k, v, self.config.attention_logit_softcapping)
         else:
             cache = self.kv_cache
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
-            keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
-            if self.soft_eviction is not None:  # eviction gates trained through caches
-                if cache.needs_attn_weights:
-                    raise ValueError(
-                        f"soft eviction needs a cache that reads no attention weights, got {type(cache).__name__}"
-                    )
-                y = self.soft_eviction.attend_cached(
-                    self.block_idx, q, keys, values, k_pos, input_pos, self.scale, self.window
-                )
-                weights = None
-            else:
-                mask = self._layout(cache, keys, k_pos, input_pos, no_pads)
-                need = cache.needs_attn_weights
-                y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
-            if evict_later:
-                cache.wait_for_eviction(weights)
-            else:
-                cache.evict_and_store(weights)
+            y = self.attend_cached(q, k, v, input_pos, cache, no_pads, evict_later)
         return self.proj(y if self.gate is None else y * torch.sigmoid(self.gate(x)))
+
+    def attend_cached(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        input_pos: torch.Tensor,
+        cache: KVCache,
+        no_pads: bool = False,
+        evict_later: bool = False,
+    ) -> torch.Tensor:
+        """Attention of a call through `cache` (the layer's own, or a packed call's group's,
+        `litkv.modeling.packed`): queries `(B, n_head, T, hs)`, keys and values `(B, G, T, hs)` (`heads`) at
+        positions `input_pos` `(B, T)` -> `(B, T, n_head * hs)`, before the output projection. `no_pads` and
+        `evict_later` as in `forward`."""
+        keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
+        if self.soft_eviction is not None:  # eviction gates trained through caches
+            if cache.needs_attn_weights:
+                raise ValueError(
+                    f"soft eviction needs a cache that reads no attention weights, got {type(cache).__name__}"
+                )
+            y = self.soft_eviction.attend_cached(
+                self.block_idx, q, keys, values, k_pos, input_pos, self.scale, self.window
+            )
+            weights = None
+        else:
+            mask = self._layout(cache, keys, k_pos, input_pos, no_pads)
+            need = cache.needs_attn_weights
+            softcap = self.config.attention_logit_softcapping
+            y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
+        if evict_later:
+            cache.wait_for_eviction(weights)
+        else:
+            cache.evict_and_store(weights)
+        return y
 
     def _qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries `(B, n_head, T, hs)`, keys and values `(B, G, T, hs)`, RoPE applied."""
+        return self.heads(self.qkv(x), cos, sin)
+
+    def heads(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `qkv` projection's output `(B, T, (n_head + 2 G) * hs)` as queries `(B, n_head, T, hs)`, keys and
+        values `(B, G, T, hs)`, q/k norms and RoPE applied."""
         c = self.config
-        b, t, _ = x.shape
+        b, t, _ = qkv.shape
         kv_size = c.n_query_groups * c.head_size
-        q, k, v = self.qkv(x).split((c.n_head * c.head_size, kv_size, kv_size), dim=-1)
+        q, k, v = qkv.split((c.n_head * c.head_size, kv_size, kv_size), dim=-1)
         if c.norm_qk and c.norm_qk_type == "olmo2":
             q, k = self.norm_q(q), self.norm_k(k)
         q = q.view(b, t, c.n_head, c.head_size).transpose(1, 2)
