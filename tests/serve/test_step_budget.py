@@ -155,8 +155,8 @@ def test_prompts_fed_beside_decoding_rows_equal_solo_runs(model_and_tok: tuple, 
         run(whole_runs(make_engine(model_and_tok, kv)), [c], [b])[0][0] for c, b in zip(convs, budgets, strict=True)
     ]
     for step_tokens in (8, 64):
-        eng = make_engine(model_and_tok, kv, max_step_tokens=step_tokens)
-        eng.batch.packing = True  # off by default (docs/serve.md); the tiny model packs
+        eng = make_engine(model_and_tok, kv, max_step_tokens=step_tokens, packed_steps=True)
+        assert eng.batch.packing  # off by default (docs/serve.md); the tiny model packs
         together, trace = run(eng, convs, budgets)
         assert_equal(together, solo)
         probe = eng.batch._probe
@@ -216,3 +216,10 @@ def test_serve_refuses_a_bad_max_step_tokens_before_starting(ckpt: Path, bad: ob
 
     with pytest.raises(ValueError, match="max_step_tokens"):
         serve(ckpt, max_step_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_serve_refuses_a_non_bool_packed_steps_before_starting(ckpt: Path) -> None:
+    from litkv.cli.serve_cmd import serve
+
+    with pytest.raises(ValueError, match="--packed_steps must be true or false, got 'yes'"):
+        serve(ckpt, packed_steps="yes")  # type: ignore[arg-type]
