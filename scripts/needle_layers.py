@@ -184,30 +184,49 @@ def analyse(
 
 
 def summarize(paths: Sequence[Path], budget: int) -> str:
-    """Per layer, over the samples of the files (mean over samples and KV heads): dense's reads of the
-    needle, then per policy the needle share kept at `budget` and the median needle rank."""
+    """Markdown tables of what the files hold: per layer (mean over samples and KV heads) dense's reads of the
+    needle, then per policy the needle share kept at `budget` and the median needle rank; then per sample
+    and policy the share kept over all (layer, head) pairs and weighted by dense's reads (what the answer's
+    queries would find)."""
     lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
-    reads: dict[int, list[float]] = defaultdict(list)
-    kept: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    rank: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    reads: dict[tuple[str, int], list[list[float]]] = {}
     for r in lines:
         if r["policy"] == "dense":
-            for layer, per_head in enumerate(r["reads"]):
-                reads[layer] += per_head
+            reads[(r["task"], r["sample"])] = r["reads"]
+    per_layer_reads: dict[int, list[float]] = defaultdict(list)
+    for sample_reads in reads.values():
+        for layer, per_head in enumerate(sample_reads):
+            per_layer_reads[layer] += per_head
+    kept: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    rank: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    weighted: dict[tuple[str, int], dict[str, tuple[float, float]]] = defaultdict(dict)
+    for r in lines:
+        if r["policy"] == "dense" or str(budget) not in r["kept"]:
             continue
-        for layer, per_head in enumerate(r["kept"][str(budget)]):
+        share = r["kept"][str(budget)]
+        for layer, per_head in enumerate(share):
             kept[r["policy"]][layer] += per_head
             rank[r["policy"]][layer] += r["rank"][layer]
+        w = reads.get((r["task"], r["sample"]))
+        flat = [v for per_head in share for v in per_head]
+        if w is not None:
+            ws = [v for per_head in w for v in per_head]
+            read = sum(a * b for a, b in zip(ws, flat, strict=True)) / sum(ws)
+            weighted[(r["task"], r["sample"])][r["policy"]] = (_mean(flat), read)
     names = list(kept)
-    samples = len({(r["task"], r["sample"]) for r in lines})
-    out = [f"{samples} samples; budget {budget}; kept = share of the needle's tokens kept, rank = median rank"]
+    out = [f"{len(reads)} samples; budget {budget}; kept: share of the needle's tokens kept; rank: median rank"]
     out += ["", "| layer | dense reads | " + " | ".join(f"{n} kept | {n} rank" for n in names) + " |"]
     out.append("|---:|---:|" + "---:|---:|" * len(names))
-    for layer in sorted(reads):
+    for layer in sorted(per_layer_reads):
         cells = [f"{_mean(kept[n][layer]):.2f} | {statistics.median(rank[n][layer]):.0f}" for n in names]
-        out.append(f"| {layer} | {_mean(reads[layer]):.3f} | " + " | ".join(cells) + " |")
-    cells = [f"{_mean([v for per in kept[n].values() for v in per]):.2f} | " for n in names]
-    out.append("| all | | " + " | ".join(c + "-" for c in cells) + " |")
+        out.append(f"| {layer} | {_mean(per_layer_reads[layer]):.3f} | " + " | ".join(cells) + " |")
+    cells = [f"{_mean([v for per in kept[n].values() for v in per]):.2f} | -" for n in names]
+    out.append("| all | | " + " | ".join(cells) + " |")
+    out += ["", "| sample | " + " | ".join(f"{n} kept (read-weighted)" for n in names) + " |"]
+    out.append("|---|" + "---:|" * len(names))
+    for (task, i), per in weighted.items():
+        cells = [f"{per[n][0]:.2f} ({per[n][1]:.2f})" if n in per else "-" for n in names]
+        out.append(f"| {task} {i} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

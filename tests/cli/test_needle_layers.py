@@ -4,6 +4,7 @@ rank in the policy's scores, and the share of attention dense's last queries giv
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -106,3 +107,18 @@ def test_needle_positions_first_occurrence_in_context() -> None:
         assert "do not occur" in str(e)
     else:
         raise AssertionError("a needle outside the context must raise")
+
+
+def test_summarize_weights_kept_shares_by_dense_reads(tmp_path: Path) -> None:
+    nl = _load()
+    head = {"task": "t", "sample": 0, "needle": [3], "wall_s": 1, "cpu_s": 1}
+    lines = [
+        {**head, "policy": "dense", "reads": [[0.0, 0.0], [0.3, 0.1]]},
+        {**head, "policy": "p", "rank": [[9, 7], [0, 2]], "evictable": [10, 10], "kept": {"4": [[0, 0], [1, 0]]}},
+    ]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    table = nl.summarize([path], 4).splitlines()
+    assert "| 0 | 0.000 | 0.00 | 8 |" in table  # layer 0: nothing read, nothing kept, median rank of 9 and 7
+    assert "| 1 | 0.200 | 0.50 | 1 |" in table
+    assert "| t 0 | 0.25 (0.75) |" in table  # kept 1 of 4 (layer, head) pairs; 0.3 of the 0.4 read
