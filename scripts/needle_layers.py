@@ -8,6 +8,7 @@ for the others). Per layer and KV head it records:
 
 - `kept`: the share of the needle's value tokens (the digits of each reference, first occurrence in the
   context) still in the cache after the compression, per budget;
+- `slots`: how many tokens each (layer, KV head) keeps, per budget (`kvzip` shares its budget across layers);
 - `rank`: the needle tokens' median rank (0 = the best-scored) in the policy's `oneshot_scores()` among the
   tokens it may evict (finite score: not a sink, not the recent window), and how many those are;
 - `reads` (the reference, from a dense forward pass of context + question + the reference answer): the
@@ -179,15 +180,16 @@ def analyse(
         stats = [needle_stats(p, s, needle) for p, s in zip(positions, scores, strict=True)]
         record = {**head, "policy": name, "rank": [r for r, _ in stats], "evictable": [c for _, c in stats]}
         record["kept"] = {str(b): [kept_share(k, needle) for k in layers] for b, layers in kept.items()}
+        record["slots"] = {str(b): [(k >= 0).sum(dim=1).tolist() for k in layers] for b, layers in kept.items()}
         record.update(wall_s=round(time.perf_counter() - start, 1), cpu_s=round(time.process_time() - cpu, 1))
         yield record
 
 
-def summarize(paths: Sequence[Path], budget: int) -> str:
+def summarize(paths: Sequence[Path], budget: int, top: int = 10) -> str:
     """Markdown tables of what the files hold: per layer (mean over samples and KV heads) dense's reads of the
     needle, then per policy the needle share kept at `budget` and the median needle rank; then per sample
     and policy the share kept over all (layer, head) pairs and weighted by dense's reads (what the answer's
-    queries would find)."""
+    queries would find); then the `top` (layer, KV head) pairs dense reads the needle from most."""
     lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
     reads: dict[tuple[str, int], list[list[float]]] = {}
     for r in lines:
@@ -200,6 +202,7 @@ def summarize(paths: Sequence[Path], budget: int) -> str:
     kept: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     rank: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     weighted: dict[tuple[str, int], dict[str, tuple[float, float]]] = defaultdict(dict)
+    pairs: dict[str, dict[tuple[int, int], list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in lines:
         if r["policy"] == "dense" or str(budget) not in r["kept"]:
             continue
@@ -207,6 +210,8 @@ def summarize(paths: Sequence[Path], budget: int) -> str:
         for layer, per_head in enumerate(share):
             kept[r["policy"]][layer] += per_head
             rank[r["policy"]][layer] += r["rank"][layer]
+            for g, v in enumerate(per_head):
+                pairs[r["policy"]][(layer, g)].append(v)
         w = reads.get((r["task"], r["sample"]))
         flat = [v for per_head in share for v in per_head]
         if w is not None:
@@ -227,6 +232,29 @@ def summarize(paths: Sequence[Path], budget: int) -> str:
     for (task, i), per in weighted.items():
         cells = [f"{per[n][0]:.2f} ({per[n][1]:.2f})" if n in per else "-" for n in names]
         out.append(f"| {task} {i} | " + " | ".join(cells) + " |")
+    out += ["", _reading_heads(reads, pairs, top)]
+    return "\n".join(out)
+
+
+def _reading_heads(
+    reads: Mapping[tuple[str, int], list[list[float]]],
+    pairs: Mapping[str, Mapping[tuple[int, int], list[float]]],
+    top: int,
+) -> str:
+    """The `top` (layer, KV head) pairs dense's answer reads most (mean over samples), with each policy's
+    mean needle share kept there."""
+    mean_reads: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for sample_reads in reads.values():
+        for layer, per_head in enumerate(sample_reads):
+            for g, v in enumerate(per_head):
+                mean_reads[(layer, g)].append(v)
+    best = sorted(mean_reads, key=lambda k: -_mean(mean_reads[k]))[:top]
+    names = list(pairs)
+    out = ["| layer, KV head | dense reads | " + " | ".join(f"{n} kept" for n in names) + " |"]
+    out.append("|---|---:|" + "---:|" * len(names))
+    for layer, g in best:
+        cells = [f"{_mean(pairs[n].get((layer, g), [])):.2f}" for n in names]
+        out.append(f"| {layer}, {g} | {_mean(mean_reads[(layer, g)]):.3f} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

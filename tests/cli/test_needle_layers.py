@@ -122,3 +122,4 @@ def test_summarize_weights_kept_shares_by_dense_reads(tmp_path: Path) -> None:
     assert "| 0 | 0.000 | 0.00 | 8 |" in table  # layer 0: nothing read, nothing kept, median rank of 9 and 7
     assert "| 1 | 0.200 | 0.50 | 1 |" in table
     assert "| t 0 | 0.25 (0.75) |" in table  # kept 1 of 4 (layer, head) pairs; 0.3 of the 0.4 read
+    assert table[-4:-1] == ["| 1, 0 | 0.300 | 1.00 |", "| 1, 1 | 0.100 | 0.00 |", "| 0, 0 | 0.000 | 0.00 |"]
