@@ -5,6 +5,9 @@ niah wording, the word list of `--text_file`).
 
     python scripts/export_ruler_samples.py smollm2-135m-instruct --tasks niah_single_2,niah_multikey_1 \\
         --length 4096 --num_samples 2 --out out/ruler_samples.json
+
+`--keep task:sample,...` writes only those samples (of the same `--tasks` and `--num_samples`: a task's
+samples depend on its index in `--tasks`), each with its index as `sample`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text_file", type=Path, default=REPO / "litkv" / "assets" / "default" / "heldout.txt")
     p.add_argument("--chat_template", choices=["auto", "true", "false"], default="auto")
+    p.add_argument("--keep", default=None, help="only these samples, e.g. niah_single_1:0,niah_single_2:10")
     p.add_argument("--out", type=Path, default=Path("out/ruler_samples.json"))
     args = p.parse_args(argv)
     ckpt = resolve_checkpoint_dir(args.checkpoint_dir)
@@ -38,16 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     fmt = load_format(ckpt, tokenizer, {"auto": None, "true": True, "false": False}[args.chat_template])
     settings = {"text_file": args.text_file, "num_samples": args.num_samples, "seed": args.seed}
     samples, _, _ = ruler_samples(ckpt, tokenizer, fmt, resolve_tasks(args.tasks), args.length, settings)
+    keep = None if args.keep is None else {(k.split(":")[0], int(k.split(":")[1])) for k in args.keep.split(",")}
     rows = [
         {
             "task": s.task,
+            "sample": i,
             "ids": list(s.ids),
             "context_length": s.context_length,
             "references": s.references,
             "max_new_tokens": s.max_new_tokens,
         }
         for task in samples.values()
-        for s in task
+        for i, s in enumerate(task)
+        if keep is None or (s.task, i) in keep
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"length": args.length, "seed": args.seed, "format": fmt.name, "samples": rows}))

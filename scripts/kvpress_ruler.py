@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - start
             print(f"{s['task']} {label}: {per_row[label][s['task']][-1]:.2f} {wall:.0f} s", flush=True)
             if args.jsonl:
-                line = {"row": label, "task": s["task"], "score": per_row[label][s["task"]][-1]}
+                line = {"row": label, "task": s["task"], "sample": s.get("sample")}
+                line["score"] = per_row[label][s["task"]][-1]
                 with args.jsonl.open("a") as f:
                     f.write(json.dumps({**line, "prediction": prediction, "wall_s": round(wall, 1)}) + "\n")
     for label, per_task in per_row.items():

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="dense,kvzip", help="dense and one-shot policies, comma-separated")
     p.add_argument("--budgets", default="2048,1024,512")
     p.add_argument("--chunk_size", type=int, default=512)
+    p.add_argument("--row_options", type=json.loads, default={}, help='JSON {"tova": {"heads": "all"}}: options')
     p.add_argument("--oneshot_compress", choices=["context", "prompt"], default="context")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("out/ruler_slice.jsonl"))
@@ -114,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     cfg = cache_config(template, DENSE, args.length)
                     answers = {args.length: generate(model, [ids], s.max_new_tokens, cfg)[0]}
                 else:
-                    configs = {
-                        b: cache_config(template, row, args.length, {"mode": "one-shot", "budget": b}) for b in budgets
-                    }
+                    opts = {**args.row_options.get(row, {}), "mode": "one-shot"}
+                    configs = {b: cache_config(template, row, args.length, {**opts, "budget": b}) for b in budgets}
                     r = repeat if row == KVZIP else None
                     if args.oneshot_compress == "context":
                         ctx, question = ids[: s.context_length], ids[s.context_length :]
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                     for budget, out in answers.items():
                         text = tokenizer.decode(out[: s.max_new_tokens])
                         line = {"task": task, "sample": i, "row": row, "budget": budget, "prediction": text}
+                        if args.row_options.get(row):
+                            line["options"] = args.row_options[row]
                         line.update(score=metric([text], [s.references]), wall_s=round(wall, 1), cpu_s=round(cpu, 1))
                         f.write(json.dumps(line) + "\n")
                 print(f"{task} sample {i} {row}: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
