@@ -20,6 +20,7 @@ import torch._dynamo
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.candidates import staged_placement
 from litkv.kvcache.recurrent import RecurrentCache
+from litkv.kvcache.score import OneShot, compress_all
 
 __all__ = ["KVCaches", "CallRecorder"]
 
@@ -141,9 +142,13 @@ class KVCaches:
             torch._dynamo.mark_static_address(t, guard=False)
 
     def end_prefill(self) -> None:
-        """The prompt is in: every layer's `end_prefill` (one-shot policies compress to their budget)."""
-        for cache in self.policy_caches:
-            cache.end_prefill()
+        """The prompt is in: every layer's `end_prefill` (one-shot policies compress to their budget; those
+        that rank across layers, together: `compress_all`)."""
+        caches = self.policy_caches
+        compress_all(caches)
+        for cache in caches:
+            if not isinstance(cache, OneShot):
+                cache.end_prefill()
 
     # -- a model call's evictions --------------------------------------------------------------
 

@@ -43,7 +43,7 @@ import torch
 from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState, drop_lowest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
 from litkv.kvcache.registry import register_kv_cache
-from litkv.kvcache.score import OneShot, compact_slots
+from litkv.kvcache.score import OneShot, compress_layers, keep_across_layers
 from litkv.kvcache.storage import CacheShape, PackedSlots
 
 __all__ = ["KVzipKVCache", "KVzipOptions", "Scoring", "compress_kvzip", "kvzip_keep"]
@@ -251,25 +251,8 @@ class KVzipKVCache(OneShot):
         self.kvzip_scores = placement.carry(self.score(candidates))
 
 
-def kvzip_keep(
-    scores: torch.Tensor, positions: torch.Tensor, budget: int, layerwise: bool, n_sink: int = 0
-) -> torch.Tensor:
-    """`(n_layers, B, G, L)` bool: the kept slots from `scores` `(n_layers, B, G, L)` (highest kept, positions
-    below `n_sink` first, slots at position `-1` never): per row the `budget x G x n_layers` best over all
-    layers and heads, or with `layerwise` the `budget x G` best of each layer."""
-    n, b, g, length = scores.shape
-    rank = scores.to(torch.float32).masked_fill((positions >= 0) & (positions < n_sink), float("inf"))
-    rank = rank.masked_fill(positions < 0, float("-inf"))
-    if layerwise:
-        flat = rank.reshape(n, b, g * length)
-        top = torch.topk(flat, min(budget * g, g * length), dim=2).indices
-        keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(2, top, True)
-    else:
-        flat = rank.permute(1, 0, 2, 3).reshape(b, n * g * length)
-        top = torch.topk(flat, min(budget * g * n, n * g * length), dim=1).indices
-        keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, top, True)
-        keep = keep.view(b, n, g, length).permute(1, 0, 2, 3)
-    return keep.reshape(n, b, g, length) & (positions >= 0)
+#: The kept slots of the compression (`litkv.kvcache.score.keep_across_layers`).
+kvzip_keep = keep_across_layers
 
 
 def compress_kvzip(caches: Sequence[KVzipKVCache]) -> None:
@@ -282,10 +265,6 @@ def compress_kvzip(caches: Sequence[KVzipKVCache]) -> None:
             raise RuntimeError("compress_kvzip before the reconstruction pass (KVzipKVCache.start_scores)")
         if cache.options != first.options:
             raise ValueError("kvzip: every layer must have the same options (budget, layerwise, n_sink)")
-    scores = torch.stack([c.kvzip_scores for c in caches])
-    positions = torch.stack([c.positions for c in caches])
     options = first.options
-    keep = kvzip_keep(scores, positions, options.budget, options.layerwise, options.n_sink)
-    for cache, layer_keep in zip(caches, keep, strict=True):
-        compact_slots(cache, layer_keep)
-        cache.compressed = True
+    scores = torch.stack([c.kvzip_scores for c in caches])
+    compress_layers(caches, scores, options.layerwise, options.n_sink)

@@ -34,7 +34,7 @@ import torch
 from litkv.core.rope import BoundRope, RopeTable
 from litkv.gates.gate import EvictionGates, unrotate_keys
 from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState
-from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_float, check_int, check_mode
+from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
@@ -59,11 +59,15 @@ class LearnedOptions(ScoreOptions):
         mode, budget: as every score policy (`ScoreOptions`).
         threshold: `None`, or a logit: after every call, slots whose logit is below it are emptied
             (outside the sinks and the recent window).
+        across_layers: one-shot only: the compression keeps, per row, the `budget x G x n_layers` highest
+            logits over all layers and KV heads (as `kvzip`'s default), not `budget` per head; the sinks and
+            the recent window of every head are kept (`KVCaches.end_prefill` compresses the layers together).
     """
 
     sinks: int | None = None  # type: ignore[assignment]
     recent: int | None = None
     threshold: float | None = None
+    across_layers: bool = False
 
     def protected_sinks(self) -> int:
         """The explicit `sinks`, else 0 until the gates are bound (`LearnedKVCache.bind_gates`)."""
@@ -87,6 +91,9 @@ class LearnedOptions(ScoreOptions):
         check_mode(self.mode, self.budget, cache_length, protected)
         if self.threshold is not None:
             check_float("threshold", self.threshold)
+        check_bool("across_layers", self.across_layers)
+        if self.across_layers and self.mode != "one-shot":
+            raise ValueError(f"across_layers=True is for mode='one-shot' (a budget over layers), got {self.mode!r}")
 
 
 def _pre_rope(
@@ -256,6 +263,19 @@ class LearnedKVCache(ScoreKVCache):
         """`(B, G, L)` the slots' logits; sinks and the recent window `inf`."""
         self._bound()
         return self.protect(self.logits.clone(), self.positions)
+
+    def compresses_across_layers(self) -> bool:
+        """`across_layers` in one-shot mode: the layers compress together (`compress_all`)."""
+        return self.one_shot and bool(self.options.across_layers)  # type: ignore[attr-defined]
+
+    def compress(self) -> None:
+        """`OneShot.compress`; with `across_layers` a layer cannot rank against the others alone."""
+        if self.compresses_across_layers():
+            raise RuntimeError(
+                "learned with across_layers=True compresses every layer at once: call KVCaches.end_prefill() "
+                "(generate and evaluate do) or litkv.kvcache.score.compress_all(caches), not compress() of a layer"
+            )
+        super().compress()
 
     def after_write(self, placement: Placement, candidates: Candidates) -> None:
         """Carry each surviving candidate's logit into its slot; in threshold mode, empty the old slots

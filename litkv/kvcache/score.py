@@ -40,7 +40,7 @@ from litkv.kvcache.candidates import keep_highest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.storage import CacheShape
 
-__all__ = ["OneShot", "ScoreKVCache", "compact_slots", "compress_all"]
+__all__ = ["OneShot", "ScoreKVCache", "compact_slots", "compress_all", "compress_layers", "keep_across_layers"]
 
 
 def compact_slots(cache: KVCache, keep: torch.Tensor) -> None:
@@ -63,11 +63,55 @@ def compact_slots(cache: KVCache, keep: torch.Tensor) -> None:
 
 def compress_all(caches: Sequence[object]) -> None:
     """`compress()` every one-shot cache of `caches` (one per layer) that has not compressed yet: the end
-    of the prompt (what `KVCaches.end_prefill` does; `generate` calls it after the prefill). Other caches
-    are left alone."""
+    of the prompt (what `KVCaches.end_prefill` does; `generate` calls it after the prefill). The caches
+    that rank across layers (`OneShot.compresses_across_layers`) are compressed together (`compress_layers`
+    on their `oneshot_scores()`). Other caches are left alone."""
+    across = [c for c in caches if isinstance(c, OneShot) and c.compresses_across_layers() and not c.compressed]
+    if across:
+        for cache in across:
+            cache.settle()
+            if cache._call is not None:
+                raise RuntimeError("compress_all() called between attend_inputs() and evict_and_store()")
+        compress_layers(across, torch.stack([c.oneshot_scores().to(torch.float32) for c in across]))
     for cache in caches:
-        if isinstance(cache, OneShot):
+        if isinstance(cache, OneShot) and not any(cache is c for c in across):
             cache.end_prefill()
+
+
+def keep_across_layers(
+    scores: torch.Tensor, positions: torch.Tensor, budget: int, layerwise: bool = False, n_sink: int = 0
+) -> torch.Tensor:
+    """`(n_layers, B, G, L)` bool: the kept slots from `scores` `(n_layers, B, G, L)` (highest kept, positions
+    below `n_sink` first, slots at position `-1` never): per row the `budget x G x n_layers` best over all
+    layers and heads, or with `layerwise` the `budget x G` best of each layer."""
+    n, b, g, length = scores.shape
+    rank = scores.to(torch.float32).masked_fill((positions >= 0) & (positions < n_sink), float("inf"))
+    rank = rank.masked_fill(positions < 0, float("-inf"))
+    if layerwise:
+        flat = rank.reshape(n, b, g * length)
+        top = torch.topk(flat, min(budget * g, g * length), dim=2).indices
+        keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(2, top, True)
+    else:
+        flat = rank.permute(1, 0, 2, 3).reshape(b, n * g * length)
+        top = torch.topk(flat, min(budget * g * n, n * g * length), dim=1).indices
+        keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, top, True)
+        keep = keep.view(b, n, g, length).permute(1, 0, 2, 3)
+    return keep.reshape(n, b, g, length) & (positions >= 0)
+
+
+def compress_layers(caches: Sequence[OneShot], scores: torch.Tensor, layerwise: bool = False, n_sink: int = 0) -> None:
+    """Compress the layers' caches together by `scores` `(n_layers, B, G, L)` (`keep_across_layers` with
+    their common `budget`): the kept slots move to the front of each head (`compact_slots`)."""
+    if not caches:
+        raise ValueError("compress_layers needs at least one one-shot cache")
+    budgets = {c.budget for c in caches}
+    if len(budgets) != 1 or None in budgets:
+        raise ValueError(f"compress_layers: every layer needs one one-shot budget, got {sorted(map(str, budgets))}")
+    positions = torch.stack([c.positions for c in caches])
+    keep = keep_across_layers(scores, positions, caches[0].budget, layerwise, n_sink)  # type: ignore[arg-type]
+    for cache, layer_keep in zip(caches, keep, strict=True):
+        compact_slots(cache, layer_keep)
+        cache.compressed = True
 
 
 class OneShot(KVCache):
@@ -85,6 +129,11 @@ class OneShot(KVCache):
     @abstractmethod
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` score of each slot's token at the end of the prompt (highest kept; `inf`: always kept)."""
+
+    def compresses_across_layers(self) -> bool:
+        """Whether the compression ranks this layer's `oneshot_scores()` against the other layers' (then
+        `compress_all` / `KVCaches.end_prefill` compress the layers together, not `compress()`)."""
+        return False
 
     def compress(self) -> None:
         """Keep the `budget` best-scored tokens of each (row, KV head), moved to the first slots."""
