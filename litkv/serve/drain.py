@@ -33,6 +33,7 @@ __all__ = [
     "drain_error",
     "drain_on_sigterm",
     "leave_process_group",
+    "stop_litserve",
     "until_stopped",
     "worker_error",
 ]
@@ -143,8 +144,7 @@ def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0
             (Path(run_dir) / DRAIN_EXPIRED).touch()
             _wait_inflight(run_dir, STOP_GRACE_S)
         time.sleep(0.2)  # the last bytes of the last response
-        if server._shutdown_event is not None:
-            server._shutdown_event.set()
+        stop_litserve(server)
 
     owner = os.getpid()
     previous: Any = None
@@ -156,6 +156,34 @@ def drain_on_sigterm(server: ls.LitServer, run_dir: Path, limit_s: float = 120.0
         threading.Thread(target=drain, name="litkv-drain", daemon=True).start()
 
     previous = signal.signal(signal.SIGTERM, handler)
+
+
+class _Stopped:
+    """LitServe's shutdown event once the drain has set it: `is_set` answers without asking the manager
+    process that holds the event, which LitServe shuts down next (its worker-monitoring thread polls
+    `is_set` every 2 s, and a poll that reached a manager already gone logged a traceback)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def is_set(self) -> bool:
+        return True
+
+    def set(self) -> None:
+        self.event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+def stop_litserve(server: Any) -> None:
+    """Wake LitServe's main thread (waiting on `server._shutdown_event`) so that it shuts the server down,
+    after pointing the attribute at a stand-in that says it is set (`_Stopped`)."""
+    event = server._shutdown_event
+    if event is None or isinstance(event, _Stopped):
+        return
+    server._shutdown_event = _Stopped(event)
+    event.set()
 
 
 def _wait_inflight(run_dir: Path, seconds: float) -> None:
