@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from litkv.gradient import chunked_loss_backward
     from litkv.inference.blocks import Segment
     from litkv.inference.generate import forward_chunked, generate
-    from litkv.inference.legacy import generate_segments
     from litkv.inference.sampling import Sampling
     from litkv.kvcache import KVCache, register_kv_cache
     from litkv.modeling.config import Config, KVCacheConfig
@@ -40,7 +39,6 @@ _LAZY: dict[str, str] = {
     "chunked_loss_backward": "litkv.gradient",
     "forward_chunked": "litkv.inference.generate",
     "generate": "litkv.inference.generate",
-    "generate_segments": "litkv.inference.legacy",
     "keep_undo_log": "litkv.states.undo",
     "load": "litkv.checkpoints.runtime",
     "register_kv_cache": "litkv.kvcache",
@@ -68,7 +66,6 @@ __all__ = [
     "chunked_loss_backward",
     "forward_chunked",
     "generate",
-    "generate_segments",
     "keep_undo_log",
     "load",
     "register_kv_cache",

@@ -35,7 +35,6 @@ def serve(
     state_dir_bytes: int | None = None,
     max_batch: int = 8,
     max_step_tokens: int = 1,
-    packed_steps: bool = False,
     max_queue: int = 64,
     max_tokens: int = 1024,
     default_max_tokens: int = 128,
@@ -80,10 +79,6 @@ def serve(
             config's chunking, at least one chunk (the default, 1: one chunk per step). Higher: prompts that
             arrive together are fed before the next decode step while they fit (their first tokens come
             sooner, but their replies then run in step and their next turns arrive together: docs/serve.md).
-        packed_steps: Feed each step's last prompt chunks in the same model call as the other rows' decode
-            tokens (the linear layers' products shared where they round alike; exact either way). Off by
-            default: on a CPU it saves no time and a prompt's first token then waits for the other rows'
-            decode (docs/serve.md).
         max_queue: Requests that may wait for a row; beyond ``max_batch + max_queue`` in flight a request
             gets 503 (``server_overloaded``, ``Retry-After: 1``).
         max_tokens: Largest ``max_tokens`` a request may ask for.
@@ -131,8 +126,6 @@ def serve(
         require_int(name, value, low)
     if state_dir_bytes is not None:
         require_int("state_dir_bytes", state_dir_bytes, 0)
-    if not isinstance(packed_steps, bool):
-        raise ValueError(f"--packed_steps must be true or false, got {packed_steps!r}")
     if isinstance(recompute, bool) or not is_number(recompute) or not 0.0 <= recompute <= 1.0:
         raise ValueError(f"--recompute must be a fraction in [0, 1] (0: pure splice), got {recompute!r}")
     if default_max_tokens > max_tokens:
@@ -146,7 +139,7 @@ def serve(
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, state_dir_bytes=state_dir_bytes,
-        max_batch=max_batch, max_step_tokens=max_step_tokens, packed_steps=packed_steps, max_queue=max_queue,
+        max_batch=max_batch, max_step_tokens=max_step_tokens, max_queue=max_queue,
         max_tokens=max_tokens,
         default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens, max_body_bytes=max_body_bytes,
         body_timeout=body_timeout, top_k=top_k, stop_at_newline=stop_at_newline, chat_template=chat_template,

@@ -3,7 +3,6 @@ caches (library code, no CLI)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 
@@ -107,11 +106,6 @@ def generate(
     block_store: BlockStore | None = None,
     recompute: float = 0.0,
     compile: bool = False,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] | None = None,
-    generator: torch.Generator | None = None,
 ) -> list[torch.Tensor]:
     """Generate from a batch of prompts of different lengths, each token ids or segments (KV blocks).
 
@@ -139,14 +133,11 @@ def generate(
             context (0: pure splice; 1: a normal prefill; docs/blocks.md).
         compile: run the decode steps through `torch.compile` (static shapes: every step attends all
             `cache_length` slots; compiled once per model and cache shape, then reused).
-        temperature, top_k, top_p, stop_tokens, generator: deprecated (DeprecationWarning; removed in the
-            next release): give `sampling=Sampling(...)`.
 
     Returns:
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
     """
-    legacy = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "stop_tokens": stop_tokens}
-    sampling = _sampling(sampling, {**legacy, "generator": generator})
+    sampling = _sampling(sampling)
     require_int("max_new_tokens", max_new_tokens, 0)
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
@@ -177,25 +168,14 @@ def generate(
         return _decode(model, hidden, lengths, max_new_tokens, sampling, on_tokens, compile)
 
 
-def _sampling(sampling: Sampling | None, legacy: dict[str, object]) -> Sampling:
-    """`sampling`, or one made of `generate`'s deprecated keyword arguments (those not None)."""
-    given = {name: value for name, value in legacy.items() if value is not None}
+def _sampling(sampling: Sampling | None) -> Sampling:
+    """`sampling`, or greedy decoding without stop tokens (`None`); TypeError for anything else."""
     if sampling is not None and not isinstance(sampling, Sampling):
         raise TypeError(
             f"sampling must be a litkv.Sampling (temperature, top_k, top_p, stop tokens, generator) or None, "
             f"got {type(sampling).__name__} {sampling!r:.80}"
         )
-    if not given:
-        return Sampling() if sampling is None else sampling
-    if sampling is not None:
-        raise TypeError(f"give sampling=Sampling(...) or the deprecated {', '.join(given)}, not both")
-    warnings.warn(
-        f"generate's {', '.join(given)} arguments are deprecated and go in the next release: give "
-        "sampling=litkv.Sampling(...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return Sampling(**given)  # type: ignore[arg-type]
+    return Sampling() if sampling is None else sampling
 
 
 def _segment_rows(prompts: Sequence[Prompt]) -> list[list[Segment]] | None:

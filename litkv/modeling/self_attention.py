@@ -90,10 +90,9 @@ class CausalSelfAttention(nn.Module):
         no_pads: bool = False,
         evict_later: bool = False,
     ) -> torch.Tensor:
-        """Attention of a call through `cache` (the layer's own, or a packed call's group's,
-        `litkv.modeling.packed`): queries `(B, n_head, T, hs)`, keys and values `(B, G, T, hs)` (`heads`) at
-        positions `input_pos` `(B, T)` -> `(B, T, n_head * hs)`, before the output projection. `no_pads` and
-        `evict_later` as in `forward`."""
+        """Attention of a call through `cache` (the layer's own): queries `(B, n_head, T, hs)`, keys and
+        values `(B, G, T, hs)` (`heads`) at positions `input_pos` `(B, T)` -> `(B, T, n_head * hs)`, before the
+        output projection. `no_pads` and `evict_later` as in `forward`."""
         keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
         if self.soft_eviction is not None:  # eviction gates trained through caches
             if cache.needs_attn_weights:

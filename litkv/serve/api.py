@@ -67,7 +67,6 @@ class ServeOptions:
     state_dir_bytes: int | None = None
     max_batch: int = 8
     max_step_tokens: int = 1
-    packed_steps: bool = False
     max_queue: int = 64
     max_tokens: int = 1024
     default_max_tokens: int = 128
@@ -364,7 +363,6 @@ class LitKVAPI(ls.LitAPI):
             load_format(self.opts.checkpoint_dir, tokenizer, self.opts.chat_template),
             max_batch=self.opts.max_batch,
             max_step_tokens=self.opts.max_step_tokens,
-            packed_steps=self.opts.packed_steps,
             blocks=BlockStore(opts.block_store_bytes, opts.block_dir),
             recompute=opts.recompute,
             max_documents=opts.max_documents,

@@ -9,10 +9,10 @@ tokens alone and under load, and from a stored state or recomputed. Two things w
   cache here runs with `static_shapes`: every call attends all slots (empty ones masked by position
   `-1`), for every row, whatever its batch-mates hold.
 - **The matrix products' row count.** A CPU matmul rounds a row differently with the number of rows
-  `M` (M = 1, 2..15 and 16 differ on the development CPU), though not with the row's place or its
+  `M` (the classes of counts that round alike depend on the CPU), though not with the row's place or its
   neighbours. The counts that round alike are measured at start (`litkv.serve.rounding`), and every
   decode step runs the smallest count of `rows`' class that holds the rows in use (a lone conversation
-  in a batch of 8: 2 rows on that CPU), so a row rounds the same alone and under load. The rows in use
+  in a batch of 8: 2 rows where 2..15 round alike), so a row rounds the same alone and under load. The rows in use
   are kept first in the caches (a leaving row's place is taken by the last one: one row's copy), and a
   step runs on views of the first rows (`_Narrowed`); an idle row among them is padding (position `-1`,
   nothing attended, nothing stored). A reply replayed from its ids is fed in decode steps, as decoding
@@ -23,11 +23,6 @@ there, the text runs through the chunk runner (`litkv.modeling.runner.run_chunks
 one chunk of `litkv.inference.conversation.segment_plan`'s chunking at a time, documents go in whole), and
 the row is copied back: the other rows are neither run nor copied. Joining and leaving the batch is one
 row's copy (`KVCaches.copy_row`).
-
-With `packing`, a step that feeds prompt chunks and decodes runs them in one model call (`packed_step`,
-`litkv.modeling.packed`): the decode rows through the batch's caches and each chunk through a scratch row of
-its own, the groups sharing the linear layers' products only where the pack's row count rounds like each
-group's own (`litkv.serve.rounding.CountProbe`), so every row gets the bits of its separate calls.
 """
 
 from __future__ import annotations
@@ -45,15 +40,12 @@ from litkv.kvcache.recurrent import RecurrentCache
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
-from litkv.modeling.packed import Group, packed_forward, packing_refusal, plan_packs
 from litkv.modeling.runner import ChunkPlan, run_chunks
-from litkv.serve.rounding import CountProbe, RoundingClasses, probe_rounding_classes
+from litkv.serve.rounding import RoundingClasses, probe_rounding_classes
 from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState, LayerState, RecurrentLayerState
 
-__all__ = ["PACK_PROBE_ROWS", "RowBatch"]
-
-PACK_PROBE_ROWS = 1024  # the largest product a packed call may share (larger packs: separate products)
+__all__ = ["RowBatch"]
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +62,6 @@ class RowBatch:
         rows: rows of the batch (`--max_batch`).
         classes: the rounding classes of counts `1..rows` (default: measured now,
             `litkv.serve.rounding.probe_rounding_classes`).
-        packing: run a step's prompt chunks and decode rows in one call (`packed_step`) where the model
-            allows (`litkv.modeling.packed.packing_refusal`); `packing` says whether it does. Off by default:
-            a prompt's first token then waits for the other rows' decode tokens (docs/serve.md).
     """
 
     def __init__(
@@ -81,7 +70,6 @@ class RowBatch:
         kv_cache: KVCacheConfig,
         rows: int,
         classes: RoundingClasses | None = None,
-        packing: bool = False,
     ) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an int >= 1, got {rows!r}")
@@ -111,14 +99,6 @@ class RowBatch:
         self._narrowed: dict[int, _Narrowed] = {}
         self.narrowing = not any(cache.row_state for cache in self.batch.policy_caches)
         self.last_step_rows = 0
-        refusal = packing_refusal(model) if packing else None
-        if refusal is not None:
-            log.info("prompt chunks run in calls of their own: %s", refusal)
-        self.packing = packing and refusal is None
-        self._scratches = [self.scratch]  # a packed step's chunks: one scratch row each
-        self._probe: CountProbe | None = None
-        # the last packed step's shared products: its groups by index (the decode rows first when fed, then the chunks)
-        self.last_packs: list[list[int]] = []
         model.set_kv_caches(self.batch)
 
     def _caches(self, rows: int) -> KVCaches:
@@ -295,57 +275,6 @@ class RowBatch:
         idx_t = torch.tensor(idx, dtype=torch.long, device=self.device)[:, None]
         pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)[:, None]
         return idx_t, pos_t, torch.tensor(where, device=self.device)
-
-    @torch.inference_mode()
-    def packed_step(
-        self, tokens: list[int | None], positions: list[int], chunks: list[tuple[int, list[int]]]
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """`step` (when a row is fed) and prompt chunks `(row, ids)` (one per row, a row the step does not
-        feed) in one model call (`litkv.modeling.packed`), each chunk at batch one in a scratch row of its own,
-        exactly as `prefill` of that chunk alone. Returns the step's logits as `step` does (None when no row is
-        fed) and each chunk's last hidden state `(1, n_embd)`."""
-        if not self.packing:
-            raise ValueError("this batch does not pack its calls (RowBatch.packing)")
-        rows = [row for row, _ in chunks]
-        if len(set(rows)) != len(rows) or any(tokens[row] is not None for row in rows):
-            raise ValueError(f"a packed step feeds one chunk per row, to rows it does not decode; got rows {rows}")
-        fed = any(t is not None for t in tokens)
-        groups, narrowed, where, m = [], None, None, self.step_rows()
-        if fed:
-            idx_t, pos_t, where = self._step_inputs(tokens, positions, m)
-            narrowed = self._narrow(m)
-            groups.append(Group(narrowed.caches if narrowed is not None else self.batch, idx_t, pos_t, trusted=True))
-        indices = [self._index(row) for row, _ in chunks]
-        for j, ((row, ids), index) in enumerate(zip(chunks, indices, strict=True)):
-            start, scratch = self.next_pos(row), self._scratch(j)
-            scratch.copy_row(0, self.batch, index)
-            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-            groups.append(Group(scratch, idx, torch.arange(start, start + len(ids), device=self.device)[None]))
-        packs = plan_packs([g.rows for g in groups], self._alike)
-        try:
-            hidden = packed_forward(self.model, groups, packs)
-        finally:
-            self.model.set_kv_caches(self.batch)
-            if narrowed is not None:
-                narrowed.write_back()
-        for j, index in enumerate(indices):
-            self.batch.copy_row(index, self._scratches[j], 0)
-        self.last_packs = packs
-        if not fed:
-            return None, [h[:, -1] for h in hidden]
-        self.last_step_rows = m
-        return self.model.logits(hidden[0][:, -1])[where], [h[:, -1] for h in hidden[1:]]
-
-    def _scratch(self, j: int) -> KVCaches:
-        while len(self._scratches) <= j:
-            self._scratches.append(self._caches(1))
-        return self._scratches[j]
-
-    def _alike(self, n: int, k: int) -> bool:
-        """Products of `n` and `k` rows round alike (the probe measured on first use, up to `PACK_PROBE_ROWS`)."""
-        if self._probe is None:
-            self._probe = CountProbe(self.model.transformer.h, PACK_PROBE_ROWS)
-        return self._probe.alike(n, k)
 
     def _narrow(self, m: int) -> _Narrowed | None:
         """Caches of the first `m` rows, viewing the batch's (None: run the batch's own)."""

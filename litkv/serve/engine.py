@@ -151,8 +151,6 @@ class Engine:
         recompute: the fraction of each spliced document's tokens recomputed in context (0: pure splice).
         max_documents, max_document_tokens: most documents of a request, and their tokens in all.
         max_step_tokens: prompt tokens a step of the batch feeds at most (`litkv.serve.scheduler`).
-        packed_steps: run a step's prompt chunks and decode rows in one model call where the model allows
-            (`RowBatch`'s `packing`; exact either way).
     """
 
     def __init__(
@@ -171,7 +169,6 @@ class Engine:
         max_documents: int = 8,
         max_document_tokens: int = 8192,
         max_step_tokens: int = DEFAULT_STEP_TOKENS,
-        packed_steps: bool = False,
     ) -> None:
         self.feeder = Feeder(blocks, recompute)
         self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
@@ -183,7 +180,7 @@ class Engine:
         self.format = fmt or RawFormat(tokenizer)
         self.stop_at_newline = self.format.name == "raw" if stop_at_newline is None else stop_at_newline
         self.default_seed = default_seed
-        self.batch = RowBatch(model, kv_cache, max_batch, packing=packed_steps)
+        self.batch = RowBatch(model, kv_cache, max_batch)
         self.scheduler = Scheduler(self, self.batch, max_step_tokens)
         # the steps' rounding class is in the key: a state's rounding is that of decode steps of that class
         # the planning's feed boundaries are in the key too: a state fed in other chunks rounds otherwise

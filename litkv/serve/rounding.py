@@ -1,17 +1,15 @@
 """Rounding classes: which row counts of a decode step round a row's result the same, measured.
 
 A CPU matmul may round a row differently with the number of rows `M` it is computed with (a kernel per
-block of rows, another for a remainder): on the development CPU, with SmolLM2-135M's shapes in float32,
-`M = 1`, `M = 2..15` and `M >= 16` give three different results, though within each the result does not
-depend on the row's place or its neighbours. A server whose steps all run a row count of one class gives
-every row the result it gets alone in that class; running the smallest count of the class that holds
-the active rows (not every row of the batch) makes a lone conversation as cheap as the class allows.
+block of rows, another for a remainder): a CPU may give, say, one result for `M = 1`, another for
+`M = 2..15` and a third for `M >= 16` (the classes depend on the CPU, the shapes and the dtype), though
+within a class the result does not depend on the row's place or its neighbours. A server whose steps all
+run a row count of one class gives every row the result it gets alone in that class; running the smallest
+count of the class that holds the active rows (not every row of the batch) makes a lone conversation as
+cheap as the class allows.
 
 `probe_rounding_classes` measures the classes for a model's own matrix products (every distinct linear
 layer: its type, shapes, dtype, device and weights' kernel), on random inputs with a fixed seed.
-`CountProbe` answers the same question for any two counts up to a cap, measuring each count the first
-time it is asked about: a packed call (`litkv.modeling.packed`) lets groups of tokens share a product only
-where its row count rounds like each group's own.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["CountProbe", "RoundingClasses", "matmul_layers", "probe_rounding_classes"]
+__all__ = ["RoundingClasses", "matmul_layers", "probe_rounding_classes"]
 
 
 @dataclass(frozen=True)
@@ -143,71 +141,3 @@ def _alike(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         if not torch.equal(x[:n], y[:n]):
             return False
     return True
-
-
-class CountProbe:
-    """Whether two row counts round alike for a model's matrix products, each count measured when first asked.
-
-    A count `n` is measured as `probe_rounding_classes` measures one: every layer of `matmul_layers(model)` on
-    the first `n` of `cap` random rows (fixed seed), and on the same rows rolled by one place (a count whose
-    result depends on the place is alike only to itself). It joins the first class whose largest measured
-    count gives bitwise its results on the rows both have, else starts a class. Counts above `cap` are
-    alike only to themselves (never guessed).
-
-    Args:
-        model: the modules whose linear layers are probed (e.g. a GPT's blocks); read, not changed.
-        cap: the largest count measured.
-        dtype: the activations' dtype (default: the first parameter's, else float32).
-        seed: the random inputs' seed.
-    """
-
-    def __init__(self, model: nn.Module, cap: int, dtype: torch.dtype | None = None, seed: int = 0) -> None:
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"cap must be an int >= 1, got {cap!r}")
-        self.layers = matmul_layers(model)
-        if not self.layers:
-            raise ValueError("the model has no linear layers to probe")
-        first = next(model.parameters())
-        self.dtype = dtype or (first.dtype if first.dtype.is_floating_point else torch.float32)
-        self.device = first.device
-        self.cap, self.seed = cap, seed
-        self._inputs: list[torch.Tensor] = []
-        self._class: dict[int, int] = {}  # count -> class id (-count: place-dependent)
-        self._largest: list[tuple[int, list[torch.Tensor]]] = []  # per class: its largest count, its results
-
-    def alike(self, n: int, k: int) -> bool:
-        """Whether products of `n` and of `k` rows round every row alike."""
-        if n == k:
-            return True
-        if max(n, k) > self.cap:
-            return False
-        a, b = self.class_id(n), self.class_id(k)
-        return a == b and a >= 0
-
-    @torch.inference_mode()
-    def class_id(self, n: int) -> int:
-        """The class of count `n` (`1..cap`), measured now if it was not; `-n` for a place-dependent count."""
-        if n in self._class:
-            return self._class[n]
-        if not 1 <= n <= self.cap:
-            raise ValueError(f"count must be in [1, {self.cap}], got {n}")
-        if not self._inputs:
-            gen = torch.Generator().manual_seed(self.seed)
-            self._inputs = [
-                torch.randn(self.cap, layer.in_features, generator=gen).to(device=self.device, dtype=self.dtype)
-                for layer in self.layers
-            ]
-        outs = [layer(x[:n]) for layer, x in zip(self.layers, self._inputs, strict=True)]
-        rolled = [layer(torch.roll(x[:n], 1, dims=0)) for layer, x in zip(self.layers, self._inputs, strict=True)]
-        if not all(torch.equal(torch.roll(y, 1, dims=0), r) for y, r in zip(outs, rolled, strict=True)):
-            self._class[n] = -n
-            return -n
-        for cid, (largest, results) in enumerate(self._largest):
-            if _alike(results, outs):
-                if n > largest:
-                    self._largest[cid] = (n, outs)
-                self._class[n] = cid
-                return cid
-        self._largest.append((n, outs))
-        self._class[n] = len(self._largest) - 1
-        return self._class[n]

@@ -16,10 +16,7 @@ reply's sampling. Each `step()` of the `Scheduler`:
    budget's chunks. Documents (a run of KV blocks) go in whole, their tokens counted against the budget. A job
    with no prompt text left samples its first token. The default budget is one chunk per step: prompts
    fed together decode in step and end together, so a closed loop of clients then sends its next turns
-   together (docs/serve.md). Where the batch packs (`RowBatch.packing`, off by default), each job's last
-   chunk of the step waits for the decode step and runs in the same model call (`RowBatch.packed_step`);
-   its earlier ones run alone before it (a chunk needs the one before it in its row), and a job whose
-   prompt ends in the packed call samples its first token after it and feeds it in the next step;
+   together (docs/serve.md);
 3. runs one decode step of the rows in use (`RowBatch.step`: the smallest row count of the batch's rounding
    class that holds them): a generating row feeds its last token, a row that replays a
    reply (a conversation recomputed from its messages) feeds the reply's next id, exactly as decoding
@@ -98,17 +95,6 @@ class Job:
     admitted: int = -1
 
 
-@dataclass
-class _Staged:
-    """A prompt chunk that waits for the step's packed call: its ids, the position after it, the run it ends
-    (None: more chunks of the run follow)."""
-
-    job: Job
-    ids: list[int]
-    end: int
-    ended: Run | None
-
-
 class Turns(Protocol):
     """What the loop asks of the server's engine (`litkv.serve.engine.Engine`) about a job."""
 
@@ -145,7 +131,6 @@ class Scheduler:
         self.steps = 0
         self._admitted = 0
         self.last_step_tokens = 0  # prompt tokens the last step fed
-        self._staged: list[_Staged] = []  # chunks for the step's packed call (one per job at most)
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -173,7 +158,6 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             self._admit()
-        self._staged = []  # nothing left from a step that failed
         self._feed_prompts()
         self._decode()
         self.steps += 1
@@ -214,9 +198,7 @@ class Scheduler:
                 if fed and cost > left:
                     self.last_step_tokens = fed
                     return
-                self._guard(job, self._flush)  # a chunk needs the one before it in its row
-                if self._feeds_prompt(job):
-                    self._guard(job, self._feed_next)
+                self._guard(job, self._feed_next)
                 left, fed = left - cost, fed + cost
         self.last_step_tokens = fed
 
@@ -234,13 +216,11 @@ class Scheduler:
 
     def _plan(self, job: Job, run: Run) -> collections.deque[tuple[int, int]]:
         """The chunks a solo run feeds `run` in (from the row's next position)."""
-        staged = next((s.end for s in self._staged if s.job is job), None)
-        start = self.batch.next_pos(job.row) if staged is None else staged
-        plan = segment_plan(run.segments[0], start, self.batch.kv_cache)
+        plan = segment_plan(run.segments[0], self.batch.next_pos(job.row), self.batch.kv_cache)
         return collections.deque(plan.bounds(len(run.ids)))
 
     def _feed_next(self, job: Job) -> None:
-        """Feed the job's next chunk of prompt text (or stage it for the step's packed call), or a whole run of
+        """Feed the job's next chunk of prompt text, or a whole run of
         documents; move a reply to replay to `forced`; sample the first token once no prompt text is left."""
         run = job.pending[0]
         if run.reply:  # a reply to replay: one id per decode step
@@ -258,18 +238,7 @@ class Scheduler:
         if not job.chunks:
             job.pending.popleft()
             ended = run
-        if self.batch.packing:
-            self._staged.append(_Staged(job, ids, self.batch.next_pos(job.row) + len(ids), ended))
-            return
         self._chunk_fed(job, self.batch.prefill(job.row, ids, ChunkPlan(len(ids), len(ids))), ended)
-
-    def _flush(self, job: Job) -> None:
-        """Run the job's staged chunk now, alone."""
-        staged = next((s for s in self._staged if s.job is job), None)
-        if staged is not None:
-            self._staged.remove(staged)
-            plan = ChunkPlan(len(staged.ids), len(staged.ids))
-            self._chunk_fed(job, self.batch.prefill(job.row, staged.ids, plan), staged.ended)
 
     def _chunk_fed(self, job: Job, hidden: torch.Tensor, ended: Run | None) -> None:
         """A chunk is in the job's row (`hidden`: its last token's `(1, n_embd)`); `ended`: the run it ended."""
@@ -317,18 +286,8 @@ class Scheduler:
             else:
                 continue
             positions[r] = self.batch.next_pos(r)
-        staged, self._staged = self._staged, []
-        if staged:
-            chunks = [(s.job.row, s.ids) for s in staged]
-            logits, hidden = self.batch.packed_step(tokens, positions, chunks)
-        elif any(t is not None for t in tokens):
-            logits, hidden = self.batch.step(tokens, positions), []
-        else:
-            return
-        if logits is not None:
-            self._decoded(tokens, logits)
-        for s, h in zip(staged, hidden, strict=True):
-            self._guard(s.job, lambda j, s=s, h=h: self._chunk_fed(j, h, s.ended))
+        if any(t is not None for t in tokens):
+            self._decoded(tokens, self.batch.step(tokens, positions))
 
     def _decoded(self, tokens: list[int | None], logits: torch.Tensor) -> None:
         """After a decode step: each generating row samples its next token from its logits, or finishes."""

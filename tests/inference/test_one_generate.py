@@ -1,7 +1,6 @@
 """One `generate` for token-id and segment prompts, one `Sampling` value (issue 43 item 3).
 
-References: the three entry points it replaced, still callable for one release (the deprecated keywords of
-`generate`, `generate_segments`, `generate_segments_batch`), give its tokens bitwise; a prompt's token ids
+References: a batch of segment prompts gives each prompt alone (greedy); a prompt's token ids
 and the same ids as one text segment (prefilled by `prefill_segments`, not `run_chunks`) or as one block
 at position 0 (spliced from the block store) give the same tokens; a mixed batch's rows are those of each
 prompt alone. Greedy and seeded sampling, dense and evicting caches, ragged rows."""
@@ -13,7 +12,6 @@ import torch
 from helpers import random_tokens, tiny_gpt
 
 from litkv import GPT, BlockStore, KVCacheConfig, PrefixCache, Sampling, Segment, generate
-from litkv.inference.legacy import generate_segments, generate_segments_batch
 
 CACHES = {
     "dense": KVCacheConfig("dense", cache_length=96, chunk_size=8),
@@ -43,34 +41,20 @@ def _sampling(options: dict) -> Sampling:
     return Sampling(**options, stop_tokens=STOPS, seed=7)
 
 
-def _generator() -> torch.Generator:
-    return torch.Generator().manual_seed(7)
-
-
 @torch.inference_mode()
 @pytest.mark.parametrize(
     ("cache", "sampling"), [("dense", "greedy"), ("dense", "seeded"), ("h2o", "greedy"), ("snapkv-int8", "seeded")]
 )
-def test_the_three_old_paths_and_the_new_one_give_equal_tokens(model: GPT, cache: str, sampling: str) -> None:
+def test_a_batch_of_segment_prompts_gives_each_prompt_alone(model: GPT, cache: str, sampling: str) -> None:
+    """Rows of segment prompts (blocks spliced, 30% recomputed) against each prompt alone: greedy rows are
+    bitwise those of the prompt alone; seeded rows draw from one generator, so only their lengths are bounded."""
     cfg, options = CACHES[cache], SAMPLINGS[sampling]
-    new = generate(model, PROMPTS, 10, cfg, _sampling(options))
-    with pytest.warns(DeprecationWarning, match="sampling=litkv.Sampling"):
-        old = generate(model, PROMPTS, 10, cfg, **options, stop_tokens=STOPS, generator=_generator())
-    assert [t.tolist() for t in old] == [t.tolist() for t in new]
     prompts = _segment_prompts()
     new_batch = generate(model, prompts, 10, cfg, _sampling(options), block_store=BlockStore(1 << 24), recompute=0.3)
-    with pytest.warns(DeprecationWarning, match="generate_segments_batch"):
-        old_batch = generate_segments_batch(
-            model, prompts, 10, cfg, BlockStore(1 << 24), 0.3, **options, stop_tokens=STOPS, generator=_generator()
-        )
-    assert [t.tolist() for t in old_batch] == [t.tolist() for t in new_batch]
+    assert all(0 < len(t) <= 10 for t in new_batch)
     alone_rows = []
     for segments in prompts:
         (alone,) = generate(model, [segments], 10, cfg, _sampling(options), recompute=0.3)
-        with pytest.warns(DeprecationWarning, match="generate_segments"):
-            old_alone = generate_segments(model, segments, 10, cfg, None, 0.3, **options, stop_tokens=STOPS,
-                                          generator=_generator())  # fmt: skip
-        assert old_alone.tolist() == alone.tolist()
         alone_rows.append(alone.tolist())
     if sampling == "greedy":  # batched rows are each prompt alone (sampled rows draw from one generator)
         assert [t.tolist() for t in new_batch] == alone_rows
@@ -127,9 +111,9 @@ def test_bad_sampling_values_are_refused(options: dict, error: type[Exception], 
         Sampling(**options)
 
 
-def test_sampling_and_the_deprecated_keywords_are_not_mixed(model: GPT) -> None:
-    with pytest.raises(TypeError, match="give sampling=Sampling.* or the deprecated temperature, not both"):
-        generate(model, PROMPTS, 2, CACHES["dense"], Sampling(), temperature=0.5)
+def test_sampling_must_be_a_sampling_value(model: GPT) -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+        generate(model, PROMPTS, 2, CACHES["dense"], temperature=0.5)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="sampling must be a litkv.Sampling .* got float 0.8"):
         generate(model, PROMPTS, 2, CACHES["dense"], 0.8)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="prefix_cache serves token-id prompts"):

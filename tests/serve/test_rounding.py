@@ -14,7 +14,7 @@ from torch import nn
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.modeling.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
-from litkv.serve.rounding import CountProbe, RoundingClasses, probe_rounding_classes
+from litkv.serve.rounding import RoundingClasses, probe_rounding_classes
 from litkv.serve.scheduler import Job
 
 # SmolLM2-135M's matrix products: qkv, attention out, MLP in (x2), MLP out, lm head
@@ -93,19 +93,6 @@ def test_prompt_chunk_row_counts_round_alike_on_the_development_cpu() -> None:
             for m in counts:
                 assert torch.equal(layer(x[:m]), full[:m]), m
             assert not torch.equal(layer(x[:15]), full[:15])
-
-
-def test_count_probe_agrees_with_the_start_up_probe() -> None:
-    """`CountProbe` (counts measured when asked, in any order) groups 1..40 as `probe_rounding_classes` does, on
-    SmolLM2-135M's block shapes; counts above its cap are alike only to themselves."""
-    model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in FAST_SHAPES[:4]])
-    classes = probe_rounding_classes(model, 40)
-    probe = CountProbe(model, 40)
-    for n, k in [(16, 3), (1, 2), (5, 16), (40, 16), (9, 1), (15, 2), (2, 2), (17, 33), (3, 14)]:
-        assert probe.alike(n, k) == (classes.class_of(n) == classes.class_of(k)), (n, k)
-    assert probe.alike(41, 41) and not probe.alike(41, 40)
-    with pytest.raises(ValueError, match="cap must be"):
-        CountProbe(model, 0)
 
 
 def test_step_rows_and_errors() -> None:

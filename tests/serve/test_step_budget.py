@@ -1,8 +1,7 @@
 """Prompts fed inside the batch's steps under a token budget (`litkv.serve.scheduler`, `max_step_tokens`):
 a step feeds the chunks of as many waiting prompts as fit, each chunk exactly a chunk of the solo run, and
 every row stays bitwise equal to its solo run (reply ids and every logits row sampled from), for every
-built-in policy, with ragged prompts arriving while other rows decode; with the step's chunks and decode rows
-in one packed call (`RowBatch.packed_step`, sharing products where the probe allows) and without."""
+built-in policy, with ragged prompts arriving while other rows decode."""
 
 from __future__ import annotations
 
@@ -43,14 +42,12 @@ def conversations(n: int) -> tuple[list[list[str]], list[list[int]]]:
 
 
 class Trace:
-    """Per step: the prompt chunks fed (row, start position, width, the job's id) and the rows a decode step fed;
-    `shared`: packed steps where the decode rows shared a product with a prompt chunk."""
+    """Per step: the prompt chunks fed (row, start position, width, the job's id) and the rows a decode step fed."""
 
     def __init__(self, eng: Engine) -> None:
         self.steps: list[tuple[list[tuple[int, int, int, int]], set[int]]] = [([], set())]
-        self.shared = 0
         batch = eng.batch
-        prefill, step, packed_step = batch.prefill, batch.step, batch.packed_step
+        prefill, step = batch.prefill, batch.step
 
         def record_prefill(row: int, ids: list[int], plan: ChunkPlan) -> torch.Tensor:
             start, job = batch.next_pos(row), id(eng.scheduler.rows[row])
@@ -61,16 +58,7 @@ class Trace:
             self.steps[-1][1].update(r for r, t in enumerate(tokens) if t is not None)
             return step(tokens, positions)
 
-        def record_packed(tokens: list[int | None], positions: list[int], chunks: list) -> tuple:
-            for row, ids in chunks:
-                self.steps[-1][0].append((row, batch.next_pos(row), len(ids), id(eng.scheduler.rows[row])))
-            self.steps[-1][1].update(r for r, t in enumerate(tokens) if t is not None)
-            out = packed_step(tokens, positions, chunks)
-            fed = any(t is not None for t in tokens)
-            self.shared += fed and any(0 in pack and len(pack) > 1 for pack in batch.last_packs)
-            return out
-
-        batch.prefill, batch.step, batch.packed_step = record_prefill, record_step, record_packed  # type: ignore[method-assign]
+        batch.prefill, batch.step = record_prefill, record_step  # type: ignore[method-assign]
 
     def next_step(self) -> None:
         self.steps.append(([], set()))
@@ -146,22 +134,17 @@ def assert_equal(together: list, solo: list) -> None:
 @pytest.mark.parametrize("policy", known_policies())
 def test_prompts_fed_beside_decoding_rows_equal_solo_runs(model_and_tok: tuple, policy: str) -> None:
     """One chunk per step (budget 8: a prompt spread over steps while the other rows decode) and a budget of
-    several prompts' chunks at once, each step's last chunks packed with the decode rows in one call: every
-    reply and every logits row equals its solo run (separate calls, the chunk runner), bitwise. On the tiny
-    model 3 to 4 decode rows and chunks of 3 tokens or more round alike: some products are shared."""
+    several prompts' chunks at once: every reply and every logits row equals its solo run (the chunk runner over
+    the whole segment), bitwise."""
     kv = kv_config(policy)
     convs, budgets = conversations(6)
     solo = [
         run(whole_runs(make_engine(model_and_tok, kv)), [c], [b])[0][0] for c, b in zip(convs, budgets, strict=True)
     ]
     for step_tokens in (8, 64):
-        eng = make_engine(model_and_tok, kv, max_step_tokens=step_tokens, packed_steps=True)
-        assert eng.batch.packing  # off by default (docs/serve.md); the tiny model packs
+        eng = make_engine(model_and_tok, kv, max_step_tokens=step_tokens)
         together, trace = run(eng, convs, budgets)
         assert_equal(together, solo)
-        probe = eng.batch._probe
-        if probe is not None and probe.alike(eng.batch.step_rows() + 5, 5) and probe.alike(8, 5):
-            assert trace.shared, "no decode rows shared a product with a prompt chunk"
         beside = [s for s in trace.steps if s[0] and s[1] - {r for r, _, _, _ in s[0]}]
         assert beside, "no prompt chunk was fed in a step where other rows decoded"
         for fed, _ in trace.steps:
@@ -170,12 +153,11 @@ def test_prompts_fed_beside_decoding_rows_equal_solo_runs(model_and_tok: tuple, 
             assert any(len({r for r, _, _, _ in fed}) >= 2 for fed, _ in trace.steps)  # several prompts in one step
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_chunks_are_the_solo_runs_chunks(model_and_tok: tuple, packing: bool) -> None:
+def test_chunks_are_the_solo_runs_chunks(model_and_tok: tuple) -> None:
     """Prompts arriving together under a budget of 13 tokens: each conversation is fed exactly the chunks of
     its solo run through the chunk runner (5 tokens first, then 8, from the segment's first token); a step
     feeds the prompts in admission order while their chunks fit (so 5 + 8 of one prompt, or chunks of several),
-    each job's last chunk of the step in the packed call, or every chunk alone (`packing` off)."""
+    every chunk alone."""
     kv = kv_config("h2o")
     convs, budgets = conversations(4)
 
@@ -192,7 +174,6 @@ def test_chunks_are_the_solo_runs_chunks(model_and_tok: tuple, packing: bool) ->
         solo.append(got[0])
         solo_chunks += chunks(trace, 1)
     eng = make_engine(model_and_tok, kv, max_step_tokens=13)
-    eng.batch.packing = packing
     together, trace = run(eng, convs, budgets, stagger=False)
     assert_equal(together, solo)
     assert chunks(trace, len(convs)) == solo_chunks
@@ -216,10 +197,3 @@ def test_serve_refuses_a_bad_max_step_tokens_before_starting(ckpt: Path, bad: ob
 
     with pytest.raises(ValueError, match="max_step_tokens"):
         serve(ckpt, max_step_tokens=bad)  # type: ignore[arg-type]
-
-
-def test_serve_refuses_a_non_bool_packed_steps_before_starting(ckpt: Path) -> None:
-    from litkv.cli.serve_cmd import serve
-
-    with pytest.raises(ValueError, match="--packed_steps must be true or false, got 'yes'"):
-        serve(ckpt, packed_steps="yes")  # type: ignore[arg-type]
