@@ -58,7 +58,7 @@ _QKV = ("attn_q", "attn_k", "attn_v")
 
 def _reader_class() -> type:
     """`gguf.GGUFReader` reading a plain `ndarray` view of its memory map: the same bytes, without
-    `np.memmap`'s per-slice bookkeeping, which makes parsing a 49k-token vocabulary 3x slower."""
+    `np.memmap`'s per-slice bookkeeping, which slows the parsing of a large vocabulary severalfold."""
     from gguf import GGUFReader
 
     class PlainArrayReader(GGUFReader):

@@ -12,7 +12,7 @@ int8 or int4 codes cuts those bytes by 4x or ~6x. The products use PyTorch's own
   `(K / group_size, N, 2)`. The kernel needs `N` a multiple of 16 and `K` a multiple of the group size.
 
 Both kernels are fast on CPU only with bfloat16 activations (in float32 they fall back to a scalar
-loop, 3-10x slower than a float32 matmul), so the layers take bfloat16 scales and compute
+loop, slower than a float32 matmul; docs/results/cpu_speed.md), so the layers take bfloat16 scales and compute
 `x.to(bfloat16) @ w` then cast back to the input's dtype: the activations are rounded to bfloat16
 (8 significant bits) on the way in, the outputs on the way out. Calls with more than `KERNEL_ROWS`
 rows (prefill chunks) dequantise the weight to the input's dtype `_PACK_ROWS` output rows at a time
@@ -100,7 +100,7 @@ class WeightQuant:
 
 def layer_quant(name: str, quant: WeightQuant) -> WeightQuant:
     """The scheme of the linear layer `name` under `quant`: `quant` itself, except that the int4 modes
-    keep the LM head at int8 (its int4 codes cost SmolLM2-135M 40x the KL of the other layers')."""
+    keep the LM head at int8 (its int4 codes were most of int4's KL on SmolLM2-135M: docs/cpu_speed.md)."""
     if quant.mode == "int4" and name == LM_HEAD:
         return WeightQuant("int8")
     return quant
