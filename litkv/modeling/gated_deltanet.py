@@ -22,12 +22,15 @@ last real token.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache, RecurrentShape
-from litkv.modeling.config import HybridConfig
+from litkv.modeling.config import GATED_DELTANET, HybridConfig
 from litkv.modeling.mamba2 import causal_conv, in_call_order, real_tokens_first, recurrent_forward
 
 __all__ = ["GatedDeltaNet", "HeadGatedRMSNorm", "delta_rule_scan", "delta_rule_step", "gdn_recurrent_shape"]
@@ -137,6 +140,9 @@ class GatedDeltaNet(nn.Module):
     `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`).
     """
 
+    kind: ClassVar[str] = GATED_DELTANET  # the layer kind it mixes (`litkv.modeling.config.layer_kinds`)
+    reads_rope: ClassVar[bool] = False  # a block calls it with `(x, input_pos)`
+
     def __init__(self, config: HybridConfig, block_idx: int) -> None:
         super().__init__()
         c = config
@@ -154,18 +160,21 @@ class GatedDeltaNet(nn.Module):
         self.config = config
         self.block_idx = block_idx
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        input_pos: torch.Tensor | None,
-        no_pads: bool = False,
-        evict_later: bool = False,
-    ) -> torch.Tensor:
+    @staticmethod
+    def state_shape(config: HybridConfig, batch_size: int) -> RecurrentShape:
+        """The state sizes of this mixer's layer of `config` for `batch_size` rows."""
+        return gdn_recurrent_shape(config, batch_size)
+
+    @classmethod
+    def new_cache(
+        cls, config: HybridConfig, kv_cache: KVCacheConfig, batch_size: int, device: torch.device, dtype: torch.dtype
+    ) -> RecurrentCache:
+        """A fresh cache of the layer's state (`kv_cache` covers attention layers only: not read here)."""
+        return RecurrentCache(cls.state_shape(config, batch_size), device, dtype, kind=cls.kind)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `input_pos` `None`: the whole sequence from a zero
-        state, no cache; else `(B, T)` positions (`-1`: pad) through the layer's `RecurrentCache`.
-        `cos`, `sin`, `no_pads`, `evict_later` are the attention's arguments, unused here."""
+        state, no cache; else `(B, T)` positions (`-1`: pad) through the layer's `RecurrentCache`."""
         return recurrent_forward(self, x, input_pos, lambda b: gdn_recurrent_shape(self.config, b))
 
     def mix(

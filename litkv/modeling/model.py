@@ -21,21 +21,19 @@ from litkv.core.validation import require_int
 from litkv.gates.gate import EvictionGates
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
-from litkv.kvcache.storage import CacheShape
-from litkv.modeling.config import (
-    GATED_DELTANET,
-    MAMBA2,
-    RECURRENT_KINDS,
-    Config,
-    KVCacheConfig,
-    layer_kinds,
-)
-from litkv.modeling.gated_deltanet import GatedDeltaNet, gdn_recurrent_shape
-from litkv.modeling.mamba2 import Mamba2Mixer, recurrent_shape
+from litkv.modeling.config import RECURRENT_KINDS, Config, layer_kinds
+from litkv.modeling.gated_deltanet import GatedDeltaNet
+from litkv.modeling.mamba2 import Mamba2Mixer
 from litkv.modeling.self_attention import CausalSelfAttention
 
-__all__ = ["GPT", "Block", "BlockHook", "check_integer_tensor", "kv_cache_configs"]
+__all__ = ["GPT", "MIXERS", "Block", "BlockHook", "Mixer", "check_integer_tensor", "kv_cache_configs"]
+
+Mixer = type[CausalSelfAttention] | type[Mamba2Mixer] | type[GatedDeltaNet]
+#: A layer kind -> its mixer (`Block.attn`): the module, `new_cache` (the cache its state lives in, sized by
+#: its `state_shape`) and `reads_rope` (how a block calls it).
+MIXERS: dict[str, Mixer] = {mixer.kind: mixer for mixer in (CausalSelfAttention, Mamba2Mixer, GatedDeltaNet)}
 
 # Called with (block index, block input `(B, T, n_embd)`); a returned tensor replaces the input.
 BlockHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
@@ -144,19 +142,11 @@ class GPT(nn.Module):
         kinds = layer_kinds(self.config)
         if per_layer is not None:
             check_recurrent_entries(per_layer, [kind in RECURRENT_KINDS for kind in kinds])
-        caches: list[LayerCache | RecurrentCache] = []
-        for cfg, kind in zip(configs, kinds, strict=True):
-            c = self.config
-            if kind == MAMBA2:
-                caches.append(RecurrentCache(recurrent_shape(c, batch_size), device, dtype))  # type: ignore[arg-type]
-                continue
-            if kind == GATED_DELTANET:
-                shape = gdn_recurrent_shape(c, batch_size)  # type: ignore[arg-type]
-                caches.append(RecurrentCache(shape, device, dtype, kind=GATED_DELTANET))
-                continue
-            shape = CacheShape(batch_size, c.n_query_groups, cfg.cache_length, c.head_size, c.head_size)
-            caches.append(cfg.policy_class(cfg, shape, device, dtype))
-        return caches
+        c = self.config
+        return [
+            MIXERS[kind].new_cache(c, cfg, batch_size, device, dtype)  # type: ignore[arg-type]
+            for cfg, kind in zip(configs, kinds, strict=True)
+        ]
 
     def set_kv_caches(self, caches: KVCaches | Sequence[LayerCache] | None) -> KVCaches | None:
         """Attach the caches of a run (a `KVCaches`, or one layer cache per layer; `None`: detach all).
@@ -395,9 +385,7 @@ class Block(nn.Module):
             raise NotImplementedError("non-parallel residual with a shared attention norm is not supported")
         norm = config.norm_class
         self.norm_1 = norm(config.n_embd, eps=config.norm_eps) if config.norm_1 else nn.Identity()
-        kind = layer_kinds(config)[block_idx]
-        mixers = {MAMBA2: Mamba2Mixer, GATED_DELTANET: GatedDeltaNet}
-        self.attn = mixers.get(kind, CausalSelfAttention)(config, block_idx)  # type: ignore[operator]
+        self.attn = MIXERS[layer_kinds(config)[block_idx]](config, block_idx)  # type: ignore[arg-type]
         self.post_attention_norm = (
             norm(config.n_embd, eps=config.norm_eps) if config.post_attention_norm else nn.Identity()
         )
@@ -426,7 +414,11 @@ class Block(nn.Module):
         """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`; `no_pads`: `input_pos` has no `-1`;
         `evict_later`: the cache's eviction waits for `KVCaches.evict_waiting` (`CausalSelfAttention`)."""
         x_normed = self.norm_1(x)
-        attn_out = self.post_attention_norm(self.attn(x_normed, cos, sin, input_pos, no_pads, evict_later))
+        if self.attn.reads_rope:
+            mixed = self.attn(x_normed, cos, sin, input_pos, no_pads, evict_later)
+        else:  # a recurrent mixer: positions only
+            mixed = self.attn(x_normed, input_pos)
+        attn_out = self.post_attention_norm(mixed)
         if self.config.parallel_residual:
             if self.norm_2 is not None:
                 x_normed = self.norm_2(x)

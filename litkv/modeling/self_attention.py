@@ -7,21 +7,40 @@ in the same place are `litkv.modeling.mamba2.Mamba2Mixer` and `litkv.modeling.ga
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
 from litkv.core.rope import apply_rope, yarn_mscale
 from litkv.gates.soft import SoftEviction
-from litkv.kvcache.base import KVCache
+from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import CAUSAL, Layout, attend, build_mask
-from litkv.modeling.config import Config, HybridConfig
+from litkv.modeling.config import ATTENTION, Config, HybridConfig
 
 __all__ = ["CausalSelfAttention"]
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head / grouped-query self-attention through an optional per-layer `KVCache`."""
+
+    kind: ClassVar[str] = ATTENTION  # the layer kind it mixes (`litkv.modeling.config.layer_kinds`)
+    reads_rope: ClassVar[bool] = True  # a block calls it with `(x, cos, sin, input_pos, no_pads, evict_later)`
+
+    @staticmethod
+    def state_shape(config: Config, kv_cache: KVCacheConfig, batch_size: int) -> CacheShape:
+        """The cache sizes of an attention layer of `config` under `kv_cache` for `batch_size` rows."""
+        hs = config.head_size
+        return CacheShape(batch_size, config.n_query_groups, kv_cache.cache_length, hs, hs)
+
+    @classmethod
+    def new_cache(
+        cls, config: Config, kv_cache: KVCacheConfig, batch_size: int, device: torch.device, dtype: torch.dtype
+    ) -> LayerCache:
+        """A fresh cache of `kv_cache`'s policy for the layer."""
+        return kv_cache.policy_class(kv_cache, cls.state_shape(config, kv_cache, batch_size), device, dtype)
 
     def __init__(self, config: Config, block_idx: int) -> None:
         super().__init__()
