@@ -6,7 +6,8 @@ conversation (`chat_template.TurnSegment`s, replies kept as their token ids; the
 fed as a segment of their own where their tokens end cleanly), `held_segments` is what caches
 hold after a reply, `runs` groups the segments as they are fed (a run of documents with the prompt text
 after it, every other segment alone), `lossless_overflow` is the room check of a lossless cache and
-`check_recompute` the check of a recompute fraction. A `Feeder` feeds a `Run` to a `Row` (the small
+`check_recompute` the check of a recompute fraction; `plan_turn` is all of it for one server turn, a
+`TurnPlan`. A `Feeder` feeds a `Run` to a `Row` (the small
 protocol of where tokens go: `next_pos`, `prefill`, `feed_blocks`): a batch-of-one model run (a
 `Conversation`, chat) or one row of the server's batch (`litkv.serve.engine`).
 
@@ -53,9 +54,9 @@ from litkv.inference.chat_template import Documents, Format, Message, Replies, T
 from litkv.inference.conversation_layout import dump_layout, parse_layout
 from litkv.inference.generate import decode_tokens
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 from litkv.states.block_store import BlockStore
 from litkv.states.undo import keep_undo_log
 
@@ -65,9 +66,11 @@ __all__ = [
     "Pending",
     "Row",
     "Run",
+    "TurnPlan",
     "held_segments",
     "lossless_overflow",
     "plan_segments",
+    "plan_turn",
     "runs",
     "segment_plan",
     "system_count",
@@ -206,6 +209,70 @@ def runs(segments: Sequence[TurnSegment]) -> list[Run]:
         out.append(Run(tuple(segments[i:end])))
         i = end
     return out
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """A turn of a conversation that may start from a stored state (`plan_turn`, `litkv serve`).
+
+    Attributes:
+        fmt, messages, replies: what the turn was planned from (`replies`: each assistant message's ids).
+        segments: every segment of the conversation, with the generation prompt (`plan_segments`).
+        system: the leading system messages when the plan feeds them as segments of their own, so that
+            their state can be shared (their count; 0: none, or not shared).
+        system_segments: how many of `segments` those messages are.
+    """
+
+    fmt: Format
+    messages: Sequence[Message]
+    replies: Replies
+    segments: list[TurnSegment]
+    system: int
+    system_segments: int
+
+    def prefixes(self) -> Iterator[int]:
+        """Message counts `k` whose stored state may stand for `messages[:k]`, longest first: a prefix that
+        ends with an assistant message, or the shared leading system messages."""
+        for k in range(len(self.messages) - 1, 0, -1):
+            if self.messages[k - 1][0] == "assistant" or k == self.system:
+                yield k
+
+    def held(self, k: int) -> list[TurnSegment] | None:
+        """The segments a state of `messages[:k]` holds when they begin this plan's segments, else None."""
+        held = held_segments(self.fmt, self.messages[:k], self.replies[:k])
+        return held if self.segments[: len(held)] == held else None
+
+    def ids(self, count: int | None = None) -> list[int]:
+        """The ids of the first `count` segments (all by default)."""
+        return [t for s in self.segments[:count] for t in s.ids]
+
+    def runs_after(self, held: int) -> list[Run]:
+        """The runs a row that holds the first `held` segments is fed (`runs`)."""
+        return runs(self.segments[held:])
+
+    def overflow(self, kv_cache: KVCacheConfig, held: int, max_new_tokens: int) -> int | None:
+        """`lossless_overflow` of a row that holds the first `held` segments, fed the rest and a reply of
+        `max_new_tokens`: the lossless cache's slots when they are too few, else None."""
+        reused, total = len(self.ids(held)), len(self.ids())
+        return lossless_overflow(kv_cache, reused, total - reused + max_new_tokens)
+
+    def after_reply(self, content: str, reply_ids: Sequence[int]) -> list[int]:
+        """The ids the caches hold after the reply `content` (generated as `reply_ids`)."""
+        messages = [*self.messages, ("assistant", content)]
+        held = held_segments(self.fmt, messages, [*self.replies, list(reply_ids)])
+        return [t for s in held for t in s.ids]
+
+
+def plan_turn(
+    fmt: Format, messages: Sequence[Message], replies: Replies, documents: Documents | None = None
+) -> TurnPlan:
+    """The plan of a turn of `messages` in `fmt` (`replies`: each assistant message's ids; `documents`: as in
+    `plan_segments`). Raises the format's `ChatTemplateError`."""
+    segments = plan_segments(fmt, messages, replies, documents=documents)
+    k = system_count(messages)
+    system = held_segments(fmt, messages[:k], replies[:k]) if k else []
+    shared = bool(system) and segments[: len(system)] == system and len(segments) > len(system)
+    return TurnPlan(fmt, messages, replies, segments, k if shared else 0, len(system) if shared else 0)
 
 
 class Row(Protocol):

@@ -1,8 +1,8 @@
 """The turns of `litkv serve`: requests' messages in, reply text out, through stored cache states.
 
-A turn is planned and fed as `litkv chat`'s are (`litkv.inference.conversation`: `plan_segments` in the
-checkpoint's chat template or raw text, documents grouped into `runs`, the lossless room check, a
-`Feeder` that feeds each run to the job's row of the batch, `_BatchRow`); this module adds what only a
+A turn is planned and fed as `litkv chat`'s are (`litkv.inference.conversation`: one `plan_turn` in the
+checkpoint's chat template or raw text, its runs and lossless room check, a `Feeder` that feeds each run to
+the job's row of the batch, `_BatchRow`); this module adds what only a
 server has: the messages' keys, the stored states and the continuous batch (`litkv.serve.scheduler`).
 Prompt text is fed in chunks from its segment's first token, an assistant message one token per decode
 step, as decoding fed it: the reply's exact ids when this server generated it (kept next to its state),
@@ -45,22 +45,12 @@ from litkv.inference.chat_template import (
     Message,
     RawFormat,
     TemplateFormat,
-    TurnSegment,
 )
-from litkv.inference.conversation import (
-    Feeder,
-    Run,
-    held_segments,
-    lossless_overflow,
-    plan_segments,
-    runs,
-    system_count,
-)
+from litkv.inference.conversation import Feeder, Run, TurnPlan, plan_turn
 from litkv.inference.text_stream import TextStream
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan
 from litkv.serve.batch import RowBatch
 from litkv.serve.scheduler import DEFAULT_STEP_TOKENS, Job, Scheduler
 from litkv.serve.store import ConversationStore
@@ -236,19 +226,17 @@ class Engine:
         job.replies = self._replies(job.keys, req.messages)
         documents: Documents = {len(req.messages) - 1: docs} if docs else {}
         try:
-            segments = plan_segments(self.format, req.messages, job.replies, documents=documents)
+            plan = job.plan = plan_turn(self.format, req.messages, job.replies, documents)
         except ChatTemplateError as err:  # the chat template refuses this conversation
             raise RequestError(err.reason, param="messages") from None
-        system = self._system_segments(job, segments)
-        held = self._restore_longest(job, segments, len(system))
-        job.pending = collections.deque(runs(segments[held:]))
+        held = self._restore_longest(job, plan)
+        job.pending = collections.deque(plan.runs_after(held))
         self._share.pop(job.row, None)
-        if system and held == 0 and not self.store.has(job.keys[system_count(req.messages)]):
-            self._share_after(job, len(system), [i for s in system for i in s.ids])
-        job.result.reused_tokens = sum(len(s.ids) for s in segments[:held])
-        job.result.prompt_tokens = sum(len(s.ids) for s in segments)
-        needed = job.result.prompt_tokens - job.result.reused_tokens + req.max_tokens
-        limit = lossless_overflow(self.kv_cache, job.result.reused_tokens, needed)
+        if plan.system and held == 0 and not self.store.has(job.keys[plan.system]):
+            self._share_after(job, plan)
+        job.result.reused_tokens = len(plan.ids(held))
+        job.result.prompt_tokens = len(plan.ids())
+        limit = plan.overflow(self.kv_cache, held, req.max_tokens)
         if limit is not None:
             raise RequestError(
                 f"the conversation needs {job.result.prompt_tokens + req.max_tokens} tokens, more than the "
@@ -261,39 +249,25 @@ class Engine:
         job.generator.manual_seed(self.default_seed if req.seed is None else req.seed)
         job.scanner = TextStream(self.tokenizer, req.stop, self.stop_at_newline)
 
-    def _system_segments(self, job: Job, segments: list[TurnSegment]) -> list[TurnSegment]:
-        """The segments of the job's leading system messages when the plan feeds them alone (a clean token
-        boundary after them, `plan_segments`); else [] (their state is not shared)."""
-        k = system_count(job.req.messages)
-        if k == 0:
-            return []
-        held = held_segments(self.format, job.req.messages[:k], job.replies[:k])
-        return held if held and segments[: len(held)] == held and len(segments) > len(held) else []
-
-    def _share_after(self, job: Job, count: int, ids: list[int]) -> None:
-        """Store the row's state once the runs of the first `count` segments (the system messages) are fed."""
-        fed = 0
+    def _share_after(self, job: Job, plan: TurnPlan) -> None:
+        """Store the row's state once the runs of the plan's leading system messages are fed."""
+        fed, count = 0, plan.system_segments
         for run in job.pending:
             fed += len(run.segments)
             if fed == count:
-                self._share[job.row] = (run, job.keys[system_count(job.req.messages)], ids)
+                self._share[job.row] = (run, job.keys[plan.system], plan.ids(count))
                 return
             if fed > count:
                 return
 
-    def _restore_longest(self, job: Job, segments: list[TurnSegment], system: int = 0) -> int:
-        """Load the longest stored prefix that ends with an assistant message, or with the leading system
-        messages when they are the first `system` segments, into the job's row; how many of `segments` it
-        holds (0: the row starts empty)."""
-        messages = job.req.messages
-        shared = system_count(messages) if system else 0
-        for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1][0] != "assistant" and k != shared:
-                continue
+    def _restore_longest(self, job: Job, plan: TurnPlan) -> int:
+        """Load the longest stored prefix of the plan (`TurnPlan.prefixes`) into the job's row; how many of
+        the plan's segments it holds (0: the row starts empty)."""
+        for k in plan.prefixes():
             if not self.store.has(job.keys[k]):
                 continue
-            held = held_segments(self.format, messages[:k], job.replies[:k])
-            if segments[: len(held)] != held:
+            held = plan.held(k)
+            if held is None:
                 continue
             ids = [i for s in held for i in s.ids]
             state = self.store.get(job.keys[k], ids)
@@ -357,9 +331,10 @@ class Engine:
         result = job.result
         result.content = job.scanner.content
         key = message_keys(job.keys[-1], [("assistant", result.content)])[-1]
-        messages = [*job.req.messages, ("assistant", result.content)]
-        held = held_segments(self.format, messages, [*job.replies, list(result.reply_ids)])
-        self.store.put(key, self.batch.take(job.row), result.reply_ids, [i for s in held for i in s.ids])
+        if job.plan is None:
+            raise ValueError("finish of a turn that was never admitted (Engine.admit)")
+        ids = job.plan.after_reply(result.content, result.reply_ids)
+        self.store.put(key, self.batch.take(job.row), result.reply_ids, ids)
         result.stored = True
 
     # -- one turn, in this thread ---------------------------------------------------------------
@@ -387,10 +362,10 @@ def count_prompt_tokens(fmt: Format, messages: Sequence[Message], documents: Doc
     replies re-tokenised from their text: an estimate for limits, made before the stored reply ids are
     looked up)."""
     try:
-        segments = plan_segments(fmt, messages, [None] * len(messages), documents=documents)
+        plan = plan_turn(fmt, messages, [None] * len(messages), documents)
     except ChatTemplateError as err:  # the chat template refuses this conversation (raise_exception, ...)
         raise RequestError(err.reason, param="messages") from None
-    return sum(len(s.ids) for s in segments)
+    return len(plan.ids())
 
 
 class _BatchRow:

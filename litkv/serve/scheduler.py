@@ -44,9 +44,9 @@ from typing import Any, Protocol
 import torch
 
 from litkv.core.validation import require_finite_logits
-from litkv.inference.conversation import Run, segment_plan
+from litkv.inference.conversation import Run, TurnPlan, segment_plan
 from litkv.inference.sampling import sample
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan
 from litkv.serve.batch import RowBatch
 from litkv.serve.turns import TurnRequest, TurnResult
 
@@ -68,6 +68,7 @@ class Job:
         cancelled: polled once per step; true: the turn stops, stores nothing.
         emit: receives ("text", delta), then ("done", result) or ("error", exception); from the loop's thread.
         keys, replies: the message prefixes' keys and every assistant message's ids (`Engine.admit`).
+        plan: the turn's plan (`litkv.inference.conversation.TurnPlan`, `Engine.admit`).
         pending: runs (`Run`) the row still has to be fed; `forced`: ids of a reply being replayed.
         row: the job's row in the batch (-1: waiting).
         feed: the token the next step feeds (a generated one); `finishing`: the job is done after it.
@@ -82,6 +83,7 @@ class Job:
     emit: Emit = lambda kind, value: None
     keys: list[str] = field(default_factory=list)
     replies: list[list[int] | None] = field(default_factory=list)
+    plan: TurnPlan | None = None
     pending: collections.deque[Run] = field(default_factory=collections.deque)
     forced: collections.deque[int] = field(default_factory=collections.deque)
     row: int = -1
