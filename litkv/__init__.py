@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from litkv.inference.generate import forward_chunked, generate
     from litkv.inference.sampling import Sampling
     from litkv.kvcache import KVCache, register_kv_cache
-    from litkv.modeling.config import Config, KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
+    from litkv.modeling.config import Config
     from litkv.modeling.model import GPT
     from litkv.states.block_store import BlockStore
     from litkv.states.prefix import PrefixCache
@@ -32,7 +33,7 @@ _LAZY: dict[str, str] = {
     "GPT": "litkv.modeling.model",
     "Config": "litkv.modeling.config",
     "KVCache": "litkv.kvcache",
-    "KVCacheConfig": "litkv.modeling.config",
+    "KVCacheConfig": "litkv.kvcache.config",
     "PrefixCache": "litkv.states.prefix",
     "Sampling": "litkv.inference.sampling",
     "Segment": "litkv.inference.blocks",

@@ -221,7 +221,7 @@ def _policy_option_name(name: str) -> str:
         return name
     from dataclasses import fields
 
-    from litkv.modeling.config import KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
 
     head = name[len(prefix) :].split(".", 1)[0]
     if head in {f.name for f in fields(KVCacheConfig)}:

@@ -38,7 +38,7 @@ import yaml
 from litkv.cli.evaluate_cmd import evaluate
 from litkv.cli.finetune_cmd import finetune
 from litkv.eval.evaluate import PolicyResult
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 #: "Clearly less": the control's gain is at most this share of the adapted model's gain.
@@ -184,7 +184,8 @@ def needle_digits_kept(checkpoint_dir: Path, kv: dict[str, Any], per_depth: int 
     from litkv.checkpoints.checkpoint import load_model, load_tokenizer
     from litkv.core.tokens import encode_plain
     from litkv.eval.recall import RecallTask
-    from litkv.modeling.runner import ChunkPlan, run_chunks
+    from litkv.kvcache.config import ChunkPlan
+    from litkv.modeling.runner import run_chunks
 
     model, tokenizer = load_model(checkpoint_dir).eval(), load_tokenizer(checkpoint_dir)
     task = RecallTask.from_checkpoint(checkpoint_dir, tokenizer)

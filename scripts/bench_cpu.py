@@ -39,7 +39,7 @@ from litkv.cli.common import resolve_checkpoint_dir
 from litkv.eval.bandwidth import measure_bandwidth
 from litkv.inference.generate import generate
 from litkv.kvcache.caches import KVCaches
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT
 
 STORAGE_BYTES = {"float": 4.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}  # per number, 16-bit scale+offset

@@ -32,7 +32,8 @@ from litkv import GPT, Config, KVCacheConfig, generate
 from litkv.checkpoints.checkpoint import load_model
 from litkv.checkpoints.download import known_checkpoint_dir
 from litkv.inference.generate import forward_chunked
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.kvcache.config import ChunkPlan
+from litkv.modeling.runner import run_chunks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside bench_policies.py
 from bench_policies import build_model, interleaved, policy_model, with_gates  # noqa: E402

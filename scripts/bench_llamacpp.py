@@ -42,7 +42,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.eval.bandwidth import measure_bandwidth
 from litkv.inference.generate import generate
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 # Runs inside the llama.cpp environment: argv[1] is a JSON job; prints one JSON line with the timings.
 LLAMACPP_WORKER = r"""

@@ -355,7 +355,7 @@ def count_retokenize(args: argparse.Namespace) -> None:
 
     from litkv.checkpoints.checkpoint import load_model, load_tokenizer
     from litkv.inference.chat_template import load_format
-    from litkv.modeling.config import KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
     from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
     torch.set_num_threads(args.threads)

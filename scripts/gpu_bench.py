@@ -46,7 +46,7 @@ from litkv.eval.bandwidth import kv_bytes_per_token, weight_bytes
 from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
 from litkv.gates.gate import EvictionGates
 from litkv.kvcache import quant_attention
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POLICIES = "last-recent,h2o,tova,snapkv,keydiff,knorm,expected-attention,learned,qh2o"

@@ -28,9 +28,9 @@ from litkv.checkpoints.runtime import load_for_inference
 from litkv.core.tokens import encode_plain
 from litkv.inference.chat_template import ChatTemplate, TemplateFormat, load_format
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import compress_kvzip
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 
 
 def _prompt(ckpt: Path, tokenizer: object, length: int) -> tuple[torch.Tensor, RepeatPrompt]:

@@ -49,7 +49,7 @@ from litkv.eval.evaluate import text_windows
 from litkv.eval.recall import RECALL_FILE, RecallFormat
 from litkv.finetune.learn_eviction import LOG_FILE
 from litkv.inference.generate import forward_chunked
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 HEURISTICS = ["last-recent", "h2o", "tova", "knorm", "keydiff", "snapkv"]
 TARGETS = {64: 0.95, 128: 0.99}

@@ -58,7 +58,7 @@ def one(engine: str, length: int, cache_length: int, chunk: int, threads: int, b
     from litkv.cli.common import resolve_checkpoint_dir
     from litkv.finetune.gate_training import GateTrainArgs, _step_loss
     from litkv.gates.gate import EvictionGates
-    from litkv.modeling.config import KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
 
     torch.set_num_threads(threads)
     model = load_model(resolve_checkpoint_dir(MODEL))

@@ -40,10 +40,10 @@ import torch
 from litkv.eval.oneshot import KVZIP, _with_config
 from litkv.inference.generate import pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import KVzipKVCache, compress_kvzip
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 from litkv.states.state import restore, snapshot
 
 

@@ -106,7 +106,7 @@ def logit_difference(model, twin, surrogate, ids: torch.Tensor) -> tuple[float, 
     layer on the twin's normed hidden states against litkv's gates on its own pre-RoPE keys), the largest
     |gate logit| (its scale), and litkv's gate logits per layer `(G, n)`."""
     from litkv.gates.gate import unrotate_keys
-    from litkv.modeling.config import KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
 
     n = ids.shape[1]
     hidden: dict[int, torch.Tensor] = {}

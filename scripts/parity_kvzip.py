@@ -38,8 +38,11 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer  # noqa: E40
 from litkv.core.tokens import encode_plain  # noqa: E402
 from litkv.inference.chat_template import ChatTemplate  # noqa: E402
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress  # noqa: E402
-from litkv.modeling.config import KVCacheConfig  # noqa: E402
-from litkv.modeling.runner import ChunkPlan, run_chunks  # noqa: E402
+from litkv.kvcache.config import (
+    ChunkPlan,  # noqa: E402
+    KVCacheConfig,  # noqa: E402
+)
+from litkv.modeling.runner import run_chunks  # noqa: E402
 
 CASES = {
     "kvzip": {},

@@ -32,7 +32,7 @@ from litkv.eval.ruler_report import ruler_samples
 from litkv.inference.chat_template import TemplateFormat, load_format
 from litkv.inference.generate import generate
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -40,7 +40,7 @@ from litkv.inference.blocks import check_recompute
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import load_format
 from litkv.inference.sampling import Sampling, check_sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
 
 __all__ = ["ChatSession", "chat"]

@@ -26,8 +26,8 @@ from litkv.eval.oneshot import KVZIP, check_compress
 from litkv.eval.recall import RECALL_FILE, RecallTask
 from litkv.eval.ruler import resolve_tasks
 from litkv.eval.ruler_report import run_ruler
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.registry import known_policies
-from litkv.modeling.config import KVCacheConfig
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 

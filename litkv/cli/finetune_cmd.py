@@ -53,7 +53,7 @@ from litkv.finetune.sharding import (
     move_shards_into,
     save_shards,
 )
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import model_quant, parse_quantize, quantize_model
 

@@ -19,7 +19,7 @@ from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.generate import generate as generate_tokens
 from litkv.inference.sampling import Sampling
 from litkv.inference.text_stream import TextStream
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.states.block_store import BlockStore
 from litkv.states.prefix import PrefixCache
 

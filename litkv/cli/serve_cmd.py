@@ -11,7 +11,7 @@ from litkv.checkpoints.checkpoint import check_checkpoint_dir
 from litkv.checkpoints.runtime import resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.validation import is_number, require_int
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import parse_quantize
 
 __all__ = ["serve"]

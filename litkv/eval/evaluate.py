@@ -27,7 +27,7 @@ from litkv.eval.ruler import TASKS as RULER_TASKS
 from litkv.eval.ruler import RulerSample
 from litkv.inference.generate import forward_chunked, generate
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT, check_integer_tensor
 
 __all__ = [

@@ -25,10 +25,10 @@ import torch
 
 from litkv.inference.generate import decode_greedy, pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import KVzipKVCache, compress_kvzip
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 from litkv.states.state import CacheState, restore, snapshot
 
 __all__ = ["COMPRESS", "KVZIP", "check_compress", "is_one_shot", "oneshot_answers"]

@@ -196,7 +196,7 @@ def _time_litkv(
     warmups: list[_Warmup], quantize: str,
 ) -> Timed:  # fmt: skip
     from litkv.inference.generate import generate
-    from litkv.modeling.config import KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
     from litkv.modeling.model import GPT
     from litkv.modeling.quant_weights import parse_quantize, quantize_model
 

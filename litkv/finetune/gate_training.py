@@ -33,7 +33,7 @@ from litkv.finetune.lora import LoRALinear, load_lora_state_dict, lora_state_dic
 from litkv.gates.gate import EvictionGates, unrotate_keys
 from litkv.gates.soft import SoftEviction, soft_eviction
 from litkv.gradient.distill import chunked_distill_backward
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 __all__ = [
     "ENGINES",

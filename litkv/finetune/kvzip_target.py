@@ -16,8 +16,8 @@ from torch import nn
 
 from litkv.gates.gate import unrotate_keys
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.modeling.runner import run_chunks
 
 __all__ = ["FLOOR", "kvzip_records"]
 

@@ -43,7 +43,7 @@ from litkv.finetune.lora import LoRAArgs, apply_lora, lora_state_dict, merged_st
 from litkv.finetune.lstsq import fit_gates_lstsq
 from litkv.gates.gate import GATES_FILE, EvictionGates
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 

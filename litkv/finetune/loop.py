@@ -25,9 +25,8 @@ from litkv.core.validation import require_int
 from litkv.finetune.data import IGNORE_INDEX, DataOrder, Example, collate
 from litkv.finetune.sharding import reshard
 from litkv.gradient import chunked_loss_backward
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan
 
 __all__ = [
     "TrainArgs",

@@ -27,10 +27,9 @@ from litkv.core.validation import is_number
 from litkv.gradient.recurrent_tape import RecurrentTape
 from litkv.gradient.replay import ReplayKVCache, stored_view, stores_gradients
 from litkv.gradient.tape import LayerTape
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan
 
 __all__ = ["IGNORE_INDEX", "backward_chunk", "chunked_loss_backward", "record_forward", "replay_caches"]
 

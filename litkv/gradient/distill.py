@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from litkv.gates.soft import SoftEviction, soft_eviction
 from litkv.gradient.chunked_backward import backward_chunk, record_forward, replay_caches
 from litkv.gradient.tape import LayerTape
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan
 
 __all__ = ["DistillStep", "chunked_distill_backward"]
 

@@ -12,9 +12,9 @@ from typing import ClassVar
 import torch
 
 from litkv.kvcache.base import CacheShape
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.storage import KVStorage
 from litkv.kvcache.storage_kinds import make_storage
-from litkv.modeling.config import KVCacheConfig
 
 __all__ = ["ReplayKVCache", "stored_view", "stores_gradients"]
 

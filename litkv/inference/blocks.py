@@ -52,10 +52,9 @@ from litkv.core.rope import apply_rope
 from litkv.core.tokens import encode_plain, encode_text
 from litkv.inference.chat_template import Format, TemplateFormat
 from litkv.kvcache.base import KVCache
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.attention import build_mask
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT, check_integer_tensor
-from litkv.modeling.runner import ChunkPlan
 from litkv.states.block_store import BlockKV, BlockStore
 
 __all__ = [

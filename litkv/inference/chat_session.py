@@ -24,7 +24,7 @@ from litkv.inference.chat_template import Format, RawFormat
 from litkv.inference.conversation import Conversation
 from litkv.inference.sampling import Sampling
 from litkv.inference.text_stream import TextStream
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState, restore, snapshot

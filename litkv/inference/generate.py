@@ -11,9 +11,9 @@ import torch
 from litkv.core.validation import require_finite_logits, require_int
 from litkv.inference.blocks import Segment, check_recompute, prefill_segments
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.model import GPT, check_integer_tensor, kv_cache_configs
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 from litkv.states.block_store import BlockStore
 from litkv.states.prefix import PrefixCache
 

@@ -30,7 +30,7 @@ from litserve.utils import LitAPIStatus
 from pydantic import BeforeValidator, ConfigDict, StrictBool
 from starlette.requests import Request
 
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve.drain import DrainStopper, drain_error, leave_process_group, until_stopped, worker_error
 from litkv.serve.engine import (
     Engine,

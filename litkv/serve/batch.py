@@ -36,11 +36,11 @@ import torch
 from litkv.inference.blocks import feed_blocks
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 from litkv.serve.rounding import RoundingClasses, probe_rounding_classes
 from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState, LayerState, RecurrentLayerState

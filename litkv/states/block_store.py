@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.storage import CacheShape
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan
 from litkv.states.state import CacheState, LayerState
 from litkv.states.state_store import EntryCheck, StateStore
 

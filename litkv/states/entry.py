@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.storage import CacheShape
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT, kv_cache_configs
 

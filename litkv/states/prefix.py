@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT, kv_cache_configs
-from litkv.modeling.runner import ChunkPlan
 from litkv.states.state import CacheState, restore, snapshot
 from litkv.states.state_store import EntryCheck, StateStore
 

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from litkv.kvcache.base import KVCache
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.recurrent import RECURRENT_STATE_KINDS, RecurrentCache, RecurrentShape
 from litkv.kvcache.storage import CacheShape
-from litkv.modeling.config import ATTENTION, KVCacheConfig, layer_kinds
+from litkv.modeling.config import ATTENTION, layer_kinds
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 from litkv.states.state_checks import check_token_ids, validate_state

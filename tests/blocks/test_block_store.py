@@ -21,7 +21,7 @@ from litkv import GPT, KVCacheConfig
 from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.inference.blocks import Segment
 from litkv.inference.generate import generate
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan
 from litkv.states.block_store import BlockKV, BlockStore
 
 PLAN = ChunkPlan(8, 8)

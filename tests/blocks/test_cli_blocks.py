@@ -13,7 +13,7 @@ from litkv.core.tokens import encode_plain
 from litkv.inference.blocks import Segment, prompt_segments
 from litkv.inference.chat_template import RawFormat
 from litkv.inference.generate import generate
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.states.block_store import BlockStore
 
 DOCS = ("The secret word is apple. ", "Nothing to see here, only sand and sea. ")

@@ -25,9 +25,9 @@ from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, TemplateFormat, TurnSegment
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import RequestError
 from litkv.states.block_store import BlockStore

@@ -15,9 +15,9 @@ from litkv import GPT, KVCacheConfig
 from litkv.inference.blocks import Segment, prefill_segments, rope_delta, rotate_keys, splice
 from litkv.inference.generate import generate
 from litkv.kvcache import get_kv_cache_class, known_policies
+from litkv.kvcache.config import ChunkPlan
 from litkv.kvcache.storage import FloatStorage
 from litkv.kvcache.storage_kinds import known_storages
-from litkv.modeling.runner import ChunkPlan
 from litkv.states.block_store import BlockStore
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]

@@ -18,8 +18,8 @@ from helpers import random_tokens, reference_forward
 
 from litkv import GPT, KVCacheConfig, PrefixCache, forward_chunked, generate
 from litkv.inference.blocks import Segment, kv_deviation, prefill_segments, rope_delta, rotate_keys
+from litkv.kvcache.config import ChunkPlan
 from litkv.modeling import attention
-from litkv.modeling.runner import ChunkPlan
 from litkv.states.block_store import BlockStore
 
 KV = KVCacheConfig(policy="dense", cache_length=160, chunk_size=8, prefill_length=16)

@@ -23,7 +23,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import ChatTemplate, RawFormat, TemplateFormat, load_format
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
 # SmolLM2-135M-Instruct's chat template, as its GGUF file's `tokenizer.chat_template` holds it.

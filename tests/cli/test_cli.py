@@ -21,7 +21,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
 from litkv.kvcache import known_policies
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"

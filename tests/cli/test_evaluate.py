@@ -29,8 +29,7 @@ from litkv.eval.evaluate import (
 )
 from litkv.eval.recall import MULTIKEY_WORDS, RecallExample, RecallFormat, RecallTask
 from litkv.kvcache import known_policies
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 
 REPO = Path(__file__).resolve().parents[2]
 FORMAT = {

@@ -12,8 +12,8 @@ import torch
 
 from litkv.eval.evaluate import cache_config
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.modeling.runner import run_chunks
 
 ROOT = Path(__file__).resolve().parents[2]
 REPEAT = RepeatPrompt(first=(5, 6, 7), later=(8, 9), suffix=(10, 11), prefix_length=2, overlap=4)

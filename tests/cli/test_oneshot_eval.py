@@ -18,9 +18,9 @@ from litkv.eval.oneshot import is_one_shot, oneshot_answers
 from litkv.eval.ruler import FALLBACK_WORDS, generate_samples
 from litkv.inference.generate import decode_greedy, generate, pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 
 BUDGETS = (6, 12, 20)
 NEW = 7

@@ -31,7 +31,7 @@ from litkv.eval.ruler import (
     word_list,
 )
 from litkv.eval.ruler_report import format_ruler_table, near_zero_tasks, needs_text
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT
 
 LENGTH = 800

@@ -14,7 +14,7 @@ from litkv.checkpoints.checkpoint import load_config, load_model
 from litkv.checkpoints.convert import config_from_hf, convert_hf_checkpoint
 from litkv.cli.convert_cmd import convert
 from litkv.cli.generate_cmd import generate
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 transformers = pytest.importorskip("transformers")
 

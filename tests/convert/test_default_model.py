@@ -26,7 +26,7 @@ from litkv.eval.evaluate import recall_accuracy
 from litkv.eval.recall import RecallTask
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 SHIPPED = default_checkpoint_dir()

@@ -44,7 +44,7 @@ from litkv.core.atomic import mark_output_dir, save_dir_atomic, write_atomic
 from litkv.finetune.checkpoint_dirs import STATE_FILE, TrainingState, load_training_state
 from litkv.finetune.data import DataArgs, read_json_records
 from litkv.gradient import chunked_loss_backward
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # tests/, where tiny_checkpoint.py lives

@@ -97,7 +97,7 @@ def test_shipped_gates_load_on_a_fresh_conversion_and_evict(real: tuple[Path, Pa
     gives dense's greedy tokens, with 48 slots it evicts and still runs."""
     from litkv.checkpoints.download import add_shipped_gates
     from litkv.inference.generate import generate
-    from litkv.modeling.config import KVCacheConfig
+    from litkv.kvcache.config import KVCacheConfig
 
     _, out = real
     assert add_shipped_gates(NAME, out) and not add_shipped_gates(NAME, out)  # copied once

@@ -29,7 +29,7 @@ from litkv.finetune.loop import chunked_loss_sum
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
 from litkv.finetune.recall_data import copy_row, load_recall_task, mix_recall_rows, recall_row
 from litkv.gradient import chunked_loss_backward
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "adapt_h2o_256.yaml"

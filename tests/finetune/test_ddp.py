@@ -20,7 +20,7 @@ from test_finetune import SEQ, make_checkpoint, windows, write_text
 import litkv
 from litkv.checkpoints.checkpoint import load_model
 from litkv.finetune.lora import LoRAArgs, apply_lora, mark_only_lora_as_trainable
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from tests.early import output_of, run_script
 
 LR = 0.01
@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 import litkv.cli.finetune_cmd as cli
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 from litkv.finetune.lora import LoRAArgs

@@ -26,7 +26,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer, save_state_
 from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import IGNORE_INDEX, DataArgs, DataOrder, collate, load_examples, split_examples
 from litkv.finetune.loop import TrainArgs, lr_at
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 WORDS = ["the", "a", "cache", "key", "value", "token", "slot", "policy", "keeps", "drops", "attention", "head",
          "layer", "model", "long", "short", "context"]  # fmt: skip

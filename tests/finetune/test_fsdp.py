@@ -31,7 +31,7 @@ from litkv.cli.generate_cmd import generate
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs
 from litkv.finetune.sharding import SHARDING_FILE, check_sharded_resume, check_strategy
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from tests.early import output_of, run_script
 
 STEPS = 3
@@ -42,7 +42,7 @@ SCRIPT = """
 import sys
 from pathlib import Path
 
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs

@@ -37,7 +37,7 @@ import torch
 from litkv.cli.finetune_cmd import finetune
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import EvalArgs, TrainArgs
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 ckpt, text, out = (Path(a) for a in sys.argv[1:4])
 common = dict(mode="full", data=DataArgs(path=text, seq_length=SEQ, val_fraction=0.25), kv_cache=KVCacheConfig(**KV),

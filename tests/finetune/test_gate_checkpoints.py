@@ -27,7 +27,7 @@ from litkv.finetune.gate_training import GateTrainArgs, batch_indices, train_gat
 from litkv.finetune.learn_eviction import LOG_FILE, STATE_FILE, learn_eviction, load_gate_state
 from litkv.finetune.lora import LoRAArgs, apply_lora
 from litkv.gates import GATES_FILE, EvictionGates
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 
 KV = KVCacheConfig(policy="learned", cache_length=24, chunk_size=8)

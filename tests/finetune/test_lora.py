@@ -22,7 +22,7 @@ from litkv.finetune.lora import (
     merged_state_dict,
 )
 from litkv.gradient import chunked_loss_backward
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 B, T, VOCAB = 2, 40, 64
 TOLERANCE = 1e-4

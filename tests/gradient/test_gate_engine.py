@@ -21,7 +21,7 @@ from litkv.gates import EvictionGates, SoftEviction, soft_eviction
 from litkv.gradient import LayerTape
 from litkv.gradient.distill import chunked_distill_backward
 from litkv.inference.generate import forward_chunked
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 B, T, WINDOW, SINKS, TAU, WEIGHT = 2, 30, 4, 1, 0.7, 3.0

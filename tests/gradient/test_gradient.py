@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import litkv
 from litkv.gradient import chunked_loss_backward
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 B, T, VOCAB = 2, 40, 64
 TOLERANCE = 1e-4

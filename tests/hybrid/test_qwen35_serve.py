@@ -18,7 +18,7 @@ from litkv.checkpoints.convert import convert_hf_checkpoint
 from litkv.inference.chat_template import RawFormat
 from litkv.inference.conversation import Conversation
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.states.undo import truncate
 

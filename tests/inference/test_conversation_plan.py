@@ -12,7 +12,7 @@ import pytest
 from litkv.inference.blocks import check_recompute
 from litkv.inference.chat_template import TurnSegment
 from litkv.inference.conversation import lossless_overflow, runs
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 KINDS = {  # prompt text, a reply, a document, an empty reply (cut at once)
     "t": TurnSegment((1, 2), False),

@@ -14,10 +14,10 @@ import torch
 from helpers import max_diff, rounding_bound
 
 import litkv.modeling.attention as attention
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.dense import DenseKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
-from litkv.modeling.config import KVCacheConfig
 
 B, N_HEAD, G, HS = 3, 8, 2, 16
 

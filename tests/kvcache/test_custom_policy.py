@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from litkv.kvcache import CacheShape, KVCache
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.registry import get_kv_cache_class, known_policies
 from litkv.modeling.attention import attend, build_mask
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXAMPLES = DOCS / "examples"

@@ -10,10 +10,10 @@ import torch
 from helpers import forward_depth, max_diff, rounding_bound
 
 import litkv
+from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
-from litkv.modeling.config import KVCacheConfig
 
 B, N_HEAD, G, HS, L = 2, 8, 2, 16, 12
 PADS = 5  # row 1 is left-padded

@@ -10,8 +10,8 @@ import torch
 from litkv import GPT, KVCacheConfig, forward_chunked
 from litkv.__main__ import normalize_argv
 from litkv.kvcache import known_policies
+from litkv.kvcache.config import ChunkPlan
 from litkv.kvcache.h2o import H2OOptions
-from litkv.modeling.runner import ChunkPlan
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from kvzip_reference import brute_scores
 
 from litkv.inference.generate import generate, pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress, kvzip_score
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import KVzipKVCache
-from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.modeling.runner import run_chunks
 
 REPEAT = RepeatPrompt(first=(5, 6, 7), later=(8, 9), suffix=(10, 11), overlap=3)
 PREFIX = 3

@@ -37,7 +37,7 @@ from helpers import (
 from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
 from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples"
 if str(EXAMPLES_DIR) not in sys.path:

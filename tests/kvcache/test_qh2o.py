@@ -9,13 +9,12 @@ import pytest
 import torch
 
 import litkv
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.qh2o import QuantizedH2OKVCache
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan
 
 HS = 8
 OUTLIER = torch.tensor([8.0, 0.3, -0.2, 0.1, 0.7, -0.5, 0.2, 0.4])  # one int4 group: coarse steps

@@ -14,7 +14,7 @@ import torch
 from helpers import forward_depth, max_diff, random_tokens, rounding_bound
 
 from litkv import GPT, KVCacheConfig, forward_chunked
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan
 
 T = 40
 # Soft-capping runs litkv's eager attention, whose scores are float32 even in a float64 model

@@ -24,7 +24,7 @@ from helpers import (
 from litkv import GPT, KVCache, KVCacheConfig, forward_chunked, register_kv_cache
 from litkv.kvcache import Candidates, DenseKVCache, LastRecentKVCache, known_policies
 from litkv.kvcache import registry as registry_module
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan
 
 T = 24
 

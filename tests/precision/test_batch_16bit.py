@@ -20,7 +20,8 @@ from helpers import max_diff
 from litkv import GPT, KVCacheConfig
 from litkv.inference.generate import pad_prompts
 from litkv.kvcache import get_kv_cache_class, known_policies
-from litkv.modeling.runner import ChunkPlan, run_chunks
+from litkv.kvcache.config import ChunkPlan
+from litkv.modeling.runner import run_chunks
 
 POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
 POSITIONAL = ("dense", "last-recent")

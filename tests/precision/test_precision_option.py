@@ -25,7 +25,7 @@ from litkv.cli.generate_cmd import generate
 from litkv.cli.serve_cmd import serve
 from litkv.finetune.data import DataArgs
 from litkv.finetune.loop import TrainArgs, autocast
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "finetune"))
 from test_finetune import SEQ, make_checkpoint, windows, write_text  # noqa: E402

@@ -19,7 +19,7 @@ from torch import nn
 from litkv import GPT
 from litkv.checkpoints.runtime import load_for_inference
 from litkv.inference.generate import generate
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import (
     KERNEL_ROWS,
     Int4Linear,

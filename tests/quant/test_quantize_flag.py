@@ -21,7 +21,7 @@ from litkv.eval import peers
 from litkv.eval.peers import BenchResult
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import Int4Linear, Int8Linear, parse_quantize, quantize_model, stored_weight_bytes
 
 REPO = Path(__file__).resolve().parents[2]

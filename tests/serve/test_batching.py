@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.batch import RowBatch
 from litkv.serve.guard import INFLIGHT, Guard
@@ -103,7 +103,7 @@ def test_row_result_does_not_depend_on_batch_mates(model_and_tok: tuple) -> None
 
 
 def _plan():  # noqa: ANN202
-    from litkv.modeling.runner import ChunkPlan
+    from litkv.kvcache.config import ChunkPlan
 
     return ChunkPlan(8, 8)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.rounding import RoundingClasses, probe_rounding_classes
 from litkv.serve.scheduler import Job

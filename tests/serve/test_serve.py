@@ -12,7 +12,7 @@ import pytest
 from servers import KEY, launch_server, wait_healthy
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)

@@ -24,7 +24,7 @@ from litserve.utils import LitAPIStatus
 from servers import KEY, launch_server
 from test_serve_group_sigterm import _group_alive, _post
 
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve.api import ChatRequest, LitKVSpec, ServeOptions
 from litkv.serve.drain import DRAIN_EXPIRED
 from litkv.serve.guard import error_body

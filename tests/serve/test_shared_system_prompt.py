@@ -18,7 +18,7 @@ from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.inference.chat_template import ChatTemplate, Format, RawFormat, TemplateFormat
 from litkv.inference.conversation import Conversation, held_segments, plan_segments
 from litkv.inference.sampling import Sampling
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
 CHATML = (  # a ChatML template with a default system prompt (as SmolLM2-135M-Instruct's)

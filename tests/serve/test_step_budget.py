@@ -12,8 +12,7 @@ import torch
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.kvcache import known_policies
-from litkv.modeling.config import KVCacheConfig
-from litkv.modeling.runner import ChunkPlan
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.scheduler import Job, Scheduler
 from tests.helpers import WORDS, attach_random_gates

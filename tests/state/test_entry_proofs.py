@@ -24,8 +24,7 @@ from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
-from litkv.kvcache.config import ChunkPlan
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.block_store import BlockStore

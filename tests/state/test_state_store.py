@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
 from litkv.core import atomic
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.state import CacheState, restore

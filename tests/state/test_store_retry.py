@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from litkv.core import atomic
-from litkv.modeling.config import KVCacheConfig
+from litkv.kvcache.config import KVCacheConfig
 from litkv.states import state_file, state_store
 from litkv.states.state import snapshot
 from litkv.states.state_store import StateStore
