@@ -86,7 +86,7 @@ def version(n):
 print('litkv imports; ' + ', '.join(f'{n} {version(n)}' for n in names))
 "
 section "tests marked cuda (not slow)" $(( 90 * slack )) "$PY" -m pytest -m "cuda and not slow" -q -rs --no-header -p no:cacheprovider \
-    tests/precision/test_cuda.py tests/precision/test_cuda_graph.py tests/precision/test_cuda_quant_kernel.py
+    tests/modeling/test_cuda.py tests/modeling/test_cuda_graph.py tests/kvcache/test_cuda_quant_kernel.py
 if [ "$DEVICE" = "cuda" ]; then
     common=(--device cuda --dtype bf16 --prompts 4096 --new 64 --policy-prompt 32768 --cache-length 4096 --batches 1,8)
     section "SmolLM2-135M shape: decode, policies, targets" 95 "$PY" scripts/gpu_bench.py --model SmolLM2-135M "${common[@]}"

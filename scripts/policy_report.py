@@ -1,6 +1,6 @@
 """The report of `scripts/bench_policies.py`: its runs (`PolicyRun`), the side-by-side table of eager
 and compiled decode speeds with the byte bound, the end-to-end lines against Hugging Face, and issue 23's
-targets (met or missed, with the figures). Pure functions of the runs: `tests/cli/test_bench.py` checks them
+targets (met or missed, with the figures). Pure functions of the runs: `tests/cli/test_bench_cmd.py` checks them
 on made-up runs."""
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def tiny_model() -> Callable[..., GPT]:
     `tiny_model(seed, dtype=torch.float32, *, arch=None, config=TINY_PRESET, overrides=None, gates=False,
     gate_seed=None, window=2, sinks=1, device="cpu", weights=None)` -- a fresh random model of a tiny preset
     (`arch`: a name in `helpers.ARCHITECTURES`; `config`: a LitGPT preset name shrunk to 2 layers, width 64,
-    vocabulary 128, `overrides` on top, or a `Config`: the hybrid ones of `tests/hybrid/bamba_helpers.py`
+    vocabulary 128, `overrides` on top, or a `Config`: the hybrid ones of `tests/bamba_helpers.py`
     and `qwen35_helpers.py` too), or with the given `weights` (a parity test's), in
     float64 (`float64_model`) with `dtype=torch.float64`, with random eviction gates with `gates=True`.
     Every call builds a new model, so a module-scoped fixture may mutate its own.

@@ -12,7 +12,7 @@ What is compressed (`COMPRESS`): `"context"` (kvpress's pipeline, the default of
 prompts are contexts, compressed alone (kvzip reconstructs the context only), and each row's question is
 then fed into the compressed cache, which keeps every question token, before the answer is decoded;
 `"prompt"`: the whole prompt, question included, is compressed. The answers are those of a separate run per
-(policy, budget) (tests/cli/test_oneshot_eval.py).
+(policy, budget) (tests/eval/test_oneshot.py).
 """
 
 from __future__ import annotations

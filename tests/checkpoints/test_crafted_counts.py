@@ -173,7 +173,7 @@ def test_hf_config_counts(request, tmp_path: Path, which: str, drop: str | None,
 def test_convert_says_what_the_source_is(ckpt: Path, tmp_path: Path) -> None:
     """A litkv checkpoint given to convert is said to be one (not "a Hugging Face directory with no
     config.json"); a quantised one given to --quantize is said to be quantised (not 63 key mismatches);
-    the library call leaves the gates behind (the command carries them, tests/convert/test_convert_gates.py)."""
+    the library call leaves the gates behind (the command carries them, tests/checkpoints/test_convert_gates.py)."""
     with pytest.raises(ValueError) as err:
         convert_hf_checkpoint(ckpt, tmp_path / "out")
     _one_line(err, str(ckpt), "is a litkv checkpoint already")

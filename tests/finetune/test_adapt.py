@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "adapt_h2o_256.yaml"
 SHIPPED_FORMAT = ROOT / "litkv" / "assets" / "default" / "recall_format.json"
 SEQ, CACHE, CHUNK = 96, 24, 8
-TOLERANCE = 1e-4  # as tests/gradient/test_gradient.py
+TOLERANCE = 1e-4  # as tests/gradient/test_chunked_backward.py
 
 
 @pytest.fixture(scope="module")

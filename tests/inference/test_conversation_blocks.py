@@ -2,7 +2,7 @@
 `--block_file`) and `litkv serve` (`Engine`, a request's `documents`).
 
 References: `generate(model, [prompt_segments(...)], ...)`, which is what `litkv generate --block_file` runs
-(tests/blocks/test_cli_blocks.py ties the command to it): the same layout gives bitwise the same tokens;
+(tests/cli/test_cli_blocks.py ties the command to it): the same layout gives bitwise the same tokens;
 the same conversation with the documents fed as ordinary text (recompute = 100% must equal it bitwise);
 a normal prefill of the text before the documents (a system prompt stays exact).
 """

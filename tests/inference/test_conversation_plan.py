@@ -1,6 +1,6 @@
 """The conversation core's planning (litkv/inference/conversation.py) that chat and serve share: `runs`
 against a brute-force grouping over every layout of up to 6 segments, `lossless_overflow` and
-`check_recompute`. Feeding through it is covered end to end by tests/blocks/test_conversation_blocks.py
+`check_recompute`. Feeding through it is covered end to end by tests/inference/test_conversation_blocks.py
 (chat and serve with documents equal `generate_segments`) and tests/cli/test_chat_template.py."""
 
 from __future__ import annotations

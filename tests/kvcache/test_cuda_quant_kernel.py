@@ -6,7 +6,7 @@ float32 queries `atol=1e-5, rtol=1e-4` for outputs and weight sums; bfloat16 out
 (`rtol=2**-7`); a float32 model's logits over 20 decode steps of qh2o (int4) and dense (int8) within
 `1e-4 * (1 + max |logit|)`. The same kernel in Triton's interpreter on the CPU, against a float64 oracle too:
 tests/kvcache/test_quant_decode_kernel.py. Capture in a CUDA graph and no host synchronisation:
-tests/precision/test_cuda_graph.py (its qh2o and int8 cases take this kernel).
+tests/modeling/test_cuda_graph.py (its qh2o and int8 cases take this kernel).
 """
 
 from __future__ import annotations

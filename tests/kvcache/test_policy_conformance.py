@@ -59,7 +59,7 @@ STORAGES = ("float", "int4")
 GROUP = 8  # quant_group_size: two groups per head of 16
 # Largest logit difference relative to the largest logit for int4 storage (tests/kvcache/test_input_errors_cache.py).
 INT4_BOUND = 2e-3
-GRAD_TOLERANCE = 1e-4  # tests/gradient/test_gradient.py
+GRAD_TOLERANCE = 1e-4  # tests/gradient/test_chunked_backward.py
 LENGTHS = (5, 17, 40)
 NEW_TOKENS = 6
 
@@ -276,7 +276,8 @@ def _grads(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def _max_rel_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """Largest `max|actual - expected| / max|expected|` over the parameters (tests/gradient/test_gradient.py)."""
+    """Largest `max|actual - expected| / max|expected|` over the parameters (as
+    tests/gradient/test_chunked_backward.py)."""
     assert actual.keys() == expected.keys()
     return max(float((actual[n] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) for n, ref in expected.items())
 

@@ -5,7 +5,7 @@ and a float64 oracle (the codes dequantised in float64, then `attention.attend`)
 Bounds: the kernel computes in float32 and multiplies each scale into a number where the PyTorch path multiplies
 it into a sum of products, so outputs and weight sums agree within `atol=1e-5, rtol=1e-4` (float32 rounding;
 float32 queries) with both; bfloat16 outputs within one bfloat16 rounding (`rtol=2**-7`).
-The compiled kernel on CUDA: `tests/precision/test_cuda_quant_kernel.py`.
+The compiled kernel on CUDA: `tests/kvcache/test_cuda_quant_kernel.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ FLOAT32 = {"atol": 1e-5, "rtol": 1e-4}
 def kernel() -> object:
     """The kernel module, its kernels interpreted on the CPU (`tests/_triton_interpret.py`)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter is off (a CUDA GPU: tests/precision/test_cuda_quant_kernel.py)")
+        pytest.skip("Triton's interpreter is off (a CUDA GPU: tests/kvcache/test_cuda_quant_kernel.py)")
     from litkv.kvcache.kernels import quant_decode
 
     return quant_decode

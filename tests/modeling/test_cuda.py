@@ -57,7 +57,7 @@ def test_16bit_model_on_gpu_matches_its_float64_twin(policy: str, dtype: torch.d
         ref = forward_chunked(model64, idx, cfg)
         got = forward_chunked(model.to(CUDA), idx.to(CUDA), cfg).cpu()
     assert got.dtype == dtype and bool(torch.isfinite(got).all())
-    if policy != "h2o":  # h2o's kept set may differ where scores tie up to rounding (tests/precision)
+    if policy != "h2o":  # h2o's kept set may differ where scores tie up to rounding (tests/modeling/test_cuda.py)
         assert max_diff(got, ref) <= half_bound(ref, dtype, LOGIT_EPS)
 
 

@@ -3,7 +3,7 @@ scripts/gpu_check.sh runs them): inductor skips no graph, a step never synchroni
 (`torch.cuda.set_sync_debug_mode("error")`), and the tokens are eager's for every policy and storage.
 
 float32 models: inductor's fused norms and MLP round bf16 otherwise than eager and may flip a near tie.
-The CPU side of the same claims (one graph, no recompilation, static addresses) is tests/model/test_compile.py.
+The CPU side of the same claims (one graph, no recompilation, static addresses) is tests/modeling/test_compile.py.
 """
 
 from __future__ import annotations

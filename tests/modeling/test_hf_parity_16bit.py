@@ -1,5 +1,5 @@
 """Parity with Hugging Face `transformers` in bfloat16 and float16, on the families of
-tests/model/test_hf_parity.py (same tiny random models, same LitGPT conversion).
+tests/modeling/test_hf_parity.py (same tiny random models, same LitGPT conversion).
 
 The reference is HF's model in float64 holding the 16-bit weights (rounded once). litkv in 16 bits, one
 shot and chunked through a dense cache, must be as close to it as HF's own 16-bit model is: within
