@@ -1,4 +1,4 @@
-"""Compiled decode of a hybrid model: one graph, no graph break, no recompilation across steps and
+"""Compiled decode of each hybrid family: one graph, no graph break, no recompilation across steps and
 generate calls, the recurrent states at fixed addresses over the compiled steps, the eager path's greedy tokens
 (dynamo's "eager" backend decides breaks and recompiles)."""
 
@@ -7,17 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from bamba_helpers import VOCAB, bamba_config
 from helpers import tiny_gpt
+from hybrid_families import HYBRID_FAMILIES, VOCAB
 from torch._dynamo.utils import counters
 
 from litkv import KVCacheConfig, generate
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", list(HYBRID_FAMILIES))
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
-def test_compiled_decode_one_graph_eager_tokens(policy: str) -> None:
-    model = tiny_gpt(5, torch.float64, config=bamba_config())
+def test_compiled_decode_one_graph_eager_tokens(family: str, policy: str) -> None:
+    model = tiny_gpt(5, torch.float64, config=HYBRID_FAMILIES[family]())
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (13, 29)]
     kv = KVCacheConfig(policy, cache_length=96 if policy == "dense" else 16, chunk_size=8)
