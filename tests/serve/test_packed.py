@@ -126,8 +126,8 @@ def test_plan_packs_and_refusals(model: GPT) -> None:
 @pytest.mark.slow
 def test_real_model_decode_rows_share_a_product_with_chunks(real_smollm2: tuple) -> None:
     """SmolLM2-135M-Instruct, h2o evicting: 16 decode rows and chunks of 64 and 32 tokens, packed as the probe
-    allows (on the development CPU all three in one product of 112 rows: the class of 16 and more), each group
-    bitwise its own call."""
+    allows, each group bitwise its own call; where the probe measures 16, 32, 64 and 112 rows alike (the
+    development CPU: the class of 16 and more), all three share one product of 112 rows."""
     model = real_smollm2[1]
     kv = KVCacheConfig(policy="h2o", cache_length=80)
     expected = [alone(model, g) for g in make_groups(model, kv, 16, [64, 32])]
@@ -136,5 +136,5 @@ def test_real_model_decode_rows_share_a_product_with_chunks(real_smollm2: tuple)
     packs = plan_packs([g.rows for g in groups], probe.alike)
     for g, (h, want) in enumerate(zip(packed_forward(model, groups, packs), expected, strict=True)):
         assert torch.equal(h, want), (g, packs)
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+    if all(probe.alike(rows, 112) for rows in (16, 64, 32)):  # measured here (the development CPU: yes)
         assert packs == [[0, 1, 2]]
