@@ -11,8 +11,10 @@ its line in `COMMAND_MODULES`, then `python scripts/update_help.py`.
 `scripts/update_help.py` from the live parsers; `tests/cli/test_startup.py` checks that they match), so
 they import neither torch nor any command; `litkv --version` likewise.
 
-Errors in the input (`ValueError`, `TypeError`, `FileNotFoundError` from litkv's checks) are printed
-as one line `error: ...` on stderr, without a traceback, and the exit status is 1. Set the
+Errors in the arguments that need no model (unknown options, numbers out of range, policy names, missing
+input files, unknown checkpoint names) are answered before any command or torch is imported
+(`litkv.cli.preflight`). Errors in the input (`ValueError`, `TypeError`, `FileNotFoundError` from litkv's
+checks) are printed as one line `error: ...` on stderr, without a traceback, and the exit status is 1. Set the
 environment variable `LITKV_DEBUG=1` to see the traceback instead.
 """
 
@@ -219,14 +221,25 @@ def _policy_option_name(name: str) -> str:
     prefix = "--kv_cache."
     if not name.startswith(prefix):
         return name
-    from dataclasses import fields
-
-    from litkv.modeling.config import KVCacheConfig
-
     head = name[len(prefix) :].split(".", 1)[0]
-    if head in {f.name for f in fields(KVCacheConfig)}:
+    if head in _kv_cache_fields():
         return name
     return f"{prefix}options.{name[len(prefix) :]}"
+
+
+@functools.cache
+def _kv_cache_fields() -> frozenset[str]:
+    """`KVCacheConfig`'s field names, from the stored help of `generate` (no torch import); from the class
+    where no help is stored."""
+    from litkv.cli.preflight import command_options
+
+    prefix = "--kv_cache."
+    stored = {name[len(prefix) :] for name in command_options("generate") if name.startswith(prefix)}
+    if stored:
+        return frozenset(stored)
+    from litkv.modeling.config import KVCacheConfig
+
+    return frozenset(f.name for f in fields(KVCacheConfig))
 
 
 def _check_utf8(prompts: Sequence[str]) -> None:
@@ -322,12 +335,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> None:
-    from jsonargparse import CLI
+    from litkv.cli import preflight
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else argv)
         selected = args[0] if args and args[0] in commands() else None
+        if selected is not None:
+            preflight.check(args)  # before jsonargparse, the command's module and torch are imported
+        from jsonargparse import CLI
+
         components = _load_components(selected)
         CLI(components, args=args, prog="litkv", description=DESCRIPTION)
     except (*USER_ERRORS, ImportError) as err:

@@ -431,7 +431,8 @@ def _check_tokenizer_json(path: Path) -> None:
 
 def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
     """LitGPT's `Tokenizer` for `checkpoint_dir` (`tokenizer.json` or `tokenizer.model`; or the name of a
-    downloaded known model, as `load_model` takes).
+    downloaded known model, as `load_model` takes), with `checkpoint_dir` set to the directory it was read
+    from (`litkv.chat_prompt` finds the chat template there).
 
     Raises:
         FileNotFoundError: no tokenizer file.
@@ -451,13 +452,15 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
     if (path / "tokenizer_config.json").is_file():
         _check_tokenizer_config(path / "tokenizer_config.json")
     try:
-        return Tokenizer(path)
+        tokenizer = Tokenizer(path)
     except KeyError as err:
         raise ValueError(f"tokenizer files in {str(path)!r} are incomplete: missing key {err}") from err
     except (ValueError, TypeError) as err:
         raise ValueError(f"tokenizer files in {str(path)!r} are invalid: {_one_line(err)}") from err
     except Exception as err:  # tokenizers and sentencepiece raise plain Exception/RuntimeError on bad files
         raise ValueError(f"cannot read the tokenizer in {str(path)!r}: {_one_line(err)}") from err
+    tokenizer.checkpoint_dir = path  # where its chat template is (`litkv.inference.chat_prompt`)
+    return tokenizer
 
 
 # -- atomic writes (litkv.core.atomic) -------------------------------------------------------------------
