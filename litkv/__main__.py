@@ -302,7 +302,25 @@ def render_help(key: str) -> str:
             os.environ.pop("COLUMNS", None)
         else:
             os.environ["COLUMNS"] = saved
-    return out.getvalue()
+    text = out.getvalue()
+    return (
+        text if selected is None or not commands()[selected].checkpoint_positional else _with_positional(text, selected)
+    )
+
+
+def _with_positional(text: str, name: str) -> str:
+    """`name`'s help with the checkpoint positional in its usage (`litkv generate [CHECKPOINT] ...`) and a
+    line saying what it is (`normalize_argv` turns it into `--checkpoint_dir`)."""
+    head = f"usage: litkv [options] {name} "
+    usage, _, rest = text.partition("\n\n")
+    usage = usage.replace(head, f"{head}[CHECKPOINT] ", 1).replace(
+        "\n ", "\n" + " " * (len("[CHECKPOINT] ") + 1), usage.count("\n")
+    )
+    note = (
+        f"CHECKPOINT (first or last): a checkpoint directory or a known model name (smollm2-135m-instruct);\n"
+        f"the same as --checkpoint_dir. E.g. `litkv {name} smollm2-135m-instruct ...`."
+    )
+    return f"{usage}\n\n{note}\n\n{rest}"
 
 
 def _quick_answer(argv: Sequence[str]) -> bool:
@@ -334,10 +352,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
 
 
+def show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: object = None,
+) -> None:
+    """`warnings.showwarning` of the command line: one line `warning: MESSAGE` on stderr, without the category,
+    the source file and its line (`LITKV_DEBUG=1` keeps Python's own format)."""
+    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+
 def _main(argv: Sequence[str] | None) -> None:
     from litkv.cli import preflight
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
+    if not debug:
+        import warnings
+
+        warnings.showwarning = show_warning
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else argv)
         selected = args[0] if args and args[0] in commands() else None

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from litkv.checkpoints.bounds import check_ceilings, check_layer_count
-from litkv.checkpoints.known import model_dir
+from litkv.checkpoints.known import model_dir, unknown_checkpoint_message
 from litkv.checkpoints.quant_store import attach_quantized, stored_quant
 from litkv.core.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
 from litkv.gates.gate import GATES_FILE, EvictionGates
@@ -85,7 +85,7 @@ def check_checkpoint_dir(checkpoint_dir: str | Path, weights: bool = True, token
     """
     path = Path(checkpoint_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        raise FileNotFoundError(unknown_checkpoint_message(checkpoint_dir))
     if is_temp_name(path.name):
         raise ValueError(
             f"{str(path)!r} is an incomplete checkpoint directory (the temporary name of an interrupted write)"
@@ -442,7 +442,7 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
 
     path = model_dir(checkpoint_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        raise FileNotFoundError(unknown_checkpoint_message(checkpoint_dir))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"checkpoint directory {str(path)!r} has no tokenizer: expected {' or '.join(TOKENIZER_FILES)}"

@@ -171,19 +171,22 @@ def generate(
 
 
 def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) -> KVCacheConfig:
-    """`kv_cache`, with a bounded (dense) cache left at the default `cache_length` grown to hold the longest
-    prompt (`prompt_tokens`) plus the new tokens; a bounded cache the user sized too small is a ValueError
-    naming `--kv_cache.cache_length` and the value that fits.
+    """`kv_cache`, with a bounded (dense) cache left at the default `cache_length` sized to hold the longest
+    prompt (`prompt_tokens`) plus the new tokens (grown or shrunk; at least its chunk sizes); a bounded
+    cache the user sized too small is a ValueError naming `--kv_cache.cache_length` and the value that fits.
 
     An explicit `--kv_cache.cache_length 1024` (the default's value) cannot be told from the default and
-    is grown too. Evicting policies are returned as they are: their size is the user's budget.
+    is sized too. Evicting policies are returned as they are: their size is the user's budget.
     """
     needed = prompt_tokens + max(max_new_tokens - 1, 0)  # the last new token is never stored
     limit = kv_cache.policy_class.max_tokens(kv_cache)
-    if limit is None or needed <= limit:
+    if limit is None:
         return kv_cache
-    if kv_cache.cache_length == DEFAULT_CACHE_LENGTH:
-        return dataclasses.replace(kv_cache, cache_length=needed)
+    if kv_cache.cache_length == DEFAULT_CACHE_LENGTH and needed != limit:
+        chunks = [n for n in (kv_cache.chunk_size, kv_cache.prefill_length) if n is not None]
+        return dataclasses.replace(kv_cache, cache_length=max(needed, *chunks, 1))
+    if needed <= limit:
+        return kv_cache
     raise ValueError(
         f"--kv_cache.cache_length {kv_cache.cache_length} is too small for a {kv_cache.policy} cache: the prompt "
         f"({prompt_tokens} tokens) and --max_new_tokens {max_new_tokens} need --kv_cache.cache_length {needed} "

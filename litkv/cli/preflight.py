@@ -17,7 +17,6 @@ refuses what the command would refuse later.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import math
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from litkv.core.validation import require_file
 
-__all__ = ["NUMBER_RANGES", "check", "command_options", "known_policy_names", "unknown_checkpoint_message"]
+__all__ = ["NUMBER_RANGES", "check", "command_options", "known_policy_names"]
 
 HELP_DIR = Path(__file__).resolve().parent.parent / "assets" / "help"
 POLICIES_FILE = HELP_DIR / "policies.txt"
@@ -59,8 +58,8 @@ NUMBER_RANGES: dict[str, tuple[float | None, float | None, bool, str]] = {
 }
 #: (command, option) -> the values it takes.
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {("generate", "--output"): ("text", "jsonl")}
-#: Options whose value is a file the command reads.
-INPUT_FILES = ("--prompt_file", "--block_file")
+#: Options whose value is a file the command reads -> what its errors call it (as the command's own do).
+INPUT_FILES = {"--prompt_file": "prompt file", "--block_file": "block file"}
 
 
 @functools.cache
@@ -103,16 +102,9 @@ def known_policy_names() -> tuple[str, ...]:
 
 def did_you_mean(given: str, known: Sequence[str]) -> str:
     """`"; did you mean X?"` (the closest of `known`, `difflib`), or `""`."""
-    close = difflib.get_close_matches(given, list(known), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(close)}?" if close else ""
+    from litkv.checkpoints.known import did_you_mean as closest
 
-
-def unknown_checkpoint_message(name: str, known: Sequence[str]) -> str:
-    """What to say of a checkpoint `name` that is neither an existing path nor a known model name."""
-    return (
-        f"checkpoint {name!r} is neither an existing directory nor a known model name{did_you_mean(name, known)} "
-        f"(known models: {', '.join(sorted(known))}; `litkv download NAME` gets one)"
-    )
+    return closest(given, known)
 
 
 def check(args: Sequence[str]) -> None:
@@ -188,7 +180,7 @@ def _check_value(name: str, kind: str, value: str) -> None:
         _check_policy(value)
     elif name in INPUT_FILES:
         for path in _listed(value):
-            require_file(name, path)
+            require_file(INPUT_FILES[name], path)
     elif name == "--checkpoint_dir":
         _check_checkpoint(value)
     base = re.sub(r"\bOptional\[(.*)\]", r"\1", kind).replace("| None", "").strip()
@@ -227,13 +219,13 @@ def _check_policy(value: str) -> None:
     known = known_policy_names()
     if known and ":" not in value and value not in known:
         raise ValueError(
-            f"unknown KV cache policy {value!r}{did_you_mean(value, known)} (known policies: {', '.join(known)}; "
-            "or a 'package.module:Class' path)"
+            f"unknown KV cache policy {value!r}; known policies: {', '.join(known)}{did_you_mean(value, known)}"
         )
 
 
 def _check_checkpoint(value: str) -> None:
-    from litkv.checkpoints.known import MODELS  # no torch: the names and where they come from
+    from litkv.checkpoints.known import MODELS, unknown_checkpoint_message  # no torch
 
-    if not Path(value).exists() and value not in MODELS:
-        raise FileNotFoundError(unknown_checkpoint_message(value, list(MODELS)))
+    if Path(value).exists() or value in MODELS:
+        return
+    raise FileNotFoundError(unknown_checkpoint_message(value))

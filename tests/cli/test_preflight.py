@@ -36,8 +36,8 @@ def run_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["generate", "--kv-cache", "h20"], "unknown KV cache policy 'h20'; did you mean h2o?"),
-        (["chat", "--kv_cache.policy", "snapk"], "did you mean snapkv?"),
+        (["generate", "--kv-cache", "h20"], "unknown KV cache policy 'h20'; known policies: dense,"),
+        (["chat", "--kv_cache.policy", "snapk"], "snapkv, tova; did you mean snapkv?"),
         (["generate", "--max_new_tokenz", "5"], "has no option --max_new_tokenz; did you mean --max_new_tokens?"),
         (["generate", "--to", "5"], "--to is ambiguous; it could be --top_k, --top_p"),
         (["generate", "--max-new-tokens", "-5"], "--max_new_tokens must be an int >= 0, got -5"),
@@ -45,10 +45,11 @@ def run_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
         (["generate", "--top_p", "0"], "--top_p must be a float in (0, 1] or null, got 0"),
         (["serve", "--max_batch", "0"], "--max_batch must be an int >= 1, got 0"),
         (["generate", "--kv_cache.cache_length", "1.5"], "--kv_cache.cache_length takes an int, got '1.5'"),
-        (["generate", "--prompt_file", "missing.txt"], "--prompt_file 'missing.txt' does not exist"),
-        (["generate", "--prompt", "hi", "--block_file", "a.txt"], "--block_file 'a.txt' does not exist"),
+        (["generate", "--prompt_file", "missing.txt"], "prompt file 'missing.txt' does not exist"),
+        (["generate", "--prompt", "hi", "--block_file", "a.txt"], "block file 'a.txt' does not exist"),
         (["generate", "smollm2-135m", "--prompt", "hi"], "did you mean smollm2-135m-instruct?"),
         (["evaluate", "--polices", "h2o"], "did you mean --policies"),
+        (["generate", "no/such/dir"], "checkpoint directory 'no/such/dir' does not exist"),
         (["generate", "--output", "json"], "--output must be one of text, jsonl, got 'json'; did you mean jsonl?"),
     ],
 )
