@@ -366,13 +366,14 @@ def show_warning(
 
 
 def _main(argv: Sequence[str] | None) -> None:
+    import warnings
+
     from litkv.cli import preflight
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
+    previous = warnings.showwarning
     if not debug:
-        import warnings
-
-        warnings.showwarning = show_warning
+        warnings.showwarning = show_warning  # for this command only: put back when it returns
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else argv)
         selected = args[0] if args and args[0] in commands() else None
@@ -387,6 +388,8 @@ def _main(argv: Sequence[str] | None) -> None:
             raise
         print(f"error: {_message(err)}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        warnings.showwarning = previous
 
 
 def _message(err: BaseException) -> str:

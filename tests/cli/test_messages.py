@@ -91,6 +91,7 @@ def test_a_warning_is_one_clean_line(ckpt: Path, capsys: pytest.CaptureFixture) 
     err = capsys.readouterr().err
     assert "warning: policy 'qh2o' needs quantised storage; using storage='int4'" in err
     assert "UserWarning" not in err and ".py:" not in err
+    assert warnings.showwarning is not show_warning  # main put Python's back
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = show_warning
