@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from litkv.checkpoints.runtime import load
     from litkv.gradient import chunked_loss_backward
     from litkv.inference.blocks import Segment
+    from litkv.inference.chat_prompt import chat_prompt, chat_stop_tokens
     from litkv.inference.generate import forward_chunked, generate
     from litkv.inference.sampling import Sampling
     from litkv.kvcache import KVCache, register_kv_cache
@@ -37,6 +38,8 @@ _LAZY: dict[str, str] = {
     "PrefixCache": "litkv.states.prefix",
     "Sampling": "litkv.inference.sampling",
     "Segment": "litkv.inference.blocks",
+    "chat_prompt": "litkv.inference.chat_prompt",
+    "chat_stop_tokens": "litkv.inference.chat_prompt",
     "chunked_loss_backward": "litkv.gradient",
     "forward_chunked": "litkv.inference.generate",
     "generate": "litkv.inference.generate",
@@ -64,6 +67,8 @@ __all__ = [
     "PrefixCache",
     "Sampling",
     "Segment",
+    "chat_prompt",
+    "chat_stop_tokens",
     "chunked_loss_backward",
     "forward_chunked",
     "generate",

@@ -11,8 +11,10 @@ its line in `COMMAND_MODULES`, then `python scripts/update_help.py`.
 `scripts/update_help.py` from the live parsers; `tests/cli/test_startup.py` checks that they match), so
 they import neither torch nor any command; `litkv --version` likewise.
 
-Errors in the input (`ValueError`, `TypeError`, `FileNotFoundError` from litkv's checks) are printed
-as one line `error: ...` on stderr, without a traceback, and the exit status is 1. Set the
+Errors in the arguments that need no model (unknown options, numbers out of range, policy names, missing
+input files, unknown checkpoint names) are answered before any command or torch is imported
+(`litkv.cli.preflight`). Errors in the input (`ValueError`, `TypeError`, `FileNotFoundError` from litkv's
+checks) are printed as one line `error: ...` on stderr, without a traceback, and the exit status is 1. Set the
 environment variable `LITKV_DEBUG=1` to see the traceback instead.
 """
 
@@ -219,14 +221,25 @@ def _policy_option_name(name: str) -> str:
     prefix = "--kv_cache."
     if not name.startswith(prefix):
         return name
-    from dataclasses import fields
-
-    from litkv.kvcache.config import KVCacheConfig
-
     head = name[len(prefix) :].split(".", 1)[0]
-    if head in {f.name for f in fields(KVCacheConfig)}:
+    if head in _kv_cache_fields():
         return name
     return f"{prefix}options.{name[len(prefix) :]}"
+
+
+@functools.cache
+def _kv_cache_fields() -> frozenset[str]:
+    """`KVCacheConfig`'s field names, from the stored help of `generate` (no torch import); from the class
+    where no help is stored."""
+    from litkv.cli.preflight import command_options
+
+    prefix = "--kv_cache."
+    stored = {name[len(prefix) :] for name in command_options("generate") if name.startswith(prefix)}
+    if stored:
+        return frozenset(stored)
+    from litkv.modeling.config import KVCacheConfig
+
+    return frozenset(f.name for f in fields(KVCacheConfig))
 
 
 def _check_utf8(prompts: Sequence[str]) -> None:
@@ -289,7 +302,25 @@ def render_help(key: str) -> str:
             os.environ.pop("COLUMNS", None)
         else:
             os.environ["COLUMNS"] = saved
-    return out.getvalue()
+    text = out.getvalue()
+    return (
+        text if selected is None or not commands()[selected].checkpoint_positional else _with_positional(text, selected)
+    )
+
+
+def _with_positional(text: str, name: str) -> str:
+    """`name`'s help with the checkpoint positional in its usage (`litkv generate [CHECKPOINT] ...`) and a
+    line saying what it is (`normalize_argv` turns it into `--checkpoint_dir`)."""
+    head = f"usage: litkv [options] {name} "
+    usage, _, rest = text.partition("\n\n")
+    usage = usage.replace(head, f"{head}[CHECKPOINT] ", 1).replace(
+        "\n ", "\n" + " " * (len("[CHECKPOINT] ") + 1), usage.count("\n")
+    )
+    note = (
+        f"CHECKPOINT (first or last): a checkpoint directory or a known model name (smollm2-135m-instruct);\n"
+        f"the same as --checkpoint_dir. E.g. `litkv {name} smollm2-135m-instruct ...`."
+    )
+    return f"{usage}\n\n{note}\n\n{rest}"
 
 
 def _quick_answer(argv: Sequence[str]) -> bool:
@@ -321,13 +352,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(130)
 
 
+def show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: object = None,
+) -> None:
+    """`warnings.showwarning` of the command line: one line `warning: MESSAGE` on stderr, without the category,
+    the source file and its line (`LITKV_DEBUG=1` keeps Python's own format)."""
+    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+
 def _main(argv: Sequence[str] | None) -> None:
-    from jsonargparse import CLI
+    import warnings
+
+    from litkv.cli import preflight
 
     debug = os.environ.get("LITKV_DEBUG", "") not in ("", "0")
+    previous = warnings.showwarning
+    if not debug:
+        warnings.showwarning = show_warning  # for this command only: put back when it returns
     try:
         args = normalize_argv(sys.argv[1:] if argv is None else argv)
         selected = args[0] if args and args[0] in commands() else None
+        if selected is not None:
+            preflight.check(args)  # before jsonargparse, the command's module and torch are imported
+        from jsonargparse import CLI
+
         components = _load_components(selected)
         CLI(components, args=args, prog="litkv", description=DESCRIPTION)
     except (*USER_ERRORS, ImportError) as err:
@@ -335,6 +388,8 @@ def _main(argv: Sequence[str] | None) -> None:
             raise
         print(f"error: {_message(err)}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        warnings.showwarning = previous
 
 
 def _message(err: BaseException) -> str:

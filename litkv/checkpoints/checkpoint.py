@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from litkv.checkpoints.bounds import check_ceilings, check_layer_count
-from litkv.checkpoints.known import model_dir
+from litkv.checkpoints.known import model_dir, unknown_checkpoint_message
 from litkv.checkpoints.quant_store import attach_quantized, stored_quant
 from litkv.core.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
 from litkv.gates.gate import GATES_FILE, EvictionGates
@@ -85,7 +85,7 @@ def check_checkpoint_dir(checkpoint_dir: str | Path, weights: bool = True, token
     """
     path = Path(checkpoint_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        raise FileNotFoundError(unknown_checkpoint_message(checkpoint_dir))
     if is_temp_name(path.name):
         raise ValueError(
             f"{str(path)!r} is an incomplete checkpoint directory (the temporary name of an interrupted write)"
@@ -431,7 +431,8 @@ def _check_tokenizer_json(path: Path) -> None:
 
 def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
     """LitGPT's `Tokenizer` for `checkpoint_dir` (`tokenizer.json` or `tokenizer.model`; or the name of a
-    downloaded known model, as `load_model` takes).
+    downloaded known model, as `load_model` takes), with `checkpoint_dir` set to the directory it was read
+    from (`litkv.chat_prompt` finds the chat template there).
 
     Raises:
         FileNotFoundError: no tokenizer file.
@@ -441,7 +442,7 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
 
     path = model_dir(checkpoint_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+        raise FileNotFoundError(unknown_checkpoint_message(checkpoint_dir))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"checkpoint directory {str(path)!r} has no tokenizer: expected {' or '.join(TOKENIZER_FILES)}"
@@ -451,13 +452,15 @@ def load_tokenizer(checkpoint_dir: str | Path):  # -> litgpt.tokenizer.Tokenizer
     if (path / "tokenizer_config.json").is_file():
         _check_tokenizer_config(path / "tokenizer_config.json")
     try:
-        return Tokenizer(path)
+        tokenizer = Tokenizer(path)
     except KeyError as err:
         raise ValueError(f"tokenizer files in {str(path)!r} are incomplete: missing key {err}") from err
     except (ValueError, TypeError) as err:
         raise ValueError(f"tokenizer files in {str(path)!r} are invalid: {_one_line(err)}") from err
     except Exception as err:  # tokenizers and sentencepiece raise plain Exception/RuntimeError on bad files
         raise ValueError(f"cannot read the tokenizer in {str(path)!r}: {_one_line(err)}") from err
+    tokenizer.checkpoint_dir = path  # where its chat template is (`litkv.inference.chat_prompt`)
+    return tokenizer
 
 
 # -- atomic writes (litkv.core.atomic) -------------------------------------------------------------------

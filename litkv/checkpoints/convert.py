@@ -263,6 +263,11 @@ def convert_hf_checkpoint(
         `out_dir`, written whole or not at all (`save_dir_atomic`).
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if hf_dir.exists() and not hf_dir.is_dir():
+        raise ValueError(
+            f"{str(hf_dir)!r} is a file, not a Hugging Face model directory: give a directory holding config.json, "
+            "the weights and the tokenizer files, or a .gguf file"
+        )
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} does not exist")
     check_output_dir(out_dir, "convert", [hf_dir], overwrite)

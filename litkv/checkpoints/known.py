@@ -5,8 +5,10 @@ ships for it (`add_shipped_gates`). Getting the file and converting it: `litkv.c
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +20,12 @@ __all__ = [
     "GGUFPackage",
     "add_shipped_gates",
     "cache_dir",
+    "did_you_mean",
     "known_checkpoint_dir",
     "litkv_home",
     "model_dir",
     "shipped_gates_file",
+    "unknown_checkpoint_message",
 ]
 
 #: Where the package keeps eviction gates trained for the models in `MODELS` (relative to this file).
@@ -100,3 +104,22 @@ def add_shipped_gates(name: str, checkpoint_dir: Path) -> bool:
         return False
     write_atomic(target, lambda tmp: shutil.copyfile(shipped, tmp))
     return True
+
+
+def did_you_mean(given: str, known: Sequence[str]) -> str:
+    """`"; did you mean X?"` (the closest of `known`, `difflib`), or `""`."""
+    close = difflib.get_close_matches(given, list(known), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def unknown_checkpoint_message(value: str | Path) -> str:
+    """What to say of a checkpoint `value` that does not exist: a path's directory is missing; a bare name
+    is neither a directory nor a known model name (the closest known names, and every one)."""
+    name = str(value)
+    if "/" in name or "\\" in name or name.startswith("."):  # a path, not a name
+        return f"checkpoint directory {name!r} does not exist"
+    close = did_you_mean(name, list(MODELS))
+    return (
+        f"checkpoint {name!r} is neither an existing directory nor a known model name{close} "
+        f"(known models: {', '.join(sorted(MODELS))}; `litkv download NAME` gets one)"
+    )

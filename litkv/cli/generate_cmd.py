@@ -12,9 +12,11 @@ import torch
 
 from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
+from litkv.cli.answers import check_output, print_answers, shorten_echo
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.validation import read_text_file, require_int
 from litkv.inference.blocks import Segment, prompt_segments
+from litkv.inference.chat_prompt import encode_prompt
 from litkv.inference.chat_template import Format, RawFormat, load_format
 from litkv.inference.generate import generate as generate_tokens
 from litkv.inference.sampling import Sampling
@@ -64,13 +66,17 @@ def generate(
     block_file: list[Path] | None = None,
     recompute: float = 0.0,
     quantize: str = "none",
+    output: str = "text",
 ) -> list[torch.Tensor]:
     """Generate text from a checkpoint, with a KV cache policy.
 
-    Only the answer goes to stdout (`litkv generate ... > answer.txt` holds the answer alone); the prompt,
-    the progress bar and a summary line (tokens, speed, cache bytes) go to stderr. With one prompt the
-    answer is streamed as it is produced; several prompts run as one batch, each answer printed at the
-    end on its own line(s) (its prompt under a `--- prompt i ---` header on stderr).
+    Only the answer goes to stdout (`litkv generate ... > answer.txt` holds the answer alone); the prompt
+    (a long one shortened), the progress bar and a summary line (tokens, speed, cache bytes) go to stderr.
+    With one prompt the answer is streamed as it is produced; several prompts run as one batch, each
+    answer printed at the end on one line, its newlines written as ``\\n`` and backslashes as ``\\\\`` (its
+    prompt under a `--- prompt i ---` header on stderr). ``--output jsonl`` prints one JSON object per
+    prompt and line instead: index, text, prompt_tokens, new_tokens, finish_reason ("stop" or "length").
+    In Python, `litkv.chat_prompt(tokenizer, text)` gives the ids this command feeds for a prompt.
 
     Args:
         checkpoint_dir: LitGPT-layout directory (model_config.yaml, model.safetensors or
@@ -105,12 +111,15 @@ def generate(
             their context (0: pure splice; 1: a normal prefill).
         quantize: Weight-only quantisation of the linear layers at load (CPU only): "none", "int8"
             (per output channel), "int4" (groups of 32 input columns) or "int4-gN" (N = 64, 128, 256).
+        output: "text" (an answer streamed; a batch's answers one escaped line each) or "jsonl" (one JSON
+            object per prompt: index, text, prompt_tokens, new_tokens, finish_reason).
 
     Returns:
         The new tokens of each prompt.
     """
     sampling = Sampling(temperature, top_k, top_p, seed=seed)  # refused before the model loads
     require_int("max_new_tokens", max_new_tokens, 0)
+    check_output(output)
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     texts = _read_prompts(prompt, prompt_file)
     model, dev = load_for_inference(ckpt, precision, device, num_threads, quantize)
@@ -125,9 +134,9 @@ def generate(
             file=sys.stderr,
         )
     stop = tuple(sorted(fmt.stop_ids))
-    stream = _Stream(tokenizer, model, echo=len(texts) == 1, stop=stop)
+    stream = _Stream(tokenizer, model, echo=len(texts) == 1 and output == "text", stop=stop)
     if stream.echo:
-        _echo_prompt(texts[0], fmt)
+        _echo_prompt(shorten_echo(texts[0], lengths[0]), fmt)
     prefix_cache = block_store = None
     if block_file:
         block_store = BlockStore(PROMPT_CACHE_BYTES, None if prompt_cache is None else Path(prompt_cache) / "blocks")
@@ -150,7 +159,7 @@ def generate(
     if stream.echo:
         stream.finish()
     else:
-        _print_answers(texts, outputs, tokenizer)
+        print_answers(texts, outputs, lengths, tokenizer, stop, output)
     new_tokens = sum(out.numel() for out in outputs)
     print(stream.summary(len(prompts), sum(lengths), new_tokens, kv_cache, compile), file=sys.stderr)
     if prefix_cache is not None:
@@ -162,19 +171,22 @@ def generate(
 
 
 def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) -> KVCacheConfig:
-    """`kv_cache`, with a bounded (dense) cache left at the default `cache_length` grown to hold the longest
-    prompt (`prompt_tokens`) plus the new tokens; a bounded cache the user sized too small is a ValueError
-    naming `--kv_cache.cache_length` and the value that fits.
+    """`kv_cache`, with a bounded (dense) cache left at the default `cache_length` sized to hold the longest
+    prompt (`prompt_tokens`) plus the new tokens (grown or shrunk; at least its chunk sizes); a bounded
+    cache the user sized too small is a ValueError naming `--kv_cache.cache_length` and the value that fits.
 
     An explicit `--kv_cache.cache_length 1024` (the default's value) cannot be told from the default and
-    is grown too. Evicting policies are returned as they are: their size is the user's budget.
+    is sized too. Evicting policies are returned as they are: their size is the user's budget.
     """
     needed = prompt_tokens + max(max_new_tokens - 1, 0)  # the last new token is never stored
     limit = kv_cache.policy_class.max_tokens(kv_cache)
-    if limit is None or needed <= limit:
+    if limit is None:
         return kv_cache
-    if kv_cache.cache_length == DEFAULT_CACHE_LENGTH:
-        return dataclasses.replace(kv_cache, cache_length=needed)
+    if kv_cache.cache_length == DEFAULT_CACHE_LENGTH and needed != limit:
+        chunks = [n for n in (kv_cache.chunk_size, kv_cache.prefill_length) if n is not None]
+        return dataclasses.replace(kv_cache, cache_length=max(needed, *chunks, 1))
+    if needed <= limit:
+        return kv_cache
     raise ValueError(
         f"--kv_cache.cache_length {kv_cache.cache_length} is too small for a {kv_cache.policy} cache: the prompt "
         f"({prompt_tokens} tokens) and --max_new_tokens {max_new_tokens} need --kv_cache.cache_length {needed} "
@@ -207,20 +219,10 @@ def _echo_prompt(text: str, fmt: Format) -> None:
     print(text, end="" if same_line else "\n", file=sys.stderr, flush=True)
 
 
-def _print_answers(texts: list[str], outputs: list[torch.Tensor], tokenizer: Tokenizer) -> None:
-    """A batch's answers: each prompt, under a `--- prompt i ---` header, on stderr; each answer on stdout,
-    ending its line."""
-    for i, (text, out) in enumerate(zip(texts, outputs, strict=True)):
-        print(f"--- prompt {i} ---\n{text}", file=sys.stderr, flush=True)
-        print(tokenizer.decode(out), flush=True)
-
-
 def _encode(fmt: Format, tokenizer: Tokenizer, text: str, device: torch.device) -> torch.Tensor:
-    """A prompt's ids `(T,)`: raw text (BOS per the tokenizer), or one user message in the chat template."""
-    if isinstance(fmt, RawFormat):
-        return tokenizer.encode(text, device=device).long()
-    ids = [t for seg in fmt.segments([("user", text)], [None], True, True) for t in seg.ids]
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    """A prompt's ids `(T,)`: raw text (BOS per the tokenizer), or one user message in the chat template
+    (`litkv.chat_prompt` gives the same ids in Python)."""
+    return encode_prompt(fmt, tokenizer, text, device)
 
 
 def _read_prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:

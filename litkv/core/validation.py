@@ -82,7 +82,16 @@ def check_float(name: str, value: object, minimum: float | None = None, maximum:
     if not is_number(value) or value != value or abs(value) == float("inf"):  # type: ignore[arg-type]
         raise TypeError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
-        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+        raise ValueError(f"{name} must be {_range_words(minimum, maximum)}, got {value}")
+
+
+def _range_words(minimum: float | None, maximum: float | None) -> str:
+    """`">= 0.0"`, `"<= 1.0"` or `"in [0.0, 1.0]"`: the range, without a bound that is not there."""
+    if maximum is None:
+        return f">= {minimum}"
+    if minimum is None:
+        return f"<= {maximum}"
+    return f"in [{minimum}, {maximum}]"
 
 
 def check_bool(name: str, value: object) -> None:

@@ -47,7 +47,7 @@ from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
 
-__all__ = ["LOG_FILE", "OPTIMIZER_FILE", "STATE_FILE", "learn_eviction", "load_gate_state"]
+__all__ = ["LOG_FILE", "OPTIMIZER_FILE", "STATE_FILE", "learn_eviction", "load_gate_state", "ramp_note"]
 
 #: Per-step record of a gate-training run, in the output checkpoint.
 LOG_FILE = "learn_eviction.csv"
@@ -95,6 +95,9 @@ def learn_eviction(
             apply_lora(model, lora)
     settings = yaml_safe({"base": checkpoint_dir, "data": data, "learn": learn, "kv_cache": kv_cache, "lora": lora})
     bar = tqdm(total=learn.steps, initial=0 if state is None else state.step, desc=f"learn eviction ({learn.method})")
+    note = ramp_note(learn)
+    if note is not None:
+        bar.write(note)
 
     def progress(log: StepLog) -> None:
         bar.update(1)
@@ -115,6 +118,19 @@ def learn_eviction(
         bar.close()
     weights = _weights(model, base_id, gates)
     return save_dir_atomic(out_dir / "final", partial(_write, checkpoint_dir, weights, gates, logs, settings, None))
+
+
+def ramp_note(learn: GateTrainArgs) -> str | None:
+    """The line said before training: the loss rises while the keep goal ramps down (None for `lstsq`, which
+    has no ramp)."""
+    if learn.method == "lstsq":
+        return None
+    ramp_steps = max(1, round(learn.ramp * learn.steps))
+    return (
+        f"note: the keep goal ramps from 1 to {learn.target_keep:g} over the first {ramp_steps} of {learn.steps} "
+        "steps, so the loss (fit + compression) rises while it ramps and settles after; compare `fit` at the "
+        "same `goal`"
+    )
 
 
 def _weights(

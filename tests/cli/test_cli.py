@@ -18,6 +18,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.cli.answers import escape_line
 from litkv.inference.generate import generate
 from litkv.inference.sampling import Sampling
 from litkv.kvcache import known_policies
@@ -151,7 +152,8 @@ def test_generate_batch_and_config_file(ckpt: Path, tmp_path: Path, capsys: pyte
     kv = KVCacheConfig(policy="last-recent", cache_length=8, chunk_size=4)
     prompts = [tok.encode(PROMPT).long(), tok.encode("jumps over").long()]
     expected = generate(model, prompts, 5, kv, Sampling(stop_tokens=(tok.eos_id,)))
-    assert out.out == "".join(tok.decode(ids) + "\n" for ids in expected)  # the answers alone, one per line
+    texts = [tok.decode(ids[:-1] if ids.numel() and ids[-1] == tok.eos_id else ids) for ids in expected]
+    assert out.out == "".join(escape_line(text) + "\n" for text in texts)  # the answers alone, one line each
 
 
 def test_shipped_generate_config_parses(ckpt: Path, capsys: pytest.CaptureFixture) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from litkv.__main__ import main, normalize_argv
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+from litkv.cli.answers import unescape_line
 from litkv.core.tokens import encode_plain
 from litkv.inference.blocks import Segment, prompt_segments
 from litkv.inference.chat_template import RawFormat
@@ -100,5 +101,5 @@ def test_generate_block_files_with_several_prompts_decodes_them_as_a_batch(
         with torch.inference_mode():
             alone = generate(model, [segments], 5, KVCacheConfig(), block_store=BlockStore(0))[0]
         assert f"--- prompt {i} ---\n{question}\n" in captured.err
-        assert captured.out.splitlines()[i] == tokenizer.decode(alone)  # one answer per line, in order
+        assert unescape_line(captured.out.splitlines()[i]) == tokenizer.decode(alone)  # one line per answer, in order
     assert "block tokens restored" in captured.err and "0 block tokens restored" not in captured.err

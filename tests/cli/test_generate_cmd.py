@@ -113,7 +113,7 @@ def test_bad_sampling_options(model: GPT, options: dict, error: type[Exception],
 
 def test_temperature_nan_on_the_command_line(capsys: pytest.CaptureFixture) -> None:
     line = main_error(capsys, "generate", "--max_new_tokens", "2", "--temperature", ".nan")  # YAML's NaN
-    assert line == "error: temperature must be a finite float >= 0 (0: greedy), got nan"
+    assert line == "error: --temperature must be a finite float >= 0 (0: greedy), got nan"
     assert capsys.readouterr().out == ""  # refused before the prompt is echoed
 
 
