@@ -389,24 +389,34 @@ def _reference_rope(x: torch.Tensor, c: Config) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
-def forge_entry(source: object, target: object, **entry: object) -> dict:
+def forge_entry(
+    source: object, target: object, sign: bytes | None = None, token_ids: object = None, **entry: object
+) -> dict:
     """Copy the state file `source` to `target` with its store entry's fields replaced by `entry` and
     the checksum recomputed, as an attacker who knows the format would (only what the entry and the
-    metadata claim is then left to refuse it). Returns the new entry."""
+    metadata claim is then left to refuse it). The file's mac is dropped (the attacker has no key) unless
+    `sign` is given: then the file is signed with that key, as a writer holding the store's key would.
+    `token_ids`: the ids the file claims to cover (default: the source's). Returns the new entry."""
     import json
 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from litkv.states.state_file import digest
+    from litkv.core.secret import mac
+    from litkv.states.state_file import MAC_PURPOSE, digest
 
     with safe_open(str(source), framework="pt") as f:
         header = dict(f.metadata() or {})
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     meta = json.loads(header["litkv"])
     meta.pop("digest")
+    meta.pop("mac", None)
     meta["entry"] = {**(meta.get("entry") or {}), **entry}
+    if token_ids is not None:
+        meta["token_ids"] = token_ids
     meta["digest"] = digest(meta, tensors)
+    if sign is not None:
+        meta["mac"] = mac(sign, MAC_PURPOSE, meta["digest"])
     header["litkv"] = json.dumps(meta)
     save_file(tensors, str(target), metadata=header)
     return meta["entry"]

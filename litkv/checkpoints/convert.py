@@ -270,7 +270,7 @@ def convert_hf_checkpoint(
         )
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} does not exist")
-    check_output_dir(out_dir, "convert", [hf_dir], overwrite)
+    check_output_dir(out_dir, "convert", [hf_dir], overwrite, replace=True)
     hf = _read_hf_config(hf_dir)
     _check_hf_counts(hf, hf_dir)
     if hf.get("model_type") in QWEN35_MODEL_TYPES or hf.get("model_type") in QWEN35_MOE_TYPES:
@@ -320,7 +320,7 @@ def quantize_checkpoint(
     src, out = check_checkpoint_dir(src_dir), Path(out_dir)
     if quant.mode == "none":
         raise ValueError("quantize_checkpoint needs int8, int4 or int4-gN, got 'none'")
-    check_output_dir(out, "convert", [src], overwrite)
+    check_output_dir(out, "convert", [src], overwrite, replace=True)
     config = load_config(src)
     weights_file = find_weights_file(src)
     state_dict = load_state_dict(weights_file)

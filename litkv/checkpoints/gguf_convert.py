@@ -327,7 +327,7 @@ def convert_gguf(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     path, out = Path(gguf_file), Path(out_dir)
-    check_output_dir(out, command, [path], overwrite)
+    check_output_dir(out, command, [path], overwrite, replace=True)
     source = str(path)
     reader = read_gguf(path)
     meta = _metadata(reader, source)

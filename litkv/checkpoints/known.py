@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from litkv.core.atomic import write_atomic
+from litkv.core.secret import litkv_home
 
 __all__ = [
     "MODELS",
@@ -50,11 +51,6 @@ MODELS: dict[str, GGUFPackage] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
-
-
-def litkv_home() -> Path:
-    """`$LITKV_HOME`, default `~/.cache/litkv`."""
-    return Path(os.environ.get("LITKV_HOME") or Path.home() / ".cache" / "litkv")
 
 
 def cache_dir(name: str) -> Path:

@@ -69,7 +69,7 @@ def convert(
     from litkv.checkpoints.download import known_checkpoint_dir
 
     source = known_checkpoint_dir(source) or Path(source)
-    check_output_dir(out_dir, "convert", [source], overwrite)  # before any file is read
+    check_output_dir(out_dir, "convert", [source], overwrite, replace=True)  # before any file is read
     if quant.mode != "none":
         _convert_quantized(source, Path(out_dir), quant, model_name, precision, dtype, overwrite)
         return

@@ -139,13 +139,13 @@ def evaluate(
             "oneshot_compress": oneshot_compress,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
-        check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
+        check_output_dir(out_dir, "evaluate", [ckpt], overwrite, replace=True)  # before the run, not after it
         return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
     policy_options = _nest_policy_options(policy_options)
     for name, value in (("recall_cases", recall_cases), ("multikey_cases", multikey_cases)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0 (0: skip that task), got {value!r}")
-    check_output_dir(out_dir, "evaluate", [ckpt], overwrite)  # before the run, not after it
+    check_output_dir(out_dir, "evaluate", [ckpt], overwrite, replace=True)  # before the run, not after it
     settings = {
         "policies": _resolve_policies(policies, continuous=True),
         "budgets": list(DEFAULT_BUDGETS if budgets is None else budgets),

@@ -25,7 +25,9 @@ are refused with one line. `write_atomic` and `save_dir_atomic` share one error 
 
 A command's output directory never deletes what the user had (`check_output_dir`): an existing
 non-empty directory is replaced only when it holds this command's marker file (`OUTPUT_MARKER`,
-written by `save_dir_atomic(..., command=...)` or `mark_output_dir`) and `overwrite` is given; a
+written by `save_dir_atomic(..., command=...)` or `mark_output_dir`), the marker lists exactly the
+files the directory holds with their sizes and hashes (`litkv.core.output_marker`), and `overwrite`
+is given; a
 directory equal to, inside or above a source, the current directory, the home directory, or one
 above either is refused whatever the flags.
 """
@@ -46,11 +48,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from litkv.core.output_marker import OUTPUT_MARKER, file_table, marker_command, marker_problem
+
 __all__ = [
     "OUTPUT_MARKER",
     "TMP_PREFIX",
     "FileWriteError",
     "check_output_dir",
+    "create_private_file",
     "is_temp_name",
     "mark_output_dir",
     "remove_stale_temp_files",
@@ -64,8 +69,6 @@ __all__ = [
 
 #: Prefix of every temporary file or directory that litkv writes (then renames into place).
 TMP_PREFIX = ".litkv-tmp-"
-#: The file that marks a directory as written by a litkv command (JSON: `{"written_by": "litkv CMD"}`).
-OUTPUT_MARKER = ".litkv-output.json"
 #: Errors of a write that the user must fix (space, permission, read-only file system).
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 _OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
@@ -316,6 +319,35 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def create_private_file(path: str | Path, data: bytes) -> bool:
+    """Create `path` holding `data`, mode 0600 from its first byte, atomically and only if nothing is
+    there: the bytes go to a private temporary file (fsynced) that is then hard-linked to `path`, so a
+    reader sees the whole file or none and a file another process created first is kept. Returns True
+    when this call created it, False when `path` already existed."""
+    path = Path(path)
+    _make_parent(path)
+
+    def make(tmp: Path) -> None:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+
+    tmp = _temp_sibling(path, make)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            _write_all(fd, memoryview(data), tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        _fsync(path.parent, directory=True)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_dir_atomic(
     path: str | Path,
     write_fn: Callable[[Path], None],
@@ -336,7 +368,7 @@ def save_dir_atomic(
     directory is never found under the name `path`.
     """
     if command is not None:
-        check_output_dir(path, command, sources, overwrite)
+        check_output_dir(path, command, sources, overwrite, replace=True)
     path, _ = resolve_target(path, directory=True)
     _make_parent(path)
     tmp = _temp_sibling(path, lambda p: p.mkdir(mode=0o777))
@@ -345,22 +377,14 @@ def save_dir_atomic(
         write_fn(tmp)
         if command is not None:
             mark_output_dir(tmp, command)
+            if path.exists():  # checked again: the user may have added a file while the command ran
+                check_output_dir(path, command, sources, overwrite, replace=True)
         _fsync(tmp, directory=True)
         _replace_dir(tmp, path)
 
     _guarded(path, body, lambda: shutil.rmtree(tmp, ignore_errors=True))
     _fsync(path.parent, directory=True)
     return path
-
-
-def _marker_command(directory: Path) -> str | None:
-    """The command named by `directory`'s marker file (`None`: no marker, or not one litkv wrote)."""
-    try:
-        data = json.loads((directory / OUTPUT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    written_by = data.get("written_by") if isinstance(data, dict) else None
-    return written_by.removeprefix("litkv ") if isinstance(written_by, str) else None
 
 
 def _is_within(inner: Path, outer: Path) -> bool:
@@ -373,6 +397,7 @@ def check_output_dir(
     sources: Sequence[str | Path] = (),
     overwrite: bool = False,
     reuse: bool = False,
+    replace: bool = False,
 ) -> Path:
     """Refuse an output directory `path` of `litkv command` whose writing could delete the user's files.
 
@@ -380,7 +405,10 @@ def check_output_dir(
     directory the command reads), the current or home directory or one above them, and a path that
     exists but is not a directory. An existing non-empty directory is accepted only when it holds
     `command`'s marker file (`OUTPUT_MARKER`: litkv wrote it for this command before) and `overwrite`
-    (or `reuse`: the command adds to it, as `finetune --resume`) is given. Returns `path`.
+    (or `reuse`: the command adds to it, as `finetune --resume`) is given; with `replace` (the command
+    deletes it and writes it again, `save_dir_atomic`), the marker must also be a regular file listing
+    exactly the files the directory holds, with their sizes and hashes
+    (`litkv.core.output_marker.marker_problem`). Returns `path`.
 
     Raises:
         ValueError: one line naming `path` and what it would have destroyed.
@@ -404,18 +432,27 @@ def check_output_dir(
         raise ValueError(f"{where} exists and is not a directory")
     if not any(given.iterdir()):
         return given
-    marked = _marker_command(given)
+    marked = marker_command(given)
     if marked != command:
         by = f"it was written by litkv {marked}" if marked else f"litkv {command} did not write it"
+        by += f"; its marker {OUTPUT_MARKER} is a symlink" if (given / OUTPUT_MARKER).is_symlink() else ""
         raise ValueError(f"{where} exists and is not empty ({by}); give a new or empty directory")
     if not (overwrite or reuse):
         raise ValueError(f"{where} holds an earlier litkv {command} output; give --overwrite true to replace it")
+    problem = marker_problem(given, command) if replace else None
+    if problem:
+        raise ValueError(f"{where} is not replaced: {problem}; move them away or give a new directory")
     return given
 
 
 def mark_output_dir(directory: str | Path, command: str) -> None:
-    """Write `command`'s marker file into `directory` (created if needed): litkv wrote it, for `command`."""
-    write_text_atomic(Path(directory) / OUTPUT_MARKER, json.dumps({"written_by": f"litkv {command}"}) + "\n")
+    """Write `command`'s marker file into `directory` (created if needed): litkv wrote it, for `command`,
+    with every file it holds now (relative path, size, sha256: `litkv.core.output_marker.file_table`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files, _ = file_table(directory)
+    text = json.dumps({"written_by": f"litkv {command}", "files": files}, indent=1, sort_keys=True)
+    write_text_atomic(directory / OUTPUT_MARKER, text + "\n")
 
 
 def _replace_dir(tmp: Path, path: Path) -> None:

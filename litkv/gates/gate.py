@@ -9,10 +9,18 @@ position 0 (`unrotate_keys`) so that the same content gives the same logit at ev
 
 Gates are plain tensors, not modules of the model: the model's own weights and files stay as they
 are, and the gates are saved in their own safetensors file next to them (`GATES_FILE`).
+
+**A gates file proves its tensors.** Its metadata records `sha256`, the digest of its tensors and
+metadata (`gates_digest`), and `mac`, an HMAC-SHA256 of that digest under the user's secret
+(`litkv.core.secret`). `EvictionGates.load` refuses a file whose tensors or metadata do not give its
+recorded digest, and one that is neither shipped with litkv (its digest listed in
+`litkv/assets/gates/manifest.json`) nor signed by this user's litkv: an edited tensor, a relabelled
+fingerprint or a file written by someone else, whatever digest they record (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -21,13 +29,51 @@ from pathlib import Path
 import torch
 
 from litkv.core.rope import apply_rope
+from litkv.core.secret import mac, macs_equal, user_secret
 
-__all__ = ["GATES_FILE", "EvictionGates", "unrotate_keys"]
+__all__ = ["GATES_FILE", "EvictionGates", "gates_digest", "shipped_digests", "unrotate_keys"]
 
 #: The gates' file in a checkpoint directory, next to `model.safetensors`.
 GATES_FILE = "eviction_gates.safetensors"
 
 _FORMAT = "litkv-eviction-gates"
+#: The manifest of the gates files shipped in the package: their `gates_digest`s.
+MANIFEST = Path(__file__).resolve().parents[1] / "assets" / "gates" / "manifest.json"
+_MAC_PURPOSE = "eviction-gates"
+_UNSIGNED = ("sha256", "mac")  # metadata keys the digest does not cover
+
+
+def gates_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """sha256 of a gates file's metadata (but `sha256` and `mac`) and tensors (as float32, little-endian)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k not in _UNSIGNED}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def shipped_digests() -> set[str]:
+    """The digests of the gates files litkv ships (`MANIFEST`)."""
+    try:
+        data = json.loads(MANIFEST.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return set(data.get("digests", {}).values()) if isinstance(data, dict) else set()
+
+
+def _authenticity_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str | None:
+    """Why a gates file cannot be trusted (one phrase), or `None` (shipped, or signed by this user)."""
+    digest = gates_digest(tensors, meta)
+    if "sha256" in meta and meta["sha256"] != digest:
+        return "its tensors or metadata do not give its recorded sha256 (edited)"
+    if digest in shipped_digests():
+        return None
+    if "mac" not in meta:
+        return "it is neither shipped with litkv nor signed by your litkv (no 'mac')"
+    if not macs_equal(meta["mac"], mac(user_secret(), _MAC_PURPOSE, digest)):
+        return "its 'mac' was not made by your litkv (edited, or another user's file)"
+    return None
 
 
 def unrotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
@@ -135,12 +181,15 @@ class EvictionGates:
         meta = {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
         if self.weights is not None:
             meta["weights"] = self.weights
+        meta["sha256"] = gates_digest(tensors, meta)
+        meta["mac"] = mac(user_secret(), _MAC_PURPOSE, meta["sha256"])
         return tensors, meta
 
     @classmethod
-    def load(cls, path: str | Path) -> EvictionGates:
+    def load(cls, path: str | Path, verify: bool = True) -> EvictionGates:
         """Read gates written by `litkv.checkpoints.checkpoint.save_gates` (safetensors only; ValueError naming the file
-        on anything else)."""
+        on anything else). `verify`: refuse a file that does not prove its tensors (module docstring); only
+        for a file the caller vouches for (a test's crafted file) is it `False`."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -170,4 +219,10 @@ class EvictionGates:
         weight, bias = weight.float(), bias.float()
         if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
             raise ValueError(f"{str(path)!r}: the gates hold NaN or inf")
+        problem = _authenticity_problem({"weight": weight, "bias": bias}, meta) if verify else None
+        if problem:
+            raise ValueError(
+                f"{str(path)!r}: these eviction gates are refused: {problem}; train them again "
+                "(litkv finetune --learn_eviction true) or use the gates litkv ships"
+            )
         return cls(weight, bias, window, sinks, meta.get("weights"))

@@ -31,12 +31,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from litkv.core.tokens import encode_plain, encode_text
-from litkv.inference.template_sandbox import Budget, BudgetExceeded, compile_bounded, make_sandbox, render_bounded
+from litkv.inference.template_sandbox import Budget
+from litkv.inference.template_worker import TemplateFailed, TemplateRefused, compile_template, render_in_worker
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -149,12 +149,8 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.budget = Budget()
-        env = make_sandbox()
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.filters["tojson"] = _tojson
         try:
-            self._template = compile_bounded(env, source)
+            compile_template(source)  # refused here when it does not compile; rendered in the worker
         except (TemplateError, RecursionError) as err:
             raise ValueError(f"{self.path}: the chat template does not compile: {_one_line(err)}") from None
         # a template that reads the clock renders differently from call to call: never cached
@@ -164,11 +160,10 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         """The text of `messages`, rendered under `self.budget` (`litkv.inference.template_sandbox`: work and
-        size bounded); the last `RENDER_CACHE` renders are kept, so a conversation rendered again (counted,
-        then fed) costs one render. ValueError naming the file for any template error, sandbox violation or
-        a template over its budget."""
-        from jinja2 import TemplateError
-
+        size bounded) in a worker process with hard memory and time limits
+        (`litkv.inference.template_worker`); the last `RENDER_CACHE` renders are kept, so a conversation
+        rendered again (counted, then fed) costs one render. ValueError naming the file for any template
+        error, sandbox violation or a template over its budget or limits."""
         key = (tuple((str(r), str(c)) for r, c in messages), bool(add_generation_prompt))
         if self._cache is not None and key in self._cache:
             self._cache.move_to_end(key)
@@ -178,13 +173,11 @@ class ChatTemplate:
         variables = {"messages": msgs, "add_generation_prompt": add_generation_prompt}
         variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         try:
-            text = render_bounded(self._template, budget, **variables)
-        except BudgetExceeded as err:
-            raise ChatTemplateError(self.path, f"refused: {_one_line(err)}") from None
-        except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError) as err:
-            raise ChatTemplateError(self.path, f"the chat template failed: {_one_line(err)}") from None
-        except (RecursionError, OverflowError, MemoryError) as err:
-            raise ChatTemplateError(self.path, f"refused: {type(err).__name__} in the chat template") from None
+            text = render_in_worker(self.source, variables, budget)
+        except TemplateRefused as err:
+            raise ChatTemplateError(self.path, f"refused: {err}") from None
+        except TemplateFailed as err:
+            raise ChatTemplateError(self.path, f"the chat template failed: {err}") from None
         if self._cache is not None:
             self._cache[key] = text
             if len(self._cache) > RENDER_CACHE:
@@ -368,20 +361,6 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _raise_exception(message: str) -> None:
-    from jinja2 import TemplateError
-
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: object, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def _one_line(err: BaseException) -> str:

@@ -16,7 +16,8 @@ weights are the same keys and values, so the tokenizer needs no place in the key
 **Entries prove their keys.** The store is `litkv.states.state_store.StateStore` (memory LRU and optional
 directory, bounded by bytes): a piece is a `CacheState` of one dense cache per layer holding exactly
 its tokens (positions `s..e-1`, `last_hidden` of its last token); its file proves its key and the
-number of tokens it covers, and it is restored only if its fingerprint, dtype and shapes are the
+number of tokens it covers, carries its token ids and an HMAC under the store's key (a file nobody
+holding the key wrote is refused), and it is restored only if its fingerprint, dtype and shapes are the
 caller's (`EntryCheck`). A corrupt, truncated or foreign file is a miss with one logged line, removed,
 and the piece is computed again; two processes writing one entry write the same bytes atomically.
 """
@@ -71,14 +72,22 @@ class BlockStore:
         max_bytes: most bytes of pieces kept in memory (0: none; blocks are then computed at every use).
         directory: where pieces are also written, to be found again by later runs (created if needed).
         disk_bytes: most bytes of files in `directory` (default: `max_bytes`).
+        key: the secret that authenticates the directory's files (default: the user's secret,
+            `litkv.core.secret.user_secret`); a file the store's key did not sign is never restored.
 
     Attributes:
         hits, misses: pieces found / computed.
         reused_tokens: block tokens restored instead of computed.
     """
 
-    def __init__(self, max_bytes: int, directory: str | Path | None = None, disk_bytes: int | None = None) -> None:
-        self._store = StateStore(max_bytes, directory, disk_bytes=disk_bytes, name="block store")
+    def __init__(
+        self,
+        max_bytes: int,
+        directory: str | Path | None = None,
+        disk_bytes: int | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        self._store = StateStore(max_bytes, directory, disk_bytes=disk_bytes, name="block store", key=key)
         self.directory = self._store.directory
         self.hits = self.misses = self.reused_tokens = 0
 

@@ -39,17 +39,19 @@ class PrefixCache:
     Args:
         max_bytes: most bytes of states kept in memory (and on disk, with `directory`).
         directory: where states are also written, to be found again by later runs (created if needed).
+        key: the secret that authenticates the directory's files (default: the user's secret,
+            `litkv.core.secret.user_secret`); a file the store's key did not sign is never restored.
 
     Attributes:
         hits, misses: prompts (rows) that found / did not find a stored prefix.
         reused_tokens: prompt tokens restored instead of computed.
     """
 
-    def __init__(self, max_bytes: int, directory: str | Path | None = None) -> None:
+    def __init__(self, max_bytes: int, directory: str | Path | None = None, key: bytes | None = None) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._store = StateStore(max_bytes, directory, name="prefix cache")
+        self._store = StateStore(max_bytes, directory, name="prefix cache", key=key)
         self.directory = self._store.directory
         self.hits = self.misses = self.reused_tokens = 0
 

@@ -240,14 +240,19 @@ class CacheState:
     # -- files ----------------------------------------------------------------------------------
 
     def save(
-        self, path: str | Path, extra_metadata: dict[str, str] | None = None, entry: dict[str, object] | None = None
+        self,
+        path: str | Path,
+        extra_metadata: dict[str, str] | None = None,
+        entry: dict[str, object] | None = None,
+        key: bytes | None = None,
     ) -> None:
         """Write the state to one safetensors file (tensors + JSON metadata with a checksum), atomically
         (`litkv.states.state_file.write_state_file`). `extra_metadata`: more string entries of the file's
         safetensors metadata, for the writer's own use (read back with `safe_open(...).metadata()`; not
         checksummed). `entry`: a store's proof of what the state is, inside the checksummed metadata
-        (read back, verified, by `load_entry`)."""
-        write_state_file(path, self, extra_metadata, entry)
+        (read back, verified, by `load_entry`). `key`: the secret whose HMAC of the checksum the file
+        carries (`litkv.states.state_file.write_state_file`; a store's)."""
+        write_state_file(path, self, extra_metadata, entry, key)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | str | None = None) -> CacheState:
@@ -262,9 +267,12 @@ class CacheState:
         return cls.load_entry(path, device)[0]
 
     @classmethod
-    def load_entry(cls, path: str | Path, device: torch.device | str | None = None) -> tuple[CacheState, object]:
-        """`load`, and the `entry` the file was saved with (`None` without one), verified by the checksum."""
-        tensors, meta = read_state_file(path)
+    def load_entry(
+        cls, path: str | Path, device: torch.device | str | None = None, key: bytes | None = None
+    ) -> tuple[CacheState, object]:
+        """`load`, and the `entry` the file was saved with (`None` without one), verified by the checksum
+        and, with `key`, by the file's mac under it (a file without one, or with another, is refused)."""
+        tensors, meta = read_state_file(path, key)
         try:
             state = _from_file(tensors, meta)
             validate_state(state)

@@ -2,7 +2,9 @@
 
 The metadata (safetensors key `"litkv"`) holds the format name and version, the model fingerprint,
 the cache dtype, per layer the cache config, `CacheShape`, `num_filled` and stored length, the token
-ids, and a sha256 checksum over the metadata and every tensor's bytes. Nothing is unpickled; a policy
+ids, and a sha256 checksum over the metadata and every tensor's bytes; a file a store writes also
+carries `"mac"`, an HMAC-SHA256 of that checksum under a key its directory does not hold
+(`litkv.core.secret`), which the store requires on reading. Nothing is unpickled; a policy
 a file names must already be loadable (`check_policy_loadable`) before any config is built from it.
 `litkv.states.state` turns what `read_state_file` returns into a `CacheState` (and checks its meaning with
 `litkv.states.state_checks`); `read_state_header` reads the metadata alone, without a tensor, so that a store
@@ -21,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from litkv.core.atomic import write_atomic
+from litkv.core.secret import mac, macs_equal
 from litkv.kvcache.registry import check_policy_loadable
 from litkv.kvcache.storage import CacheShape
 
@@ -32,6 +35,8 @@ FORMAT = "litkv-cache-state"
 FORMAT_VERSION = 2
 #: Safetensors metadata key of the litkv JSON metadata.
 META_KEY = "litkv"
+#: What a state file's mac authenticates (`litkv.core.secret.mac`).
+MAC_PURPOSE = "cache-state"
 
 
 class _Layer(Protocol):
@@ -109,17 +114,22 @@ def write_state_file(
     state: _State,
     extra_metadata: dict[str, str] | None = None,
     entry: dict[str, object] | None = None,
+    key: bytes | None = None,
 ) -> None:
     """Write `state` to `path` atomically (`litkv.core.atomic.write_atomic`); `extra_metadata`: more string
     entries of the file's safetensors metadata, for the writer's own use (not checksummed); `entry`: a
     store's proof of what the state is (its key, the tokens it covers), kept in the litkv metadata as
-    `"entry"` and so covered by the checksum (a relabelled file fails it)."""
+    `"entry"` and so covered by the checksum (a relabelled file fails it); `key`: the secret whose
+    HMAC of the checksum the file carries as `"mac"` (a store's: only a holder of the key can write an
+    entry the store accepts)."""
     from safetensors.torch import save_file
 
     tensors, meta = encode(state)
     if entry is not None:
         meta["entry"] = entry
     meta["digest"] = digest(meta, tensors)
+    if key is not None:
+        meta["mac"] = mac(key, MAC_PURPOSE, meta["digest"])  # type: ignore[arg-type]
     extra = dict(extra_metadata or {})
     if META_KEY in extra or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise ValueError(f"extra_metadata must map str to str and not use the key 'litkv', got {extra!r:.200}")
@@ -190,9 +200,10 @@ def read_state_header(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]
     return meta, {k: v for k, v in header.items() if k != META_KEY}
 
 
-def read_state_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors and metadata (checksum removed) of a state file, checked: format, version, checksum,
-    and every policy it names loadable without an import.
+def read_state_file(path: str | Path, key: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and metadata (checksum and mac removed) of a state file, checked: format, version,
+    checksum, its mac under `key` (when given: a file without one, or with another, is refused) and
+    every policy it names loadable without an import.
 
     Raises:
         FileNotFoundError: no such file.
@@ -203,9 +214,15 @@ def read_state_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     _check_path(path)
     header, tensors = _open(path, with_tensors=True)
     meta = _parse_meta(path, header)
-    expected = meta.pop("digest", None)
+    expected, recorded_mac = meta.pop("digest", None), meta.pop("mac", None)
     if expected != digest(meta, tensors):
         raise ValueError(f"cache state file {str(path)!r} is corrupt or was modified (checksum mismatch)")
+    if key is not None and not macs_equal(recorded_mac, mac(key, MAC_PURPOSE, expected)):
+        what = "carries no mac" if recorded_mac is None else "carries a mac this store's key did not make"
+        raise ValueError(
+            f"cache state file {str(path)!r} {what}: not written by this store (forged, or another user's); "
+            "not authenticated"
+        )
     _check_policies_loadable(meta, f"cache state file {str(path)!r}")
     return tensors, meta
 

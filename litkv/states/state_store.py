@@ -16,6 +16,12 @@ The prefix store (`litkv.states.prefix.PrefixCache`) and the server's conversati
   allocated, and the checksum then proves the header: a file copied under another key, relabelled, or
   holding other tokens' state is never restored. A mismatch, like a corrupt file, is a miss: one
   logged warning, the file removed (the caller recomputes and writes it again).
+- **Only the store's key writes an entry it accepts.** Anyone can recompute a checksum, so every file
+  (state and note) also carries an HMAC-SHA256 under a key the directory does not hold (`key`, default
+  the user's secret, `litkv.core.secret.user_secret`), and a state file holds the token ids it was
+  taken over, compared with the request's on reading: whoever can write the directory can delete or
+  corrupt entries (misses: recomputed), never make the store restore a state it did not write for
+  these tokens (docs/reliability.md, the threat model).
 - **Degrades, never fails.** A write that fails for lack of space or permission warns once and the
   store goes on in memory only, trying the directory again after `RETRY_SECONDS` (a log line when it
   writes again); an entry another process removed is a plain miss; a directory removed
@@ -26,6 +32,8 @@ The prefix store (`litkv.states.prefix.PrefixCache`) and the server's conversati
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +48,7 @@ from typing import Any
 import torch
 
 from litkv.core.atomic import remove_stale_temp_files, temp_files, write_text_atomic
+from litkv.core.secret import check_key, mac, macs_equal, user_secret
 from litkv.states.entry import EntryCheck, entry_problem, ids_digest
 from litkv.states.state import CacheState
 from litkv.states.state_file import read_state_header
@@ -114,6 +123,8 @@ class StateStore:
         disk_bytes: most bytes of files in `directory` (default: `max_bytes`).
         max_notes: most notes (small JSON values by key) kept in memory.
         name: how warnings name the store.
+        key: the secret that authenticates the directory's files (at least 32 bytes; default: the user's
+            secret, `$LITKV_HOME/secret.key`): a file without its mac is refused.
 
     Attributes:
         hits: states found in `"memory"` and on `"disk"`.
@@ -126,6 +137,7 @@ class StateStore:
         disk_bytes: int | None = None,
         max_notes: int = 65536,
         name: str = "state store",
+        key: bytes | None = None,
     ) -> None:
         for what, value in (("max_bytes", max_bytes), ("disk_bytes", disk_bytes), ("max_notes", max_notes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -137,6 +149,9 @@ class StateStore:
         self.memory = StateLRU(max_bytes)
         self.hits = {"memory": 0, "disk": 0}
         self.directory = None if directory is None else Path(directory)
+        self._key = check_key(key, "a store's key") if key is not None else None
+        if self.directory is not None and self._key is None:
+            self._key = user_secret()
         self._notes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._failed_at: float | None = None  # when a write last failed (`None`: the directory is writable)
@@ -220,7 +235,7 @@ class StateStore:
         if path is None or not path.is_file():
             return None
         try:
-            state = self._read(path, key, check, tokens, None if token_ids is None else ids_digest(token_ids))
+            state = self._read(path, key, check, tokens, None if token_ids is None else _id_list(token_ids))
         except (ValueError, OSError) as err:  # a corrupt or foreign entry is dropped (and recomputed)
             if not path.exists():  # removed by another process (or with the directory) meanwhile: a miss
                 return None
@@ -235,10 +250,12 @@ class StateStore:
         return state
 
     def _read(
-        self, path: Path, key: str, check: EntryCheck | None, tokens: int | None, digest: str | None
+        self, path: Path, key: str, check: EntryCheck | None, tokens: int | None, ids: list[int] | None
     ) -> CacheState:
         """The state in `path`, checked from its header (size, entry, `check`) before any tensor is read,
-        then read with its checksum verified (which covers the entry checked)."""
+        then read with its checksum and mac verified (which cover the entry checked), and its own token
+        ids compared with the request's `ids`."""
+        digest = None if ids is None else ids_digest(ids)
         size = path.stat().st_size
         if size > self.disk_bytes_bound:
             raise ValueError(f"the file has {size} bytes, more than the store's bound of {self.disk_bytes_bound}")
@@ -247,10 +264,12 @@ class StateStore:
         problem = problem or (None if check is None else check.mismatch(meta))
         if problem:
             raise ValueError(problem)
-        state, entry = CacheState.load_entry(path)
+        state, entry = CacheState.load_entry(path, key=self._key)
         problem = entry_problem(entry, key, tokens, digest)  # the checksummed entry (the file may have changed)
         if problem:
             raise ValueError(problem)
+        if ids is not None and state.token_ids != [ids]:
+            raise ValueError("the state's own token ids are not the request's")
         covered = entry["tokens"]  # type: ignore[index]
         if not isinstance(covered, int) or _covered(state) != covered:
             raise ValueError(f"the state covers {_covered(state)} tokens, but its entry claims {covered!r}")
@@ -274,12 +293,16 @@ class StateStore:
         path = self._path(key, STATE_SUFFIX)
         if path is None or self._paused() or state.nbytes() > self.disk_bytes_bound or path.exists():
             return
+        ids = None if token_ids is None else _id_list(token_ids)
         entry = {
             "key": key,
             "tokens": _covered(state) if tokens is None else tokens,
-            "ids_sha256": None if token_ids is None else ids_digest(token_ids),
+            "ids_sha256": None if ids is None else ids_digest(ids),
         }
-        if self._write(path, lambda: state.save(path, entry=entry)):
+        if ids is not None and state.batch_size == 1 and state.token_ids != [ids]:
+            state = copy.copy(state)  # the file holds the ids it covers (compared with a request's on reading)
+            state.token_ids = [ids]
+        if self._write(path, lambda: state.save(path, entry=entry, key=self._key)):
             self._trim_disk()
 
     def _write(self, path: Path, write: Callable[[], object]) -> bool:
@@ -305,7 +328,7 @@ class StateStore:
         path = self._path(key, NOTE_SUFFIX)
         if path is None or self._paused():
             return
-        text = json.dumps({"key": key, "note": note})
+        text = json.dumps({"key": key, "note": note, "mac": self._note_mac(key, note)})
         if self._write(path, lambda: write_text_atomic(path, text)):
             self._trim_disk()
 
@@ -326,6 +349,8 @@ class StateStore:
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("note"), dict):
                 raise ValueError(f"the note does not prove key {key[:16]}...")
+            if not macs_equal(data.get("mac"), self._note_mac(key, data["note"])):
+                raise ValueError("the note carries no mac of this store's key (forged, or another user's)")
         except (ValueError, OSError) as err:
             if path.exists():
                 log.warning("%s: ignoring and removing %s: %s", self.name, path, err)
@@ -336,6 +361,11 @@ class StateStore:
         with self._lock:
             self._remember(key, data["note"])
         return dict(data["note"])
+
+    def _note_mac(self, key: str, note: dict[str, Any]) -> str:
+        """The mac of the note `note` under `key` (a store with a directory always has a key)."""
+        text = json.dumps({"key": key, "note": note}, sort_keys=True)
+        return mac(self._key or b"", "store-note", hashlib.sha256(text.encode()).hexdigest())
 
     def drop_note(self, key: str) -> None:
         """Forget the note under `key` (memory and file)."""
@@ -384,6 +414,11 @@ def _remove(path: Path) -> None:
     """Remove `path` if it is there and the directory lets us (read-only: it stays, a miss all the same)."""
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
+
+
+def _id_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """Token ids as a list of Python ints."""
+    return torch.as_tensor(token_ids).detach().to("cpu", torch.int64).reshape(-1).tolist()
 
 
 def _covered(state: CacheState) -> int:

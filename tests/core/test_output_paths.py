@@ -25,6 +25,12 @@ from litkv.core.atomic import OUTPUT_MARKER, FileWriteError, check_output_dir, s
 REPO = Path(__file__).parents[2]
 
 
+def _sha(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _one_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -72,7 +78,8 @@ def test_check_output_dir_refuses_what_a_write_would_destroy(tmp_path: Path, mon
 def test_save_dir_atomic_replaces_only_its_own_output_with_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "out"
     save_dir_atomic(out, lambda d: write_text_atomic(d / "a.txt", "1"), "evaluate")
-    assert json.loads((out / OUTPUT_MARKER).read_text()) == {"written_by": "litkv evaluate"}
+    marker = json.loads((out / OUTPUT_MARKER).read_text())
+    assert marker == {"written_by": "litkv evaluate", "files": {"a.txt": {"size": 1, "sha256": _sha("1")}}}
     with pytest.raises(ValueError, match="give --overwrite true to replace it"):
         save_dir_atomic(out, lambda d: write_text_atomic(d / "a.txt", "2"), "evaluate")
     with pytest.raises(ValueError, match="it was written by litkv evaluate"):

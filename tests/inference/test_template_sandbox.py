@@ -71,13 +71,13 @@ def test_budget_leaves_real_templates_alone(tmp_path: Path) -> None:
 
 def test_a_conversation_rendered_again_is_rendered_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = chat_template.render_bounded
+    real = chat_template.render_in_worker
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(chat_template, "render_bounded", counting)
+    monkeypatch.setattr(chat_template, "render_in_worker", counting)
     template = ChatTemplate(SMOLLM2, tmp_path / "t.json")
     conversation = [("user", "hi"), ("assistant", "hello"), ("user", "and?")]
     first = template.render(conversation, True)

@@ -29,6 +29,7 @@ from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.block_store import BlockStore
 from litkv.states.state import CacheState
+from litkv.states.state_store import StateStore
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 
@@ -99,6 +100,11 @@ def test_relabelled_state_of_another_conversation_is_refused(
     assert "checksum mismatch" in caplog.text
 
 
+def _write_signed_note(directory: Path, key: str, note: dict) -> None:
+    """A note file as the store writes it (with its mac under the user's secret)."""
+    StateStore(1 << 20, directory).put_note(key, note)
+
+
 def test_forged_reply_ids_that_do_not_give_the_reply_text_are_ignored(
     model_and_tok: tuple, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -112,17 +118,26 @@ def test_forged_reply_ids_that_do_not_give_the_reply_text_are_ignored(
     stored = json.loads((directory / f"{key}.json").read_text())["note"]["reply_ids"]
     forged = [5, 6, 7]
     assert tok.decode(torch.tensor(forged)) != messages[1][1]
+    # written by whoever can write the directory (no mac of the store's key): refused as such
     (directory / f"{key}.json").write_text(json.dumps({"key": key, "note": {"reply_ids": forged}}))
+    engine = Engine(model, tok, KV, _store(model, directory))
+    with caplog.at_level(logging.WARNING):
+        unsigned = _turn(engine, follow)
+    assert "carries no mac" in caplog.text and not (directory / f"{key}.json").exists()
+    # signed with the store's key (a bug of the writer, not an attack): the decode check still refuses them
+    caplog.clear()
+    _write_signed_note(directory, key, {"reply_ids": forged})
     engine = Engine(model, tok, KV, _store(model, directory))
     with caplog.at_level(logging.WARNING):
         result = _turn(engine, follow)
     assert "do not give its text" in caplog.text and not (directory / f"{key}.json").exists()
+    assert unsigned.reply_ids == result.reply_ids
     # as a store that never had the ids: the reply re-tokenised from its text
     plain = Engine(model, tok, KV, _store(model, max_bytes=0))
     assert result.reply_ids == _turn(plain, follow).reply_ids
     # the true ids are used (no warning): the answer of a replay of what was generated
     caplog.clear()
-    (directory / f"{key}.json").write_text(json.dumps({"key": key, "note": {"reply_ids": stored}}))
+    _write_signed_note(directory, key, {"reply_ids": stored})
     (directory / f"{key}.safetensors").unlink(missing_ok=True)
     engine = Engine(model, tok, KV, _store(model, directory))
     with caplog.at_level(logging.WARNING):

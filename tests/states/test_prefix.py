@@ -286,7 +286,9 @@ def test_a_store_that_cannot_write_serves_from_memory_with_one_warning(
     from litkv.core.atomic import FileWriteError
     from litkv.states import state as state_module
 
-    def full_disk(self: object, path: Path, extra_metadata: object = None, entry: object = None) -> None:
+    def full_disk(
+        self: object, path: Path, extra_metadata: object = None, entry: object = None, key: object = None
+    ) -> None:
         raise FileWriteError(errno.ENOSPC, f"cannot write {str(path)!r}: No space left on device")
 
     monkeypatch.setattr(state_module.CacheState, "save", full_disk)
@@ -339,12 +341,16 @@ def test_a_write_whose_temp_file_vanished_is_skipped_quietly(
     calls = []
 
     def first_fails(
-        self: CacheState, path: Path, extra_metadata: dict[str, str] | None = None, entry: dict | None = None
+        self: CacheState,
+        path: Path,
+        extra_metadata: dict[str, str] | None = None,
+        entry: dict | None = None,
+        key: bytes | None = None,
     ) -> None:
         calls.append(path)
         if len(calls) == 1:
             raise FileNotFoundError(2, "No such file or directory", str(path))
-        save(self, path, extra_metadata, entry)
+        save(self, path, extra_metadata, entry, key)
 
     monkeypatch.setattr(state_module.CacheState, "save", first_fails)
     _, prompts = _prompts(seed=11)

@@ -31,7 +31,7 @@ from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.engine import message_keys
 from litkv.states.state import CacheState, restore
 from litkv.states.state_file import digest
-from litkv.states.state_store import EntryCheck
+from litkv.states.state_store import EntryCheck, StateStore
 
 KV = KVCacheConfig(policy="h2o", cache_length=32, chunk_size=8)
 TURNS = ["The quick brown fox", "What is the passkey?", "Remember it.", "the lazy dog"]
@@ -267,14 +267,14 @@ def test_forged_reply_ids_dropped_and_recomputed(
     "".join(plain.run(TurnRequest([*messages, ("user", TURNS[1])], 8, temperature=0.0), expected))
     vocab = model.config.padded_vocab_size
     for forged in ([vocab + 5], [1] * 20_000):
-        (directory / f"{key}.json").write_text(json.dumps({"key": key, "note": {"reply_ids": forged}}))
+        StateStore(1 << 20, directory).put_note(key, {"reply_ids": forged})  # signed: the checks of meaning
         store = _store(model, directory, max_prompt_tokens=64)
         with caplog.at_level(logging.WARNING):
             assert store.reply_ids(key) is None
         assert "dropping the stored reply ids" in caplog.text and not (directory / f"{key}.json").exists()
         result = TurnResult()
         engine = Engine(model, tok, KV, _store(model, directory, max_prompt_tokens=64))
-        (directory / f"{key}.json").write_text(json.dumps({"key": key, "note": {"reply_ids": forged}}))
+        StateStore(1 << 20, directory).put_note(key, {"reply_ids": forged})  # signed: the checks of meaning
         "".join(engine.run(TurnRequest([*messages, ("user", TURNS[1])], 8, temperature=0.0), result))
         assert result.reply_ids == expected.reply_ids and result.prompt_tokens == expected.prompt_tokens
 
