@@ -6,7 +6,6 @@ ships for it (`add_shipped_gates`). Getting the file and converting it: `litkv.c
 from __future__ import annotations
 
 import difflib
-import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
