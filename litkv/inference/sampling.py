@@ -46,7 +46,7 @@ class Sampling:
         if isinstance(self.stop_tokens, (str, bytes, torch.Tensor)) or not isinstance(self.stop_tokens, Sequence):
             raise TypeError(f"stop_tokens must be a sequence of token ids, got {type(self.stop_tokens).__name__}")
         for token in self.stop_tokens:
-            require_int("a stop token", token, 0)
+            require_int("a stop token", token, 0, 2**63 - 1)  # token ids are int64
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
