@@ -53,6 +53,7 @@ from litkv.inference.conversation import (
     held_segments,
     lossless_overflow,
     plan_segments,
+    refuse_one_shot,
     runs,
     system_count,
 )
@@ -173,6 +174,7 @@ class Engine:
         max_step_tokens: int = DEFAULT_STEP_TOKENS,
         packed_steps: bool = False,
     ) -> None:
+        refuse_one_shot(kv_cache, "litkv serve")
         self.feeder = Feeder(blocks, recompute)
         self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
         self.model = model
