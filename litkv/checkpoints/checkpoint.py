@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from litkv.checkpoints.bounds import check_ceilings, check_layer_count
+from litkv.checkpoints.config_fields import LITGPT_FIELDS, check_fields
 from litkv.checkpoints.known import model_dir, unknown_checkpoint_message
 from litkv.checkpoints.quant_store import attach_quantized, stored_quant
 from litkv.core.atomic import TMP_PREFIX, is_temp_name, remove_stale_temp_files, write_atomic
@@ -166,6 +167,7 @@ def _check_config_fields(raw: Mapping[str, Any], source: Path) -> None:
     if raw.get("head_size") is None and isinstance(n_embd, int) and isinstance(n_head, int) and n_embd % n_head:
         raise ValueError(f"{source}: n_embd ({n_embd}) must be a multiple of n_head ({n_head}) when head_size is unset")
     check_ceilings(raw, str(source))
+    check_fields(raw, LITGPT_FIELDS, str(source))  # floats finite and in range, hybrid counts, flags
     for name, known in (("mlp_class_name", MLP_CLASSES), ("norm_class_name", NORM_CLASSES)):
         if name in raw and raw[name] not in known:
             raise ValueError(f"{source}: unknown {name} {raw[name]!r}; expected one of {list(known)}")

@@ -14,6 +14,7 @@ or int4 codes (`litkv.checkpoints.quant_store`), for `litkv convert SRC OUT --qu
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,7 @@ from litkv.checkpoints.checkpoint import (
     read_json_object,
     save_state_dict_atomic,
 )
+from litkv.checkpoints.config_fields import check_hf_config
 from litkv.checkpoints.quant_store import quantized_tensors, stored_quant
 from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.modeling.config import Config, HybridConfig
@@ -228,11 +230,11 @@ def _check_hf_counts(hf: dict[str, Any], hf_dir: Path) -> None:
         check_layer_count(hf["num_hidden_layers"], names, source, "num_hidden_layers", where)
 
 
-def _hybrid_config(hf: dict[str, Any], hf_dir: Path) -> Config:
-    """`hybrid_config_from_hf`, its errors one line naming `config.json` and the field."""
+def _hybrid_config(hf: dict[str, Any], hf_dir: Path, build: Callable[..., Config] | None = None) -> Config:
+    """`build` (default `hybrid_config_from_hf`), its errors one line naming `config.json` and the field."""
     source = hf_dir / "config.json"
     try:
-        return hybrid_config_from_hf(hf, hf_dir.name)
+        return (build or hybrid_config_from_hf)(hf, hf_dir.name)
     except KeyError as err:
         raise ValueError(f"{source} has no {err.args[0]!r}, which a {hf.get('model_type')} model needs") from None
     except (TypeError, ZeroDivisionError, AssertionError) as err:
@@ -272,9 +274,10 @@ def convert_hf_checkpoint(
         raise FileNotFoundError(f"Hugging Face model directory {str(hf_dir)!r} does not exist")
     check_output_dir(out_dir, "convert", [hf_dir], overwrite, replace=True)
     hf = _read_hf_config(hf_dir)
+    check_hf_config(hf, str(hf_dir / "config.json"))  # every field by meaning, before anything is built
     _check_hf_counts(hf, hf_dir)
     if hf.get("model_type") in QWEN35_MODEL_TYPES or hf.get("model_type") in QWEN35_MOE_TYPES:
-        config = qwen35_config_from_hf(hf, hf_dir.name)  # ValueError for what litkv lacks, before any weight
+        config = _hybrid_config(hf, hf_dir, qwen35_config_from_hf)  # ValueError for what litkv lacks, before any weight
         weights = {k: v for path in _weight_files(hf_dir) for k, v in load_state_dict(path).items()}
         state_dict = qwen35_state_dict(weights, config, dtype)  # type: ignore[arg-type]
     elif hf.get("model_type") in HYBRID_MODEL_TYPES or hf.get("model_type") in UNSUPPORTED_RECURRENT:

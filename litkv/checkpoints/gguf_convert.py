@@ -16,6 +16,7 @@ through `litkv.core.atomic.save_dir_atomic`, so it appears whole or not at all.
 from __future__ import annotations
 
 import functools
+import stat
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 
 from litkv.checkpoints.bounds import MAX_GGUF_ARRAY, MAX_GGUF_STRING, check_ceilings, check_layer_count
 from litkv.checkpoints.checkpoint import CONFIG_FILE, SAFETENSORS_FILE, check_state_dict, save_state_dict_atomic
+from litkv.checkpoints.config_fields import GGUF_FLOATS, check_fields
 from litkv.checkpoints.convert import config_from_hf
 from litkv.checkpoints.gguf_tokenizer import check_tokenizer_metadata, tokenizer_files, write_tokenizer_files
 from litkv.core.atomic import check_output_dir, save_dir_atomic, write_text_atomic
@@ -76,8 +78,10 @@ def _reader_class() -> type:
 def read_gguf(path: Path):  # -> gguf.GGUFReader
     """A `gguf.GGUFReader` of `path`; ValueError naming the file for a wrong magic or a file that
     cannot be parsed (truncated or corrupt), FileNotFoundError when it does not exist."""
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    if not path.is_file():  # a directory, FIFO, socket or device: named, never opened (a FIFO would block)
+        raise ValueError(f"GGUF file {str(path)!r} is {_file_kind(path)}, not a regular file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -91,6 +95,14 @@ def read_gguf(path: Path):  # -> gguf.GGUFReader
         if tensor.data_offset + tensor.n_bytes > size:
             raise ValueError(f"{path}: truncated GGUF file: tensor {tensor.name} ends past the end of the file")
     return reader
+
+
+def _file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+    kinds += ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((words for test, words in kinds if test(mode)), "not a regular file")
 
 
 def _metadata(reader: Any, source: str) -> dict[str, Any]:
@@ -140,6 +152,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, tuple[int, ...]], 
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{source}: missing tensor 'token_embd.weight'")
     _check_counts(meta, tensors, arch, source)
+    check_fields(meta, {f"{arch}.{k}": f for k, f in GGUF_FLOATS.items()}, source)
     n_embd = _int(meta, f"{arch}.embedding_length", source)
     n_head = _int(meta, f"{arch}.attention.head_count", source)
     rope_key = f"{arch}.rope.dimension_count"

@@ -137,6 +137,8 @@ def load(
         DownloadError: a known model that cannot be obtained (no network, no pip).
         FileNotFoundError / ValueError: a directory that is not a (valid) checkpoint.
     """
+    if not isinstance(name, (str, Path)):
+        raise TypeError(f"litkv.load takes a model name or a checkpoint directory (str or Path), got {name!r:.80}")
     value = str(name)
     if value in MODELS and not Path(value).exists() and not cache_dir(value).is_dir():
         download_model(value)

@@ -11,6 +11,7 @@ from litkv.checkpoints.checkpoint import check_checkpoint_dir
 from litkv.checkpoints.runtime import resolve_device, resolve_dtype
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.validation import is_number, require_int
+from litkv.inference.conversation import refuse_one_shot
 from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import parse_quantize
 
@@ -136,6 +137,7 @@ def serve(
     resolve_dtype(precision, dev)  # a bad --precision: one line now, not in the worker
     parse_quantize(quantize)  # refused here, before the server starts
     _check_chat_template(ckpt, chat_template)
+    refuse_one_shot(kv_cache, "litkv serve")  # at start, in one line, not in the worker
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, state_dir_bytes=state_dir_bytes,

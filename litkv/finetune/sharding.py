@@ -74,12 +74,15 @@ def check_strategy(strategy: str, devices: int, mode: str, learn_eviction: bool)
             f"--strategy fsdp shards over processes and needs --devices >= 2 (times --num_nodes), got {devices} "
             "process (drop --strategy for one device)"
         )
+    if learn_eviction:  # before --mode: --learn_eviction's own --mode default is not what the user gave
+        raise ValueError(
+            "--learn_eviction true trains the gates on one process, got --strategy fsdp: drop --strategy fsdp and "
+            "--devices"
+        )
     if mode != "full":
         raise ValueError(
             f"--strategy fsdp trains --mode full, got --mode {mode!r}: LoRA's adapters are small, use --strategy ddp"
         )
-    if learn_eviction:
-        raise ValueError("--learn_eviction trains the gates on one process: drop --strategy fsdp and --devices")
 
 
 def shard_model(model: GPT, mesh: object, activation_checkpointing: bool) -> GPT:

@@ -61,6 +61,7 @@ from litkv.states.block_store import BlockStore
 from litkv.states.undo import keep_undo_log
 
 __all__ = [
+    "refuse_one_shot",
     "Conversation",
     "Feeder",
     "Pending",
@@ -309,6 +310,20 @@ class Feeder:
         return row.prefill(list(run.ids), segment_plan(run.segments[0], row.next_pos, kv_cache))
 
 
+def refuse_one_shot(kv_cache: KVCacheConfig | Sequence[KVCacheConfig], command: str) -> None:
+    """ValueError (one line naming the mode and the policy) for a one-shot cache in a conversation (chat,
+    serve): its compression runs once, at the end of one prompt, which a conversation of many turns never
+    has, so its turns would run dense without a word."""
+    configs = list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]
+    for cfg in configs:
+        if getattr(cfg.policy_options, "mode", "continuous") == "one-shot":
+            raise ValueError(
+                f"{command} does not apply --kv_cache.mode one-shot (policy {cfg.policy!r}): the one-shot "
+                "compression runs once, at the end of one prompt (litkv generate); a conversation's turns would "
+                "stay dense. Use --kv_cache.mode continuous (the default) here"
+            )
+
+
 class Conversation:
     """One conversation (batch of one) on `model`'s caches.
 
@@ -330,6 +345,7 @@ class Conversation:
         blocks: BlockStore | None = None,
         recompute: float = 0.0,
     ) -> None:
+        refuse_one_shot(kv_cache, "litkv chat")
         self.model = model
         self.feeder = Feeder(blocks, recompute)
         self.documents: dict[int, tuple[tuple[int, ...], ...]] = {}

@@ -3,6 +3,7 @@ caches (library code, no CLI)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 
@@ -20,6 +21,28 @@ from litkv.states.prefix import PrefixCache
 __all__ = ["Prompt", "decode_greedy", "decode_tokens", "forward_chunked", "generate", "pad_prompts"]
 
 KVCacheSpec = KVCacheConfig | Sequence[KVCacheConfig]
+
+_BUSY_LOCK = threading.Lock()
+_BUSY: set[int] = set()  # id() of the models a generate runs on now
+
+
+@contextmanager
+def _one_generate(model: GPT) -> Iterator[None]:
+    """Mark `model` as running a generate for the block; a second one (another thread, or an `on_tokens`
+    callback) is refused naming the model: its caches are the model's own, one run's at a time."""
+    with _BUSY_LOCK:
+        if id(model) in _BUSY:
+            name = getattr(getattr(model, "config", None), "name", "") or type(model).__name__
+            raise RuntimeError(
+                f"model {name!r} is busy: another generate is running on it (another thread?); a model runs "
+                "one generate at a time: serialise the calls (a threading.Lock) or load one model per thread"
+            )
+        _BUSY.add(id(model))
+    try:
+        yield
+    finally:
+        with _BUSY_LOCK:
+            _BUSY.discard(id(model))
 
 
 def forward_chunked(
@@ -154,7 +177,7 @@ def generate(
     if max_new_tokens == 0:
         return [torch.empty(0, dtype=torch.long, device=device) for _ in prompts]
     _check_dense_room(kv_cache, longest, max_new_tokens)
-    with model.kv_caches_attached(kv_cache, len(prompts)):
+    with _one_generate(model), model.kv_caches_attached(kv_cache, len(prompts)):
         if rows is not None:
             store = BlockStore(0) if block_store is None else block_store
             hidden = _prefill_rows(model, rows, kv_cache, store, recompute)

@@ -46,7 +46,7 @@ class Sampling:
         if isinstance(self.stop_tokens, (str, bytes, torch.Tensor)) or not isinstance(self.stop_tokens, Sequence):
             raise TypeError(f"stop_tokens must be a sequence of token ids, got {type(self.stop_tokens).__name__}")
         for token in self.stop_tokens:
-            require_int("a stop token", token, 0)
+            require_int("a stop token", token, 0, 2**63 - 1)  # token ids are int64
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
@@ -83,7 +83,7 @@ def sample(
     _check_options(temperature, top_k, top_p)
     if temperature < TEMPERATURE_FLOOR:
         return logits.argmax(dim=-1)
-    x = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    x = logits.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
     top = x.amax(dim=-1, keepdim=True)
     finite = torch.isfinite(top)
     if top_k is not None:  # on the logits: a huge temperature makes ties of every scaled logit
@@ -101,7 +101,8 @@ def sample(
     probs = torch.softmax(x, dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     drawn = (probs / race).argmax(dim=-1)
-    return torch.where(finite.squeeze(-1), drawn, logits.argmax(dim=-1))
+    first_not_nan = (~logits.isnan()).float().argmax(dim=-1)  # no finite logit: all -inf tie, the first one
+    return torch.where(finite.squeeze(-1), drawn, first_not_nan)
 
 
 def _check_options(temperature: float, top_k: int | None, top_p: float | None) -> None:

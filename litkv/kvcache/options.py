@@ -116,6 +116,7 @@ class ScoreOptions(PolicyOptions):
         check_int("sinks", self.sinks, minimum=0)
         if self.recent is not None:
             check_int("recent", self.recent, minimum=0)
+        check_mode(self.mode, self.budget, cache_length, 0)  # the budget first: the default recent follows it
         if self.sinks + self.recent_length(cache_length) > cache_length:
             raise ValueError(
                 f"sinks + recent must be <= cache_length, got sinks={self.sinks}, "

@@ -114,6 +114,12 @@ def compress_layers(caches: Sequence[OneShot], scores: torch.Tensor, layerwise: 
         cache.compressed = True
 
 
+def check_no_nan(scores: torch.Tensor, where: str) -> None:
+    """ValueError naming the policy's method when `scores` holds a NaN (it would evict arbitrarily)."""
+    if bool(torch.isnan(scores).any()):
+        raise ValueError(f"{where} returned NaN scores: a NaN cannot be ranked, so the eviction would be arbitrary")
+
+
 class OneShot(KVCache):
     """The one-shot mode of a policy (`options.mode == "one-shot"`, `options.budget`): no eviction until
     `compress()`, which keeps the `budget` highest `oneshot_scores()` per (row, KV head)."""
@@ -142,7 +148,9 @@ class OneShot(KVCache):
         self.settle()
         if self._call is not None:
             raise RuntimeError("compress() called between attend_inputs() and evict_and_store()")
-        compact_slots(self, self.select_keep(self.oneshot_scores().to(torch.float32), self.positions))
+        scores = self.oneshot_scores().to(torch.float32)
+        check_no_nan(scores, f"{type(self).__name__}.oneshot_scores")  # once per prompt
+        compact_slots(self, self.select_keep(scores, self.positions))
         self.compressed = True
 
     def select_keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -243,6 +251,8 @@ class ScoreKVCache(OneShot):
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise ValueError(f"{type(self).__name__}.score must return shape {expected} (B, G, L + T), got {got}")
+        if candidates.num_new > 1 and not self.static_shapes:  # a prompt chunk: one host read, never in a decode step
+            check_no_nan(scores, f"{type(self).__name__}.score")
         return scores.to(torch.float32)
 
     def lowest(self, scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.modeling.config import RECURRENT_KINDS, Config, layer_kinds
 from litkv.modeling.gated_deltanet import GatedDeltaNet
 from litkv.modeling.mamba2 import Mamba2Mixer
+from litkv.modeling.memory import cache_bytes, check_cache_memory
 from litkv.modeling.self_attention import CausalSelfAttention
 
 __all__ = ["GPT", "MIXERS", "Block", "BlockHook", "Mixer", "check_integer_tensor", "kv_cache_configs"]
@@ -142,6 +143,7 @@ class GPT(nn.Module):
         kinds = layer_kinds(self.config)
         if per_layer is not None:
             check_recurrent_entries(per_layer, [kind in RECURRENT_KINDS for kind in kinds])
+        _check_memory(self.config, configs, kinds, batch_size, device, dtype)
         c = self.config
         return [
             MIXERS[kind].new_cache(c, cfg, batch_size, device, dtype)  # type: ignore[arg-type]
@@ -427,3 +429,20 @@ class Block(nn.Module):
             x = attn_out + x
             x_normed = self.norm_2(x)
         return self.post_mlp_norm(self.mlp(x_normed)) + x
+
+
+def _check_memory(
+    c: Config,
+    configs: Sequence[KVCacheConfig],
+    kinds: Sequence[str],
+    batch: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """The attention layers' caches against the machine's memory, before any is allocated (`modeling.memory`)."""
+    attention = [cfg for cfg, kind in zip(configs, kinds, strict=True) if kind not in RECURRENT_KINDS]
+    lengths = [cfg.cache_length for cfg in attention]
+    needed = cache_bytes(lengths, [cfg.storage for cfg in attention], batch, c.n_query_groups, c.head_size,
+                         torch.empty(0, dtype=dtype).element_size())  # fmt: skip
+    option = f"cache_length={max(lengths, default=0)} with batch {batch} and {len(attention)} attention layers"
+    check_cache_memory(needed, torch.device(device), option)

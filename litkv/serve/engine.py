@@ -46,7 +46,7 @@ from litkv.inference.chat_template import (
     RawFormat,
     TemplateFormat,
 )
-from litkv.inference.conversation import Feeder, Run, TurnPlan, plan_turn
+from litkv.inference.conversation import Feeder, Run, TurnPlan, plan_turn, refuse_one_shot
 from litkv.inference.text_stream import TextStream
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.fingerprint import model_fingerprint
@@ -160,6 +160,7 @@ class Engine:
         max_document_tokens: int = 8192,
         max_step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
+        refuse_one_shot(kv_cache, "litkv serve")
         self.feeder = Feeder(blocks, recompute)
         self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
         self.model = model

@@ -2,7 +2,9 @@
 
 Everything is answered with OpenAI-style error bodies before the app sees the request:
 
-- `/v1` paths need the API key (``Authorization: Bearer KEY`` or ``X-API-Key``) when one is set (401);
+- every path but `/health` (`/v1`, and FastAPI's `/docs`, `/redoc` and `/openapi.json`) needs the API key
+  (``Authorization: Bearer KEY`` or ``X-API-Key``) when one is set (401); ``Authorization`` needs its
+  ``Bearer`` scheme;
 - while the server drains (SIGTERM; a `DRAINING` file in `run_dir`), new `/v1` requests get 503 with
   `Retry-After` until the listener closes;
 - a request body is read here, counted as it streams in, and handed on only when complete: more than
@@ -29,6 +31,7 @@ __all__ = ["DRAINING", "INFLIGHT", "Guard", "error_body"]
 
 DRAINING = "DRAINING"  # marker file in the run directory: refuse new requests
 INFLIGHT = "inflight-"  # one marker file per chat request in flight
+OPEN_PATHS = frozenset({"/health"})  # what a load balancer probes; everything else needs the key when one is set
 
 
 def error_body(message: str, code: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
@@ -96,7 +99,7 @@ class Guard:
         if self.run_dir is not None and path.startswith("/v1") and (Path(self.run_dir) / DRAINING).exists():
             body = error_body("the server is shutting down", "server_shutting_down")
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
-        keyed = self.api_key is not None and path.startswith("/v1")
+        keyed = self.api_key is not None and path not in OPEN_PATHS
         if keyed and not hmac.compare_digest(_given_key(headers).encode(), str(self.api_key).encode()):
             return JSONResponse(error_body("invalid or missing API key", "invalid_api_key"), status_code=401)
         length = headers.get("content-length")
@@ -143,8 +146,8 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 def _given_key(headers: Any) -> str:
     """The key a request gives: ``X-API-Key``, else ``Authorization``'s credentials after the ``Bearer``
-    scheme, matched case-insensitively (RFC 7235), else the header's whole value."""
+    scheme, matched case-insensitively (RFC 7235); an ``Authorization`` without that scheme gives no key."""
     if headers.get("x-api-key"):
         return str(headers.get("x-api-key"))
     scheme, _, credentials = str(headers.get("authorization", "")).strip().partition(" ")
-    return credentials.strip() if scheme.lower() == "bearer" else scheme
+    return credentials.strip() if scheme.lower() == "bearer" else ""

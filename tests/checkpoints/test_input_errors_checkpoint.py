@@ -352,7 +352,7 @@ def test_hf_config_json_garbage_is_named(tmp_path: Path) -> None:
         convert_hf_checkpoint(tmp_path / "hf", tmp_path / "out")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ValueError, match="config.json has no 'num_attention_heads'"):
+    with pytest.raises(ValueError, match="config.json has no 'num_hidden_layers'"):
         convert_hf_checkpoint(tmp_path / "hf", tmp_path / "out")
 
 

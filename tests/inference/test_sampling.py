@@ -94,3 +94,17 @@ def test_huge_temperature_and_non_finite_logits() -> None:
     assert float(freq[0] + freq[3]) == 0.0
     inf_row = torch.tensor([[1.0, float("inf"), 2.0]], dtype=torch.float16)
     assert _frequencies(inf_row, 500, temperature=0.9).tolist() == [0.0, 1.0, 0.0]
+
+
+def test_a_row_with_no_finite_logit_is_its_argmax() -> None:
+    """docs/reliability.md: a row with no finite logit falls back to its argmax (issue 61 item 7: an
+    all -inf row was drawn uniformly, -inf having become float32's lowest finite value); a NaN in it is
+    never the pick. Every seed, temperature and top-k/top-p gives the argmax of the row without NaN."""
+    rows = torch.full((3, 6), float("-inf"))
+    rows[1, 4] = float("nan")
+    rows[2, 0] = float("nan")
+    expected = [0, 0, 1]  # the argmax of the -inf entries (all tied: the first), never the NaN
+    for seed in range(20):
+        for options in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}, {"temperature": 2.0, "top_p": 0.5}):
+            got = sample(rows, generator=torch.Generator().manual_seed(seed), **options)  # type: ignore[arg-type]
+            assert got.tolist() == expected, (seed, options)
