@@ -34,12 +34,14 @@ COMMON = dict(
 )
 
 # family -> (transformers config class, its arguments beside COMMON)
+ROPE_10K = dict(rope_type="default", rope_theta=10000.0)
+ROPE_1M = dict(rope_type="default", rope_theta=1e6)
 CONVERTED = {
-    "llama": ("LlamaConfig", dict(head_dim=16, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
-    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
-    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
-}  # fmt: skip
+    "llama": ("LlamaConfig", dict(head_dim=16, tie_word_embeddings=True, rope_parameters=ROPE_10K)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None, rope_parameters=ROPE_10K)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters=ROPE_1M)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters=ROPE_1M)),
+}
 FAMILY_NAMES = (*CONVERTED, "gemma2")
 
 

@@ -5,8 +5,6 @@ policy x storage x three chunkings on Llama, the main policies on every family."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hf_pairs import FAMILY_NAMES, hf_and_litkv
