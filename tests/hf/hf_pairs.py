@@ -42,13 +42,15 @@ CONVERTED = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters=ROPE_1M)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters=ROPE_1M)),
 }
-FAMILY_NAMES = (*CONVERTED, "gemma2")
+FAMILY_NAMES = (*CONVERTED, "gemma2", "gemma3")
 
 
 def hf_and_litkv(family: str, tmp: Path, seed: int = 1) -> tuple[torch.nn.Module, GPT]:
     """(transformers model, litkv GPT) in float32, eval mode, with the same random weights."""
     import transformers
 
+    if family == "gemma3":
+        return _gemma3(seed)
     if family == "gemma2":
         fam = PARITY_FAMILIES["gemma2"]
         kwargs = {**COMMON, **fam.hf_kwargs, "max_position_embeddings": 4096}
@@ -66,3 +68,34 @@ def hf_and_litkv(family: str, tmp: Path, seed: int = 1) -> tuple[torch.nn.Module
     train_tiny_tokenizer(hf_dir)
     convert_hf_checkpoint(hf_dir, out_dir)
     return hf.eval(), load_model(out_dir).eval()
+
+
+def _gemma3(seed: int) -> tuple[torch.nn.Module, GPT]:
+    """Gemma-3: a sliding (window 8, local RoPE base) and a global layer, q/k norms, post norms."""
+    import transformers
+    from litgpt.scripts import convert_hf_checkpoint as conv
+
+    rope = {"sliding_attention": ROPE_10K, "full_attention": ROPE_1M}
+    kwargs = dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8, rope_parameters=rope)
+    hf_config = transformers.Gemma3TextConfig(
+        **{**COMMON, **kwargs}, layer_types=["sliding_attention", "full_attention"]
+    )
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    randomize_(hf, seed=seed)
+    config = tiny_config(
+        "Gemma-3-1b-it",
+        vocab_size=VOCAB,
+        padded_vocab_size=VOCAB,
+        head_size=32,
+        n_query_groups=2,
+        sliding_window_size=8,
+        sliding_window_indices=[1, 0],
+        rope_indices=[1, 0],
+        attention_scores_scalar=32,
+        norm_eps=hf_config.rms_norm_eps,
+    )
+    model = GPT(config)
+    state_dict: dict[str, torch.Tensor] = {}
+    conv.copy_weights_gemma_3({}, state_dict, hf.state_dict(), config=config)
+    model.load_state_dict(state_dict, strict=True)
+    return hf.eval(), model.eval()

@@ -117,7 +117,7 @@ def test_families(pairs, family: str, policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "expected-attention", "dense"])
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_ragged_left_padded_batch(pairs, family: str, policy: str) -> None:
     """Rows of different lengths, left-padded: litkv cuts each from its own first token, the adapter too."""
     _check_same(family, pairs, _config(policy, "float", (8, None)), [70, 41, 9])
