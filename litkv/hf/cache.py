@@ -83,6 +83,10 @@ class CacheLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.owner.seen
 
+    def get_max_length(self) -> int:
+        """No maximum: tokens seen are not bounded by the slots (transformers >=5.4 asks this)."""
+        return -1
+
     def get_max_cache_shape(self) -> int:
         return -1
 
