@@ -134,7 +134,8 @@ class Cache(HFCache):
         self.seen = 0
         self._model = model
         self._prompt_open = False  # a prompt went in since the last end_prefill (one-shot policies compress then)
-        self._call: tuple[torch.Tensor, Schedule | None] | None = None
+        # the call's positions `(B, T)`, its chunks (`None`: one call), whether its evictions wait for the last layer
+        self._call: tuple[torch.Tensor, Schedule | None, bool] | None = None
         register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
@@ -239,15 +240,19 @@ class Cache(HFCache):
         `(B or 1, T)` -> `(B, T, H * hv)`. Layer 0 starts the call (positions, chunks, one-shot compression)."""
         if layer == 0 or self._call is None:
             self._begin_call(q.shape[2], pad_mask, position_ids, q.device)
-        cache = self.caches[layer]  # type: ignore[index]
-        input_pos, plan = self._call  # type: ignore[misc]
+        caches = self.caches
+        cache = caches[layer]  # type: ignore[index]
+        input_pos, plan, later = self._call  # type: ignore[misc]
         if plan is None:
-            return _attend_one(cache, q, k, v, input_pos, scale, window, softcap)  # type: ignore[arg-type]
+            y = _attend_one(cache, q, k, v, input_pos, scale, window, softcap, later)  # type: ignore[arg-type]
+            if later and layer == len(caches) - 1:  # type: ignore[arg-type]
+                caches.evict_waiting()  # type: ignore[union-attr]  # a decode step: every layer at once, as litkv's GPT
+            return y
         outputs = []
         for call in plan.calls:
             src = call.idx
             parts = [_gather(t, src) for t in (q, k, v)]
-            outputs.append(_attend_one(cache, *parts, call.input_pos, scale, window, softcap))  # type: ignore[arg-type]
+            outputs.append(_attend_one(cache, *parts, call.input_pos, scale, window, softcap, False))  # type: ignore[arg-type]
         return plan.gather(outputs)
 
     def _begin_call(
@@ -266,16 +271,15 @@ class Cache(HFCache):
         input_pos = torch.where(valid, position_ids.to(device).long().expand(b, t), -1)
         if t == 1 and self._prompt_open and self.seen > 0:
             self.end_prefill()
-        caches.begin_call(t)
-        caches.observe(input_pos, check=True)
+        later = caches.begin_call(t)
+        caches.observe(input_pos, check=t > 1)  # a one-token call: transformers' next position, no host read
         self.seen += t
         self._prompt_open = self._prompt_open or t > 1 or self.seen == 1
-        no_pads = bool(valid.all())
-        if t == 1 or (no_pads and t <= self.plan.first):
-            self._call = (input_pos, None)
+        if t == 1 or (t <= self.plan.first and bool(valid.all())):
+            self._call = (input_pos, None, later)
             return
         columns = torch.arange(t, device=device).expand(b, t)
-        self._call = (input_pos, schedule(columns, input_pos, self.plan))
+        self._call = (input_pos, schedule(columns, input_pos, self.plan), False)
 
 
 def _gather(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -294,11 +298,16 @@ def _attend_one(
     scale: float,
     window: int | None,
     softcap: float | None,
+    later: bool,
 ) -> torch.Tensor:
-    """One call through `cache`, as `CausalSelfAttention.attend_cached`: attend, then evict -> `(B, T, H * hv)`."""
+    """One call through `cache`, as `CausalSelfAttention.attend_cached`: attend, then evict (`later`: the eviction
+    waits for `KVCaches.evict_waiting` after the last layer) -> `(B, T, H * hv)`."""
     no_pads = input_pos.shape[1] > 1 and bool((input_pos >= 0).all())
     keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
     mask = call_layout(cache, keys, k_pos, input_pos, no_pads, window)
     y, weights = attend(q, keys, values, mask, scale, softcap, cache.needs_attn_weights, input_pos >= 0)
-    cache.evict_and_store(weights)
+    if later:
+        cache.wait_for_eviction(weights)
+    else:
+        cache.evict_and_store(weights)
     return y
