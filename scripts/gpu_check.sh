@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One command for a machine with a CUDA GPU (issue 44's check; section limits 60 + 90 + 95 + 130 s, the
+# One command for a machine with a CUDA GPU (issue 44's check; section limits 60 + 90 + 95 + 130 + 120 + 150 s, the
 # import check itself takes seconds): whether litkv imports, the tests marked `cuda` (quick ones), then
 # scripts/gpu_bench.py for SmolLM2-135M's and Llama-3.2-1B's shapes (random weights, bf16): decode against
 # transformers' dynamic and static caches at 4,096 tokens, the policy table at 32,768 tokens with 4,096
-# slots at batch 1 and 8, and the targets' ratios. Each section runs under its own time limit and reports
-# its time; the report (markdown) is written to a file and printed at the end.
+# slots at batch 1 and 8, and the targets' ratios; litkv.hf's tests and scripts/bench_hf.py. Each section runs
+# under its own time limit and reports its time; the report (markdown) is written to a file and printed at the end.
 #
 #   scripts/gpu_check.sh [REPORT]              # default REPORT: gpu_report.md
 #   scripts/gpu_check.sh --dry-run [REPORT]    # the same steps on the CPU, small (cuda tests skip, the bench
@@ -91,6 +91,12 @@ if [ "$DEVICE" = "cuda" ]; then
     common=(--device cuda --dtype bf16 --prompts 4096 --new 64 --policy-prompt 32768 --cache-length 4096 --batches 1,8)
     section "SmolLM2-135M shape: decode, policies, targets" 95 "$PY" scripts/gpu_bench.py --model SmolLM2-135M "${common[@]}"
     section "Llama-3.2-1B shape: decode, policies, targets" 130 "$PY" scripts/gpu_bench.py --model Llama-3.2-1B "${common[@]}"
+    # litkv.hf (issue 59) on the machine's transformers: its tests (CPU models: the version check), then
+    # transformers + litkv h2o at 1/8 of 4k / 16k against transformers' dynamic cache and litkv's GPT
+    section "litkv.hf tests (installed transformers)" 120 "$PY" -m pytest -m "not slow" -q -x --no-header \
+        -p no:cacheprovider tests/hf/test_generate.py tests/hf/test_cache.py
+    section "litkv.hf speed: SmolLM2-135M shape, h2o at 1/8" 150 "$PY" scripts/bench_hf.py --device cuda \
+        --dtype bfloat16 --prompts 4096 16384 --new-tokens 64 --repeats 3
 else
     # one thread: the small shapes' kernels are too short for a pool, which a loaded machine's scheduler stalls
     export OMP_NUM_THREADS=1

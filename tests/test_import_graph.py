@@ -23,7 +23,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("modeling",),  # config, the GPT, attention, Mamba-2, the chunked runner, fingerprints, quantised weights
     ("states", "checkpoints", "gradient"),  # cache state values/files/stores; checkpoint I/O; gradients
     ("inference",),  # generate, KV blocks, the conversation engine, chat templates
-    ("eval", "serve"),  # evaluation tasks and benchmarks; the OpenAI-compatible server
+    ("eval", "serve", "hf"),  # evaluation tasks and benchmarks; the OpenAI-compatible server; litkv.hf
     ("finetune",),  # the training library: loop, data, LoRA, sharding, eviction-gate training
     ("cli",),  # the command functions (`litkv finetune` included)
     ("face",),  # litkv/__init__.py (public re-exports) and litkv/__main__.py (the command table)

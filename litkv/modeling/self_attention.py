@@ -20,7 +20,7 @@ from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import CAUSAL, Layout, attend, build_mask
 from litkv.modeling.config import ATTENTION, Config, HybridConfig
 
-__all__ = ["CausalSelfAttention"]
+__all__ = ["CausalSelfAttention", "call_layout"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -163,42 +163,8 @@ class CausalSelfAttention(nn.Module):
     def _layout(
         self, cache: KVCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool
     ) -> Layout:
-        """Which keys each of the call's queries sees (`attend`'s `mask`): `CAUSAL` for a call without pads whose
-        keys end with its own after filled earlier slots (no mask), `None` for a decode step over slots the
-        cache knows all hold a token (no mask), else a mask built from positions (pads, empty slots, a sliding
-        window, spliced positions).
-
-        Args:
-            keys: the keys `attend_inputs` returned (a tensor, or packed slots); k_pos: their positions
-                `(B, G, S)` (`-1`: empty); input_pos: the call's positions `(B, T)`; no_pads: `input_pos` has no `-1`.
-        """
-        if self.window is None and isinstance(keys, torch.Tensor):
-            if no_pads and self._suffix_causal(k_pos, input_pos):
-                return CAUSAL
-            if input_pos.shape[-1] == 1 and getattr(cache, "attended_keys_valid", False):
-                return None  # a decode step: its token is the newest, every slot holds an earlier one
-        return build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, self.window)
-
-    @staticmethod
-    def _suffix_causal(k_pos: torch.Tensor, input_pos: torch.Tensor) -> bool:
-        """Whether the call's own keys are the last `T` slots in the order of its increasing positions, and every
-        earlier slot filled and earlier than the call's first position (one host read; none for a call that
-        attends only its own tokens, the first chunk). A spliced or selectively recomputed call (positions out of
-        slot order) is not.
-
-        Args:
-            k_pos: the slots' positions `(B, G, S)` (`-1`: empty); `input_pos`: the call's positions `(B, T)`.
-        """
-        t = input_pos.shape[-1]
-        if k_pos.shape[-1] == t:  # positions increase along a call without pads: causal by index is by position
-            return True
-        if k_pos.shape[-1] < t:
-            return False
-        own = (k_pos[..., -t:] == input_pos[:, None, :]).all()
-        before = k_pos[..., :-t]
-        earlier = ((before >= 0) & (before < input_pos[:, None, :1])).all()
-        increasing = (input_pos.diff(dim=-1) > 0).all()
-        return bool(own & earlier & increasing)
+        """Which keys each of the call's queries sees (`call_layout` with this layer's sliding window)."""
+        return call_layout(cache, keys, k_pos, input_pos, no_pads, self.window)
 
     def _attend_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> torch.Tensor:
         """Plain causal attention over the whole sequence: `(B, T, n_head * hs)`."""
@@ -207,3 +173,45 @@ class CausalSelfAttention(nn.Module):
             pos = torch.arange(q.shape[2], device=q.device)
             mask = build_mask(pos[None], pos[None, None], self.window)
         return attend(q, k, v, mask, self.scale, softcap)[0]
+
+
+def call_layout(
+    cache: LayerCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool, window: int | None
+) -> Layout:
+    """Which keys each of a call's queries sees (`attend`'s `mask`): `CAUSAL` for a call without pads whose keys
+    end with its own after filled earlier slots (no mask), `None` for a decode step over slots the cache knows all
+    hold a token (no mask), else a mask built from positions (pads, empty slots, a sliding window, spliced
+    positions). Shared by `CausalSelfAttention` and `litkv.hf`'s attention function.
+
+    Args:
+        cache: the layer's cache; keys: the keys `attend_inputs` returned (a tensor, or packed slots); k_pos: their
+            positions `(B, G, S)` (`-1`: empty); input_pos: the call's positions `(B, T)`; no_pads: `input_pos` has
+            no `-1`; window: the layer's sliding window, or `None`.
+    """
+    if window is None and isinstance(keys, torch.Tensor):
+        if no_pads and _suffix_causal(k_pos, input_pos):
+            return CAUSAL
+        if input_pos.shape[-1] == 1 and getattr(cache, "attended_keys_valid", False):
+            return None  # a decode step: its token is the newest, every slot holds an earlier one
+    return build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, window)
+
+
+def _suffix_causal(k_pos: torch.Tensor, input_pos: torch.Tensor) -> bool:
+    """Whether the call's own keys are the last `T` slots in the order of its increasing positions, and every
+    earlier slot filled and earlier than the call's first position (one host read; none for a call that
+    attends only its own tokens, the first chunk). A spliced or selectively recomputed call (positions out of
+    slot order) is not.
+
+    Args:
+        k_pos: the slots' positions `(B, G, S)` (`-1`: empty); `input_pos`: the call's positions `(B, T)`.
+    """
+    t = input_pos.shape[-1]
+    if k_pos.shape[-1] == t:  # positions increase along a call without pads: causal by index is by position
+        return True
+    if k_pos.shape[-1] < t:
+        return False
+    own = (k_pos[..., -t:] == input_pos[:, None, :]).all()
+    before = k_pos[..., :-t]
+    earlier = ((before >= 0) & (before < input_pos[:, None, :1])).all()
+    increasing = (input_pos.diff(dim=-1) > 0).all()
+    return bool(own & earlier & increasing)
