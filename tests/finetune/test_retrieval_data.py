@@ -24,8 +24,9 @@ def tokenizer():
 
 
 def _text(n: int = 400) -> str:
-    words = "river stone lamp field bread door wind cloth seed hill gate fire song road tree salt".split()
-    return "\n".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(6 + i % 9)) + f" {i}." for i in range(n))
+    words = ["river", "stone", "lamp", "field", "bread", "door", "wind", "cloth", "seed", "hill", "gate", "fire"]
+    lines = (" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(6 + i % 9)) + f" {i}." for i in range(n))
+    return "\n".join(lines)
 
 
 def _fragments() -> set[str]:
