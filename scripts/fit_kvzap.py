@@ -16,6 +16,10 @@
    `scripts/ruler_slice.py OUT/ckpt_cal` load.
 
     OMP_NUM_THREADS=1 nice -n 10 python scripts/fit_kvzap.py --out_dir out/kvzap_fit --windows 32
+    # the Spearman of the gates so far (and of other gates files beside them), no window added:
+    OMP_NUM_THREADS=1 nice -n 10 python scripts/fit_kvzap.py --out_dir out/kvzap_fit --eval_only --partial \
+        --calib_windows 1 --eval_windows 1 --eval_length 1024 \
+        --compare litkv/assets/gates/smollm2-135m-instruct.safetensors
 """
 
 from __future__ import annotations
@@ -69,15 +73,18 @@ def fit(args, model, lines, tok, repeat, state: Path) -> KVzapSums:
     return sums
 
 
-def logits_targets(model, windows, repeat, gates: EvictionGates, hidden_gates, args):
-    """`(L, G, N)` key-gate logits, hidden-surrogate logits and targets over `windows` (token lists)."""
-    z, zh, y = [], [], []
+def logits_targets(model, windows, repeat, gates: dict[str, EvictionGates], hidden_gates, args):
+    """`(L, G, N)` logits of each of `gates` (by name) and of the hidden surrogate (`"hidden"`), and the
+    targets, over `windows` (token lists)."""
+    z: dict[str, list[torch.Tensor]] = {name: [] for name in [*gates, "hidden"]}
+    y = []
     for ids in windows:
         recs = records(model, ids, repeat, args.window, args.sinks)
-        z.append(torch.stack([gates.logits(layer, k.double())[0] for layer, (k, _, _) in enumerate(recs)]))
-        zh.append(torch.stack([hidden_logits(*hidden_gates, layer, h)[0] for layer, (_, h, _) in enumerate(recs)]))
+        for name, g in gates.items():
+            z[name].append(torch.stack([g.logits(layer, k.double())[0] for layer, (k, _, _) in enumerate(recs)]))
+        z["hidden"].append(torch.stack([hidden_logits(*hidden_gates, i, h)[0] for i, (_, h, _) in enumerate(recs)]))
         y.append(torch.stack([t[0] for _, _, t in recs]))
-    return torch.cat(z, -1).double(), torch.cat(zh, -1), torch.cat(y, -1).double()
+    return {name: torch.cat(parts, -1).double() for name, parts in z.items()}, torch.cat(y, -1).double()
 
 
 def write_checkpoint(base: Path, gates: EvictionGates, out: Path) -> None:
@@ -102,6 +109,7 @@ def main() -> None:
     p.add_argument("--eval_windows", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--partial", action="store_true", help="calibrate and evaluate with the windows in so far")
+    p.add_argument("--compare", type=Path, nargs="*", default=[], help="other gates files to evaluate beside")
     p.add_argument("--eval_only", action="store_true", help="add no window: calibrate and evaluate (with --partial)")
     p.add_argument("--eval_length", type=int, default=0, help="tokens of a calibration/held-out window (0: --length)")
     args = p.parse_args()
@@ -128,18 +136,18 @@ def main() -> None:
     n = args.eval_length or args.length
     calib = [retrieval_window(lines, tok, n, args.seed, CALIB_START + j) for j in range(args.calib_windows)]
     start = time.perf_counter()
-    z, _, y = logits_targets(model, calib, repeat, gates, hidden_gates, args)
-    a, c = affine_calibration(z, y)
+    z, y = logits_targets(model, calib, repeat, {"key": gates}, hidden_gates, args)
+    a, c = affine_calibration(z["key"], y)
     cal = calibrated(gates, a, c)
     print(f"calibration: {time.perf_counter() - start:.0f} s; slope a: min {a.min():.3f} median {a.median():.3f} "
           f"max {a.max():.3f}", flush=True)  # fmt: skip
     ids = encode_plain(tok, heldout)
     held = [ids[j * n : (j + 1) * n] for j in range(args.eval_windows)]
-    z, zh, y = logits_targets(model, held, repeat, gates, hidden_gates, args)
-    zc = a[..., None] * z + c[..., None]  # the calibrated gates' logits, in float64
+    others = {f"compare:{path}": EvictionGates.load(path) for path in args.compare}
+    z, y = logits_targets(model, held, repeat, {"key": gates, "key_calibrated": cal, **others}, hidden_gates, args)
     report = {
         "windows": len(sums.windows), "length": args.length, "eval_length": n, "tokens_per_head": int(y.shape[-1]),
-        "key": scale_report(z, y), "key_calibrated": scale_report(zc, y), "hidden": scale_report(zh, y),
+        **{name: scale_report(logits, y) for name, logits in z.items()},
         "in_sample_mse_key": sums.keys.mse(*sums.keys.solve()),
     }  # fmt: skip
     (args.out_dir / "report.json").write_text(json.dumps(report, indent=1))
