@@ -69,6 +69,28 @@ class KVzapSums:
         c = theta.shape[-1] - 1
         return theta[..., :-1] / math.sqrt(c), theta[..., -1]
 
+    def hidden_mse(self, weight: torch.Tensor, bias: torch.Tensor) -> float:
+        """Mean squared error over every token added, of the hidden surrogate `(weight (L, G, C), bias (L, G))`,
+        averaged over (layer, KV head) (as `NormalEquations.mse` for the keys)."""
+        theta = torch.cat([weight * math.sqrt(weight.shape[-1]), bias[..., None]], dim=-1)  # (L, G, C+1)
+        quad = torch.einsum("lgc,lce,lge->lg", theta, self.hxtx, theta)
+        sse = self.keys.yty - 2 * (theta * self.hxty).sum(dim=-1) + quad
+        return float((sse / self.keys.count.clamp_min(1)).mean())
+
+    def minus(self, other: KVzapSums) -> KVzapSums:
+        """The sums of the windows in `self` and not in `other` (`other`'s windows a prefix of `self`'s): a
+        held-out split without running the model again."""
+        if self.windows[: len(other.windows)] != other.windows:
+            raise ValueError(f"windows {other.windows} are not a prefix of {self.windows}")
+        out = KVzapSums(
+            self.keys.xtx.shape[0], self.keys.xty.shape[1], self.keys.xty.shape[2] - 1, self.hxtx.shape[-1] - 1
+        )
+        for name in ("xtx", "xty", "yty", "count"):
+            setattr(out.keys, name, getattr(self.keys, name) - getattr(other.keys, name))
+        out.hxtx, out.hxty = self.hxtx - other.hxtx, self.hxty - other.hxty
+        out.windows = self.windows[len(other.windows) :]
+        return out
+
     def gates(self, window: int, sinks: int) -> EvictionGates:
         """The key-input solution as gates on one scale (`target="kvzip"`)."""
         weight, bias = self.keys.solve()

@@ -177,3 +177,25 @@ def test_one_scale_gates_keep_their_target_in_the_file(tmp_path):
     assert back.target == "kvzip" and back.one_scale and back.to("cpu").one_scale
     with pytest.raises(ValueError, match="target must be a str"):
         EvictionGates.create(2, 3, 4, 8, 2).__class__(gates.weight, gates.bias, 8, 2, None, 3)  # type: ignore[arg-type]
+
+
+def test_held_out_split_and_hidden_error_equal_brute_force():
+    """`minus` leaves the sums of the later windows alone; `hidden_mse` is the mean over heads of each head's
+    mean squared error of `x . w + b`, written out token by token."""
+    whole, first, later = _random_sums(2, [0, 1, 2]), _random_sums(2, [0]), _random_sums(2, [1, 2])
+    split = whole.minus(first)
+    assert split.windows == [1, 2]
+    torch.testing.assert_close(split.hxtx, later.hxtx, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split.keys.xty, later.keys.xty, rtol=1e-12, atol=1e-12)
+    weight, bias = first.solve_hidden()
+    errors = torch.zeros(2, 3, dtype=torch.float64)
+    for w in (1, 2):
+        g = torch.Generator().manual_seed(2000 + w)
+        for layer in range(2):
+            torch.randn(1, 3, 9, 4, generator=g)  # the keys, as _random_sums draws them
+            h, y = torch.randn(1, 9, 5, generator=g), torch.randn(1, 3, 9, generator=g)
+            pred = torch.einsum("bnc,gc->bgn", h.double(), weight[layer]) + bias[layer][None, :, None]
+            errors[layer] += ((pred - y.double()) ** 2).sum(dim=(0, 2))
+    assert split.hidden_mse(weight, bias) == pytest.approx(float((errors / 18).mean()), rel=1e-9)
+    with pytest.raises(ValueError, match="not a prefix"):
+        first.minus(whole)
