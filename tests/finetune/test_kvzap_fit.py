@@ -81,7 +81,7 @@ def test_fit_on_kvzip_target_equals_brute_force_for_keys_and_hidden_states():
     for (name, layer, g), parts in xs.items():
         theta = ridge_lstsq(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
         if name == "key":
-            got = torch.cat([weight[layer, g] / math.sqrt(c.head_size), bias[layer, g, None]])
+            got = torch.cat([weight[layer, g], bias[layer, g, None]])
         else:
             got = torch.cat([hw[layer, g] * math.sqrt(c.n_embd), hb[layer, g, None]])
         torch.testing.assert_close(got, theta, rtol=1e-5, atol=1e-5 * float(theta.abs().max()))
