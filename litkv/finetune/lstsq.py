@@ -7,7 +7,7 @@ at distance `>= window` (`litkv.finetune.gate_training.attention_mass`). The log
 mean squared error over all training tokens has one minimiser per layer and KV head, found from the
 normal equations accumulated over the sequences:
 
-    [w / sqrt(D); b] = (X^T X + lambda * mean(diag(X^T X)) * I)^-1 X^T y,   X = [k_pre / sqrt(D), 1]
+    [w; b] = (X^T X + lambda * mean(diag(X^T X)) * I)^-1 X^T y,   X = [k_pre / sqrt(D), 1]
 
 (float64 sums; `lambda` = `RIDGE`, which only guards against keys that span fewer than `D`
 dimensions). `regress` reaches the same minimum by Adam, many steps later; each step here costs one
@@ -61,16 +61,17 @@ class NormalEquations:
         self.count[layer] += y.shape[0] * y.shape[2]
 
     def solve(self, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
-        """The minimiser `(w, b)`: `w` `(L, G, D)` (the gates' `weight`), `b` `(L, G)`, float64."""
+        """The minimiser `(w, b)`: `w` `(L, G, D)` (the gates' `weight`: the logit `k_pre . w / sqrt(D) + b` is
+        `X . [w; b]`), `b` `(L, G)`, float64."""
         eye = torch.eye(self.xtx.shape[-1], dtype=torch.float64)
         scale = self.xtx.diagonal(dim1=-2, dim2=-1).mean(dim=-1).clamp_min(1e-12)
         theta = torch.linalg.solve(self.xtx + ridge * scale[..., None, None] * eye, self.xty)
-        return theta[..., :-1] * math.sqrt(theta.shape[-1] - 1), theta[..., -1]
+        return theta[..., :-1], theta[..., -1]
 
     def mse(self, weight: torch.Tensor, bias: torch.Tensor) -> float:
         """Mean squared error over every token added, of the gates `(weight, bias)`, averaged over (layer,
         KV head)."""
-        theta = torch.cat([weight / math.sqrt(weight.shape[-1]), bias[..., None]], dim=-1)
+        theta = torch.cat([weight, bias[..., None]], dim=-1)
         quad = torch.einsum("lgd,lgde,lge->lg", theta, self.xtx, theta)
         sse = self.yty - 2 * (theta * self.xty).sum(dim=-1) + quad
         return float((sse / self.count.clamp_min(1)).mean())

@@ -31,7 +31,7 @@ import torch
 from litkv.core.rope import apply_rope
 from litkv.core.secret import mac, macs_equal, user_secret
 
-__all__ = ["GATES_FILE", "EvictionGates", "gates_digest", "shipped_digests", "unrotate_keys"]
+__all__ = ["GATES_FILE", "ONE_SCALE_TARGETS", "EvictionGates", "gates_digest", "shipped_digests", "unrotate_keys"]
 
 #: The gates' file in a checkpoint directory, next to `model.safetensors`.
 GATES_FILE = "eviction_gates.safetensors"
@@ -76,6 +76,11 @@ def _authenticity_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]
     return None
 
 
+#: Regression targets whose logits mean the same in every layer and KV head (`EvictionGates.one_scale`):
+#: `"kvzip"`, the log KVzip+ score (KVzap's target, `litkv.finetune.kvzip_target`).
+ONE_SCALE_TARGETS = ("kvzip",)
+
+
 def unrotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
     """Keys rotated back to position 0.
 
@@ -105,6 +110,8 @@ class EvictionGates:
         weights: the fingerprint of the model weights the gates were trained for
             (`litkv.modeling.fingerprint.model_fingerprint(model)["weights"]` as the checkpoint stores them), or
             `None` (unknown). `load_model` refuses gates whose fingerprint differs or is `None`.
+        target: what the logits were fitted to (`"kvzip"`: log KVzip+, one scale across layers), or `None`
+            (trained per head: no common scale). Written to the file's metadata.
     """
 
     weight: torch.Tensor
@@ -112,6 +119,7 @@ class EvictionGates:
     window: int
     sinks: int
     weights: str | None = None
+    target: str | None = None
 
     def __post_init__(self) -> None:
         if self.weight.dim() != 3 or self.bias.shape != self.weight.shape[:2]:
@@ -125,6 +133,14 @@ class EvictionGates:
                 raise ValueError(f"gate {name} must be an int >= 0, got {value!r}")
         if self.weights is not None and not isinstance(self.weights, str):
             raise ValueError(f"gate weights fingerprint must be a str or None, got {self.weights!r}")
+        if self.target is not None and not isinstance(self.target, str):
+            raise ValueError(f"gate target must be a str or None, got {self.target!r}")
+
+    @property
+    def one_scale(self) -> bool:
+        """Whether the logits mean the same in every layer and KV head (`ONE_SCALE_TARGETS`): a top-k over
+        all layers at once is meaningful (`learned` ranks across layers by default with such gates)."""
+        return self.target in ONE_SCALE_TARGETS
 
     @classmethod
     def create(
@@ -150,6 +166,7 @@ class EvictionGates:
             self.window,
             self.sinks,
             self.weights,
+            self.target,
         )
 
     def logits(self, layer: int, keys_pre: torch.Tensor) -> torch.Tensor:
@@ -181,6 +198,8 @@ class EvictionGates:
         meta = {"format": _FORMAT, "window": str(self.window), "sinks": str(self.sinks)}
         if self.weights is not None:
             meta["weights"] = self.weights
+        if self.target is not None:
+            meta["target"] = self.target
         meta["sha256"] = gates_digest(tensors, meta)
         meta["mac"] = mac(user_secret(), _MAC_PURPOSE, meta["sha256"])
         return tensors, meta
@@ -225,4 +244,4 @@ class EvictionGates:
                 f"{str(path)!r}: these eviction gates are refused: {problem}; train them again "
                 "(litkv finetune --learn_eviction true) or use the gates litkv ships"
             )
-        return cls(weight, bias, window, sinks, meta.get("weights"))
+        return cls(weight, bias, window, sinks, meta.get("weights"), meta.get("target"))

@@ -62,12 +62,14 @@ class LearnedOptions(ScoreOptions):
         across_layers: one-shot only: the compression keeps, per row, the `budget x G x n_layers` highest
             logits over all layers and KV heads (as `kvzip`'s default), not `budget` per head; the sinks and
             the recent window of every head are kept (`KVCaches.end_prefill` compresses the layers together).
+            `None` (the default): on in one-shot mode when the gates' logits are on one scale across layers
+            (`EvictionGates.one_scale`: KVzap's target), off otherwise (resolved when the gates are bound).
     """
 
     sinks: int | None = None  # type: ignore[assignment]
     recent: int | None = None
     threshold: float | None = None
-    across_layers: bool = False
+    across_layers: bool | None = None
 
     def protected_sinks(self) -> int:
         """The explicit `sinks`, else 0 until the gates are bound (`LearnedKVCache.bind_gates`)."""
@@ -91,7 +93,8 @@ class LearnedOptions(ScoreOptions):
         check_mode(self.mode, self.budget, cache_length, protected)
         if self.threshold is not None:
             check_float("threshold", self.threshold)
-        check_bool("across_layers", self.across_layers)
+        if self.across_layers is not None:
+            check_bool("across_layers", self.across_layers)
         if self.across_layers and self.mode != "one-shot":
             raise ValueError(f"across_layers=True is for mode='one-shot' (a budget over layers), got {self.mode!r}")
 
@@ -156,6 +159,7 @@ class LearnedKVCache(ScoreKVCache):
     logits: torch.Tensor
     _gates: EvictionGates | None = None  # this layer's gates only, on the cache's device (bind_gates)
     _rope: BoundRope | None = None  # bind_rope
+    _across: bool = False  # `across_layers` as resolved by bind_gates
 
     @property
     def threshold(self) -> float | None:
@@ -195,6 +199,8 @@ class LearnedKVCache(ScoreKVCache):
                 f"{source}: sinks + recent must be <= {what}, got sinks={self.sinks}, recent={self.recent} "
                 f"(the gates' defaults: sinks={gates.sinks}, window={gates.window}; set --kv_cache.sinks/recent)"
             )
+        across = o.across_layers
+        self._across = bool(gates.one_scale and o.mode == "one-shot") if across is None else across
         part = EvictionGates(gates.weight[layer : layer + 1], gates.bias[layer : layer + 1], gates.window, gates.sinks)
         self._gates = part.to(self.positions.device)
 
@@ -265,14 +271,16 @@ class LearnedKVCache(ScoreKVCache):
         return self.protect(self.logits.clone(), self.positions)
 
     def compresses_across_layers(self) -> bool:
-        """`across_layers` in one-shot mode: the layers compress together (`compress_all`)."""
-        return self.one_shot and bool(self.options.across_layers)  # type: ignore[attr-defined]
+        """`across_layers` (as resolved: by default with one-scale gates) in one-shot mode: the layers
+        compress together (`compress_all`)."""
+        return self.one_shot and self._across
 
     def compress(self) -> None:
         """`OneShot.compress`; with `across_layers` a layer cannot rank against the others alone."""
         if self.compresses_across_layers():
             raise RuntimeError(
-                "learned with across_layers=True compresses every layer at once: call KVCaches.end_prefill() "
+                "learned across layers (across_layers=True, or gates on one scale) compresses every layer at once: "
+                "call KVCaches.end_prefill() "
                 "(generate and evaluate do) or litkv.kvcache.score.compress_all(caches), not compress() of a layer"
             )
         super().compress()

@@ -73,6 +73,8 @@ def model_fingerprint(model: GPT) -> dict[str, str]:
     gates = model.eviction_gates  # the `learned` policy's scores depend on them
     if gates is not None:
         h = hashlib.sha256(f"{tuple(gates.weight.shape)}:{gates.window}:{gates.sinks};".encode())
+        if getattr(gates, "target", None) is not None:  # one-scale gates rank across layers by default
+            h.update(f"target:{gates.target};".encode())
         for tensor in (gates.weight, gates.bias):
             h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         out["eviction_gates"] = h.hexdigest()

@@ -75,7 +75,7 @@ def reference_solution(
         y = torch.cat([p[1] for p in parts])
         ridge = (RIDGE * (x * x).sum(0).mean()) ** 0.5 * torch.eye(hs + 1, dtype=torch.float64)
         theta = torch.linalg.lstsq(torch.cat([x, ridge]), torch.cat([y, torch.zeros(hs + 1, dtype=torch.float64)]))
-        weight[layer, head] = theta.solution[:-1] * hs**0.5
+        weight[layer, head] = theta.solution[:-1]  # the logit k . w / sqrt(D) + b is x . [w; b]
         bias[layer, head] = theta.solution[-1]
     return weight, bias
 
@@ -153,3 +153,21 @@ def test_finetune_lstsq_writes_loadable_gates_and_refuses_checkpoints(tmp_path):
         jsonargparse.CLI(finetune, args=argv + ["--overwrite", "true", "--learn.checkpoint_interval", "5"])
     with pytest.raises(ValueError, match="cannot --resume"):
         jsonargparse.CLI(finetune, args=argv + ["--overwrite", "true", "--resume", str(final)])
+
+
+def test_lstsq_gate_logits_are_the_fitted_prediction():
+    """The gates' own logits `k_pre . w / sqrt(D) + b` on the training tokens have the in-sample error the fit
+    reports (a solve whose weights were scaled apart from the objective's would rank a head's tokens alike but
+    put the heads on other scales)."""
+    model = tiny_gpt(4, torch.float64, config=CONFIG)
+    data = examples(2)
+    args = GateTrainArgs(method="lstsq", steps=1, batch_size=2, window=WINDOW, sinks=SINKS)
+    gates, logs = fit_gates_lstsq(model, data, args)
+    ids = torch.stack([data[i][0] for i in batch_indices(len(data), 2, args.seed, 0)])
+    mask = evictable(T, WINDOW, SINKS, ids.device)
+    errors = []
+    for layer, (k, mass) in enumerate(attention_mass(model, ids, WINDOW)):
+        logits = gates.logits(layer, k[:, :, mask].double())
+        goal = torch.log(mass[:, :, mask].double() + 1e-4)
+        errors.append(((logits - goal) ** 2).mean(dim=(0, 2)))
+    assert float(torch.cat(errors).mean()) == pytest.approx(logs[-1].fit, rel=1e-4)

@@ -25,12 +25,13 @@ def model(tiny_model: Callable[..., GPT]) -> GPT:
     return tiny_model(41, torch.float64, gates=True, gate_seed=42, window=RECENT, sinks=SINKS)
 
 
-def _config(across: bool) -> KVCacheConfig:
-    options = {"mode": "one-shot", "budget": BUDGET, "sinks": SINKS, "recent": RECENT, "across_layers": across}
+def _config(across: bool | None) -> KVCacheConfig:
+    options = {"mode": "one-shot", "budget": BUDGET, "sinks": SINKS, "recent": RECENT}
+    options.update({} if across is None else {"across_layers": across})
     return KVCacheConfig("learned", cache_length=48, chunk_size=CHUNK, options=options)
 
 
-def _prefill(model: GPT, across: bool) -> tuple[list[set[tuple[int, int, int]]], list[np.ndarray]]:
+def _prefill(model: GPT, across: bool | None) -> tuple[list[set[tuple[int, int, int]]], list[np.ndarray]]:
     """Prefill the ragged batch in chunks and compress (`KVCaches.end_prefill`). Returns per row the kept
     `(layer, head, position)` and per layer the float64 block inputs `(B, T, n_embd)` of the real tokens."""
     prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
@@ -109,6 +110,23 @@ def test_kept_tokens_equal_a_float64_global_top_k(model: GPT, across: bool) -> N
     if across:  # the budget really moves between heads: some (layer, head) keeps more than BUDGET
         counts = [sum(1 for e in kept[0] if e[:2] == (layer, head)) for layer in range(n) for head in range(g)]
         assert max(counts) > BUDGET > min(counts)
+
+
+@pytest.mark.parametrize("target", [None, "kvzip"])
+@torch.inference_mode()
+def test_gates_on_one_scale_rank_across_layers_by_default(model: GPT, target: str | None) -> None:
+    """`across_layers` left unset: gates fitted to log KVzip+ (`target="kvzip"`, one scale in every layer) keep
+    the float64 global top-k; gates without a common scale keep `budget` per head, as before."""
+    gates = model.eviction_gates
+    saved = gates.target
+    gates.target = target
+    try:
+        kept, inputs = _prefill(model, None)
+    finally:
+        gates.target = saved
+    expected = _expected(_oracle_logits(model, inputs), across=target == "kvzip")
+    assert kept == expected
+    assert kept != _expected(_oracle_logits(model, inputs), across=target != "kvzip")  # the two rules differ here
 
 
 def test_across_layers_outside_one_shot_and_a_single_layer_compress_are_refused(model: GPT) -> None:
