@@ -110,9 +110,11 @@ def serve(
         max_documents: Most ``documents`` of a request.
         max_document_tokens: Most tokens of a request's ``documents`` in all.
     """
+    from litkv.inference.conversation import check_turn_policy
     from litkv.serve.api import ServeOptions, build_server
     from litkv.serve.drain import drain_on_sigterm
 
+    check_turn_policy(kv_cache, "litkv serve")
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     for name, value, low in (
         ("port", port, 0),

@@ -53,6 +53,7 @@ from litkv.inference.chat_template import Documents, Format, Message, Replies, T
 from litkv.inference.conversation_layout import dump_layout, parse_layout
 from litkv.inference.generate import decode_tokens
 from litkv.inference.sampling import Sampling
+from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
@@ -65,6 +66,7 @@ __all__ = [
     "Pending",
     "Row",
     "Run",
+    "check_turn_policy",
     "held_segments",
     "lossless_overflow",
     "plan_segments",
@@ -158,6 +160,18 @@ def held_segments(fmt: Format, messages: Sequence[Message], replies: Replies) ->
     segments = plan_segments(fmt, messages, replies, add_generation_prompt=False)
     last = [i for i, s in enumerate(segments) if s.reply]
     return segments[: last[-1] + 1] if last else segments
+
+
+def check_turn_policy(kv_cache: KVCacheConfig, command: str) -> None:
+    """ValueError (one line) for `kvzip` in `command` (chat, serve): its one-shot compression ranks a whole
+    prompt once by a reconstruction pass over it, and a conversation's turns go into a live cache
+    (docs/kvzip.md says why a pass per turn would not be KVzip)."""
+    if issubclass(kv_cache.policy_class, KVzipKVCache):
+        raise ValueError(
+            f"{command} does not run kvzip (mode='one-shot', its only mode): "
+            "it compresses one prompt once after a reconstruction pass, and a conversation feeds turn after turn "
+            "into a live cache; use litkv generate / evaluate for kvzip, or an evicting policy here (e.g. snapkv)"
+        )
 
 
 def lossless_overflow(kv_cache: KVCacheConfig, filled: int, needed: int) -> int | None:
@@ -263,6 +277,7 @@ class Conversation:
         blocks: BlockStore | None = None,
         recompute: float = 0.0,
     ) -> None:
+        check_turn_policy(kv_cache, "chat")
         self.model = model
         self.feeder = Feeder(blocks, recompute)
         self.documents: dict[int, tuple[tuple[int, ...], ...]] = {}

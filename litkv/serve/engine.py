@@ -50,6 +50,7 @@ from litkv.inference.chat_template import (
 from litkv.inference.conversation import (
     Feeder,
     Run,
+    check_turn_policy,
     held_segments,
     lossless_overflow,
     plan_segments,
@@ -173,6 +174,7 @@ class Engine:
         max_step_tokens: int = DEFAULT_STEP_TOKENS,
         packed_steps: bool = False,
     ) -> None:
+        check_turn_policy(kv_cache, "serve")
         self.feeder = Feeder(blocks, recompute)
         self.max_documents, self.max_document_tokens = max_documents, max_document_tokens
         self.model = model

@@ -169,7 +169,7 @@ def run_together(eng: Engine, convs: list[list[str]], budgets: list[list[int]]) 
     return got, stepped
 
 
-@pytest.mark.parametrize("policy", ["h2o", "kvzip", "dense"])
+@pytest.mark.parametrize("policy", ["h2o", "keydiff", "dense"])
 def test_rows_equal_solo_runs_across_step_row_counts(model_and_tok: tuple, policy: str) -> None:
     """Conversations join and leave a batch whose steps run 1 row alone and up to every row (the class's
     boundaries), with evicting caches: each equals its solo run; a solo run stepped the class's smallest count."""

@@ -17,7 +17,7 @@ from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.runner import ChunkPlan
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.scheduler import Job, Scheduler
-from tests.helpers import WORDS, attach_random_gates
+from tests.helpers import WORDS, attach_random_gates, evicts_alone
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def assert_equal(together: list, solo: list) -> None:
             assert ids == ids_alone and torch.equal(logits, logits_alone)  # bitwise
 
 
-@pytest.mark.parametrize("policy", known_policies())
+@pytest.mark.parametrize("policy", [p for p in known_policies() if evicts_alone(p)])
 def test_prompts_fed_beside_decoding_rows_equal_solo_runs(model_and_tok: tuple, policy: str) -> None:
     """One chunk per step (budget 8: a prompt spread over steps while the other rows decode) and a budget of
     several prompts' chunks at once, each step's last chunks packed with the decode rows in one call: every
