@@ -12,7 +12,6 @@ from kvzip_reference import brute_scores
 
 from litkv.inference.generate import generate, pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress, kvzip_score
-from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.modeling.config import KVCacheConfig
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import ChunkPlan, run_chunks
@@ -176,8 +175,8 @@ def test_generate_without_the_reconstruction_prompt_is_a_clear_error(tiny_model)
 def test_continuous_mode_is_refused_and_one_shot_is_the_default() -> None:
     """kvzip without a reconstruction pass would keep the newest tokens under KVzip's name: refused."""
     with pytest.raises(ValueError, match=r"^kvzip has no mode='continuous': .* use mode='one-shot'"):
-        KVCacheConfig("kvzip", cache_length=8, options={"mode": "continuous"}).policy_options
+        KVCacheConfig("kvzip", cache_length=8, options={"mode": "continuous"})
     options = KVCacheConfig("kvzip", cache_length=8).policy_options
     assert options.mode == "one-shot" and options.budget is None  # the cache keeps cache_length
     with pytest.raises(ValueError, match="budget must be <= cache_length"):
-        KVCacheConfig("kvzip", cache_length=8, options={"budget": 9}).policy_options
+        KVCacheConfig("kvzip", cache_length=8, options={"budget": 9})
