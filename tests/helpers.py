@@ -21,6 +21,7 @@ __all__ = [
     "MaskFn",
     "RefOutput",
     "attach_random_gates",
+    "evicts_alone",
     "band_mask",
     "causal_mask",
     "chunked_last_recent_mask",
@@ -420,3 +421,11 @@ def forge_entry(
     header["litkv"] = json.dumps(meta)
     save_file(tensors, str(target), metadata=header)
     return meta["entry"]
+
+
+def evicts_alone(policy: str) -> bool:
+    """Whether `policy` with its default options evicts by itself during a run (mode `continuous`): every
+    policy but `kvzip`, which is one-shot only (its compression needs a reconstruction pass of the model)."""
+    from litkv.kvcache.registry import get_kv_cache_class
+
+    return getattr(get_kv_cache_class(policy).Options(), "mode", "continuous") == "continuous"

@@ -39,6 +39,7 @@ from litkv.core.atomic import remove_stale_temp_files
 from litkv.inference.blocks import check_recompute
 from litkv.inference.chat_session import ChatSession
 from litkv.inference.chat_template import load_format
+from litkv.inference.conversation import refuse_one_shot
 from litkv.inference.sampling import Sampling, check_sampling
 from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
@@ -236,6 +237,7 @@ def chat(
         recompute: The fraction of each spliced document's tokens recomputed in context (0: pure splice).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    refuse_one_shot(kv_cache, "litkv chat")
     recompute = check_recompute(recompute, "--recompute")
     quant = parse_quantize(quantize)
     path = _session_path(session)

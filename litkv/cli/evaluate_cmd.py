@@ -6,12 +6,13 @@ import dataclasses
 import importlib.metadata
 import json
 import math
+import os
 import shlex
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,9 @@ from litkv.eval.ruler import resolve_tasks
 from litkv.eval.ruler_report import run_ruler
 from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.registry import known_policies
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 __all__ = ["evaluate", "format_table", "plot_results"]
 
@@ -63,7 +67,7 @@ def evaluate(
     decode_tokens: int = 32,
     kv_cache: KVCacheConfig = _DEFAULT_KV_CACHE,
     policy_options: dict[str, Any] | None = None,
-    batch_size: int = 4,
+    batch_size: int | None = None,
     seed: int = 0,
     out_dir: Path = Path("out/evaluate"),
     precision: str | None = None,
@@ -75,6 +79,9 @@ def evaluate(
     chat_template: bool | None = None,
     oneshot_compress: str = "context",
     overwrite: bool = False,
+    devices: int = 1,
+    num_nodes: int = 1,
+    resume: bool = False,
 ) -> list[PolicyResult] | list[RulerResult]:
     """Quality of KV cache policies against a dense cache on the same model and text.
 
@@ -103,7 +110,8 @@ def evaluate(
             policy and cache_length are set per run; no policy options here (see policy_options).
         policy_options: Options per policy, applied to that policy's runs only, e.g.
             '{"keydiff": {"recent": 64}}' or --policy_options.keydiff.recent 64.
-        batch_size: Sequences per forward.
+        batch_size: Sequences per forward (default 4; with --tasks: --task_samples, one batch per task). With
+            --tasks a batch of samples is the unit of work that processes share and that a run resumes by.
         seed: Seed of the recall examples.
         out_dir: Where to write evaluate.json and evaluate.png (or ruler.json and ruler.png): a new or
             empty directory, or (with --overwrite) one an earlier `litkv evaluate` wrote; checked before the
@@ -125,22 +133,44 @@ def evaluate(
             compresses the whole prompt, question included.
         overwrite: Replace an `out_dir` that an earlier `litkv evaluate` wrote (its marker file); any
             other non-empty directory is refused whatever this says.
+        devices: With --tasks: processes answering the table data-parallel on Lightning Fabric (units of
+            --batch_size samples sharded, answers gathered; docs/ruler.md): on a CPU, processes of one
+            thread each (unless --num_threads), on a GPU machine one per GPU.
+        num_nodes: With --tasks: machines of a multi-node run (--devices processes on each, started by a
+            launcher, as `litkv finetune`).
+        resume: With --tasks: go on with the answers that a stopped run of the same settings left in
+            `out_dir/answers` (each unit's answers are written as soon as they are computed).
     """
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     check_compress(oneshot_compress)
+    require_int("--devices", devices, 1)
+    require_int("--num_nodes", num_nodes, 1)
+    if batch_size is not None:
+        require_int("--batch_size", batch_size, 1)
     if tasks is not None:
         require_int("--task_samples", task_samples, 1)
         resolve_tasks(tasks)  # an unknown name is named before the output directory is
+        world = devices * num_nodes
+        cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
         ruler_settings = {
             "length": window, "num_samples": task_samples, "seed": seed, "kv_cache": kv_cache,
-            "policy_options": _nest_policy_options(policy_options), "batch_size": max(batch_size, task_samples),
+            "policy_options": _nest_policy_options(policy_options),
+            "batch_size": task_samples if batch_size is None else batch_size,
             "text_file": text_file, "out_dir": out_dir, "precision": precision, "device": device,
-            "num_threads": num_threads, "quantize": quantize, "chat_template": chat_template,
-            "oneshot_compress": oneshot_compress,
+            "num_threads": 1 if num_threads is None and world > 1 and cpu else num_threads, "quantize": quantize,
+            "chat_template": chat_template, "oneshot_compress": oneshot_compress, "resume": resume is True,
         }  # fmt: skip
         budget_list = list(DEFAULT_BUDGETS if budgets is None else budgets)
-        check_output_dir(out_dir, "evaluate", [ckpt], overwrite, replace=True)  # before the run, not after it
-        return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings)
+        if launching_rank():  # before the run, not after it
+            check_output_dir(out_dir, "evaluate", [ckpt], overwrite, reuse=resume is True, replace=resume is not True)
+        fabric = None if world == 1 else launch_fabric(devices, num_nodes, cpu)
+        return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings, fabric)
+    if devices != 1 or num_nodes != 1 or resume:
+        raise ValueError(
+            "--devices, --num_nodes and --resume apply to RULER tables (--tasks); the perplexity and recall run "
+            "is one process"
+        )
+    batch_size = 4 if batch_size is None else batch_size
     policy_options = _nest_policy_options(policy_options)
     for name, value in (("recall_cases", recall_cases), ("multikey_cases", multikey_cases)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -194,6 +224,21 @@ def evaluate(
     )  # fmt: skip
     _write_outputs(Path(out_dir), results, _run_info(settings))
     return results
+
+
+def launching_rank() -> bool:
+    """Whether this process is the one that starts the run (rank 0, or not launched yet)."""
+    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0) == 0
+
+
+def launch_fabric(devices: int, num_nodes: int, cpu: bool) -> Fabric:
+    """A launched Fabric of `devices` processes per node on `num_nodes` nodes (DDP: gloo on the CPU, NCCL on
+    GPUs), as `litkv finetune` launches one; this process becomes rank 0 and starts the others."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu" if cpu else "cuda", devices=devices, num_nodes=num_nodes, strategy="ddp")
+    fabric.launch()
+    return fabric
 
 
 def _nest_policy_options(options: dict[str, Any] | None) -> dict[str, dict[str, Any]]:

@@ -17,18 +17,20 @@ from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.validation import read_text_file, require_int
 from litkv.inference.blocks import Segment, prompt_segments
 from litkv.inference.chat_prompt import encode_prompt
-from litkv.inference.chat_template import Format, RawFormat, load_format
+from litkv.inference.chat_template import Format, RawFormat, TemplateFormat, load_format
 from litkv.inference.generate import generate as generate_tokens
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.inference.sampling import Sampling
 from litkv.inference.text_stream import TextStream
 from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.states.block_store import BlockStore
 from litkv.states.prefix import PrefixCache
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_PROMPT", "fit_cache", "generate"]
+__all__ = ["DEFAULT_PROMPT", "fit_cache", "fit_kvzip", "generate"]
 
 #: This command, read by litkv/__main__.py from the source (never imported for it): `CommandSpec`.
 COMMAND = {
@@ -127,6 +129,10 @@ def generate(
     fmt = load_format(ckpt, tokenizer, chat_template)
     prompts, lengths = _prompts(fmt, tokenizer, texts, block_file, dev)
     kv_cache = fit_cache(kv_cache, max(lengths), max_new_tokens)
+    repeat = None  # kvzip's reconstruction prompt, in the format the prompts are in
+    if issubclass(kv_cache.policy_class, KVzipKVCache):
+        kv_cache = fit_kvzip(kv_cache, max(lengths), max_new_tokens)
+        repeat = RepeatPrompt.build(tokenizer, fmt.template if isinstance(fmt, TemplateFormat) else None)
     if max(lengths) + max_new_tokens > model.config.block_size:
         print(
             f"warning: prompt + new tokens ({max(lengths) + max_new_tokens}) exceed the model's context length "
@@ -155,6 +161,7 @@ def generate(
         block_store=block_store,
         recompute=recompute,
         compile=compile,
+        kvzip_repeat=repeat,
     )
     if stream.echo:
         stream.finish()
@@ -192,6 +199,16 @@ def fit_cache(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) 
         f"({prompt_tokens} tokens) and --max_new_tokens {max_new_tokens} need --kv_cache.cache_length {needed} "
         "(or leave it unset), or a policy that evicts, e.g. --kv-cache h2o"
     )
+
+
+def fit_kvzip(kv_cache: KVCacheConfig, prompt_tokens: int, max_new_tokens: int) -> KVCacheConfig:
+    """A `kvzip` config for a run: `cache_length` is what the compression keeps (its `budget`, unless the
+    options give one), and the cache grows to hold the whole prompt plus the new tokens until it is
+    compressed (KVzip reconstructs the whole prompt from the cache, then evicts)."""
+    options = dict(kv_cache.options or {})
+    options.setdefault("budget", kv_cache.cache_length)
+    needed = prompt_tokens + max(max_new_tokens - 1, 0)
+    return dataclasses.replace(kv_cache, cache_length=max(kv_cache.cache_length, needed), options=options)
 
 
 def _prompts(

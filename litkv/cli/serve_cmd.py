@@ -109,6 +109,7 @@ def serve(
     from litkv.serve.api import ServeOptions, build_server
     from litkv.serve.drain import drain_on_sigterm
 
+    refuse_one_shot(kv_cache, "litkv serve")  # at start, in one line, not in the worker
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
     for name, value, low in (
         ("port", port, 0),
@@ -137,7 +138,6 @@ def serve(
     resolve_dtype(precision, dev)  # a bad --precision: one line now, not in the worker
     parse_quantize(quantize)  # refused here, before the server starts
     _check_chat_template(ckpt, chat_template)
-    refuse_one_shot(kv_cache, "litkv serve")  # at start, in one line, not in the worker
     opts = ServeOptions(
         checkpoint_dir=ckpt, kv_cache=kv_cache, model_name=model_name or ckpt.name, device=str(dev),
         dtype=precision, state_bytes=state_bytes, state_dir=state_dir, state_dir_bytes=state_dir_bytes,

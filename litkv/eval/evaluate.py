@@ -14,13 +14,15 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from litkv.eval.oneshot import KVZIP, check_compress, is_one_shot, oneshot_answers
+from litkv.eval.answers import AnswerStore, RulerPlan, ruler_scores
+from litkv.eval.oneshot import KVZIP, check_compress, is_one_shot
+from litkv.eval.parallel import answer_units
 from litkv.eval.recall import RecallExample
 from litkv.eval.ruler import METRICS as RULER_METRICS
 from litkv.eval.ruler import TASKS as RULER_TASKS
@@ -30,6 +32,9 @@ from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.model import GPT, check_integer_tensor
 
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
+
 __all__ = [
     "DENSE",
     "PolicyResult",
@@ -38,6 +43,7 @@ __all__ = [
     "decode_speed",
     "evaluate_policies",
     "evaluate_ruler",
+    "plan_ruler",
     "recall_accuracy",
     "ruler_score",
     "text_windows",
@@ -292,7 +298,7 @@ def evaluate_policies(
     _check_batch_size(batch_size)
     _check_inputs(windows, policies, budgets, decode_tokens)
     options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
-    if KVZIP in policies and "mode" not in options.get(KVZIP, {}):
+    if KVZIP in policies:
         raise ValueError(
             "kvzip compresses a prompt once after a reconstruction pass: evaluate it on RULER tasks "
             "(litkv evaluate --tasks ...); here every policy evicts continuously"
@@ -380,6 +386,39 @@ def ruler_score(
     return metric(predictions, [s.references for s in samples])
 
 
+def plan_ruler(
+    samples: dict[str, list[RulerSample]],
+    policies: Sequence[str],
+    budgets: Sequence[int],
+    template: KVCacheConfig | None = None,
+    batch_size: int = 4,
+    policy_options: dict[str, dict[str, Any]] | None = None,
+    length: int = 0,
+    repeat: RepeatPrompt | None = None,
+    oneshot_compress: str = "context",
+) -> tuple[RulerPlan, list[tuple[str, int]]]:
+    """The units' plan of `evaluate_ruler` (arguments as there) and the rows of its table, in order."""
+    template = KVCacheConfig() if template is None else template
+    _check_template(template)
+    _check_batch_size(batch_size)
+    if not samples or any(not v for v in samples.values()):
+        raise ValueError(f"samples must map task names to non-empty lists, got {list(samples)}")
+    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
+    options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
+    context_only = check_compress(oneshot_compress) == "context"
+    longest = max(length, *(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task))
+    one_shot = [p for p in dict.fromkeys(policies) if p != DENSE and is_one_shot(p, options.get(p))]
+    configs = _configs(template, [p for p in policies if p not in one_shot], budgets, longest, options)
+    per_policy = {}
+    for policy in one_shot:
+        opts = {**options.get(policy, {}), "mode": "one-shot"}
+        per_policy[policy] = {b: cache_config(template, policy, longest, {**opts, "budget": b}) for b in budgets}
+    plan = RulerPlan(samples, configs, per_policy, batch_size, repeat, context_only)
+    order = [(DENSE, longest)] + [(p, b) for p in policies if p != DENSE for b in budgets]
+    return plan, list(dict.fromkeys(order))
+
+
 @torch.inference_mode()
 def evaluate_ruler(
     model: GPT,
@@ -394,6 +433,8 @@ def evaluate_ruler(
     length: int = 0,
     repeat: RepeatPrompt | None = None,
     oneshot_compress: str = "context",
+    store: AnswerStore | None = None,
+    fabric: Fabric | None = None,
 ) -> list[RulerResult]:
     """RULER scores of dense (cache as long as `length` or the longest sample) and of every (policy, budget).
 
@@ -403,71 +444,18 @@ def evaluate_ruler(
     uncompressed (`oneshot_compress="context"`, as kvpress), or the whole prompts (`"prompt"`). Continuous
     policies run the whole prompt through their cache. `repeat`: kvzip's reconstruction prompt.
 
+    The work is cut into units of `batch_size` samples (`litkv.eval.answers`): with `store`, each unit's
+    answers are written as they come and those already there are read, not recomputed; with `fabric`
+    (launched), the units are shared by its processes (`litkv.eval.parallel`) and every process returns
+    the whole table.
+
     Returns:
         The dense reference first (always), then one result per (policy, budget) in order.
     """
-    template = KVCacheConfig() if template is None else template
-    _check_template(template)
-    _check_batch_size(batch_size)
-    if not samples or any(not v for v in samples.values()):
-        raise ValueError(f"samples must map task names to non-empty lists, got {list(samples)}")
-    if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
-        raise ValueError(f"budgets must be a non-empty list of ints >= 1, got {list(budgets)}")
-    options = _check_policy_options(policy_options, list(dict.fromkeys([DENSE, *policies])))
-    context_only = check_compress(oneshot_compress) == "context"
-    longest = max(length, *(len(s.ids) + s.max_new_tokens for task in samples.values() for s in task))
-    one_shot = [p for p in dict.fromkeys(policies) if p != DENSE and is_one_shot(p, options.get(p))]
-    configs = _configs(template, [p for p in policies if p not in one_shot], budgets, longest, options)
-    batches = sum(math.ceil(len(task) / batch_size) for task in samples.values())
-    scores: dict[tuple[str, int], dict[str, float]] = {}
-    total = batches * (len(configs) + len(one_shot) * len(budgets))
-    with tqdm(total=total, desc="ruler", unit="answers", disable=not progress) as bar:
-        for key, cfg in configs.items():
-            for task, task_samples in samples.items():
-                scores.setdefault(key, {})[task] = ruler_score(
-                    model, tokenizer, task_samples, cfg, batch_size, lambda: bar.update(1)
-                )
-        for policy in one_shot:
-            opts = {**options.get(policy, {}), "mode": "one-shot"}
-            per_budget = {b: cache_config(template, policy, longest, {**opts, "budget": b}) for b in budgets}
-            for task, task_samples in samples.items():
-                on_answer = lambda _: bar.update(1)  # noqa: E731
-                answered = _oneshot_scores(
-                    model, tokenizer, task_samples, per_budget, batch_size, repeat, on_answer, context_only
-                )
-                for budget, score in answered.items():
-                    scores.setdefault((policy, budget), {})[task] = score
-    order = [(DENSE, longest)] + [(p, b) for p in policies if p != DENSE for b in budgets]
-    return [RulerResult(p, b, scores[(p, b)]) for p, b in dict.fromkeys(order)]
-
-
-def _oneshot_scores(
-    model: GPT,
-    tokenizer: Any,
-    samples: Sequence[RulerSample],
-    configs: dict[int, KVCacheConfig],
-    batch_size: int,
-    repeat: RepeatPrompt | None,
-    on_answer: Callable[[int], None],
-    context_only: bool = True,
-) -> dict[int, float]:
-    """RULER's score of one task's samples for every budget of one one-shot policy (`oneshot_answers`):
-    the contexts compressed and the questions fed after them (`context_only`), or the whole prompts."""
-    device = model.lm_head.weight.device
-    predictions: dict[int, list[str]] = {b: [] for b in configs}
-    for start in range(0, len(samples), batch_size):
-        batch = samples[start : start + batch_size]
-        ids = [torch.tensor(s.ids, dtype=torch.long, device=device) for s in batch]
-        new = max(s.max_new_tokens for s in batch)
-        if context_only:
-            prompts = [x[: s.context_length] for x, s in zip(ids, batch, strict=True)]
-            questions = [x[s.context_length :] for x, s in zip(ids, batch, strict=True)]
-            answers = oneshot_answers(model, prompts, new, configs, repeat, on_answer, questions)
-        else:
-            answers = oneshot_answers(model, ids, new, configs, repeat, on_answer)
-        for budget, outputs in answers.items():
-            predictions[budget] += [
-                tokenizer.decode(out[: s.max_new_tokens].cpu()) for s, out in zip(batch, outputs, strict=True)
-            ]
-    metric = RULER_METRICS[RULER_TASKS[samples[0].task].metric]
-    return {b: metric(p, [s.references for s in samples]) for b, p in predictions.items()}
+    plan, order = plan_ruler(
+        samples, policies, budgets, template, batch_size, policy_options, length, repeat, oneshot_compress
+    )
+    units = plan.units()
+    answers, _ = answer_units(model, plan, units, store, fabric, progress)
+    scores = ruler_scores(plan, units, answers, lambda ids: tokenizer.decode(torch.tensor(ids, dtype=torch.long)))
+    return [RulerResult(p, b, scores[(p, b)]) for p, b in order]

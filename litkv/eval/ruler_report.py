@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
-from litkv.core.atomic import save_dir_atomic, write_atomic
+from litkv.core.atomic import is_temp_name, mark_output_dir, save_dir_atomic, write_atomic
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file
+from litkv.eval.answers import AnswerStore, samples_digest
 from litkv.eval.evaluate import DENSE, RulerResult, evaluate_ruler
 from litkv.eval.oneshot import KVZIP
 from litkv.eval.recall import RECALL_FILE, RecallFormat
@@ -34,8 +36,14 @@ from litkv.inference.chat_template import Format, TemplateFormat, load_format
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.kvcache.registry import get_kv_cache_class
+from litkv.modeling.fingerprint import model_fingerprint
+from litkv.modeling.model import GPT
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 __all__ = [
+    "ANSWERS",
     "NEAR_ZERO",
     "chat_encoder",
     "format_ruler_table",
@@ -46,6 +54,8 @@ __all__ = [
     "run_ruler",
 ]
 
+#: The subdirectory of `out_dir` holding each unit's answers (`litkv.eval.answers.AnswerStore`).
+ANSWERS = "answers"
 # A task on which dense scores below this is marked: it needs a stronger model, not a better policy.
 NEAR_ZERO = 0.1
 
@@ -105,6 +115,7 @@ def run_ruler(
     policies: Sequence[str],
     budgets: Sequence[int],
     settings: dict[str, Any],
+    fabric: Fabric | None = None,
 ) -> list[RulerResult]:
     """Generate the samples, score dense and every (policy, budget), print the table, write ruler.json/png.
 
@@ -112,10 +123,14 @@ def run_ruler(
     kv_cache, policy_options, batch_size, text_file, out_dir, precision, device, num_threads, quantize,
     chat_template (None: the checkpoint's template when it has one, each prompt a user message with the
     generation prompt; False: the prompt's text alone), oneshot_compress ("context": one-shot policies
-    compress each sample's context and get its question after, as kvpress; "prompt": the whole prompt).
+    compress each sample's context and get its question after, as kvpress; "prompt": the whole prompt),
+    resume (read the answers `out_dir/answers` holds from a stopped run of the same settings).
+    With `fabric` (launched), the units are shared by its processes (`litkv.eval.parallel`); rank 0 prints
+    and writes.
     """
     names = resolve_tasks(tasks)
-    runtime = (settings["precision"], settings["device"], settings["num_threads"], settings["quantize"])
+    device = settings["device"] if fabric is None else str(fabric.device)
+    runtime = (settings["precision"], device, settings["num_threads"], settings["quantize"])
     model, _ = load_for_inference(ckpt, *runtime)
     tokenizer = load_tokenizer(ckpt)
     recall = RecallFormat.load(ckpt / RECALL_FILE) if (ckpt / RECALL_FILE).is_file() else None
@@ -127,12 +142,21 @@ def run_ruler(
     repeat = None  # kvzip's reconstruction prompt, in the chat template the prompts are fed in
     if any(p == KVZIP or get_kv_cache_class(p) is KVzipKVCache for p in policies):
         repeat = RepeatPrompt.build(tokenizer, fmt.template if isinstance(fmt, TemplateFormat) else None)
+    store = AnswerStore(Path(settings["out_dir"]) / ANSWERS)
+    rank0 = fabric is None or fabric.global_rank == 0
+    if rank0:  # the directory marked as evaluate's, so that a stopped run can be resumed
+        mark_output_dir(settings["out_dir"], "evaluate")
+        store.start(_identity(model, samples, policies, budgets, settings), bool(settings.get("resume")))
+    if fabric is not None:
+        fabric.barrier()
     start = time.perf_counter()
     results = evaluate_ruler(
         model, tokenizer, samples, policies, budgets, settings["kv_cache"], settings["batch_size"], True,
-        settings["policy_options"], length, repeat, settings.get("oneshot_compress", "context"),
+        settings["policy_options"], length, repeat, settings.get("oneshot_compress", "context"), store, fabric,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
+    if not rank0:
+        return results
     print(format_ruler_table(results))
     print(
         f"{settings['num_samples']} samples per task, {length} tokens (prompt + answer), seed {settings['seed']}; "
@@ -149,10 +173,31 @@ def run_ruler(
         "niah_format": niah.__dict__,
         "oneshot_compress": settings.get("oneshot_compress", "context"),
         "near_zero_dense": near_zero_tasks(results),
+        "batch_size": settings["batch_size"],
+        "processes": 1 if fabric is None else fabric.world_size,
         "elapsed_s": round(elapsed, 1),
     }
     _write(Path(settings["out_dir"]), results, info)
     return results
+
+
+def _identity(
+    model: GPT, samples: dict[str, list[RulerSample]], policies: Sequence[str], budgets: Sequence[int], settings: dict
+) -> dict[str, Any]:
+    """What decides a table's answers (`AnswerStore.start` compares it when resuming), as JSON values."""
+    identity = {
+        "model": model_fingerprint(model),
+        "dtype": str(model.lm_head.weight.dtype),
+        "samples": samples_digest(samples),
+        "policies": list(policies),
+        "budgets": list(budgets),
+        "policy_options": settings["policy_options"],
+        "kv_cache": repr(settings["kv_cache"]),
+        "batch_size": settings["batch_size"],
+        "oneshot_compress": settings.get("oneshot_compress", "context"),
+        "quantize": settings["quantize"],
+    }
+    return json.loads(json.dumps(identity, default=str))
 
 
 def ruler_samples(
@@ -176,6 +221,9 @@ def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) 
     plotted = []
 
     def fill(tmp: Path) -> None:
+        if (out_dir / ANSWERS).is_dir():  # the units' answers stay beside the table
+            temp = lambda _, names: [n for n in names if is_temp_name(n)]  # noqa: E731  (a stopped write)
+            shutil.copytree(out_dir / ANSWERS, tmp / ANSWERS, ignore=temp)
         write_atomic(tmp / "ruler.json", lambda f: f.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
         try:
             plot_ruler(results, tmp / "ruler.png")

@@ -55,6 +55,7 @@ from litkv.inference.conversation_layout import dump_layout, parse_layout
 from litkv.inference.generate import decode_tokens
 from litkv.inference.sampling import Sampling
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import run_chunks
 from litkv.states.block_store import BlockStore
@@ -316,6 +317,12 @@ def refuse_one_shot(kv_cache: KVCacheConfig | Sequence[KVCacheConfig], command: 
     has, so its turns would run dense without a word."""
     configs = list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]
     for cfg in configs:
+        if issubclass(cfg.policy_class, KVzipKVCache):
+            raise ValueError(
+                f"{command} does not run kvzip (mode='one-shot', its only mode): it compresses one prompt once "
+                "after a reconstruction pass, and a conversation feeds turn after turn into a live cache "
+                "(docs/kvzip.md); use litkv generate / evaluate for kvzip, or an evicting policy here (e.g. snapkv)"
+            )
         if getattr(cfg.policy_options, "mode", "continuous") == "one-shot":
             raise ValueError(
                 f"{command} does not apply --kv_cache.mode one-shot (policy {cfg.policy!r}): the one-shot "

@@ -11,8 +11,10 @@ import torch
 
 from litkv.core.validation import require_finite_logits, require_int
 from litkv.inference.blocks import Segment, check_recompute, prefill_segments
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress
 from litkv.inference.sampling import Sampling
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.modeling.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.modeling.runner import run_chunks
 from litkv.states.block_store import BlockStore
@@ -129,6 +131,7 @@ def generate(
     block_store: BlockStore | None = None,
     recompute: float = 0.0,
     compile: bool = False,
+    kvzip_repeat: RepeatPrompt | None = None,
 ) -> list[torch.Tensor]:
     """Generate from a batch of prompts of different lengths, each token ids or segments (KV blocks).
 
@@ -156,6 +159,11 @@ def generate(
             context (0: pure splice; 1: a normal prefill; docs/blocks.md).
         compile: run the decode steps through `torch.compile` (static shapes: every step attends all
             `cache_length` slots; compiled once per model and cache shape, then reused).
+        kvzip_repeat: with `kvzip` caches (needed then), KVzip's reconstruction prompt
+            (`RepeatPrompt.build(tokenizer, template)`, in the chat template the prompts are in): after the
+            prefill the model repeats each prompt from its caches, and the pairs that reconstruction attends
+            least are evicted down to the budget (`litkv.inference.kvzip_reconstruction.kvzip_compress`),
+            as `litkv evaluate` does with `--oneshot_compress prompt`.
 
     Returns:
         Per prompt, the new tokens `(n_i,)` with `n_i <= max_new_tokens`.
@@ -167,6 +175,7 @@ def generate(
     kv_cache_configs(kv_cache)  # TypeError for anything but configs
     rows = _segment_rows(prompts)
     _check_stores(rows, kv_cache, prefix_cache, block_store, recompute)
+    kvzip = _check_kvzip(kv_cache, kvzip_repeat, rows is not None or prefix_cache is not None)
     device = model.lm_head.weight.device
     if rows is None:
         idx, input_pos = pad_prompts(prompts, device)  # type: ignore[arg-type]
@@ -186,7 +195,9 @@ def generate(
         else:
             plan = ChunkPlan.of(kv_cache)
             hidden = run_chunks(model, idx, input_pos, plan, lm_head=False, last_only=True, progress=progress)
-        if rows is None or len(rows) == 1:
+        if kvzip:  # the reconstruction pass, then every layer compressed at once
+            kvzip_compress(model, list(prompts), kvzip_repeat, kvzip_repeat.prefix_length)  # type: ignore[arg-type, union-attr]
+        elif rows is None or len(rows) == 1:
             model.caches.end_prefill()  # one-shot policies compress the prompt here (segment rows: alone)
         return _decode(model, hidden, lengths, max_new_tokens, sampling, on_tokens, compile)
 
@@ -199,6 +210,28 @@ def _sampling(sampling: Sampling | None) -> Sampling:
             f"got {type(sampling).__name__} {sampling!r:.80}"
         )
     return Sampling() if sampling is None else sampling
+
+
+def _check_kvzip(kv_cache: KVCacheSpec, repeat: RepeatPrompt | None, stored: bool) -> bool:
+    """Whether `kv_cache` is `kvzip`'s (then `repeat` is needed, and token-id prompts without stores)."""
+    configs = kv_cache_configs(kv_cache) or [kv_cache]
+    kinds = [issubclass(cfg.policy_class, KVzipKVCache) for cfg in configs]  # type: ignore[union-attr]
+    if not any(kinds):
+        return False
+    if not all(kinds):
+        raise ValueError("kvzip compresses every layer at once: give it to every layer, not to some")
+    if repeat is None:
+        raise ValueError(
+            "kvzip needs its reconstruction prompt: generate(..., kvzip_repeat=RepeatPrompt.build(tokenizer, "
+            "template)) (litkv.inference.kvzip_reconstruction)"
+        )
+    if not isinstance(repeat, RepeatPrompt):
+        raise TypeError(f"kvzip_repeat must be a RepeatPrompt, got {type(repeat).__name__}")
+    if stored:
+        raise ValueError(
+            "kvzip reconstructs token-id prompts prefilled in one batch: not with segments or prefix_cache"
+        )
+    return True
 
 
 def _segment_rows(prompts: Sequence[Prompt]) -> list[list[Segment]] | None:

@@ -7,7 +7,9 @@ Usage, after a prefill through `kvzip` caches (one-shot, `cache_length >=` the p
     repeat = RepeatPrompt.build(tokenizer, ChatTemplate.load(checkpoint_dir))
     kvzip_compress(model, prompts, repeat, prefix_length=repeat.prefix_length)
 
-`generate` does not run it (it has no tokenizer): a `kvzip` cache asked to compress without it raises.
+`generate(..., kvzip_repeat=repeat)` and `litkv generate --kv-cache kvzip` run it after the prefill (the whole
+prompt compressed), `litkv evaluate --tasks` per sample batch; a `kvzip` cache asked to compress without it
+raises. Chat and serve refuse `kvzip` (docs/kvzip.md).
 """
 
 from __future__ import annotations

@@ -25,14 +25,16 @@ and KV heads (`layerwise=false`, the paper's and kvpress's default) or `budget x
 The kept slots move to the front of each head (`compact_slots`). After that the cache takes new tokens
 without eviction; if it fills up, the lowest scores go first (new tokens score the largest float32).
 
-KVzip is a one-shot method (`mode="one-shot"`, `budget`). In `continuous` mode (the default of every
-policy, so that `kvzip` runs wherever a policy name is accepted) no reconstruction can run inside a
-call: every token scores the same and the oldest go first, i.e. it keeps the newest tokens and the `sinks`
-first ones, as `last-recent` does.
+KVzip is a one-shot method, and `kvzip` runs one-shot only (`mode="one-shot"`, the default; `budget` defaults
+to `cache_length`): the caller that owns the model runs the reconstruction pass after the prefill (`generate`
+with `kvzip_repeat=`, `litkv generate`, `litkv evaluate`). `mode="continuous"` is refused: no reconstruction
+can run inside a call, so every token would score the same and the cache would keep the newest tokens, as
+`last-recent` does, under KVzip's name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,19 +54,29 @@ __all__ = ["KVzipKVCache", "KVzipOptions", "Scoring", "compress_kvzip", "kvzip_k
 @dataclass
 class KVzipOptions(ScoreOptions):
     """Args (besides `mode` and `budget`; `sinks`/`recent` apply only to eviction outside the compression):
+    mode: `one-shot` only (the default; `continuous` is refused: no reconstruction can run inside a call).
+    budget: tokens kept per KV head (on average over layers) by the compression; default `cache_length`.
     n_sink: first positions always attended by the reconstruction queries (kvpress: 4).
     kvzip_plus: KVzip+ normalisation (`||W_o v|| / ||x||`).
     layerwise: the same count kept in every layer (`budget x G`); default: across layers by score.
     chunk_size: context tokens repeated per reconstruction call (kvpress: 2048).
     """
 
+    mode: str = "one-shot"
     n_sink: int = 4
     kvzip_plus: bool = False
     layerwise: bool = False
     chunk_size: int = 2048
 
     def check(self, cache_length: int) -> None:
-        super().check(cache_length)
+        if self.mode == "continuous":
+            raise ValueError(
+                "kvzip has no mode='continuous': its scores come from a reconstruction pass over a whole prompt, "
+                "which cannot run inside a call (it would keep the newest tokens, as last-recent does); use "
+                "mode='one-shot' (its default) or policy 'last-recent'"
+            )
+        budget = cache_length if self.budget is None else self.budget
+        ScoreOptions.check(dataclasses.replace(self, budget=budget), cache_length)
         check_int("n_sink", self.n_sink, minimum=0)
         check_bool("kvzip_plus", self.kvzip_plus)
         check_bool("layerwise", self.layerwise)
@@ -102,6 +114,8 @@ class KVzipKVCache(OneShot):
         self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
         super().__init__(config, shape, device, dtype)
+        if self.budget is None:  # one-shot without a budget: compress only what does not fit
+            self.budget = self.cache_length
         self.sinks = self.options.sinks
         self.recent = self.options.recent_length(self.cache_length)
         self.scoring: Scoring | None = None

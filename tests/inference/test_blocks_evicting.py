@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import random_tokens
+from helpers import evicts_alone, random_tokens
 
 from litkv import GPT, KVCacheConfig
 from litkv.inference.blocks import Segment, prefill_segments, rope_delta, rotate_keys, splice
@@ -20,7 +20,7 @@ from litkv.kvcache.storage import FloatStorage
 from litkv.kvcache.storage_kinds import known_storages
 from litkv.states.block_store import BlockStore
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 LENGTHS = [(6, False), (20, True), (15, True), (5, False)]  # 46 tokens through 24 slots
 TOTAL = sum(n for n, _ in LENGTHS)
 

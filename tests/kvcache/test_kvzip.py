@@ -13,7 +13,6 @@ from kvzip_reference import brute_scores
 from litkv.inference.generate import generate, pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress, kvzip_score
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
-from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import run_chunks
 
@@ -167,19 +166,17 @@ def _masked_last_logits(model: GPT, seq: torch.Tensor, masks: dict[int, torch.Te
     return model.logits(model.transformer.ln_f(x))[0, -1]
 
 
-def test_generate_without_the_pass_is_a_clear_error(tiny_model) -> None:
+def test_generate_without_the_reconstruction_prompt_is_a_clear_error(tiny_model) -> None:
     model = tiny_model(5)
-    with pytest.raises(RuntimeError, match="reconstruction pass"):
+    with pytest.raises(ValueError, match=r"kvzip needs its reconstruction prompt: generate\(\.\.\., kvzip_repeat="):
         generate(model, _prompts(), 2, _config(False))
 
 
-def test_continuous_mode_keeps_the_newest(tiny_model) -> None:
-    """Without a reconstruction pass (continuous), kvzip keeps the sinks and the newest tokens."""
-    model = tiny_model(5)
-    cfg = KVCacheConfig("kvzip", cache_length=8, chunk_size=4, options={"sinks": 2})
-    with torch.inference_mode(), model.kv_caches_attached(cfg, 1):
-        _prefill(model, _prompts()[:1], cfg)
-        for cache in model.caches:
-            assert isinstance(cache, KVzipKVCache)
-            held = sorted(cache.positions[0, 0].tolist())
-            assert held == [0, 1, *range(LENGTHS[0] - 6, LENGTHS[0])]
+def test_continuous_mode_is_refused_and_one_shot_is_the_default() -> None:
+    """kvzip without a reconstruction pass would keep the newest tokens under KVzip's name: refused."""
+    with pytest.raises(ValueError, match=r"^kvzip has no mode='continuous': .* use mode='one-shot'"):
+        KVCacheConfig("kvzip", cache_length=8, options={"mode": "continuous"})
+    options = KVCacheConfig("kvzip", cache_length=8).policy_options
+    assert options.mode == "one-shot" and options.budget is None  # the cache keeps cache_length
+    with pytest.raises(ValueError, match="budget must be <= cache_length"):
+        KVCacheConfig("kvzip", cache_length=8, options={"budget": 9})

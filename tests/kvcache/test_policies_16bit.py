@@ -19,12 +19,13 @@ import warnings
 import pytest
 import torch
 from half import HALF_DTYPES, dtype_id, half_pair
+from helpers import evicts_alone
 
 from litkv import GPT, KVCacheConfig
 from litkv.kvcache import get_kv_cache_class, known_policies
 from litkv.kvcache.score import ScoreKVCache
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 #: Multiples of eps(dtype) * max|score| within which a float64 score counts as tied with the cut.
 MARGIN = 4.0
 PREFILL, CALL, SLOTS, ROWS = 16, 8, 16, 2

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    evicts_alone,
     forward_depth,
     max_diff,
     random_tokens,
@@ -55,6 +56,7 @@ def _discover() -> list[str]:
 
 
 POLICIES = _discover()
+EVICTING = [policy for policy in POLICIES if evicts_alone(policy)]  # kvzip is one-shot only
 STORAGES = ("float", "int4")
 GROUP = 8  # quant_group_size: two groups per head of 16
 # Largest logit difference relative to the largest logit for int4 storage (tests/kvcache/test_input_errors_cache.py).
@@ -135,7 +137,7 @@ def test_discovery_finds_the_registry_and_the_examples() -> None:
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", EVICTING)
 @torch.inference_mode()
 def test_ragged_batch_equals_each_prompt_alone(model64: GPT, policy: str, storage: str) -> None:
     """Lengths 5, 17, 40, left-padded, 16 slots, token by token (so that chunk boundaries, which left
@@ -203,7 +205,7 @@ def _check_slots(cache: KVCache, seen: int, sinks: int, layer: int) -> None:
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", EVICTING)
 @torch.inference_mode()
 def test_evicting_run_keeps_cache_length_distinct_tokens(model32: GPT, policy: str, storage: str) -> None:
     """16 slots, 48 tokens in chunks of 4 (policies that cannot evict: as many slots as tokens)."""
@@ -243,7 +245,7 @@ def _decode_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Te
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", EVICTING)
 @torch.inference_mode()
 def test_decode_steps_evicting_all_layers_together_equal_each_layer_alone(
     model32: GPT, policy: str, storage: str
@@ -284,7 +286,7 @@ def _max_rel_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 # Quantised storage too: the engine's replay recomputes keys/values through other attention kernels
 # (last-bit differences); it attends to the values the forward pass stored, so no int8 code flips.
-GRAD_CASES = [pytest.param(policy, "float", id=f"{policy}-float") for policy in POLICIES] + [
+GRAD_CASES = [pytest.param(policy, "float", id=f"{policy}-float") for policy in EVICTING] + [
     pytest.param(policy, "int8", id=f"{policy}-int8") for policy in ("last-recent", "h2o", *EXAMPLE_POLICIES)
 ]
 

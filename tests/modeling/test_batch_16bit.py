@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 from half import HALF_DTYPES, LOGIT_EPS, dtype_id, half_bound, half_pair
-from helpers import max_diff
+from helpers import evicts_alone, max_diff
 
 from litkv import GPT, KVCacheConfig
 from litkv.inference.generate import pad_prompts
@@ -23,7 +23,7 @@ from litkv.kvcache import get_kv_cache_class, known_policies
 from litkv.kvcache.config import ChunkPlan
 from litkv.modeling.runner import run_chunks
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 POSITIONAL = ("dense", "last-recent")
 LENGTHS = (9, 30, 45)
 SLOTS, RECENT, SINKS = 16, 4, 2

@@ -10,14 +10,14 @@ import warnings
 
 import pytest
 import torch
-from helpers import tiny_gpt
+from helpers import evicts_alone, tiny_gpt
 from hybrid_families import HYBRID_FAMILIES, VOCAB
 
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
 from litkv.kvcache.recurrent import RecurrentCache
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 CACHE = 24
 LENGTHS = (17, 45, 61)  # the two longer ones evict during the prefill
 NEW = 6

@@ -174,7 +174,7 @@ def run_together(eng: Engine, convs: list[list[str]], budgets: list[list[int]]) 
 
 @pytest.mark.parametrize(
     ("policy", "classes_from"),
-    [("h2o", "measured"), ("kvzip", "measured"), ("dense", "measured"), ("h2o", "another CPU")],
+    [("h2o", "measured"), ("keydiff", "measured"), ("dense", "measured"), ("h2o", "another CPU")],
 )
 def test_rows_equal_solo_runs_across_step_row_counts(
     model_and_tok: tuple, policy: str, classes_from: str, monkeypatch: pytest.MonkeyPatch

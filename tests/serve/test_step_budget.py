@@ -15,7 +15,7 @@ from litkv.kvcache import known_policies
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 from litkv.serve.scheduler import Job, Scheduler
-from tests.helpers import WORDS, attach_random_gates
+from tests.helpers import WORDS, attach_random_gates, evicts_alone
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def assert_equal(together: list, solo: list) -> None:
             assert ids == ids_alone and torch.equal(logits, logits_alone)  # bitwise
 
 
-@pytest.mark.parametrize("policy", known_policies())
+@pytest.mark.parametrize("policy", [p for p in known_policies() if evicts_alone(p)])
 def test_prompts_fed_beside_decoding_rows_equal_solo_runs(model_and_tok: tuple, policy: str) -> None:
     """One chunk per step (budget 8: a prompt spread over steps while the other rows decode) and a budget of
     several prompts' chunks at once: every reply and every logits row equals its solo run (the chunk runner over

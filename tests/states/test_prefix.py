@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import forge_entry
+from helpers import evicts_alone, forge_entry
 
 from litkv import GPT, CacheState, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 NEW = 6
 
 

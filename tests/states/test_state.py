@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import evicts_alone
 
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
 from litkv.kvcache import KVCache, SlotState, get_kv_cache_class, known_policies
@@ -22,7 +23,7 @@ from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.storage_kinds import known_storages
 
 # the built-in policies (other test modules may register examples; a custom policy is tested below)
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 CUSTOM = "test_state:DeclaredStateKVCache"  # by path: registering it would add it to every test's policy list
 STORAGES = tuple(known_storages())  # every registered format, built-ins included
 B = 2

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from half import HALF_DTYPES, dtype_id, half_pair
+from helpers import evicts_alone
 
 from litkv import GPT, CacheState, KVCacheConfig, restore, snapshot
 from litkv.kvcache import get_kv_cache_class, known_policies
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 CASES = [(p, "float") for p in POLICIES] + [("h2o", "int8"), ("last-recent", "int4")]
 B = 2
 
