@@ -102,9 +102,9 @@ def test_chat_and_serve_refuse_kvzip_in_one_line(tiny_model, ckpt: Path, capsys:
     model = tiny_model(4)
     tokenizer = load_tokenizer(ckpt)
     kv = KVCacheConfig("kvzip", cache_length=32)
-    with pytest.raises(ValueError, match=r"^chat does not run kvzip \(mode='one-shot'"):
+    with pytest.raises(ValueError, match=r"^litkv chat does not run kvzip \(mode='one-shot'"):
         Conversation(model, RawFormat(tokenizer), kv)
-    with pytest.raises(ValueError, match=r"^serve does not run kvzip \(mode='one-shot'"):
+    with pytest.raises(ValueError, match=r"^litkv serve does not run kvzip \(mode='one-shot'"):
         Engine(model, tokenizer, kv, ConversationStore(1 << 20, model=model, kv_cache=kv))
     for command in ("chat", "serve"):
         with pytest.raises(SystemExit) as exc:
