@@ -21,7 +21,7 @@ __all__ = ["check_configs", "hf_fingerprint", "restore_caches", "snapshot_caches
 def check_configs(configs: Sequence[KVCacheConfig], n_layer: int) -> None:
     """TypeError / ValueError in one line unless `configs` are one `KVCacheConfig` per layer that litkv.hf runs:
     not `learned` (its gates are fitted to litkv checkpoints' weights, bound by their fingerprint) and not a
-    one-shot `kvzip` (its reconstruction pass drives litkv's GPT)."""
+    `kvzip` (one-shot only: its reconstruction pass drives litkv's GPT)."""
     if len(configs) != n_layer:
         raise ValueError(f"expected one KVCacheConfig per layer ({n_layer}), got {len(configs)}")
     for i, cfg in enumerate(configs):
@@ -33,10 +33,10 @@ def check_configs(configs: Sequence[KVCacheConfig], n_layer: int) -> None:
                 f"litkv.hf.Cache does not run policy {cfg.policy!r}: its eviction gates are bound to a litkv "
                 "checkpoint's weights (fingerprint); run it with litkv's GPT (`litkv generate`)"
             )
-        if cfg.policy == "kvzip" and getattr(cfg.policy_options, "mode", "continuous") == "one-shot":
+        if cfg.policy == "kvzip":
             raise ValueError(
-                "litkv.hf.Cache does not run kvzip in mode='one-shot': its context-reconstruction pass drives "
-                "litkv's GPT (`litkv generate --kv-cache kvzip`); mode='continuous' works here"
+                "litkv.hf.Cache does not run kvzip (mode='one-shot', its only mode): its context-reconstruction "
+                "pass drives litkv's GPT (`litkv generate --kv-cache kvzip`)"
             )
 
 

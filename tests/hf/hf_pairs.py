@@ -1,6 +1,6 @@
 """Tiny random transformers models of each family litkv.hf serves, and litkv's GPT with the same weights
 (converted by litkv's own converter, `litkv.checkpoints.convert`, where it takes the family; LitGPT's weight
-copier for Gemma, as tests/model/test_hf_parity.py)."""
+copier for Gemma, as tests/modeling/test_hf_parity.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from litkv import GPT
 from litkv.checkpoints.checkpoint import load_model
 from litkv.checkpoints.convert import convert_hf_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modeling"))
 from test_hf_parity import FAMILIES as PARITY_FAMILIES  # noqa: E402
 from test_hf_parity import _convert  # noqa: E402
 

@@ -20,8 +20,7 @@ from litkv.serve import ConversationStore, Engine
 
 ONE_SHOT = {
     "h2o": KVCacheConfig("h2o", cache_length=256, chunk_size=16, options={"mode": "one-shot", "budget": 1}),
-    "kvzip": KVCacheConfig("kvzip", cache_length=256, chunk_size=16, options={"mode": "one-shot", "budget": 4}),
-}
+}  # kvzip (one-shot only) gets its own one-line refusal: tests/inference/test_kvzip_everywhere.py
 WORDS = ("does not apply --kv_cache.mode one-shot", "stay dense")
 
 
