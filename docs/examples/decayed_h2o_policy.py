@@ -20,7 +20,9 @@ from litkv.kvcache.options import check_float
 
 @dataclass
 class DecayedH2OOptions(ScoreOptions):
-    """`sinks`, `recent` (from `ScoreOptions`) and `decay` in [0, 1]."""
+    """`sinks`, `recent` (from `ScoreOptions`; default half the cache, as H2O) and `decay` in [0, 1]."""
+
+    default_recent_fraction: ClassVar[float] = 0.5
 
     decay: float = 0.9
 
@@ -38,15 +40,18 @@ class DecayedH2OKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = DecayedH2OOptions
-    needs_attn_weights: ClassVar[bool] = True
+    needs = frozenset({"attn_weights"})  # the call's attention-weight sums (attention takes its eager path)
     # per-slot state, declared: the base allocates `self.past` (B, G, L) float32 zeros; snapshots and undo carry it
     slot_state: ClassVar[Mapping[str, SlotState]] = {"past": SlotState(fill=0.0, dtype=torch.float32)}
-    past: torch.Tensor
+    past: torch.Tensor  # read it; the base writes what `update_state` returns
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)`: the slots' decayed past plus this call's weights (new tokens: no past)."""
+        return candidates.once(self.decayed)  # computed once per call, read again by update_state
+
+    def decayed(self, candidates: Candidates) -> torch.Tensor:
         return self.options.decay * F.pad(self.past, (0, candidates.num_new)) + candidates.attn_weights
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
-        """Move each surviving candidate's score into the slot it now holds."""
-        self.past = placement.carry(self.score(candidates)).masked_fill(self.positions < 0, 0.0)
+    def update_state(self, placement: Placement, candidates: Candidates) -> dict[str, torch.Tensor]:
+        """Each surviving candidate's score, moved into the slot it now holds (0 in empty slots)."""
+        return {"past": placement.carry(candidates.once(self.decayed)).masked_fill(self.positions < 0, 0.0)}

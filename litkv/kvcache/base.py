@@ -13,15 +13,13 @@ A policy implements `select_drop(candidates)` only (which `T` candidates lose th
 class does the bookkeeping: checks, the fast path while the cache fills, pairing freed slots with
 surviving new tokens (`Placement`), and writing into the storage it is composed with. What a policy
 sees of a call is one record, `Candidates`; the inputs that cost something (attention-weight sums,
-the call's queries) are filled only when the class asks for them (`needs_attn_weights`,
-`needs_queries`), so that other policies keep the fast attention path.
+the call's queries) are filled only when the class asks for them (`needs`), so that other policies
+keep the fast attention path. What a policy author writes is declared in `litkv.kvcache.policy`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +37,10 @@ from litkv.kvcache.candidates import (
     staged_placement,
 )
 from litkv.kvcache.layer_cache import CacheSettings, LayerCache
-from litkv.kvcache.options import NoOptions, PolicyOptions
-from litkv.kvcache.state_tensors import SlotState, allocate, check_slot_state, load_named, named_tensors, set_named
+from litkv.kvcache.policy import NEEDS, Policy
+from litkv.kvcache.state_tensors import SlotState, allocate, load_named, named_tensors, set_named
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
-
-if TYPE_CHECKING:
-    from litkv.gates.gate import EvictionGates
 
 __all__ = [
     "CacheSettings",
@@ -59,29 +54,9 @@ __all__ = [
 ]
 
 
-class KVCache(ABC):
-    """Base class of all cache policies. Subclasses implement `select_drop`.
-
-    Class attributes (a subclass sets them):
-        Options: the dataclass of the policy's own options (`KVCacheConfig.options` is validated into one;
-            the instance is `self.options`).
-        needs_attn_weights: `Candidates.attn_weights` is filled (attention adds a scores-only pass).
-        needs_queries: `Candidates.queries` is filled.
-        needs_rope: the model hands the cache its RoPE tables when attaching it (`bind_rope`).
-        needs_gates: the model hands the cache its trained eviction gates when attaching it (`bind_gates`).
-        heads_share_positions: every KV head of a row always holds the same tokens in the same slots
-            (true for policies that look at neither keys nor attention); attention then builds one mask
-            per row instead of one per head.
-        slot_state: the policy's per-slot state, declared as data: attribute name -> `SlotState(fill,
-            dtype)` (H2O: `{"attn_sums": SlotState(), "query_counts": SlotState()}`). The base allocates
-            each as a `(B, G, L)` tensor filled with `fill` (no constructor needed); snapshots, restores,
-            row selection, files and the undo log (`journal`) handle them with the keys and values.
-        row_state: names of the attributes holding per-row state: a tensor `(B, ...)`, a tuple of them,
-            or `None` (not set yet: the base sets each to `None`).
-        row_state_zero_is_unset: all-zero row state means to the policy's calls what `None` means (sums
-            of what the calls saw): `KVCaches.copy_row` may then copy a row that has row state into caches
-            that have none yet (their other rows get zeros), and a row that has none into caches that do
-            (its row gets zeros). Without it such a copy is refused.
+class KVCache(Policy):
+    """The layer cache: the machinery that runs a policy (`litkv.kvcache.policy.Policy`: what a policy
+    declares and implements is there). Policies subclass it (or `ScoreKVCache`) and implement `select_drop`.
 
     Optional classmethod (the one opt-in of the batched decode step):
         select_drop_layers(caches, calls) -> `(n_layers, B, G, 1)`: the drops of the waiting decode steps
@@ -95,20 +70,6 @@ class KVCache(ABC):
             no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it).
     """
 
-    Options: ClassVar[type[PolicyOptions]] = NoOptions
-    needs_attn_weights: ClassVar[bool] = False
-    needs_queries: ClassVar[bool] = False
-    heads_share_positions: ClassVar[bool] = False
-    needs_rope: ClassVar[bool] = False
-    needs_gates: ClassVar[bool] = False
-    slot_state: ClassVar[Mapping[str, SlotState]] = {}
-    row_state: ClassVar[tuple[str, ...]] = ()
-    row_state_zero_is_unset: ClassVar[bool] = False
-
-    def __init_subclass__(cls) -> None:
-        super().__init_subclass__()
-        check_slot_state(cls.__name__, cls.slot_state)
-
     def __init__(
         self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
     ) -> None:
@@ -121,6 +82,9 @@ class KVCache(ABC):
                 f"{type(self).__name__} expects options of type {self.Options.__name__}, got "
                 f"{type(self.options).__name__} (config.policy={config.policy!r})"
             )
+        inputs = self.inputs()
+        for name in NEEDS:  # what attention and the model read, per instance
+            setattr(self, f"needs_{name}", name in inputs)
         self.shape = shape
         self.cache_length = config.cache_length
         self.dtype = dtype
@@ -144,31 +108,6 @@ class KVCache(ABC):
         self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
         allocate(self)  # the declared per-slot and per-row state
 
-    # -- what a policy implements ---------------------------------------------------------------
-
-    @abstractmethod
-    def select_drop(self, candidates: Candidates) -> torch.Tensor:
-        """Choose which `T` of the `L + T` candidates lose their slot.
-
-        Args:
-            candidates: the call's record; drop empty slots and pads (position `-1`) first.
-
-        Returns:
-            `(B, G, T)` int64 distinct candidate indices to drop.
-        """
-
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
-        """Hook for per-slot policy state, called once the call's tokens are in their slots.
-
-        `placement.carry(per_candidate)` turns a `(B, G, L + T)` per-candidate quantity into the
-        `(B, G, L)` per-slot one; `self.positions` is already updated (`-1`: still empty).
-        """
-
-    @classmethod
-    def max_tokens(cls, config: CacheSettings) -> int | None:
-        """Most tokens one sequence may bring through this cache, `None` when unbounded (it evicts)."""
-        return None
-
     def check_room(self, input_pos: torch.Tensor) -> None:
         """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken."""
         limit = self.max_tokens(self.config)
@@ -181,11 +120,6 @@ class KVCache(ABC):
         Pads never take a slot, so a ragged batch fits where each row fits (`call_checks.row_overflow`).
         """
         return row_overflow(self.positions, self.num_filled, input_pos, limit)
-
-    def drops_valid_by_construction(self) -> bool:
-        """Whether `select_drop` returns valid indices by construction, so that `evict_and_store` need
-        not check their values (one host sync per call). Built-in policies override; a custom one is checked."""
-        return False
 
     def slots_known_valid(self) -> bool:
         """Whether every slot holds a token (position `>= 0`), known on the host without reading the device on
@@ -275,7 +209,7 @@ class KVCache(ABC):
         all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
         self._pos_buffer[:, :, length : length + t] = new_pos
         positions = self._pos_buffer[:, :, : length + t]
-        # the record's positions are a copy: the slots' positions change before `after_write` reads it
+        # the record's positions are a copy: the slots' positions change before `update_state` reads it
         record = Candidates if packed is None else PackedCandidates
         candidates = record(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
         self._call = OpenCall("staged", 0, candidates)
@@ -390,7 +324,7 @@ class KVCache(ABC):
         if not self.static_shapes:
             self.advance(t)
         if self._keeps_state():
-            self.after_write(placement_of(dest, src, valid, length), cand)
+            self._write_state(placement_of(dest, src, valid, length), cand)
         self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
 
     def _evict_staged(self, cand: Candidates) -> None:
@@ -411,11 +345,11 @@ class KVCache(ABC):
         if not self.static_shapes:
             self.advance(1)
         if self._keeps_state():  # before the storage write: `cand.keys` are views of the slots
-            self.after_write(placement, cand)
+            self._write_state(placement, cand)
         self.storage.commit_staged(target)
 
     def _after_direct(self, start: int, cand: Candidates) -> None:
-        """`after_write` for a call whose tokens went into the empty slots `[start, start + T)`."""
+        """`update_state` for a call whose tokens went into the empty slots `[start, start + T)`."""
         if not self._keeps_state():
             return
         length, t = self.cache_length, cand.num_new
@@ -426,29 +360,31 @@ class KVCache(ABC):
         slots = torch.arange(start, start + t, device=self.positions.device)
         slots = slots.expand(*self.positions.shape[:2], t)
         placement = placement_of(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
-        self.after_write(placement, cand)
+        self._write_state(placement, cand)
 
-    def end_prefill(self) -> None:
-        """Called once a prompt has been prefilled, before its first decode step (`KVCaches.end_prefill`).
-
-        Nothing by default; a one-shot policy compresses its prompt to the budget here.
-        """
-
-    def bind_rope(
-        self, table: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_elem: int, column: int | None = None
-    ) -> None:
-        """Receive the model's RoPE tables (`table(length) -> (cos, sin)`) when the class sets `needs_rope`."""
-
-    def bind_gates(self, gates: EvictionGates | None, layer: int) -> None:
-        """Receive the model's eviction gates (`GPT.eviction_gates`, `None` when none are loaded) and this
-        cache's layer index when the class sets `needs_gates`."""
-
-    def set_state(self, name: str, value: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+    def _set_state(self, name: str, value: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         """Set the policy's state `name` (a `slot_state` tensor or a `row_state` tensor or tuple) to `value`.
         With `static_shapes` (compiled decode steps) the tensors there are overwritten in place, so they keep
         their addresses from step to step (a CUDA graph replays on fixed addresses); otherwise the attribute
         is rebound (a snapshot may hold the old tensors)."""
         set_named(self, name, value)
+
+    def _write_state(self, placement: Placement, cand: Candidates) -> None:
+        """Run the policy's `update_state` and write what it returns (declared names only)."""
+        object.__setattr__(self, "_updating", True)  # declared state assigned in the hook is refused
+        try:
+            update = self.update_state(placement, cand)
+        finally:
+            object.__setattr__(self, "_updating", False)
+        if not update:
+            return
+        for name, value in update.items():
+            if name not in self._state_names:
+                raise ValueError(
+                    f"{type(self).__name__}.update_state returned {name!r}, which is not declared in its "
+                    f"slot_state {sorted(self.slot_state)} or row_state {list(self.row_state)}"
+                )
+            set_named(self, name, value)
 
     def abort_call(self) -> None:
         """Forget a call interrupted between `attend_inputs` and its eviction (its eviction is not done)."""
@@ -497,8 +433,8 @@ class KVCache(ABC):
         check_drops(type(self).__name__, drop, expected, self.cache_length, not self.drops_valid_by_construction())
 
     def _keeps_state(self) -> bool:
-        """Whether the class overrides `after_write` (else no `Placement` is built: nothing would read it)."""
-        return type(self).after_write is not KVCache.after_write
+        """Whether the class overrides `update_state` (else no `Placement` is built: nothing would read it)."""
+        return type(self).update_state is not Policy.update_state
 
 
 def _gather_tokens(tokens: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -311,7 +311,7 @@ def _zero_unset_row_state(dst: KVCache, src: KVCache) -> None:
             continue
         parts = given if isinstance(given, tuple) else (given,)
         zeros = tuple(t.new_zeros((batch, *t.shape[1:])) for t in parts)
-        dst.set_state(name, zeros if isinstance(given, tuple) else zeros[0])
+        dst._set_state(name, zeros if isinstance(given, tuple) else zeros[0])
 
 
 @functools.cache

@@ -5,12 +5,15 @@ record a layer keeps of a call until its eviction is done (`OpenCall`): the reco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 from litkv.kvcache.storage import PackedSlots
+
+T = TypeVar("T")
 
 __all__ = [
     "Candidates",
@@ -42,8 +45,10 @@ class Candidates:
             and each KV group's query heads; `None` unless the class sets `needs_attn_weights`.
         queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
             `needs_queries`.
-        scratch: the call's scratch space: a policy keeps here what `score`/`select_drop` computed and
-            `after_write` needs (instead of a memo on the cache object); gone after the call.
+
+    What `score`/`select_drop` computed and `update_state` needs again is asked for through the call's
+    typed memo, `once(self.method)`: computed on the first ask, the same value on the next; gone after
+    the call.
     """
 
     positions: torch.Tensor
@@ -54,12 +59,32 @@ class Candidates:
     query_pos: torch.Tensor
     attn_weights: torch.Tensor | None = None
     queries: torch.Tensor | None = None
-    scratch: dict[str, object] = field(default_factory=dict)
+    _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_new(self) -> int:
         """`T`."""
         return self.new_keys.shape[2]
+
+    def once(self, compute: Callable[[Candidates], T]) -> T:
+        """`compute(self)`, computed once per call (the call's memo, keyed by the function: `score` and
+        `update_state` both ask `candidates.once(self.accumulated)` and the second gets the first's value)."""
+        key = getattr(compute, "__func__", compute)
+        if key not in self._memo:
+            self._memo[key] = compute(self)
+        return self._memo[key]  # type: ignore[return-value]
+
+    def remember(self, compute: Callable[[Candidates], T], value: T) -> None:
+        """Set what `once(compute)` returns for this call (a batched scoring of several layers computed it)."""
+        self._memo[getattr(compute, "__func__", compute)] = value
+
+    @property
+    def scratch(self) -> dict[str, object]:
+        """Gone: the one-line answer of a policy written for the old string-keyed scratch space."""
+        raise AttributeError(
+            "Candidates.scratch is gone: compute once per call with candidates.once(self.method) "
+            "(docs/custom_policy.md)"
+        )
 
 
 class PackedCandidates(Candidates):

@@ -33,6 +33,7 @@ import torch
 from litkv.core.rope import BoundRope, RopeTable
 from litkv.kvcache.base import Candidates, Placement
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
@@ -133,8 +134,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = ExpectedAttentionOptions
-    needs_queries: ClassVar[bool] = True
-    needs_rope: ClassVar[bool] = True
+    needs = frozenset({"queries", "rope"})
     row_state: ClassVar[tuple[str, ...]] = ("stats",)
     row_state_zero_is_unset: ClassVar[bool] = True  # sums: zeros plus a call's terms are the call's terms
     stats: Stats | None  # `None` until the first call
@@ -247,8 +247,12 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` expected attention of each candidate (times `||v||` with `use_vnorm`)."""
-        stats = candidates.scratch["ea.stats"] = self.updated_stats(candidates.queries, candidates.query_pos)
+        stats = candidates.once(self.call_stats)
         return self.expected(stats, candidates.keys, candidates.values, candidates.positions)
+
+    def call_stats(self, candidates: Candidates) -> Stats:
+        """The statistics after this call's queries (`updated_stats`), once per call."""
+        return self.updated_stats(candidates.queries, candidates.query_pos)
 
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` expected attention of the slots under the prompt's statistics; sinks and recent `inf`."""
@@ -257,9 +261,6 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         keys, values = self.storage.read()
         return self.protect(self.expected(self.stats, keys, values, self.positions).float(), self.positions)
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
         """Keep the statistics with this call's queries (also while the cache fills)."""
-        stats = candidates.scratch.get("ea.stats")  # set by score(); not while the cache fills
-        self.set_state(
-            "stats", self.updated_stats(candidates.queries, candidates.query_pos) if stats is None else stats
-        )
+        return {"stats": candidates.once(self.call_stats)}

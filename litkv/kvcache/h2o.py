@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
@@ -36,9 +37,6 @@ class H2OOptions(ScoreOptions):
     def check(self, cache_length: int) -> None:
         super().check(cache_length)
         check_bool("normalize_scores", self.normalize_scores)
-
-
-_ACCUMULATED = "h2o.accumulated"  # the call's scratch key of the accumulated attention per candidate
 
 
 def query_counts(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
@@ -68,7 +66,7 @@ class H2OKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = H2OOptions
-    needs_attn_weights: ClassVar[bool] = True
+    needs = frozenset({"attn_weights"})
     slot_state: ClassVar[Mapping[str, SlotState]] = {"attn_sums": SlotState(), "query_counts": SlotState()}
     attn_sums: torch.Tensor
     query_counts: torch.Tensor
@@ -86,13 +84,12 @@ class H2OKVCache(ScoreKVCache):
     def accumulated(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` attention each candidate has received since it entered the cache, this call included.
 
-        Computed once per call (`score` and `after_write` both read it; kept in the call's scratch space).
+        Computed once per call (`score` and `update_state` both read it, through the call's memo).
         """
-        value = candidates.scratch.get(_ACCUMULATED)
-        if value is None:
-            value = F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
-            candidates.scratch[_ACCUMULATED] = value
-        return value  # type: ignore[return-value]
+        return candidates.once(self._accumulate)
+
+    def _accumulate(self, candidates: Candidates) -> torch.Tensor:
+        return F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
 
     @classmethod
     def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
@@ -104,7 +101,7 @@ class H2OKVCache(ScoreKVCache):
         weights = torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
         accumulated = F.pad(sums, (0, 1)) + weights
         for record, part in zip(records, accumulated, strict=True):
-            record.scratch[_ACCUMULATED] = part
+            record.remember(H2OKVCache._accumulate, part)
         return accumulated
 
     def counts(self, candidates: Candidates) -> torch.Tensor:
@@ -112,11 +109,12 @@ class H2OKVCache(ScoreKVCache):
         previous = F.pad(self.query_counts, (0, candidates.num_new))
         return previous + query_counts(candidates.query_pos, candidates.positions)
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
         empty = self.positions < 0
-        self.set_state("attn_sums", placement.carry(self.accumulated(candidates)).masked_fill(empty, 0.0))
+        state = {"attn_sums": placement.carry(self.accumulated(candidates)).masked_fill(empty, 0.0)}
         if self.normalize:
-            self.set_state("query_counts", placement.carry(self.counts(candidates)).masked_fill(empty, 0.0))
+            state["query_counts"] = placement.carry(self.counts(candidates)).masked_fill(empty, 0.0)
+        return state
 
     def slot_scores(self) -> torch.Tensor:
         """`(B, G, L)` current score of each slot's token (before the next call's attention)."""

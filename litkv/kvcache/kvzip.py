@@ -44,6 +44,7 @@ import torch
 
 from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState, drop_lowest
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import OneShot, compress_layers, keep_across_layers
 from litkv.kvcache.storage import CacheShape, PackedSlots
@@ -61,6 +62,8 @@ class KVzipOptions(ScoreOptions):
     layerwise: the same count kept in every layer (`budget x G`); default: across layers by score.
     chunk_size: context tokens repeated per reconstruction call (kvpress: 2048).
     """
+
+    default_recent_fraction: ClassVar[float] = 0.0  # as kvpress's KVzipPress: no recent window
 
     mode: str = "one-shot"
     n_sink: int = 4
@@ -107,7 +110,7 @@ class KVzipKVCache(OneShot):
     """
 
     Options: ClassVar[type[PolicyOptions]] = KVzipOptions
-    needs_queries: ClassVar[bool] = True
+    needs = frozenset({"queries"})
     slot_state: ClassVar[dict[str, SlotState]] = {"kvzip_scores": SlotState(0.0)}
 
     def __init__(
@@ -127,7 +130,7 @@ class KVzipKVCache(OneShot):
         """Before the first reconstruction call: every score 0."""
         if not self.one_shot or self.compressed:
             raise RuntimeError("KVzipKVCache: the reconstruction pass is for mode='one-shot', before the compression")
-        self.kvzip_scores = torch.zeros_like(self.positions, dtype=torch.float32)
+        self._set_state("kvzip_scores", torch.zeros_like(self.positions, dtype=torch.float32))
         self.scored = True
 
     def begin_scoring(self, scoring: Scoring | None) -> None:
@@ -211,7 +214,7 @@ class KVzipKVCache(OneShot):
         weights = weights.masked_fill((input_pos < 0)[:, None, None, :, None], 0.0)
         best = weights.amax(dim=(2, 3))  # (B, G, M)
         scores = torch.zeros_like(self.kvzip_scores).scatter(2, order, best.to(torch.float32))
-        self.kvzip_scores = torch.where(in_chunk, scores, self.kvzip_scores)
+        self._set_state("kvzip_scores", torch.where(in_chunk, scores, self.kvzip_scores))
 
     def _plus_factor(self, s: Scoring, slot_values: torch.Tensor, order: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
         """KVzip+: `(B, G, q, T, M)` factor `||W_o^h v_m|| / ||x_t||`."""
@@ -261,8 +264,8 @@ class KVzipKVCache(OneShot):
         scores = scores.masked_fill(protected, float("inf")).masked_fill(pos < 0, float("-inf"))
         return drop_lowest(scores, pos, candidates.num_new)
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
-        self.kvzip_scores = placement.carry(self.score(candidates))
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
+        return {"kvzip_scores": placement.carry(self.score(candidates))}
 
 
 #: The kept slots of the compression (`litkv.kvcache.score.keep_across_layers`).

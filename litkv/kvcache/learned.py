@@ -35,6 +35,7 @@ from litkv.core.rope import BoundRope, RopeTable
 from litkv.gates.gate import EvictionGates, unrotate_keys
 from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
@@ -119,9 +120,6 @@ def _pre_rope(
     return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
 
 
-_NEW = "learned.new"  # the call's scratch key of the new tokens' gate logits
-
-
 def _gate_new_keys(gates: EvictionGates, rope: BoundRope, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """`(B, H, T)` float32 logits of gate layer 0 for new keys `(B, H, T, D)` (after RoPE) at positions
     `pos` `(B, T)`: rotated back to position 0 in the keys' precision (float64 models: one token id at two
@@ -153,8 +151,7 @@ class LearnedKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = LearnedOptions
-    needs_rope: ClassVar[bool] = True
-    needs_gates: ClassVar[bool] = True
+    needs = frozenset({"rope", "gates"})
     slot_state: ClassVar[Mapping[str, SlotState]] = {"logits": SlotState()}
     logits: torch.Tensor
     _gates: EvictionGates | None = None  # this layer's gates only, on the cache's device (bind_gates)
@@ -224,12 +221,11 @@ class LearnedKVCache(ScoreKVCache):
     def new_logits(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, T)` float32 gate logits of the call's new tokens (computed once per call, from
         `candidates.new_keys` as computed, rotated back to position 0; pads get a meaningless value)."""
-        value = candidates.scratch.get(_NEW)
-        if value is None:
-            gates, rope = self._bound()
-            value = _gate_new_keys(gates, rope, candidates.new_keys, candidates.query_pos)
-            candidates.scratch[_NEW] = value
-        return value  # type: ignore[return-value]
+        return candidates.once(self._new_logits)
+
+    def _new_logits(self, candidates: Candidates) -> torch.Tensor:
+        gates, rope = self._bound()
+        return _gate_new_keys(gates, rope, candidates.new_keys, candidates.query_pos)
 
     @classmethod
     def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
@@ -252,18 +248,17 @@ class LearnedKVCache(ScoreKVCache):
         slots = torch.stack([c.logits for c in caches])  # type: ignore[attr-defined]  # (n, B, G, L)
         scores = torch.cat((slots, new.to(slots.dtype)), dim=3)
         for i, record in enumerate(records):
-            record.scratch[_NEW] = new[i]
-            record.scratch["learned.score"] = scores[i]
+            record.remember(LearnedKVCache._new_logits, new[i])
+            record.remember(LearnedKVCache._score, scores[i])
         return scores
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones (built once
-        per call: `select_drop` and `after_write` both read it)."""
-        value = candidates.scratch.get("learned.score")
-        if value is None:
-            value = torch.cat((self.logits, self.new_logits(candidates)), dim=2)
-            candidates.scratch["learned.score"] = value
-        return value  # type: ignore[return-value]
+        per call: `select_drop` and `update_state` both read it)."""
+        return candidates.once(self._score)
+
+    def _score(self, candidates: Candidates) -> torch.Tensor:
+        return torch.cat((self.logits, self.new_logits(candidates)), dim=2)
 
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` the slots' logits; sinks and the recent window `inf`."""
@@ -285,7 +280,7 @@ class LearnedKVCache(ScoreKVCache):
             )
         super().compress()
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
         """Carry each surviving candidate's logit into its slot; in threshold mode, empty the old slots
         whose logit is below the threshold."""
         logits = placement.carry(self.score(candidates))
@@ -294,7 +289,7 @@ class LearnedKVCache(ScoreKVCache):
             below = logits < self.threshold
             self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
             self.forget_valid_slots()
-        self.set_state("logits", logits.masked_fill_(self.positions < 0, 0.0))  # `carry` made a new tensor
+        return {"logits": logits.masked_fill_(self.positions < 0, 0.0)}  # `carry` made a new tensor
 
     def _bound(self) -> tuple[EvictionGates, BoundRope]:
         if self._gates is None or self._rope is None:

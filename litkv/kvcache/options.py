@@ -94,7 +94,11 @@ class ScoreOptions(PolicyOptions):
         budget: Tokens kept per (row, KV head) by the one-shot compression (one-shot only).
     """
 
-    default_recent_fraction: ClassVar[float] = 0.0
+    #: A new score policy keeps its newest eighth by default: a call's attention weights are sums over its
+    #: queries (a prefill chunk's many, a decode step's one), so a rule other than a running sum scores a
+    #: decoded token far below the prompt's and, unprotected, evicts it at once. Built-ins that choose what
+    #: their reference implementation chooses set their own (0 for knorm, tova, learned, kvzip: as kvpress).
+    default_recent_fraction: ClassVar[float] = 0.125
 
     sinks: int = 0
     recent: int | None = None

@@ -30,6 +30,7 @@ import torch
 from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState
 from litkv.kvcache.h2o import H2OKVCache, H2OOptions
 from litkv.kvcache.options import PolicyOptions, check_float
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.storage import CacheShape
@@ -86,20 +87,22 @@ class QuantizedH2OKVCache(H2OKVCache):
         weight = self.options.quant_error_weight
         return _share_of_max(attention) - weight * _share_of_max(self._candidate_errors(candidates))
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
-        """Carry the candidates' errors into the slots, then update the H2O state."""
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
+        """Carry the candidates' errors into the slots, with the H2O state."""
         errors = placement.carry(self._candidate_errors(candidates))
-        self.set_state("quant_errors", errors.masked_fill(self.positions < 0, 0.0))
-        super().after_write(placement, candidates)
+        return {
+            **super().update_state(placement, candidates),
+            "quant_errors": errors.masked_fill(self.positions < 0, 0.0),
+        }
 
     def _candidate_errors(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` errors of the slots' tokens, then of the new tokens (0 for pads), once per call."""
-        errors = candidates.scratch.get("qh2o.errors")
-        if errors is None:
-            new = self.storage.token_errors(candidates.new_keys, candidates.new_values)
-            new = new.masked_fill(candidates.query_pos[:, None, :] < 0, 0.0)
-            errors = candidates.scratch["qh2o.errors"] = torch.cat((self.quant_errors, new), dim=2)
-        return errors  # type: ignore[return-value]
+        return candidates.once(self._errors)
+
+    def _errors(self, candidates: Candidates) -> torch.Tensor:
+        new = self.storage.token_errors(candidates.new_keys, candidates.new_values)  # type: ignore[attr-defined]
+        new = new.masked_fill(candidates.query_pos[:, None, :] < 0, 0.0)
+        return torch.cat((self.quant_errors, new), dim=2)
 
 
 def _share_of_max(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ head):
 - among the others, the `T` lowest-scored candidates lose their slot (top-k).
 
 Per-slot state of a policy (H2O's accumulated attention, say) is declared in `slot_state` (the base
-allocates it) and kept by the policy: build it per candidate in `score` or `after_write` and carry it
+allocates it) and kept by the policy: build it per candidate in `score` or `update_state` and carry it
 into the slots with `placement.carry`.
 
 A decode step's eviction is chosen for all layers at once (`select_drop_layers`, called by

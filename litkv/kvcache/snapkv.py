@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
@@ -137,7 +138,7 @@ class SnapKVKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = SnapKVOptions
-    needs_queries: ClassVar[bool] = True
+    needs = frozenset({"queries"})
     slot_state: ClassVar[Mapping[str, SlotState]] = {"best": SlotState()}
     row_state: ClassVar[tuple[str, ...]] = ("window",)
     best: torch.Tensor
@@ -146,8 +147,15 @@ class SnapKVKVCache(ScoreKVCache):
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""
-        scores = candidates.scratch["snapkv.scores"] = self.call_scores(candidates, candidates.keys)
-        return scores
+        return candidates.once(self._scores)
+
+    def _scores(self, candidates: Candidates) -> torch.Tensor:
+        """`call_scores` of the candidates' keys (while the cache fills, the stored slots, lossless, then the
+        call's new keys)."""
+        keys = candidates.keys
+        if keys is None:
+            keys = torch.cat((self.storage.read()[0], candidates.new_keys), dim=2)
+        return self.call_scores(candidates, keys)
 
     def call_scores(self, candidates: Candidates, keys: torch.Tensor) -> torch.Tensor:
         """`(B, G, L + T)` this call's pooled window attention over `keys`, maxed with the past if asked."""
@@ -168,14 +176,11 @@ class SnapKVKVCache(ScoreKVCache):
         pooled = pool_by_position(weights.masked_fill(in_window | (pos < 0), 0.0), pos, self.options.kernel)
         return self.protect(pooled.masked_fill(in_window, float("inf")), pos)
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
-        """Carry the running maximum into the slots (while filling, the call is scored here)."""
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate | None:
+        """One-shot before the compression: the window of newest queries; else the running maximum carried
+        into the slots (while filling, the call is scored here)."""
         if self.one_shot and not self.compressed:
-            self.window = update_window(self.window, candidates.queries, candidates.query_pos, self.options.window)
-            return
+            return {"window": update_window(self.window, candidates.queries, candidates.query_pos, self.options.window)}
         if self.options.keep_max:
-            scores = candidates.scratch.get("snapkv.scores")
-            if scores is None:  # cache filling: the stored slots are lossless, the call's slots are empty
-                keys = torch.cat((self.storage.read()[0], candidates.new_keys), dim=2)
-                scores = self.call_scores(candidates, keys)
-            self.set_state("best", placement.carry(scores).masked_fill(self.positions < 0, 0.0))
+            return {"best": placement.carry(candidates.once(self._scores)).masked_fill(self.positions < 0, 0.0)}
+        return None

@@ -21,7 +21,7 @@ __all__ = ["SlotState", "StateHolder", "allocate", "check_slot_state", "load_nam
 
 class SlotState(NamedTuple):
     """One per-slot state tensor a policy declares (`KVCache.slot_state`): the base allocates it `(B, G, L)`,
-    filled with `fill`, of `dtype`; the policy updates it (`after_write`)."""
+    filled with `fill`, of `dtype`; the policy returns its new value (`update_state`)."""
 
     fill: float = 0.0
     dtype: torch.dtype = torch.float32
@@ -49,9 +49,9 @@ def allocate(cache: StateHolder) -> None:
     """Set each declared `slot_state` attribute to a `(B, G, L)` tensor filled with its `fill`, each `row_state`
     attribute to `None` (not set yet)."""
     for name, (fill, dtype) in cache.slot_state.items():
-        setattr(cache, name, torch.full_like(cache.positions, fill, dtype=dtype))
+        object.__setattr__(cache, name, torch.full_like(cache.positions, fill, dtype=dtype))
     for name in cache.row_state:
-        setattr(cache, name, None)
+        object.__setattr__(cache, name, None)
 
 
 def named_tensors(cache: StateHolder) -> dict[str, torch.Tensor]:
@@ -81,11 +81,11 @@ def load_named(cache: StateHolder, tensors: dict[str, torch.Tensor]) -> None:
     for attr in cache.row_state:
         parts = sorted((k for k in tensors if k == f"row.{attr}" or k.startswith(f"row.{attr}.")), key=len)
         if not parts:
-            setattr(cache, attr, None)
+            object.__setattr__(cache, attr, None)
         elif parts == [f"row.{attr}"]:
-            setattr(cache, attr, tensors[parts[0]].clone())
+            object.__setattr__(cache, attr, tensors[parts[0]].clone())
         else:
-            setattr(cache, attr, tuple(tensors[f"row.{attr}.{i}"].clone() for i in range(len(parts))))
+            object.__setattr__(cache, attr, tuple(tensors[f"row.{attr}.{i}"].clone() for i in range(len(parts))))
 
 
 def set_named(cache: StateHolder, name: str, value: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
@@ -98,7 +98,7 @@ def set_named(cache: StateHolder, name: str, value: torch.Tensor | tuple[torch.T
         for old, new in zip(now, parts, strict=True):
             old.copy_(new)
     else:
-        setattr(cache, name, value)
+        object.__setattr__(cache, name, value)  # past the policy's guard on its declared state
 
 
 def _same_layout(old: tuple[object, ...], new: tuple[torch.Tensor, ...]) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from litkv.kvcache.base import Candidates, Placement
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
+from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 from litkv.kvcache.snapkv import update_window, window_attention
@@ -34,6 +35,8 @@ HEADS = ("group", "all")
 class TOVAOptions(ScoreOptions):
     """`sinks`, `recent` (default 0), `mode`, `budget`, and `heads`: `group` (each KV head ranks by the
     weights of its own query heads) or `all` (the layer's heads together, as in the paper)."""
+
+    default_recent_fraction: ClassVar[float] = 0.0  # as the paper and kvpress's TOVAPress: no recent window
 
     heads: str = "group"
 
@@ -52,14 +55,13 @@ class TOVAKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = TOVAOptions
-    needs_attn_weights: ClassVar[bool] = True
+    needs = frozenset({"attn_weights", "queries"})
     row_state: ClassVar[tuple[str, ...]] = ("last_query",)
     last_query: tuple[torch.Tensor, torch.Tensor] | None
 
-    @property  # type: ignore[misc]
-    def needs_queries(self) -> bool:  # type: ignore[override]
-        """The call's queries are kept in one-shot mode only (the prompt's last query)."""
-        return self.one_shot
+    def inputs(self) -> frozenset[str]:
+        """The call's queries are read in one-shot mode only (the prompt's last query)."""
+        return self.needs if self.options.mode == "one-shot" else self.needs - {"queries"}  # type: ignore[attr-defined]
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` this call's attention-weight sums (over all heads with `heads="all"`)."""
@@ -79,7 +81,8 @@ class TOVAKVCache(ScoreKVCache):
         weights = self._over_heads(window_attention(query, self.storage.read()[0], query_pos, pos, 1))
         return self.protect(weights.masked_fill(pos == query_pos[:, :1, None], float("inf")), pos)
 
-    def after_write(self, placement: Placement, candidates: Candidates) -> None:
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate | None:
         """One-shot, before the compression: keep the newest query of each row."""
         if self.one_shot and not self.compressed:
-            self.last_query = update_window(self.last_query, candidates.queries, candidates.query_pos, 1)
+            return {"last_query": update_window(self.last_query, candidates.queries, candidates.query_pos, 1)}
+        return None

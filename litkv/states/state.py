@@ -312,10 +312,10 @@ _WARNED: set[type] = set()
 
 def _layer_snapshot(cache: KVCache, device: torch.device | str | None) -> LayerState:
     cls = type(cache)
-    if cls.after_write is not KVCache.after_write and not (cls.slot_state or cls.row_state) and cls not in _WARNED:
+    if cls.update_state is not KVCache.update_state and not (cls.slot_state or cls.row_state) and cls not in _WARNED:
         _WARNED.add(cls)
         warnings.warn(
-            f"{cls.__name__} overrides after_write but declares no slot_state/row_state: its own state is not "
+            f"{cls.__name__} overrides update_state but declares no slot_state/row_state: its own state is not "
             "part of snapshots, files or the undo log",
             stacklevel=3,
         )

@@ -44,9 +44,9 @@ def test_walkthrough_shows_the_example_modules_verbatim() -> None:
 def test_walkthrough_runs_by_name_and_by_path(examples_on_path: None) -> None:
     modules = {path.read_text(encoding="utf-8") for path in MODULES}
     snippets = [block for block in _python_blocks() if block not in modules]
-    assert len(snippets) == 2
+    assert len(snippets) == 3  # by name, by path, the chat template (test_walkthrough_chat_ids_are_the_clis)
     namespace: dict[str, object] = {}
-    for block in snippets:
+    for block in snippets[:2]:
         exec(compile(block, str(DOCS / "custom_policy.md"), "exec"), namespace)  # noqa: S102
     by_name, by_path = namespace["by_name"], namespace["by_path"]
     assert len(by_name[0]) == 8 and torch.equal(by_name[0], by_path[0])
@@ -54,6 +54,26 @@ def test_walkthrough_runs_by_name_and_by_path(examples_on_path: None) -> None:
 
     assert get_kv_cache_class("value-norm") is value_norm_policy.ValueNormKVCache
     assert get_kv_cache_class(VALUE_NORM) is value_norm_policy.ValueNormKVCache
+
+
+def test_walkthrough_chat_ids_are_the_clis() -> None:
+    """The page's chat snippet gives the ids `litkv generate` feeds for one user message (its chat template
+    rendered, as `litkv.cli.generate_cmd` builds a prompt's ids), on the real model's checkpoint."""
+    from litkv.checkpoints.download import cache_dir
+
+    if not (cache_dir("smollm2-135m-instruct") / "model.safetensors").is_file():
+        pytest.skip("the shipped model is not downloaded (`litkv download smollm2-135m-instruct`)")
+    namespace: dict[str, object] = {"torch": torch}
+    exec(compile(_python_blocks()[-1], str(DOCS / "custom_policy.md"), "exec"), namespace)  # noqa: S102
+    ids, tokenizer, checkpoint = namespace["chat_ids"], namespace["tokenizer"], namespace["checkpoint"]
+    from litkv.cli.generate_cmd import _encode
+    from litkv.inference.chat_template import load_format
+
+    cli_ids = _encode(load_format(checkpoint, tokenizer, None), tokenizer, "Name three colours.", torch.device("cpu"))
+    assert torch.equal(ids, cli_ids)
+    text = tokenizer.decode(ids)
+    assert text.startswith("system\n") and text.endswith("\nuser\nName three colours.\nassistant\n")
+    assert int((ids == tokenizer.token_to_id("<|im_start|>")).sum()) == 3  # system, user, the generation prompt
 
 
 def test_example_names_are_not_built_in(examples_on_path: None) -> None:

@@ -312,3 +312,73 @@ def test_gradient_engine_equals_autograd(model32: GPT, policy: str, storage: str
     assert len(grads) == len(list(model32.parameters()))
     error = _max_rel_error(grads, ref_grads)
     assert error <= GRAD_TOLERANCE, f"largest relative gradient error {error:.3g} > {GRAD_TOLERANCE}"
+
+
+# -- a quality smoke check: the needle dense finds on the shipped model ----------------------------
+
+NEEDLE_KEY, NEEDLE_VALUE = "ivory-harbor", "7302519"
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE_BUDGET = 0.875  # cache_length over the prompt's tokens: generous (an eighth of the prompt evicted)
+
+
+def _needle_answer(model: GPT, tokenizer: object, ids: torch.Tensor, policy: str, cache_length: int) -> str:
+    """The greedy answer (10 tokens) of `policy` with `cache_length` slots (the whole sequence for a
+    policy that does not evict), prompt chunks of 64."""
+    cfg = KVCacheConfig(policy, cache_length=cache_length, chunk_size=64)
+    limit = get_kv_cache_class(policy).max_tokens(cfg)
+    if limit is not None and limit < len(ids) + 10:
+        cfg = KVCacheConfig(policy, cache_length=len(ids) + 10, chunk_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # qh2o says it stores int4
+        out = generate(model, [ids], 10, cfg)
+    return tokenizer.decode(out[0])  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def shipped() -> tuple[GPT, object, torch.Tensor]:
+    """The shipped model (SmolLM2-135M-Instruct, float32), its tokenizer and a RULER niah_single_1 prompt
+    (one fact in ~450 tokens of noise, 60 % deep) in its chat template with RULER's answer prefix; skips
+    without the model, or when dense does not answer with the fact."""
+    from litkv.checkpoints.checkpoint import load_model, load_tokenizer
+    from litkv.checkpoints.download import cache_dir
+    from litkv.inference.chat_template import load_format
+
+    checkpoint = cache_dir("smollm2-135m-instruct")
+    if not (checkpoint / "model.safetensors").is_file():
+        pytest.skip("the shipped model is not downloaded: `litkv download smollm2-135m-instruct`")
+    model, tokenizer = load_model(checkpoint), load_tokenizer(checkpoint)
+    text = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz "
+        f"you about the numbers afterwards.\n{NOISE * 10}One of the special magic numbers for {NEEDLE_KEY} is: "
+        f"{NEEDLE_VALUE}. {NOISE * 7}\nWhat is the special magic number for {NEEDLE_KEY} mentioned in the "
+        "provided text?"
+    )
+    segments = load_format(checkpoint, tokenizer, None).segments([("user", text)], [None], True, True)
+    prefix = tokenizer.encode(f"The special magic number for {NEEDLE_KEY} mentioned in the provided text is", bos=False)
+    ids = torch.tensor([i for segment in segments for i in segment.ids] + prefix.tolist())
+    dense = _needle_answer(model, tokenizer, ids, "dense", len(ids) + 10)
+    if NEEDLE_VALUE not in dense:
+        pytest.skip(f"dense does not find the needle on this model (it answered {dense!r}): nothing to hold to")
+    return model, tokenizer, ids
+
+
+# Found losing it (a finding, not a bug of the check): TOVA keeps no memory and has no recent window.
+KNOWN_NEEDLE_LOSSES = {"tova": "tova (this call's attention only, recent 0) loses this needle even at 7/8"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy",
+    [pytest.param(p, marks=pytest.mark.xfail(reason=KNOWN_NEEDLE_LOSSES[p])) if p in KNOWN_NEEDLE_LOSSES else p
+     for p in POLICIES],
+)  # fmt: skip
+@torch.inference_mode()
+def test_policy_finds_the_needle_dense_finds(shipped: tuple[GPT, object, torch.Tensor], policy: str) -> None:
+    """Quality in a minute: at 7/8 of the prompt's tokens, the policy answers with the fact dense answers with."""
+    model, tokenizer, ids = shipped
+    length = int(len(ids) * NEEDLE_BUDGET)
+    answer = _needle_answer(model, tokenizer, ids, policy, length)
+    assert NEEDLE_VALUE in answer, (
+        f"{policy} loses the needle dense finds: with cache_length {length} for a {len(ids)}-token prompt it "
+        f"answered {answer!r}, dense {NEEDLE_VALUE!r} (docs/custom_policy.md: the scale of attn_weights, recent)"
+    )

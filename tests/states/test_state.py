@@ -356,13 +356,15 @@ class DeclaredStateKVCache(H2OKVCache):
 
         return super().score(candidates) - 0.01 * F.pad(self.age, (0, candidates.num_new))
 
-    def after_write(self, placement, candidates) -> None:  # noqa: ANN001
+    def update_state(self, placement, candidates):  # noqa: ANN001, ANN201
         import torch.nn.functional as F
 
-        super().after_write(placement, candidates)
-        self.age = placement.carry(F.pad(self.age + 1, (0, candidates.num_new)))
         b = self.positions.shape[0]
-        self.calls = torch.ones(b) if self.calls is None else self.calls + 1
+        return {
+            **super().update_state(placement, candidates),
+            "age": placement.carry(F.pad(self.age + 1, (0, candidates.num_new))),
+            "calls": torch.ones(b) if self.calls is None else self.calls + 1,
+        }
 
 
 @torch.inference_mode()
@@ -384,9 +386,9 @@ def test_custom_policy_declaring_its_state_gets_exact_snapshots(model: GPT) -> N
 
 
 class _Undeclared(H2OKVCache):
-    def after_write(self, placement, candidates) -> None:  # noqa: ANN001
-        super().after_write(placement, candidates)
+    def update_state(self, placement, candidates):  # noqa: ANN001, ANN201
         self.extra = 1
+        return super().update_state(placement, candidates)
 
 
 @torch.inference_mode()

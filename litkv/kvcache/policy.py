@@ -1,0 +1,155 @@
+"""What a policy author writes: the whole contract of a KV cache policy, in one place.
+
+A policy decides which tokens keep a layer's `cache_length` (`L`) slots. Everything else (storage,
+positions, the undo log, static shapes for compiled steps, snapshots, checks) is the layer cache's
+machinery (`litkv.kvcache.base.KVCache`), which runs the policy and knows no policy by name. A policy
+declares, as class attributes:
+
+- `Options`: its options, a dataclass (fields with defaults, `check(cache_length)`; as kvpress's presses);
+  the cache gets the validated instance as `self.options`;
+- `needs`: the inputs that cost something, declared once: `"attn_weights"` (the call's attention-weight
+  sums: attention takes its eager path), `"queries"` (the call's queries), `"rope"` (the model's RoPE
+  tables, `bind_rope`), `"gates"` (the model's eviction gates, `bind_gates`);
+- `slot_state`: its per-slot state, name -> `SlotState(fill, dtype)`, each a `(B, G, L)` tensor the
+  machinery allocates; `row_state`: names of per-row state (batch first, `None` until first set).
+
+and implements `select_drop(candidates)` (or, through `ScoreKVCache`, `score(candidates)`), plus
+`update_state(placement, candidates)` if it keeps state: it *returns* the new values by name (never
+assigns them; the machinery writes them, in place under compiled steps). What `score` computed and
+`update_state` needs again goes through the call's typed memo, `candidates.once(self.method)`.
+
+A policy written for the old interface (the `needs_*` flags, `after_write`, `candidates.scratch`, state
+assigned in a hook) fails with one line saying what to change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from litkv.kvcache.candidates import Candidates, Placement
+from litkv.kvcache.layer_cache import CacheSettings
+from litkv.kvcache.options import NoOptions, PolicyOptions
+from litkv.kvcache.state_tensors import SlotState, check_slot_state
+
+if TYPE_CHECKING:
+    from litkv.gates.gate import EvictionGates
+
+__all__ = ["NEEDS", "Policy", "StateUpdate"]
+
+#: The inputs a policy may ask for (`Policy.needs`).
+NEEDS = frozenset({"attn_weights", "queries", "rope", "gates"})
+
+#: What `update_state` returns: new values of declared state by name (a tensor, or a tuple for row state).
+StateUpdate = Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]
+
+_OLD_NAMES = {
+    "needs_attn_weights": 'declare needs = {"attn_weights"} instead of needs_attn_weights = True',
+    "needs_queries": 'declare needs = {"queries"} instead of needs_queries = True',
+    "needs_rope": 'declare needs = {"rope"} instead of needs_rope = True',
+    "needs_gates": 'declare needs = {"gates"} instead of needs_gates = True',
+    "after_write": "after_write is now update_state(placement, candidates), which returns the new state "
+    "by name ({'name': tensor}) instead of assigning it",
+}
+
+
+class Policy(ABC):
+    """The author's side of a layer cache: declarations and the methods a policy may implement.
+
+    Set by the machinery on the instance (read them, never assign them): `options` (the validated
+    `Options`), `cache_length` (`L`), `positions` (`(B, G, L)` int64 token position of each slot, `-1`
+    when empty), each declared state by its name, `config` (the `KVCacheConfig`).
+    """
+
+    Options: ClassVar[type[PolicyOptions]] = NoOptions
+    needs: ClassVar[frozenset[str]] = frozenset()
+    slot_state: ClassVar[Mapping[str, SlotState]] = {}
+    row_state: ClassVar[tuple[str, ...]] = ()
+    #: all-zero row state means what `None` does (sums of what the calls saw; `KVCaches.copy_row` may fill zeros)
+    row_state_zero_is_unset: ClassVar[bool] = False
+    #: every KV head of a row holds the same tokens in the same slots (attention builds one mask per row)
+    heads_share_positions: ClassVar[bool] = False
+    # derived from `needs` for attention and the model (a subclass never sets them)
+    needs_attn_weights: ClassVar[bool] = False
+    needs_queries: ClassVar[bool] = False
+    needs_rope: ClassVar[bool] = False
+    needs_gates: ClassVar[bool] = False
+    _state_names: ClassVar[frozenset[str]] = frozenset()
+
+    options: PolicyOptions
+    cache_length: int
+    positions: torch.Tensor
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        for name, change in _OLD_NAMES.items():
+            if name in vars(cls):
+                raise TypeError(f"{cls.__name__}: {change} (docs/custom_policy.md)")
+        needs = frozenset(cls.needs)
+        if not needs <= NEEDS:
+            raise TypeError(f"{cls.__name__}.needs: unknown {sorted(needs - NEEDS)}; known: {sorted(NEEDS)}")
+        check_slot_state(cls.__name__, cls.slot_state)
+        if not isinstance(cls.row_state, tuple):
+            raise TypeError(f"{cls.__name__}.row_state must be a tuple of attribute names, got {cls.row_state!r}")
+        cls.needs = needs
+        for name in ("attn_weights", "queries", "rope", "gates"):
+            setattr(cls, f"needs_{name}", name in needs)
+        cls._state_names = frozenset(cls.slot_state) | frozenset(cls.row_state)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # while `update_state` runs (the machinery's rebinding of tensors, serve's row views, is not refused)
+        if name in type(self)._state_names and self.__dict__.get("_updating", False):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is declared state: return it from update_state "
+                f"({{{name!r}: value}}) instead of assigning it"
+            )
+        object.__setattr__(self, name, value)
+
+    @abstractmethod
+    def select_drop(self, candidates: Candidates) -> torch.Tensor:
+        """Choose which `T` of the `L + T` candidates lose their slot (`ScoreKVCache`: the lowest `score`).
+
+        Args:
+            candidates: the call's record; drop empty slots and pads (position `-1`) first.
+
+        Returns:
+            `(B, G, T)` int64 distinct candidate indices to drop.
+        """
+
+    def inputs(self) -> frozenset[str]:
+        """The part of `needs` this instance uses with its options (all of it unless overridden: `tova` reads
+        the queries in one-shot mode only). Read once, when the cache is built."""
+        return self.needs
+
+    def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate | None:
+        """The declared state after the call, by name (only what changes), once its tokens are in their slots.
+
+        `placement.carry(per_candidate)` turns a `(B, G, L + T)` per-candidate quantity into the `(B, G, L)`
+        per-slot one; `self.positions` is already updated (`-1`: still empty). Runs while the cache fills too.
+        """
+        return None
+
+    @classmethod
+    def max_tokens(cls, config: CacheSettings) -> int | None:
+        """Most tokens one sequence may bring through this cache, `None` when unbounded (it evicts)."""
+        return None
+
+    def drops_valid_by_construction(self) -> bool:
+        """Whether `select_drop` returns valid indices by construction, so that their values need not be
+        checked (one host sync per call). Leave `False` while the policy is young: a wrong claim corrupts."""
+        return False
+
+    def end_prefill(self) -> None:
+        """Called once a prompt has been prefilled, before its first decode step; nothing by default."""
+
+    def bind_rope(
+        self, table: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_elem: int, column: int | None = None
+    ) -> None:
+        """Receive the model's RoPE tables (`table(length) -> (cos, sin)`) when `needs` has `"rope"`."""
+
+    def bind_gates(self, gates: EvictionGates | None, layer: int) -> None:
+        """Receive the model's eviction gates (`None` when none are loaded) and this cache's layer index when
+        `needs` has `"gates"`."""
