@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_checkpoint import TEXT
+from tiny_checkpoint import SMOLLM2_TEMPLATE, write_chatml_tokenizer
 
 from litkv.__main__ import main
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer
@@ -26,42 +26,9 @@ from litkv.inference.sampling import Sampling
 from litkv.kvcache.config import KVCacheConfig
 from litkv.serve import ConversationStore, Engine, TurnRequest, TurnResult
 
-# SmolLM2-135M-Instruct's chat template, as its GGUF file's `tokenizer.chat_template` holds it.
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 EOT = 2  # <|im_end|>
 KV = KVCacheConfig(policy="h2o", cache_length=48, chunk_size=8, prefill_length=16)
 USER = ["The quick brown fox", "What is the passkey?", "Remember it: 12345.", "In the beginning was the word"]
-
-
-def write_chatml_tokenizer(out: Path, template: str = SMOLLM2_TEMPLATE) -> None:
-    """A byte-level BPE with `<|endoftext|>`=0, `<|im_start|>`=1, `<|im_end|>`=2 and the template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT], trainer=trainer)
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": template,
-        "bos_token": "<|im_start|>",
-        "eos_token": "<|endoftext|>",
-        "add_bos_token": False,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_chat_template import hf_ids, write_chatml_tokenizer
+from test_chat_template import hf_ids
+from tiny_checkpoint import write_chatml_tokenizer
 
 import litkv
 import litkv.cli.generate_cmd as generate_cmd

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_chat_template import write_chatml_tokenizer
+from tiny_checkpoint import write_chatml_tokenizer
 
 from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.core.tokens import encode_plain, encode_text
