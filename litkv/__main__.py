@@ -169,6 +169,10 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             value, i = argv[i], i + 1  # `--kv_cache.threshold -1e30`: argparse takes -1e30 for an option
         if name in ("--kv_cache", *spec.repeated) and value is None and i < len(argv):
             value, i = argv[i], i + 1
+        if name.startswith("--kv_cache.options.") and value is None and i < len(argv) and argv[i][:2] != "--":
+            value, i = argv[i], i + 1
+        if name.startswith("--kv_cache.options.") and value is not None:
+            _check_option_literal(name, value)
         if name in spec.repeated and value is not None:
             repeated_at.setdefault(name, len(out))
             repeated.setdefault(name, []).append(value)
@@ -182,6 +186,18 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
         # surrogate pairs that jsonargparse's YAML loader refuses.
         out[repeated_at[name] : repeated_at[name]] = [name, json.dumps(repeated[name], ensure_ascii=False)]
     return out + positional
+
+
+#: YAML 1.1 words jsonargparse reads as booleans where a policy option (typed `Any`) is parsed.
+_YAML_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+
+
+def _check_option_literal(name: str, value: str) -> None:
+    """ValueError for a policy option given a YAML 1.1 boolean word (`--kv_cache.across_layers yes`): it
+    would arrive as `True` without a word; options take `true` / `false` (strict types)."""
+    if value.lower() in _YAML_BOOL_WORDS:
+        option = name.rsplit(".", 1)[-1]
+        raise ValueError(f"--kv_cache.{option} {value!r}: a policy option takes true or false, not {value!r}")
 
 
 def _is_negative_number(token: str) -> bool:

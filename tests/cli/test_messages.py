@@ -117,3 +117,19 @@ def test_gate_training_says_its_loss_rises_while_the_goal_ramps() -> None:
     note = ramp_note(GateTrainArgs(steps=100, ramp=0.5, target_keep=0.1))
     assert note is not None and "ramps from 1 to 0.1 over the first 50 of 100 steps" in note and "rises" in note
     assert ramp_note(GateTrainArgs(method="lstsq")) is None
+
+
+@pytest.mark.parametrize("word", ["yes", "Off", "n"])
+def test_a_policy_option_given_a_yaml_boolean_word_is_refused(word: str, capsys: pytest.CaptureFixture) -> None:
+    """`--kv_cache.across_layers yes` used to arrive as `True` (jsonargparse reads policy options as YAML 1.1);
+    strict types (issue 61 item 7): only true / false, the option and the word named."""
+    for args in (["--kv_cache.across_layers", word], [f"--kv_cache.across_layers={word}"]):
+        line = error_line(capsys, "generate", "--kv-cache", "learned", *args, "--prompt", "hi")
+        assert f"--kv_cache.across_layers {word!r}" in line and "true or false" in line
+
+
+def test_a_policy_option_given_true_or_a_number_still_parses() -> None:
+    from litkv.__main__ import normalize_argv
+
+    out = normalize_argv(["generate", "--kv_cache.sinks", "4", "--kv_cache.across_layers", "true"])
+    assert "--kv_cache.options.sinks=4" in out and "--kv_cache.options.across_layers=true" in out
