@@ -24,6 +24,10 @@ no float copy of a weight is kept for it (`_FrozenWeightProduct`).
 Under `int4` the LM head is stored as int8 (`layer_quant`): on SmolLM2-135M the int4 LM head alone
 made KL(float || int4) 0.064 nats/token, against 0.0016 with an int8 head (docs/cpu_speed.md).
 
+The packed layout differs between CPU builds (AVX512, AVX2, ...): the layer unpacks the codes itself only
+where `_layout_known` measures that it reads this CPU's layout, and elsewhere reads them back through the
+kernel (`_kernel_codes`); either way the dequantised weight is the codes times the scales plus the zeros.
+
 The stored format (`litkv.checkpoints.quant_store`) keeps the codes in a layout of its own (`int4_nibbles`), not the
 kernel's: `Int4Linear.from_codes` packs them at load, a block of rows at a time.
 
@@ -201,37 +205,42 @@ class Int4Linear(nn.Module):
     ) -> Int4Linear:
         """The layer of `codes` `(out_features, in_features)` uint8 in `[0, 15]` (or, `nibbles=True`, their
         `int4_nibbles` `(out_features, in_features / 2)`) and `scale_zeros` `(in_features / group_size,
-        out_features, 2)` bfloat16, packed `_PACK_ROWS` rows at a time (the packed layout works on blocks
-        of 64 rows, so the blocks' concatenation is the whole's packing, and no temporary is a whole
-        layer's)."""
+        out_features, 2)` bfloat16, packed `_PACK_ROWS` rows at a time (no temporary is a whole layer's,
+        and each block of `packed` is a packing of its own, which `codes_rows` reads on any layout)."""
         n = codes.shape[0]
-        step = _PACK_ROWS if n % 64 == 0 else n
         parts = []
-        for start in range(0, n, step):
-            block = codes[start : start + step]
+        for start in range(0, n, _PACK_ROWS):
+            block = codes[start : start + _PACK_ROWS]
             block = int4_from_nibbles(block) if nibbles else block
             parts.append(torch._convert_weight_to_int4pack_for_cpu(block.to(torch.int32), 1))
         return cls(torch.cat(parts) if len(parts) > 1 else parts[0], scale_zeros, group_size, bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`: from the unpacked
-        codes when the packed layout is the known one, else by the kernel on an identity matrix."""
-        if not self.unpackable:
-            eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype, device=self.packed.device)
-            return self.kernel(eye).T.to(dtype)
+        """The weight the layer multiplies by, `(out_features, in_features)` in `dtype`."""
         return self.dequantized_rows(0, self.out_features, dtype)
 
     def dequantized_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `start:stop` of the weight, `(stop - start, in_features)` in `dtype` (`start` and `stop`
-        multiples of 64 or the end: the packed layout's blocks of rows)."""
-        if not self.unpackable:
-            return self.dequantized(dtype)[start:stop]
+        """Rows `start:stop` of the weight, `(stop - start, in_features)` in `dtype`: the codes (`codes_rows`)
+        times the scales plus the zeros, computed in at least float32 (no bfloat16 rounding of the weight)."""
         n, k = stop - start, self.in_features
         compute = torch.promote_types(dtype, torch.float32)
-        groups = _unpack(self.packed[start:stop]).to(compute).view(n, k // self.group_size, self.group_size)
+        groups = self.codes_rows(start, stop).to(compute).view(n, k // self.group_size, self.group_size)
         parts = self.scale_zeros[:, start:stop].unbind(-1)
         scale, zero = (part.T.to(compute)[..., None] for part in parts)  # (rows, n_groups, 1)
         return groups.sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
+
+    def codes_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The codes of rows `start:stop`, `(stop - start, in_features)` uint8 in `[0, 15]`: unpacked when the
+        packed layout is the known one (`unpackable`), else read back through the kernel itself (`_kernel_codes`)
+        one packed block of `_PACK_ROWS` rows at a time, whatever this CPU's layout."""
+        if self.unpackable and start % 64 == 0 and (stop % 64 == 0 or stop == self.out_features):
+            return _unpack(self.packed[start:stop])
+        first = start - start % _PACK_ROWS
+        blocks = [
+            _kernel_codes(self.packed[b : b + _PACK_ROWS], self.in_features, self.group_size)
+            for b in range(first, stop, _PACK_ROWS)
+        ]
+        return torch.cat(blocks)[start - first : stop - first]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `(..., in_features)` -> `(..., out_features)` in `x`'s dtype (`_product`)."""
@@ -287,7 +296,7 @@ def _product(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, layer.in_features)
     if torch.is_grad_enabled() and flat.requires_grad:
         y = _FrozenWeightProduct.apply(flat, layer)
-    elif flat.shape[0] > KERNEL_ROWS and getattr(layer, "unpackable", True):
+    elif flat.shape[0] > KERNEL_ROWS:
         y = dense_product(layer, flat)
     else:
         y = layer.kernel(flat.to(_KERNEL_DTYPE)).to(x.dtype)
@@ -415,6 +424,18 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     blocks = packed.view(n // 64, 2 * half, 32)  # (row block, k, byte)
     both = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1)  # (row block, k, 64 rows)
     return both.transpose(1, 2).reshape(n, 2 * half)
+
+
+def _kernel_codes(packed: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
+    """The codes `(N, K)` uint8 of one block packed by `torch._convert_weight_to_int4pack_for_cpu`
+    (`packed` `(N, K / 2)`), in any packed layout: the kernel on a `(K, K)` identity with scale 1 and
+    zero 8 returns `(c - 8) * 1 + 8 = c`, small integers that bfloat16 holds exactly."""
+    n = packed.shape[0]
+    unit = torch.tensor([1.0, 8.0], dtype=_KERNEL_DTYPE, device=packed.device)
+    unit = unit.expand(in_features // group_size, n, 2).contiguous()
+    eye = torch.eye(in_features, dtype=_KERNEL_DTYPE, device=packed.device)
+    out = torch._weight_int4pack_mm_for_cpu(eye, packed.contiguous(), group_size, unit)
+    return out.T.round().clamp(0, 15).to(torch.uint8)
 
 
 def _layout_known(packed: torch.Tensor) -> bool:

@@ -21,10 +21,12 @@ from litkv.checkpoints.runtime import load_for_inference
 from litkv.inference.generate import generate
 from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import (
+    _PACK_ROWS,
     KERNEL_ROWS,
     Int4Linear,
     Int8Linear,
     WeightQuant,
+    _kernel_codes,
     int4_codes,
     parse_quantize,
     quantize_model,
@@ -63,7 +65,6 @@ def test_int4_weights_are_the_group_quantisation_and_the_kernel_multiplies_by_th
     n, k = shape
     layer = _linear(n, k)
     q = Int4Linear.from_linear(layer, group)
-    assert q.unpackable
     w = q.dequantized(torch.float64)
     original, half_step = layer.weight.detach().double(), _half_steps(layer, group)
     # half a step, plus the bfloat16 rounding of the scale (relative 2^-9, times up to 15 steps) and zero
@@ -75,6 +76,31 @@ def test_int4_weights_are_the_group_quantisation_and_the_kernel_multiplies_by_th
         exact = x.double() @ w.T + layer.bias.double()
         assert y.shape == (2, rows, n) and y.dtype == torch.float32
         assert ((y.double() - exact).abs() <= _bound(x.double(), w, layer.bias.double())).all()
+
+
+@pytest.mark.parametrize("n", [64, 80, 2048 + 64])
+def test_int4_dequantised_weight_is_the_codes_times_scales_on_any_packed_layout(n: int) -> None:
+    # the packed layout differs between CPUs (AVX512 / AVX2): whichever way the layer reads its codes back,
+    # they are `int4_codes`'s and the weight is `(c - 8) * scale + zero` in float64, not rounded to bfloat16
+    layer = _linear(n, 128)
+    q = Int4Linear.from_linear(layer, 32)
+    codes, scale_zeros = int4_codes(layer.weight, 32)
+    assert torch.equal(q.codes_rows(0, n), codes)
+    assert torch.equal(q.codes_rows(48, n - 16), codes[48 : n - 16])  # rows off the packed blocks
+    scale, zero = (part.T.double().repeat_interleave(32, dim=1) for part in scale_zeros.unbind(-1))
+    torch.testing.assert_close(q.dequantized(torch.float64), (codes.double() - 8) * scale + zero, rtol=0, atol=0)
+
+
+def test_where_the_packed_layout_is_the_known_one_the_kernel_read_back_gives_the_unpacked_codes() -> None:
+    layer = _linear(2048 + 64, 64)
+    q = Int4Linear.from_linear(layer, 32)
+    if not q.unpackable:  # measured at run time (`_layout_known`), e.g. False on an AVX2-only CPU
+        pytest.skip("this CPU packs int4 in a layout litkv does not unpack (the kernel read-back is used)")
+    codes = int4_codes(layer.weight, 32)[0]
+    assert torch.equal(q.codes_rows(0, q.out_features), codes)  # `_unpack`
+    for start in range(0, q.out_features, _PACK_ROWS):
+        block = _kernel_codes(q.packed[start : start + _PACK_ROWS], 64, 32)
+        assert torch.equal(block, codes[start : start + _PACK_ROWS])
 
 
 @pytest.mark.parametrize("rows", [1, 4, KERNEL_ROWS + 1])
