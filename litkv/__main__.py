@@ -169,10 +169,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             value, i = argv[i], i + 1  # `--kv_cache.threshold -1e30`: argparse takes -1e30 for an option
         if name in ("--kv_cache", *spec.repeated) and value is None and i < len(argv):
             value, i = argv[i], i + 1
-        if name.startswith("--kv_cache.options.") and value is None and i < len(argv) and argv[i][:2] != "--":
-            value, i = argv[i], i + 1
-        if name.startswith("--kv_cache.options.") and value is not None:
-            _check_option_literal(name, value)
+        if name.startswith("--kv_cache.options."):
+            _check_option_literal(name, value if value is not None or i == len(argv) else argv[i])
         if name in spec.repeated and value is not None:
             repeated_at.setdefault(name, len(out))
             repeated.setdefault(name, []).append(value)
@@ -192,10 +190,10 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 _YAML_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
 
 
-def _check_option_literal(name: str, value: str) -> None:
+def _check_option_literal(name: str, value: str | None) -> None:
     """ValueError for a policy option given a YAML 1.1 boolean word (`--kv_cache.across_layers yes`): it
     would arrive as `True` without a word; options take `true` / `false` (strict types)."""
-    if value.lower() in _YAML_BOOL_WORDS:
+    if value is not None and value.lower() in _YAML_BOOL_WORDS:
         option = name.rsplit(".", 1)[-1]
         raise ValueError(f"--kv_cache.{option} {value!r}: a policy option takes true or false, not {value!r}")
 

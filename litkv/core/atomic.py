@@ -445,12 +445,17 @@ def check_output_dir(
     return given
 
 
-def mark_output_dir(directory: str | Path, command: str) -> None:
+def mark_output_dir(directory: str | Path, command: str, only: str | None = None) -> None:
     """Write `command`'s marker file into `directory` (created if needed): litkv wrote it, for `command`,
-    with every file it holds now (relative path, size, sha256: `litkv.core.output_marker.file_table`)."""
+    with every file it holds now (relative path, size, sha256: `litkv.core.output_marker.file_table`).
+    With `only` (a subdirectory the command itself filled during its run, as evaluate's `answers`), the
+    marker's earlier list is kept and only the files under `only/` are (re)listed."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files, _ = file_table(directory)
+    if only is not None:
+        earlier = json.loads((directory / OUTPUT_MARKER).read_text(encoding="utf-8")).get("files", {})
+        files = {**earlier, **{name: rec for name, rec in files.items() if name.startswith(f"{only}/")}}
     text = json.dumps({"written_by": f"litkv {command}", "files": files}, indent=1, sort_keys=True)
     write_text_atomic(directory / OUTPUT_MARKER, text + "\n")
 

@@ -231,6 +231,8 @@ def _write(out_dir: Path, results: Sequence[RulerResult], info: dict[str, Any]) 
         except ImportError:
             print("note: matplotlib is not installed: no plot (pip install 'litkv[plot]')", file=sys.stderr)
 
+    if (out_dir / ANSWERS).is_dir():  # this run's answers, written unit by unit: litkv's, kept in the marker
+        mark_output_dir(out_dir, "evaluate", only=ANSWERS)
     save_dir_atomic(out_dir, fill, "evaluate", overwrite=True)
     print(f"wrote {json_path} and {out_dir / 'ruler.png'}" if plotted else f"wrote {json_path}")
 

@@ -114,9 +114,11 @@ def compress_layers(caches: Sequence[OneShot], scores: torch.Tensor, layerwise: 
         cache.compressed = True
 
 
-def check_no_nan(scores: torch.Tensor, where: str) -> None:
-    """ValueError naming the policy's method when `scores` holds a NaN (it would evict arbitrarily)."""
-    if bool(torch.isnan(scores).any()):
+def check_no_nan(scores: torch.Tensor, where: str, inputs: Sequence[torch.Tensor | None] = ()) -> None:
+    """ValueError naming the policy's method when `scores` holds a NaN (it would evict arbitrarily) while
+    its `inputs` (the cached and new keys, the new values, the attention weights) are finite: a NaN the model produced
+    is not the policy's, and the caller's own check (a NaN loss, NaN logits) names it."""
+    if bool(torch.isnan(scores).any()) and all(t is None or bool(torch.isfinite(t).all()) for t in inputs):
         raise ValueError(f"{where} returned NaN scores: a NaN cannot be ranked, so the eviction would be arbitrary")
 
 
@@ -252,7 +254,8 @@ class ScoreKVCache(OneShot):
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise ValueError(f"{type(self).__name__}.score must return shape {expected} (B, G, L + T), got {got}")
         if candidates.num_new > 1 and not self.static_shapes:  # a prompt chunk: one host read, never in a decode step
-            check_no_nan(scores, f"{type(self).__name__}.score")
+            inputs = (candidates.keys, candidates.new_keys, candidates.new_values, candidates.attn_weights)
+            check_no_nan(scores, f"{type(self).__name__}.score", inputs)
         return scores.to(torch.float32)
 
     def lowest(self, scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

@@ -373,7 +373,7 @@ def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: 
         ("expected-attention", dict(n_stats=0), ValueError, "n_stats must be >= 1, got 0"),
         ("expected-attention", dict(use_covariance="yes"), TypeError, "use_covariance must be a bool"),
         ("expected-attention", dict(n_future_positions=0), ValueError, "n_future_positions must be >= 1"),
-        ("expected-attention", dict(epsilon=-1.0), ValueError, "epsilon must be in"),
+        ("expected-attention", dict(epsilon=-1.0), ValueError, "epsilon must be >= 0.0"),
         (
             "expected-attention",
             dict(n_sink=10),
