@@ -20,12 +20,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import evicts_alone
 
 from litkv import GPT, KVCacheConfig, PrefixCache, generate
 from litkv.kvcache import get_kv_cache_class, known_policies
 from litkv.kvcache.storage_kinds import known_storages
 
-POLICIES = [name for name in known_policies() if get_kv_cache_class(name).__module__.startswith("litkv.")]
+POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
 STORAGES = tuple(known_storages())  # every registered format, built-ins included
 CACHE = 40  # default chunk: min(256, 40) = 40
 LENGTHS = (22, 55, 88)  # the two longer ones evict during the prefill (the longest: 2.2x the cache)

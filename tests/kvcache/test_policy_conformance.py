@@ -370,7 +370,7 @@ KNOWN_NEEDLE_LOSSES = {"tova": "tova (this call's attention only, recent 0) lose
 @pytest.mark.parametrize(
     "policy",
     [pytest.param(p, marks=pytest.mark.xfail(reason=KNOWN_NEEDLE_LOSSES[p])) if p in KNOWN_NEEDLE_LOSSES else p
-     for p in POLICIES],
+     for p in EVICTING],
 )  # fmt: skip
 @torch.inference_mode()
 def test_policy_finds_the_needle_dense_finds(shipped: tuple[GPT, object, torch.Tensor], policy: str) -> None:
