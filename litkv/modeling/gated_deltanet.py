@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.recurrent import RecurrentCache, RecurrentShape
 from litkv.modeling.config import GATED_DELTANET, HybridConfig
-from litkv.modeling.mamba2 import causal_conv, in_call_order, real_tokens_first, recurrent_forward
+from litkv.modeling.mamba2 import (
+    causal_conv,
+    in_call_order,
+    new_recurrent_cache,
+    real_tokens_first,
+    recurrent_forward,
+)
 
 __all__ = ["GatedDeltaNet", "HeadGatedRMSNorm", "delta_rule_scan", "delta_rule_step", "gdn_recurrent_shape"]
 
@@ -170,7 +176,7 @@ class GatedDeltaNet(nn.Module):
         cls, config: HybridConfig, kv_cache: KVCacheConfig, batch_size: int, device: torch.device, dtype: torch.dtype
     ) -> RecurrentCache:
         """A fresh cache of the layer's state (`kv_cache` covers attention layers only: not read here)."""
-        return RecurrentCache(cls.state_shape(config, batch_size), device, dtype, kind=cls.kind)
+        return new_recurrent_cache(cls, config, batch_size, device, dtype)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `input_pos` `None`: the whole sequence from a zero

@@ -126,6 +126,13 @@ def in_call_order(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return y.gather(1, torch.argsort(order, dim=1)[:, :, None].expand(-1, -1, y.shape[2]))
 
 
+def new_recurrent_cache(
+    mixer: type, config: HybridConfig, batch_size: int, device: torch.device, dtype: torch.dtype
+) -> RecurrentCache:
+    """A fresh `RecurrentCache` of a recurrent mixer class's layer (its `state_shape` and `kind`)."""
+    return RecurrentCache(mixer.state_shape(config, batch_size), device, dtype, kind=mixer.kind)
+
+
 def recurrent_forward(
     mixer: nn.Module, x: torch.Tensor, input_pos: torch.Tensor | None, shape: Callable[[int], RecurrentShape]
 ) -> torch.Tensor:
@@ -205,7 +212,7 @@ class Mamba2Mixer(nn.Module):
         cls, config: HybridConfig, kv_cache: KVCacheConfig, batch_size: int, device: torch.device, dtype: torch.dtype
     ) -> RecurrentCache:
         """A fresh cache of the layer's state (`kv_cache` covers attention layers only: not read here)."""
-        return RecurrentCache(cls.state_shape(config, batch_size), device, dtype, kind=cls.kind)
+        return new_recurrent_cache(cls, config, batch_size, device, dtype)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `input_pos` `None`: the whole sequence from a zero
