@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from litkv.checkpoints.checkpoint import default_checkpoint_dir
 from litkv.checkpoints.download import (
@@ -16,7 +18,26 @@ from litkv.checkpoints.download import (
     known_checkpoint_dir,
 )
 
-__all__ = ["resolve_checkpoint_dir"]
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
+
+__all__ = ["close_fabric", "launching_rank", "resolve_checkpoint_dir"]
+
+
+def launching_rank() -> bool:
+    """Whether this process is the one that starts a launched run (rank 0, or not launched yet)."""
+    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0) == 0
+
+
+def close_fabric(fabric: Fabric) -> None:
+    """The end of a launched run: every process waits for the others (rank 0 writes last), then leaves the
+    process group. A process that exits with its gloo threads still running can abort (`terminate called
+    without an active exception`), and the launcher then kills the others."""
+    import torch.distributed as dist
+
+    fabric.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def resolve_checkpoint_dir(checkpoint_dir: Path | str | None) -> Path:

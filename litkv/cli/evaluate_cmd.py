@@ -6,7 +6,6 @@ import dataclasses
 import importlib.metadata
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -18,7 +17,7 @@ import torch
 
 from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
 from litkv.checkpoints.runtime import load_for_inference
-from litkv.cli.common import resolve_checkpoint_dir
+from litkv.cli.common import close_fabric, launching_rank, resolve_checkpoint_dir
 from litkv.core.atomic import check_output_dir, save_dir_atomic, write_atomic, write_text_atomic
 from litkv.core.tokens import encode_plain
 from litkv.core.validation import require_file, require_int
@@ -164,7 +163,10 @@ def evaluate(
         if launching_rank():  # before the run, not after it
             check_output_dir(out_dir, "evaluate", [ckpt], overwrite, reuse=resume is True, replace=resume is not True)
         fabric = None if world == 1 else launch_fabric(devices, num_nodes, cpu)
-        return run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings, fabric)
+        results = run_ruler(ckpt, tasks, _resolve_policies(policies), budget_list, ruler_settings, fabric)
+        if fabric is not None:
+            close_fabric(fabric)
+        return results
     if devices != 1 or num_nodes != 1 or resume:
         raise ValueError(
             "--devices, --num_nodes and --resume apply to RULER tables (--tasks); the perplexity and recall run "
@@ -224,11 +226,6 @@ def evaluate(
     )  # fmt: skip
     _write_outputs(Path(out_dir), results, _run_info(settings))
     return results
-
-
-def launching_rank() -> bool:
-    """Whether this process is the one that starts the run (rank 0, or not launched yet)."""
-    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0) == 0
 
 
 def launch_fabric(devices: int, num_nodes: int, cpu: bool) -> Fabric:

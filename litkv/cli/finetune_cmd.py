@@ -7,7 +7,6 @@ every process executes once Fabric is launched (tests call it with their own `Fa
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from litkv.checkpoints.checkpoint import (
 )
 from litkv.checkpoints.download import known_checkpoint_dir
 from litkv.checkpoints.runtime import precision_dtype
+from litkv.cli.common import close_fabric, launching_rank
 from litkv.core.atomic import check_output_dir, mark_output_dir
 from litkv.core.validation import is_int, require_int
 from litkv.finetune.checkpoint_dirs import (
@@ -243,7 +243,7 @@ def finetune(
         num_nodes=num_nodes,
         quantize=quantize,
     )
-    if _launching_rank():  # before anything is written (the other ranks find rank 0's marker)
+    if launching_rank():  # before anything is written (the other ranks find rank 0's marker)
         check_output_dir(args.out_dir, "finetune", [args.checkpoint_dir], overwrite, reuse=args.resume is not None)
     if learn_eviction or args.kv_cache.policy == "learned":
         _learn(args, learn_eviction, learn)
@@ -261,11 +261,7 @@ def finetune(
     )
     fabric.launch()
     run(fabric, args)
-
-
-def _launching_rank() -> bool:
-    """Whether this process is the one that starts the run (rank 0, or not launched yet)."""
-    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0) == 0
+    close_fabric(fabric)
 
 
 def _learn(args: FinetuneArgs, learn_eviction: bool, learn: GateTrainArgs) -> None:
