@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import sys
 from pathlib import Path
@@ -30,13 +32,24 @@ def launching_rank() -> bool:
 
 
 def close_fabric(fabric: Fabric) -> None:
-    """The end of a launched run: every process waits for the others (rank 0 writes last), then leaves the
-    process group. A process that exits with its gloo threads still running can abort (`terminate called
-    without an active exception`), and the launcher then kills the others."""
+    """The end of a launched run: every process waits for the others (rank 0 writes last), and leaves the
+    process group when the process exits. A process that exits with its gloo threads still running can abort
+    (`terminate called without an active exception`), and the launcher then kills the others; the group is
+    not left at once because a second launched run in the same process (`finetune` then `finetune
+    --resume`) reuses it."""
+    fabric.barrier()
+    _leave_process_group_at_exit()
+
+
+@functools.cache
+def _leave_process_group_at_exit() -> None:
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
     import torch.distributed as dist
 
-    fabric.barrier()
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
