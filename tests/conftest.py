@@ -82,8 +82,10 @@ def ckpt(tiny_ckpt: Path) -> Path:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The selected tests' `EARLY_START` processes start now (`tests/early.py`), beside the rest of the suite."""
-    if not session.config.option.collectonly:
+    """The selected tests' `EARLY_START` processes start now (`tests/early.py`), beside the rest of the suite;
+    not in an xdist worker (which does not know which of the collected tests it will run: a test starts its own
+    process when its turn comes, while the other workers go on)."""
+    if not session.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ:
         early.start_selected(session.items)
 
 
