@@ -6,7 +6,9 @@ test module can name such processes in `EARLY_START` (test function name -> a fu
 working directory that starts the process, or returns None where the test will skip): tests/conftest.py
 starts those of the selected tests when collection finishes, so they run beside the rest of the suite
 (which runs one thread: `_torch_threads`), and the test takes its process with the `early_process`
-fixture (tests/conftest.py).
+fixture (tests/conftest.py). Under pytest-xdist (the default: `addopts` in pyproject.toml) nothing starts
+early: a worker does not know which of the collected tests it will run, so each test starts its process when
+its turn comes, while the other workers go on.
 """
 
 from __future__ import annotations
