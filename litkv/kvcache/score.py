@@ -253,7 +253,8 @@ class ScoreKVCache(OneShot):
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise ValueError(f"{type(self).__name__}.score must return shape {expected} (B, G, L + T), got {got}")
-        if candidates.num_new > 1 and not self.static_shapes:  # a prompt chunk: one host read, never in a decode step
+        if not self.static_shapes and (candidates.num_new > 1 or scores.device.type == "cpu"):
+            # a prompt chunk, or a decode step on the CPU (no queue to stall): a device's decode steps read nothing
             inputs = (candidates.keys, candidates.new_keys, candidates.new_values, candidates.attn_weights)
             check_no_nan(scores, f"{type(self).__name__}.score", inputs)
         return scores.to(torch.float32)

@@ -1,6 +1,7 @@
 """A policy whose `score()` returns NaN is refused naming the policy (issue 61 item 7), not run with an
 arbitrary eviction: checked on a prompt chunk's eviction and at the one-shot compression, where one host
-read costs nothing next to the chunk; never inside a decode step (one token: no host sync added there)."""
+read costs nothing next to the chunk, and in eager decode steps on the CPU (no device queue to stall); not in
+an accelerator's decode steps nor in compiled ones (no host sync added there)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,12 @@ def test_nan_scores_are_refused_naming_the_policy(model: GPT, mode: str, monkeyp
         generate(model, [PROMPT], 4, kv)
     monkeypatch.setattr(NaNScoreKVCache, "poison", False)  # the same policy with finite scores runs
     assert generate(model, [PROMPT], 4, kv)[0].numel() == 4
+
+
+def test_nan_scores_in_cpu_decode_steps_are_refused(model: GPT, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt that fits its cache (no eviction while it is prefilled): the first eviction is a decode step's."""
+    kv = KVCacheConfig("test-nan-score", cache_length=16, chunk_size=8)
+    with pytest.raises(ValueError, match=r"NaNScoreKVCache\.score returned NaN scores"):
+        generate(model, [PROMPT[:10]], 12, kv)
+    monkeypatch.setattr(NaNScoreKVCache, "poison", False)
+    assert generate(model, [PROMPT[:10]], 12, kv)[0].numel() == 12
