@@ -15,6 +15,7 @@ from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress
 from litkv.inference.sampling import Sampling
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import KVzipKVCache
+from litkv.modeling.memory import check_memory
 from litkv.modeling.model import GPT, check_integer_tensor, kv_cache_configs
 from litkv.modeling.runner import run_chunks
 from litkv.states.block_store import BlockStore
@@ -365,6 +366,9 @@ def decode_tokens(
             "(or use a wider precision)"
         )
     last_position = int(next_pos.max()) + max_new_tokens
+    table = model.rope_table_bytes(last_position + 1)
+    what = f"the RoPE table of positions up to {last_position}"
+    check_memory(table, device, "max_new_tokens", what, "lower max_new_tokens")
     # whether the logits picked from so far were finite; read on the host only where `done` is
     finite = torch.ones((), dtype=torch.bool, device=device)
     with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:

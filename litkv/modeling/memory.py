@@ -1,4 +1,5 @@
-"""Memory checked before allocation: the bytes a run's KV caches need against what the machine holds.
+"""Memory checked before allocation: the bytes a run's KV caches (or another buffer a user's number sizes:
+`generate`'s RoPE table for `max_new_tokens`) need against what the machine holds.
 
 A `cache_length` (or batch) given by the user sizes tensors directly; 10**12 slots asked the allocator for
 256 TB and failed with a traceback that never named the option. `check_cache_memory` refuses such a
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["cache_bytes", "check_cache_memory", "machine_bytes"]
+__all__ = ["cache_bytes", "check_cache_memory", "check_memory", "machine_bytes"]
 
 #: bytes per element of the quantised storage formats (codes only; scales add a little)
 _STORAGE_BYTES = {"int8": 1.0, "int4": 0.5}
@@ -43,14 +44,19 @@ def cache_bytes(
 
 
 def check_cache_memory(needed: int, device: torch.device, option: str) -> None:
-    """ValueError naming `option` and the size when `needed` bytes exceed what `device` can hold."""
+    """ValueError naming `option` and the size when `needed` bytes of KV caches exceed what `device` can hold."""
+    check_memory(needed, device, option, "the KV caches", "lower cache_length (or the batch)")
+
+
+def check_memory(needed: int, device: torch.device, option: str, what: str, advice: str) -> None:
+    """ValueError `"{option}: {what} would take {size}, more than ...; {advice}"` when `needed` bytes exceed
+    what `device` can hold (`machine_bytes`); nothing when that cannot be read."""
     limit = machine_bytes(device)
     if limit is None or needed <= limit:
         return
     where = f"{device} device memory" if device.type == "cuda" else "physical memory"
     raise ValueError(
-        f"{option}: the KV caches would take {_size(needed)}, more than this machine's {_size(limit)} of {where}; "
-        "lower cache_length (or the batch)"
+        f"{option}: {what} would take {_size(needed)}, more than this machine's {_size(limit)} of {where}; {advice}"
     )
 
 

@@ -333,12 +333,19 @@ class GPT(nn.Module):
         index = positions.clamp(min=0)
         return cos[index], sin[index]
 
+    def rope_table_bytes(self, needed: int) -> int:
+        """Bytes of the cos/sin tables `_rope_table(needed)` builds (float32, a power of two of positions)."""
+        return 2 * 4 * self._rope_length(needed) * self.config.rope_n_elem
+
+    def _rope_length(self, needed: int) -> int:
+        length = max(needed, min(self.config.block_size, 4096))
+        return 1 << (length - 1).bit_length()
+
     def _rope_table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin tables for at least `needed` positions (rebuilt when shorter or on another device)."""
         ref = self.lm_head.weight
         if self._rope is None or self._rope[0].shape[0] < needed or self._rope[0].device != ref.device:
-            length = max(needed, min(self.config.block_size, 4096))
-            length = 1 << (length - 1).bit_length()
+            length = self._rope_length(needed)
             # LitGPT's RoPE table (all its scaling variants), built for `length` positions only.
             spec = SimpleNamespace(config=self.config, max_seq_length=length)
             self._rope = LitGPT.rope_cache(spec, device=ref.device)  # type: ignore[arg-type]

@@ -1,6 +1,8 @@
 """Memory checked before allocation (issue 61 item 6): caches whose bytes exceed what the machine holds are
 refused naming `cache_length` and the size, before anything is allocated; the estimate is a lower bound of
-what the caches really take (their tensors' bytes), so a cache that fits is never refused."""
+what the caches really take (their tensors' bytes), so a cache that fits is never refused. The same for the
+other buffer a user's number sizes: `generate`'s RoPE table for `max_new_tokens` (an evicting cache runs
+to any position)."""
 
 from __future__ import annotations
 
@@ -55,3 +57,16 @@ def test_machine_bytes_is_the_physical_memory() -> None:
         pytest.skip("no /proc/meminfo")
     total = int(line.split()[1]) * 1024
     assert abs(memory.machine_bytes(torch.device("cpu")) - total) < 0.05 * total  # type: ignore[operator]
+
+
+def test_a_trillion_new_tokens_is_refused_naming_max_new_tokens(model: GPT) -> None:
+    """Before: the allocator's traceback for an 8 TB RoPE table (an h2o cache accepts any number of steps)."""
+    kv = KVCacheConfig("h2o", cache_length=16, chunk_size=8)
+    with pytest.raises(ValueError, match=r"max_new_tokens: the RoPE table .* would take [\d.]+ TiB") as err:
+        generate(model, [random_tokens(1, 5, seed=1)[0]], 10**12, kv)
+    assert "\n" not in str(err.value) and "physical memory" in str(err.value)
+
+
+def test_the_rope_estimate_is_the_table_built(model: GPT) -> None:
+    cos, sin = model._rope_table(5000)
+    assert model.rope_table_bytes(5000) == cos.nbytes + sin.nbytes
