@@ -4,12 +4,15 @@ one-line refusals (model types, hybrids, `learned`, one-shot `kvzip`, transforme
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hf_pairs import hf_and_litkv
 from test_parity import _check_same, _config, pairs  # noqa: F401  (the module fixture)
 
 from litkv import GPT, KVCacheConfig, register_kv_cache, restore, snapshot
+from litkv.kvcache import registry
 from litkv.kvcache.candidates import Candidates
 from litkv.kvcache.config import ChunkPlan
 from litkv.kvcache.score import ScoreKVCache
@@ -20,7 +23,6 @@ hf_mod = pytest.importorskip("litkv.hf")
 from litkv.hf.compat import check_model_type, check_transformers_version  # noqa: E402
 
 
-@register_kv_cache("test-hf-value-norm")
 class ValueNormKVCache(ScoreKVCache):
     """A user's policy: evicts the candidates whose values have the smallest norm."""
 
@@ -129,8 +131,17 @@ def test_restore_refuses_another_model(pair, tmp_path) -> None:
         hf_mod.Cache(other, cfg).restore(state)
 
 
+@pytest.fixture
+def users_policy() -> Iterator[str]:
+    """`ValueNormKVCache` registered for one test (registered at import, it would join every list of policies
+    that the test modules collected after this one build: `known_policies()` parametrizations)."""
+    register_kv_cache("test-hf-value-norm")(ValueNormKVCache)
+    yield "test-hf-value-norm"
+    registry._REGISTRY._entries.pop("test-hf-value-norm")
+
+
 @pytest.mark.parametrize("policy", ["test-hf-value-norm", "litkv.kvcache.adakv:AdaKVExpectedAttention"])
-def test_a_users_own_policy(pairs, policy: str) -> None:  # noqa: F811
+def test_a_users_own_policy(pairs, policy: str, users_policy: str) -> None:  # noqa: F811
     options = {"mode": "one-shot", "budget": 24} if "adakv" in policy else {}
     cfg = KVCacheConfig(policy=policy, cache_length=32 if not options else 96, chunk_size=8, options=options)
     _check_same("llama", pairs, cfg, [70, 50])
