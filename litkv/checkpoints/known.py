@@ -6,6 +6,8 @@ ships for it (`add_shipped_gates`). Getting the file and converting it: `litkv.c
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,16 +91,29 @@ def shipped_gates_file(name: str) -> Path:
 
 
 def add_shipped_gates(name: str, checkpoint_dir: Path) -> bool:
-    """Copy the eviction gates litkv ships for model `name` (`litkv/assets/gates/NAME.safetensors`, trained
-    by `scripts/learn_real_gates.py`) into `checkpoint_dir` as `eviction_gates.safetensors` when the
-    directory has none; True when copied. The gates record the fingerprint of the weights they were
-    trained for, and `load_model` refuses them for any other weights (a conversion in another dtype)."""
+    """Copy the eviction gates litkv ships for model `name` (`litkv/assets/gates/NAME.safetensors`, fitted
+    by `scripts/fit_kvzap.py`) into `checkpoint_dir` as `eviction_gates.safetensors` when the directory has
+    none, or holds a file litkv shipped before for that model (the manifest's `superseded` entries, matched
+    by the sha256 of the file's bytes: gates a user trained are never replaced); True when copied. The
+    gates record the fingerprint of the weights they were fitted for, and `load_model` refuses them for
+    any other weights (a conversion in another dtype)."""
     shipped = shipped_gates_file(name)
     target = checkpoint_dir / "eviction_gates.safetensors"
-    if not shipped.is_file() or target.exists():
+    if not shipped.is_file() or (target.exists() and not _superseded(name, target)):
         return False
     write_atomic(target, lambda tmp: shutil.copyfile(shipped, tmp))
     return True
+
+
+def _superseded(name: str, gates_file: Path) -> bool:
+    """Whether `gates_file` is byte for byte a gates file litkv shipped for `name` before the current one."""
+    try:
+        manifest = json.loads((shipped_gates_file(name).parent / "manifest.json").read_text(encoding="utf-8"))
+        entries = manifest.get("superseded", {}).get(f"{Path(SHIPPED_GATES).name}/{name}.safetensors", [])
+        old = {entry["file_sha256"] for entry in entries}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return False
+    return bool(old) and hashlib.sha256(gates_file.read_bytes()).hexdigest() in old
 
 
 def did_you_mean(given: str, known: Sequence[str]) -> str:

@@ -54,12 +54,16 @@ def gates_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
 
 
 def shipped_digests() -> set[str]:
-    """The digests of the gates files litkv ships (`MANIFEST`)."""
+    """The digests of the gates files litkv ships (`MANIFEST`), and of those it shipped before (`superseded`:
+    still trusted; `litkv.checkpoints.known.add_shipped_gates` replaces them in a known model's directory)."""
     try:
         data = json.loads(MANIFEST.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return set()
-    return set(data.get("digests", {}).values()) if isinstance(data, dict) else set()
+    if not isinstance(data, dict):
+        return set()
+    old = [entry["gates_digest"] for entries in data.get("superseded", {}).values() for entry in entries]
+    return set(data.get("digests", {}).values()) | set(old)
 
 
 def _authenticity_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str | None:
