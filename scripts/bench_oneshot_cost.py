@@ -72,7 +72,9 @@ def row_config(row: str, args: argparse.Namespace) -> KVCacheConfig:
 
 
 @torch.inference_mode()
-def run_row(model: GPT, row: str, ids: torch.Tensor, args: argparse.Namespace, repeat: RepeatPrompt) -> tuple[float, float]:
+def run_row(
+    model: GPT, row: str, ids: torch.Tensor, args: argparse.Namespace, repeat: RepeatPrompt
+) -> tuple[float, float]:
     """(prefill seconds including the compression, decode tokens/s) of one row on `ids` `(1, T)`."""
     config = row_config(row, args)
     pos = torch.arange(ids.shape[1])[None]
@@ -101,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {ckpt} has no eviction gates for the learned row", file=sys.stderr)
         return 2
     repeat = RepeatPrompt.build(load_tokenizer(ckpt), None)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(args.seed))
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=gen)
     rows = args.rows.split(",")
-    gates = model.eviction_gates
+    target = getattr(model.eviction_gates, "target", None)
     print(f"{ckpt.name}: prompt {args.prompt}, budget {args.budget}, {args.new} new tokens, chunks of "
-          f"{args.chunk_size}, one thread, {args.rounds} rounds; gates target {getattr(gates, 'target', None)!r}")  # fmt: skip
+          f"{args.chunk_size}, one thread, {args.rounds} rounds; gates target {target!r}")  # fmt: skip
     results: dict[str, list[tuple[float, float]]] = {row: [] for row in rows}
     for r in range(args.rounds):
         order = rows[r % len(rows) :] + rows[: r % len(rows)]
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         line = ", ".join(f"{row} {results[row][-1][0]:.2f} s / {results[row][-1][1]:.2f} tok/s" for row in rows)
         print(f"round {r + 1} ({order[0]} first): {line}", flush=True)
     ref = "last-recent" if "last-recent" in rows else "dense"
-    print(f"\n| row | prefill s (median) | prefill / dense (median of rounds) | decode tok/s (median) | decode / {ref} |")
+    print(f"\n| row | prefill s (median) | prefill / dense | decode tok/s (median) | decode / {ref} |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
         pre = statistics.median(p for p, _ in results[row])

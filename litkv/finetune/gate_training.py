@@ -43,6 +43,7 @@ __all__ = [
     "StepLog",
     "adapters_off",
     "batch_indices",
+    "start_from",
     "step_noise",
     "token_weights",
     "train_gates",
@@ -52,6 +53,8 @@ METHODS = ("distill", "regress", "lstsq")
 #: What `regress`/`lstsq` fit the gate logits to: log far attention mass, or log KVzip+ scores (KVzap).
 TARGETS = ("attention", "kvzip")
 ENGINES = ("chunked", "whole")
+#: Where `distill` starts (`GateTrainArgs.init`).
+INITS = ("bias", "checkpoint")
 IGNORE_INDEX = -100
 
 
@@ -85,6 +88,10 @@ class GateTrainArgs:
         target: what `lstsq` fits the logits to: `attention` (log of the largest far attention weight) or
             `kvzip` (log KVzip+ score of a context-reconstruction pass, KVzap's target;
             `litkv.finetune.kvzip_target`).
+        init: where `distill` starts: `bias` (zero weights and `init_bias`) or `checkpoint` (the checkpoint's
+            own gates, every bias shifted by one constant so that a `target_keep` share of the first batch's
+            evictable logits is above 0, `start_from`; the output keeps their `target`: gates of one scale
+            stay on one, trained under one threshold). With `lora`, the retrofit DMS describes, from a fit.
     """
 
     method: str = "distill"
@@ -106,6 +113,7 @@ class GateTrainArgs:
     lora: bool = False
     lora_lr: float = 1e-3
     target: str = "attention"
+    init: str = "bias"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -115,6 +123,12 @@ class GateTrainArgs:
         if self.target == "kvzip" and self.method != "lstsq":
             raise ValueError(
                 f"target 'kvzip' (log KVzip+ scores) is fitted by method 'lstsq' only, got method {self.method!r}"
+            )
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {list(INITS)}, got {self.init!r}")
+        if self.init == "checkpoint" and self.method != "distill":
+            raise ValueError(
+                f"init 'checkpoint' continues the checkpoint's gates by method 'distill', got {self.method!r}"
             )
         if not isinstance(self.lora, bool):
             raise ValueError(f"lora must be true or false, got {self.lora!r}")
@@ -206,6 +220,7 @@ def train_gates(
     kv_cache: KVCacheConfig | None = None,
     resume: GateTrainState | None = None,
     checkpoint: Callable[[GateTrainState], str] | None = None,
+    initial: EvictionGates | None = None,
 ) -> tuple[EvictionGates, list[StepLog]]:
     """Train gates for `model` (a `litkv.GPT`, frozen) on `examples` `(ids (T,), targets (T,))`.
 
@@ -218,6 +233,7 @@ def train_gates(
         resume: continue a run from this state (bitwise: data order and noise are functions of the step;
             its adapters are loaded into the model).
         checkpoint: called every `args.checkpoint_interval` steps with the state; returns where it went.
+        initial: the gates `args.init == "checkpoint"` starts from (shifted by `start_from` on step 0's batch).
 
     Returns:
         The trained gates (on the model's device) and one `StepLog` per step.
@@ -226,7 +242,12 @@ def train_gates(
         raise ValueError("train_gates needs at least one example")
     c = model.config
     device = next(model.parameters()).device
-    if resume is None:
+    if resume is None and args.init == "checkpoint":
+        if initial is None:
+            raise ValueError("init 'checkpoint' needs the gates to start from (the checkpoint has none)")
+        first = torch.stack([examples[i][0] for i in batch_indices(len(examples), args.batch_size, args.seed, 0)])
+        gates = start_from(model, initial, first.to(device), args)
+    elif resume is None:
         gates = EvictionGates.create(c.n_layer, c.n_query_groups, c.head_size, args.window, args.sinks, args.init_bias)
     else:
         gates = resume.gates
@@ -319,7 +340,24 @@ def _teacher(model: nn.Module, lora: bool) -> Callable[[], AbstractContextManage
 
 
 def _detached(gates: EvictionGates) -> EvictionGates:
-    return EvictionGates(gates.weight.detach().clone(), gates.bias.detach().clone(), gates.window, gates.sinks)
+    w, b = gates.weight.detach().clone(), gates.bias.detach().clone()
+    return EvictionGates(w, b, gates.window, gates.sinks, gates.weights, gates.target)
+
+
+@torch.no_grad()
+def start_from(model: nn.Module, gates: EvictionGates, ids: torch.Tensor, args: GateTrainArgs) -> EvictionGates:
+    """`gates` (fitted ones, e.g. the checkpoint's) as the start of a `distill` run: the same weights, every
+    bias lowered by one constant `c`, the `1 - target_keep` quantile of their logits over the evictable
+    tokens of `ids` `(B, T)` (every layer and KV head pooled), so that a `target_keep` share of them is
+    above 0, the soft decision's threshold. One shift for all: the heads' relative scale is kept. The
+    window and sinks are the run's (`args`); the target is the gates'."""
+    mask = evictable(ids.shape[1], args.window, args.sinks, ids.device)
+    logits = [gates.logits(layer, keys)[:, :, mask] for layer, (keys, _) in enumerate(attention_mass(model, ids, 1))]
+    pooled = torch.cat([x.reshape(-1) for x in logits]).double()
+    k = min(max(1, round((1.0 - args.target_keep) * pooled.numel())), pooled.numel())
+    c = float(pooled.kthvalue(k).values)
+    weight, bias = gates.weight.detach().clone().float(), (gates.bias.detach().clone() - c).float()
+    return EvictionGates(weight, bias, args.window, args.sinks, None, gates.target)
 
 
 def _step_loss(

@@ -55,7 +55,7 @@ LOG_FILE = "learn_eviction.csv"
 OPTIMIZER_FILE = "gate_optimizer.safetensors"
 #: The step and the settings that must not change on resume.
 STATE_FILE = "learn_state.json"
-_FIXED = ("method", "engine", "batch_size", "seed", "window", "sinks", "init_bias", "lora")
+_FIXED = ("method", "engine", "batch_size", "seed", "window", "sinks", "init_bias", "lora", "init")
 
 
 def learn_eviction(
@@ -80,7 +80,13 @@ def learn_eviction(
     if Path(out_dir).is_dir():
         remove_stale_temp_files(out_dir)  # left by a run killed while writing a checkpoint
     model = load_model(checkpoint_dir, device=device)
-    model.eviction_gates = None  # gates the base may ship are not the ones trained here
+    initial = model.eviction_gates if learn.init == "checkpoint" else None
+    if learn.init == "checkpoint" and initial is None:
+        raise ValueError(
+            f"--learn.init checkpoint starts from the checkpoint's eviction gates, and {str(checkpoint_dir)!r} has "
+            f"none ({GATES_FILE}); fit some first (--learn.method lstsq --learn.target kvzip) or use --learn.init bias"
+        )
+    model.eviction_gates = None  # the student's gates are the ones trained here
     base_id = model_fingerprint(model)["weights"]
     tokenizer = load_tokenizer(checkpoint_dir)
     examples = load_examples(data, tokenizer, seed=learn.seed, checkpoint_dir=checkpoint_dir)
@@ -113,7 +119,7 @@ def learn_eviction(
             repeat = RepeatPrompt.build(tokenizer, None) if learn.target == "kvzip" else None  # plain text
             gates, logs = fit_gates_lstsq(model, train, learn, progress, repeat)
         else:
-            gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint)
+            gates, logs = train_gates(model, train, learn, progress, kv_cache, state, checkpoint, initial)
     finally:
         bar.close()
     weights = _weights(model, base_id, gates)
