@@ -156,6 +156,13 @@ def test_kvzip_one_shot_ragged(gated, options: dict) -> None:
     _check_same("llama", _pairs(gated, "per-head"), cfg, RAGGED, repeat=REPEAT)
 
 
+def test_kvzip_gemma3_ragged(gated) -> None:
+    """Gemma-3: a sliding layer (window 8) and a global one, q/k norms, each layer's RoPE."""
+    hf, model, _ = gated["gemma3"]
+    cfg = KVCacheConfig(policy="kvzip", cache_length=96, chunk_size=8, options={"budget": 24, "chunk_size": 16})
+    _check_same("gemma3", {"gemma3": (hf, model)}, cfg, RAGGED, repeat=REPEAT)
+
+
 def test_kvzip_compress_once_ask_with_generate(gated) -> None:
     """A context prefilled, compressed by KVzip, snapshotted; each question restored onto it and answered by
     `generate`: the greedy tokens of litkv's GPT on the same compressed context."""
