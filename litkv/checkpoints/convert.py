@@ -47,7 +47,14 @@ from litkv.modeling.hf_qwen35 import QWEN35_MODEL_TYPES, QWEN35_MOE_TYPES, qwen3
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import WeightQuant
 
-__all__ = ["HF_ARCHITECTURES", "TOKENIZER_FILES", "config_from_hf", "convert_hf_checkpoint", "quantize_checkpoint"]
+__all__ = [
+    "HF_ARCHITECTURES",
+    "TOKENIZER_FILES",
+    "config_from_hf",
+    "convert_hf_checkpoint",
+    "quantize_checkpoint",
+    "weight_copier",
+]
 
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 TOKENIZER_FILES = (
@@ -180,6 +187,22 @@ def _copy_fn(config: Config, name: str):
     if config.mlp_class_name in ("LLaMAMLP", "GemmaMLP", "LLaMAMoE"):
         return partial(lit_convert.copy_weights_hf_llama, config, {})
     return partial(lit_convert.copy_weights_gpt_neox, config)
+
+
+# a Hugging Face model_type -> the name that picks its litgpt weight copy function (`_copy_fn`)
+_FAMILY_OF_TYPE = {
+    "qwen2": "qwen2.5",
+    "qwen3": "qwen3",
+    "gemma2": "gemma-2",
+    "gemma3": "gemma-3",
+    "gemma3_text": "gemma-3",
+}
+
+
+def weight_copier(config: Config, model_type: str) -> Callable[..., None]:
+    """litgpt's weight copy function for a Hugging Face model of `model_type` into a GPT of `config`, called as
+    `copy(state_dict, hf_weights, saver=None, dtype=dtype)` (what `convert_hf_checkpoint` runs on each file)."""
+    return _copy_fn(config, _FAMILY_OF_TYPE.get(model_type, model_type))
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:

@@ -16,5 +16,6 @@ from litkv.hf.compat import FAMILIES, TRANSFORMERS_RANGE, check_transformers_ver
 check_transformers_version(transformers.__version__)
 
 from litkv.hf.cache import Cache, CacheLayer  # noqa: E402
+from litkv.hf.kvzip import kvzip_compress, repeat_prompt  # noqa: E402
 
-__all__ = ["FAMILIES", "TRANSFORMERS_RANGE", "Cache", "CacheLayer"]
+__all__ = ["FAMILIES", "TRANSFORMERS_RANGE", "Cache", "CacheLayer", "kvzip_compress", "repeat_prompt"]

@@ -14,19 +14,23 @@ so positions stay right after eviction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import CacheLayerMixin
 
+from litkv.gates.gate import EvictionGates
 from litkv.hf.attention import ATTN_IMPLEMENTATION, note_mask_sizes, note_update, register
 from litkv.hf.compat import check_model_type
 from litkv.hf.state import check_configs, restore_caches, snapshot_caches
 from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.kvcache.kvzip import KVzipKVCache
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend
 from litkv.modeling.runner import Schedule, schedule
@@ -116,9 +120,17 @@ class Cache(HFCache):
     Args:
         model: a transformers causal LM of a supported family (`litkv.hf.compat.FAMILIES`).
         kv_cache: one `KVCacheConfig` for every layer, or one per layer (they must chunk alike).
+        gates: for `learned`: the litkv checkpoint directory its eviction gates were fitted in (a path, or a
+            known model's name), refused unless `model`'s weights are the ones they were fitted for
+            (`litkv.hf.gates.hf_gates`).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheConfig | Sequence[KVCacheConfig]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCacheConfig | Sequence[KVCacheConfig],
+        gates: str | Path | None = None,
+    ) -> None:
         config = getattr(model, "config", None)
         if config is None:
             raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
@@ -126,7 +138,12 @@ class Cache(HFCache):
         check_model_type(getattr(config, "model_type", None))
         n_layer = int(text.num_hidden_layers)
         configs = [kv_cache] * n_layer if isinstance(kv_cache, KVCacheConfig) else list(kv_cache)
-        check_configs(configs, n_layer)
+        check_configs(configs, n_layer, gates is not None)
+        self.gates: EvictionGates | None = None
+        if gates is not None:
+            from litkv.hf.gates import hf_gates
+
+            self.gates = hf_gates(model, gates)
         super().__init__(layers=[CacheLayer(self, i) for i in range(n_layer)])
         self.configs = configs
         self.plan = ChunkPlan.of(configs)
@@ -136,6 +153,7 @@ class Cache(HFCache):
         self._prompt_open = False  # a prompt went in since the last end_prefill (one-shot policies compress then)
         # the call's positions `(B, T)`, its chunks (`None`: one call), whether its evictions wait for the last layer
         self._call: tuple[torch.Tensor, Schedule | None, bool] | None = None
+        self._replay: torch.Tensor | None = None  # `whole_calls`: the caches' `last_pos` every call starts from
         register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
@@ -154,6 +172,8 @@ class Cache(HFCache):
 
                 table, n_elem = rope_table(self._model, i, device)
                 cache.bind_rope(table, n_elem)
+            if cache.needs_gates:  # `learned`: the gates checked against the model's weights (`__init__`)
+                cache.bind_gates(self.gates, i)
             layers.append(cache)
         self.caches = KVCaches(layers)
         for layer in self.layers:
@@ -195,16 +215,40 @@ class Cache(HFCache):
 
     def end_prefill(self) -> None:
         """The prompt is in: one-shot policies compress it to their budget. `generate` gets this before its first
-        decode step without being asked; a plain forward loop calls it between prompt and decoding."""
+        decode step without being asked; a plain forward loop calls it between prompt and decoding. A `kvzip`
+        cache compresses with its reconstruction pass only (`litkv.hf.kvzip_compress`, before this)."""
         if self.caches is not None:
+            if any(isinstance(c, KVzipKVCache) and not c.compressed for c in self.caches.policy_caches):
+                raise ValueError(
+                    "kvzip compresses the prompt by its reconstruction pass: call litkv.hf.kvzip_compress(model, "
+                    "cache, input_ids, attention_mask, repeat) after the prefill, before decoding"
+                )
             self.caches.end_prefill()
         self._prompt_open = False
+
+    @contextmanager
+    def whole_calls(self) -> Iterator[None]:
+        """While open, every call reaches the layers' caches as one call (never cut into chunks) and leaves the
+        caches' positions (`last_pos`) and the columns seen as they were: KVzip's reconstruction calls, which
+        attend the cache and store nothing (`litkv.hf.kvzip_compress`)."""
+        caches = self.caches
+        if caches is None or caches.last_pos is None:
+            raise ValueError("litkv.hf.Cache.whole_calls: run a prompt through the cache first")
+        saved, seen, prompt_open = caches.last_pos.clone(), self.seen, self._prompt_open
+        self._replay = saved
+        try:
+            yield
+        finally:
+            self._replay = None
+            self._call = None
+            caches.last_pos = saved
+            self.seen, self._prompt_open = seen, prompt_open
 
     def snapshot(self, device: torch.device | str | None = None) -> CacheState:
         """The caches' state as a `litkv.CacheState` (a copy: restore it for each question, save it to a file)."""
         if self.caches is None:
             raise ValueError("litkv.hf.Cache has nothing to snapshot: run a prompt through it first")
-        return snapshot_caches(self.caches, self._model, device)
+        return snapshot_caches(self.caches, self._model, device, self.gates)
 
     def restore(self, state: CacheState) -> None:
         """Set the caches to `state` (bitwise; taken from this model with these configs). The columns seen become
@@ -216,7 +260,7 @@ class Cache(HFCache):
                                device=self._model.device)  # fmt: skip
             values = keys.new_empty(*keys.shape[:3], shape.value_size)
             self.build(keys, values)
-        restore_caches(self.caches, self._model, state)  # type: ignore[arg-type]
+        restore_caches(self.caches, self._model, state, self.gates)  # type: ignore[arg-type]
         last = self.caches.last_pos  # type: ignore[union-attr]
         self.seen = 0 if last is None else int(last.max()) + 1
         self._prompt_open = False
@@ -269,6 +313,12 @@ class Cache(HFCache):
             start = torch.zeros(b, dtype=torch.long, device=device) if caches.last_pos is None else caches.last_pos + 1
             position_ids = start[:, None] + valid.long().cumsum(dim=1) - 1
         input_pos = torch.where(valid, position_ids.to(device).long().expand(b, t), -1)
+        if self._replay is not None:  # `whole_calls`
+            caches.last_pos = self._replay.clone()
+            later = caches.begin_call(t)
+            caches.observe(input_pos, check=True)
+            self._call = (input_pos, None, later)
+            return
         if t == 1 and self._prompt_open and self.seen > 0:
             self.end_prefill()
         later = caches.begin_call(t)

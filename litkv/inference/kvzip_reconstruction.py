@@ -14,7 +14,7 @@ raises. Chat and serve refuse `kvzip` (docs/kvzip.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +26,7 @@ from litkv.inference.chat_template import ChatTemplate
 from litkv.kvcache.kvzip import KVzipKVCache, Scoring, compress_kvzip
 from litkv.modeling.model import GPT
 
-__all__ = ["FIRST_PROMPT", "LATER_PROMPT", "RepeatPrompt", "kvzip_compress", "kvzip_score"]
+__all__ = ["FIRST_PROMPT", "LATER_PROMPT", "RepeatPrompt", "kvzip_compress", "kvzip_score", "reconstruct"]
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -115,17 +115,45 @@ def kvzip_score(model: GPT, prompts: Sequence[torch.Tensor], repeat: RepeatPromp
         prefix_length: leading tokens of each prompt that are not repeated (a chat template's prefix).
     """
     caches = _kvzip_caches(model)
+    saved = model.caches.last_pos.clone()
+    plus = caches[0].options.kvzip_plus
+
+    def run(idx: torch.Tensor, pos: torch.Tensor, scorings: list[Scoring]) -> None:
+        if plus:
+            with _hidden_hooks(model, scorings):
+                model(idx, pos, lm_head=False)
+        else:
+            model(idx, pos, lm_head=False)
+        model.caches.last_pos = saved.clone()
+
+    try:
+        reconstruct(caches, prompts, repeat, prefix_length, [b.attn.proj.weight for b in model.transformer.h], run)
+    finally:
+        model.caches.last_pos = saved
+
+
+def reconstruct(
+    caches: Sequence[KVzipKVCache],
+    prompts: Sequence[torch.Tensor],
+    repeat: RepeatPrompt,
+    prefix_length: int,
+    proj_weights: Sequence[torch.Tensor],
+    run: Callable[[torch.Tensor, torch.Tensor, list[Scoring]], None],
+) -> None:
+    """The reconstruction pass over `caches` (one `kvzip` cache per layer, holding `prompts`), whatever model
+    runs it: per chunk of `chunk_size` tokens of each row, the layers' `Scoring` set and `run(idx, pos, scorings)`
+    called with the call's left-padded ids and positions `(B, T)` (`-1` at pads; row `r` at `n_r, ...`); `run`
+    runs the model (sets each `Scoring.hidden` for KVzip+) and leaves the caches' positions as they were.
+    `proj_weights`: each layer's output projection `(n_embd, n_head x D)` (read for KVzip+ only)."""
     rows = [p.tolist() for p in prompts]
-    if len(rows) != model.caches.batch_size:
-        raise ValueError(f"kvzip: {len(rows)} prompts for caches of batch size {model.caches.batch_size}")
+    if len(rows) != caches[0].shape.batch_size:
+        raise ValueError(f"kvzip: {len(rows)} prompts for caches of batch size {caches[0].shape.batch_size}")
     options = caches[0].options
     size = options.chunk_size
     starts = [list(range(min(prefix_length, len(r)), len(r), size)) for r in rows]
     device = caches[0].positions.device
-    saved = model.caches.last_pos.clone()
     for cache in caches:
         cache.start_scores()
-    scorings: list[Scoring] = []
     try:
         for i in range(max(len(s) for s in starts)):
             calls, bounds = [], []
@@ -142,22 +170,13 @@ def kvzip_score(model: GPT, prompts: Sequence[torch.Tensor], repeat: RepeatPromp
             start_t = torch.tensor([b[0] for b in bounds], device=device)
             end_t = torch.tensor([b[1] for b in bounds], device=device)
             sink_t = start_t.clamp(max=options.n_sink)
-            scorings = [
-                Scoring(start_t, end_t, sink_t, block.attn.proj.weight if options.kvzip_plus else None)
-                for block in model.transformer.h
-            ]
+            scorings = [Scoring(start_t, end_t, sink_t, w if options.kvzip_plus else None) for w in proj_weights]
             for cache, scoring in zip(caches, scorings, strict=True):
                 cache.begin_scoring(scoring)
-            if options.kvzip_plus:
-                with _hidden_hooks(model, scorings):
-                    model(idx, pos, lm_head=False)
-            else:
-                model(idx, pos, lm_head=False)
-            model.caches.last_pos = saved.clone()
+            run(idx, pos, scorings)
     finally:
         for cache in caches:
             cache.begin_scoring(None)
-        model.caches.last_pos = saved
 
 
 def _pad_calls(calls: list[list[int]], lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

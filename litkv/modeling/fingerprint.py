@@ -11,14 +11,16 @@ import dataclasses
 import hashlib
 import json
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from litkv.gates.gate import EvictionGates
     from litkv.modeling.model import GPT
 
-__all__ = ["model_fingerprint"]
+__all__ = ["gates_fingerprint", "model_fingerprint", "weights_fingerprint"]
 
 _WEIGHT_HASHES: weakref.WeakKeyDictionary[GPT, tuple[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
 _K = 1024  # a parameter's digest works on rows of this many elements
@@ -62,20 +64,37 @@ def model_fingerprint(model: GPT) -> dict[str, str]:
     versions = tuple(-1 if p.is_inference() else p._version for _, p in params) + tuple(p.data_ptr() for _, p in params)
     cached = _WEIGHT_HASHES.get(model)
     if cached is None or cached[0] != versions or -1 in versions:
-        h = hashlib.sha256()
-        with torch.no_grad():
-            digests = torch.stack([_parameter_digest(p).cpu() for _, p in params]) if params else torch.zeros(0)
-        for (name, p), digest in zip(params, digests.tolist(), strict=True):
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{digest};".encode())
-        cached = (versions, h.hexdigest())
+        cached = (versions, weights_fingerprint(params))
         _WEIGHT_HASHES[model] = cached
     out = {"model_config": config_hash, "weights": cached[1]}
     gates = model.eviction_gates  # the `learned` policy's scores depend on them
     if gates is not None:
-        h = hashlib.sha256(f"{tuple(gates.weight.shape)}:{gates.window}:{gates.sinks};".encode())
-        if getattr(gates, "target", None) is not None:  # one-scale gates rank across layers by default
-            h.update(f"target:{gates.target};".encode())
-        for tensor in (gates.weight, gates.bias):
-            h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        out["eviction_gates"] = h.hexdigest()
+        out["eviction_gates"] = gates_fingerprint(gates)
     return out
+
+
+def weights_fingerprint(params: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> str:
+    """sha256 of each `(name, tensor)`'s name, shape, dtype and `_parameter_digest`, in order: the `"weights"` of
+    `model_fingerprint` for a model's `named_parameters()`. `dtype`: each tensor cast to it first, one at a time
+    (`litkv.hf` digests a transformers model's weights as a checkpoint stores them)."""
+    h = hashlib.sha256()
+    digests, dtypes = [], []
+    with torch.no_grad():
+        for _, p in params:
+            p = p if dtype is None else p.to(dtype)
+            digests.append(_parameter_digest(p).cpu())
+            dtypes.append(p.dtype)
+    values = torch.stack(digests).tolist() if digests else []
+    for (name, p), kind, digest in zip(params, dtypes, values, strict=True):
+        h.update(f"{name}:{tuple(p.shape)}:{kind}:{digest};".encode())
+    return h.hexdigest()
+
+
+def gates_fingerprint(gates: EvictionGates) -> str:
+    """sha256 of eviction gates' tensors, window, sinks and target: the `"eviction_gates"` of `model_fingerprint`."""
+    h = hashlib.sha256(f"{tuple(gates.weight.shape)}:{gates.window}:{gates.sinks};".encode())
+    if getattr(gates, "target", None) is not None:  # one-scale gates rank across layers by default
+        h.update(f"target:{gates.target};".encode())
+    for tensor in (gates.weight, gates.bias):
+        h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -1,6 +1,7 @@
 """litkv.hf.Cache beyond parity: memory (slots, not tokens), plain forward loops, compress once and ask many
 through litkv's state API, a user's own policy, the attention function's fallback for other caches, and the
-one-line refusals (model types, hybrids, `learned`, one-shot `kvzip`, transformers versions)."""
+one-line refusals (model types, hybrids, `learned` without gates, `kvzip` without its reconstruction pass,
+transformers versions)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hf_pairs import hf_and_litkv
 from test_parity import _check_same, _config, pairs  # noqa: F401  (the module fixture)
 
 from litkv import GPT, KVCacheConfig, register_kv_cache, restore, snapshot
+from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.kvcache import registry
 from litkv.kvcache.candidates import Candidates
 from litkv.kvcache.config import ChunkPlan
@@ -173,10 +175,17 @@ def test_refusals_are_one_line(pair) -> None:
     hf, _ = pair
     with pytest.raises(ValueError) as err:
         hf_mod.Cache(hf, KVCacheConfig(policy="learned", cache_length=16))
-    assert "learned" in _one_line(err)
+    assert "learned" in _one_line(err) and "gates=" in str(err.value)
+    cache = hf_mod.Cache(hf, KVCacheConfig(policy="kvzip", cache_length=16, options={"budget": 8}))
+    with torch.no_grad():
+        hf(input_ids=torch.randint(3, 300, (1, 12)), past_key_values=cache)
     with pytest.raises(ValueError) as err:
-        hf_mod.Cache(hf, KVCacheConfig(policy="kvzip", cache_length=16, options={"mode": "one-shot", "budget": 8}))
-    assert "kvzip" in _one_line(err)
+        cache.end_prefill()  # kvzip compresses by its reconstruction pass only
+    assert "kvzip_compress" in _one_line(err)
+    h2o = hf_mod.Cache(hf, KVCacheConfig(policy="h2o", cache_length=16))
+    with pytest.raises(ValueError) as err:
+        hf_mod.kvzip_compress(hf, h2o, torch.ones(1, 4), None, RepeatPrompt((5,), (6,), (7,)))
+    assert "holds nothing" in _one_line(err)
     for hybrid in ("bamba", "qwen3_5", "qwen3_next"):
         with pytest.raises(ValueError) as err:
             check_model_type(hybrid)

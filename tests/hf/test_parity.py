@@ -5,11 +5,14 @@ policy x storage x three chunkings on Llama, the main policies on every family."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hf_pairs import FAMILY_NAMES, hf_and_litkv
 
 from litkv import GPT, KVCacheConfig
+from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_compress
 from litkv.kvcache.config import ChunkPlan
 from litkv.modeling.runner import run_chunks
 
@@ -17,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 hf_mod = pytest.importorskip("litkv.hf")
 
 RTOL = 1e-5
-# kvzip is one-shot only (its reconstruction pass drives litkv's GPT): refused by the adapter (test_cache.py)
+# learned (gates bound to a checkpoint's weights) and kvzip (its reconstruction pass): tests/hf/test_gates_kvzip.py
 POLICIES = ["dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention"]
 ONE_SHOT = ["h2o", "snapkv", "expected-attention", "litkv.kvcache.adakv:AdaKVExpectedAttention"]
 STORAGES = ["float", "int8", "int4"]
@@ -41,11 +44,21 @@ def _config(policy: str, storage: str, chunk: tuple[int, int | None], one_shot: 
                          storage=storage, options=options)  # fmt: skip
 
 
-def _litkv_run(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor, steps: torch.Tensor, cfg: KVCacheConfig):
-    """litkv's GPT: the chunked prompt, then one-token steps; logits and every layer's positions after each."""
+def _litkv_run(
+    model: GPT,
+    idx: torch.Tensor,
+    input_pos: torch.Tensor,
+    steps: torch.Tensor,
+    cfg: KVCacheConfig,
+    repeat: RepeatPrompt | None = None,
+):
+    """litkv's GPT: the chunked prompt (`repeat`: then kvzip's reconstruction pass and compression), then one-token
+    steps; logits and every layer's positions after each."""
     logits, slots = [], []
     with model.kv_caches_attached(cfg, idx.shape[0]) as caches:
         logits.append(run_chunks(model, idx, input_pos, ChunkPlan.of(cfg)))
+        if repeat is not None:
+            kvzip_compress(model, [ids[pos >= 0] for ids, pos in zip(idx, input_pos, strict=True)], repeat)
         slots.append([c.positions.clone() for c in caches.policy_caches])
         caches.end_prefill()
         nxt = input_pos.amax(dim=1) + 1
@@ -55,11 +68,22 @@ def _litkv_run(model: GPT, idx: torch.Tensor, input_pos: torch.Tensor, steps: to
     return logits, slots
 
 
-def _hf_run(hf: torch.nn.Module, idx: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor, cfg: KVCacheConfig):
-    """The same through transformers with litkv.hf.Cache (positions from the padding mask, as generate's)."""
-    cache = hf_mod.Cache(hf, cfg)
+def _hf_run(
+    hf: torch.nn.Module,
+    idx: torch.Tensor,
+    mask: torch.Tensor,
+    steps: torch.Tensor,
+    cfg: KVCacheConfig,
+    gates: Path | None = None,
+    repeat: RepeatPrompt | None = None,
+):
+    """The same through transformers with litkv.hf.Cache (positions from the padding mask, as generate's; `gates`:
+    the checkpoint directory of `learned`'s gates; `repeat`: `litkv.hf.kvzip_compress` after the prompt)."""
+    cache = hf_mod.Cache(hf, cfg, gates=gates)
     position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = [hf(input_ids=idx, attention_mask=mask, position_ids=position_ids, past_key_values=cache).logits]
+    if repeat is not None:
+        hf_mod.kvzip_compress(hf, cache, idx, mask, repeat)
     slots = [[c.positions.clone() for c in cache.kv_caches]]
     nxt = mask.sum(dim=1)
     for j in range(steps.shape[1]):
@@ -71,7 +95,17 @@ def _hf_run(hf: torch.nn.Module, idx: torch.Tensor, mask: torch.Tensor, steps: t
     return logits, slots, cache
 
 
-def _check_same(family: str, pairs, cfg: KVCacheConfig, lengths: list[int], n_steps: int = 6) -> None:
+def _check_same(
+    family: str,
+    pairs,
+    cfg: KVCacheConfig,
+    lengths: list[int],
+    n_steps: int = 6,
+    gates: Path | None = None,
+    repeat: RepeatPrompt | None = None,
+) -> None:
+    """Same logits and slots through both (`gates`: `learned`'s checkpoint directory, the GPT of `pairs` holding
+    those gates; `repeat`: kvzip's reconstruction prompt)."""
     hf, model = pairs[family]
     gen = torch.Generator().manual_seed(sum(lengths))
     width = max(lengths)
@@ -82,9 +116,10 @@ def _check_same(family: str, pairs, cfg: KVCacheConfig, lengths: list[int], n_st
     idx = idx * mask
     input_pos = torch.where(mask.bool(), mask.cumsum(dim=1) - 1, -1)
     steps = torch.randint(3, 300, (len(lengths), n_steps), generator=gen)
-    with torch.no_grad():
-        ref_logits, ref_slots = _litkv_run(model, idx, input_pos, steps, cfg)
-        logits, slots, _ = _hf_run(hf, idx, mask, steps, cfg)
+    # litkv's kvzip_score runs under inference mode: its scores are inference tensors, written in place afterwards
+    with torch.inference_mode() if repeat is not None else torch.no_grad():
+        ref_logits, ref_slots = _litkv_run(model, idx, input_pos, steps, cfg, repeat)
+        logits, slots, _ = _hf_run(hf, idx, mask, steps, cfg, gates, repeat)
     valid = mask.bool()
     for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
         a, b = (a[valid], b[valid]) if step == 0 else (a, b)
