@@ -104,9 +104,10 @@ def _hidden_hooks(model: GPT, scorings: list[Scoring]) -> Iterator[None]:
             handle.remove()
 
 
-@torch.inference_mode()
 def kvzip_score(model: GPT, prompts: Sequence[torch.Tensor], repeat: RepeatPrompt, prefix_length: int = 0) -> None:
     """Score every cached pair by context reconstruction (`KVzipKVCache.kvzip_scores`); nothing is evicted.
+    Runs without autograd, in inference mode when the caches were filled in it (their tensors are inference
+    tensors), else under `no_grad`: the scores are tensors the caller's mode can update in place.
 
     Args:
         model: the GPT with `kvzip` caches attached, holding `prompts` (prefilled at positions `0..n-1`).
@@ -115,6 +116,13 @@ def kvzip_score(model: GPT, prompts: Sequence[torch.Tensor], repeat: RepeatPromp
         prefix_length: leading tokens of each prompt that are not repeated (a chat template's prefix).
     """
     caches = _kvzip_caches(model)
+    with torch.inference_mode() if caches[0].positions.is_inference() else torch.no_grad():
+        _score(model, caches, prompts, repeat, prefix_length)
+
+
+def _score(
+    model: GPT, caches: list[KVzipKVCache], prompts: Sequence[torch.Tensor], repeat: RepeatPrompt, prefix_length: int
+) -> None:
     saved = model.caches.last_pos.clone()
     plus = caches[0].options.kvzip_plus
 

@@ -180,3 +180,23 @@ def test_continuous_mode_is_refused_and_one_shot_is_the_default() -> None:
     assert options.mode == "one-shot" and options.budget is None  # the cache keeps cache_length
     with pytest.raises(ValueError, match="budget must be <= cache_length"):
         KVCacheConfig("kvzip", cache_length=8, options={"budget": 9})
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_compress_and_decode_outside_inference_mode(tiny_model, mode: str) -> None:
+    """`kvzip_compress` and the decode after it work whether the caller runs under `torch.no_grad()` or
+    `torch.inference_mode()`, with the same kept pairs and logits (the reconstruction's scores live in the
+    caches, so they must be tensors the caller's mode can write in place)."""
+    prompts = _prompts()
+    cfg = _config(True, budget=5)
+    results = []
+    for context in (torch.inference_mode, torch.no_grad if mode == "no_grad" else torch.inference_mode):
+        model = tiny_model(7, torch.float64)
+        with context(), model.kv_caches_attached(cfg, len(prompts)):
+            _prefill(model, prompts, cfg)
+            kvzip_compress(model, prompts, REPEAT, prefix_length=PREFIX)
+            n = max(LENGTHS)
+            logits = model(torch.tensor([[17], [18]]), torch.tensor([[n], [n]]))
+            results.append(([_kept(model, r) for r in range(len(prompts))], logits.clone()))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
