@@ -7,8 +7,9 @@ model's `heldout.txt`: the first half (the context) is prefilled in chunks of `-
 scale: `budget x G x n_layer` over all layers; `kvzip` after its context-reconstruction pass), or
 `budget x n_query_groups` per layer (AdaKV, `alpha_safeguard` 0.2); the second half is then teacher-forced
 without eviction. Reported over the second half's positions: mean KL(dense || policy) of the next-token
-distributions, top-1 agreement with dense, and the slots the heads use (min / max per head, as a multiple
-of the budget: AdaKV's padded layout, the spread of a budget across layers).
+distributions, top-1 agreement with dense (`--reference`: the dense run of another checkpoint, a retrofitted
+model's base), and the slots the heads use (min / max per head, as a multiple of the budget: AdaKV's padded
+layout, the spread of a budget across layers).
 
     PYTHONPATH=. python scripts/oneshot_kl.py --budgets 64 128 256          # the default model, AdaKV rows
     python scripts/oneshot_kl.py --checkpoint smollm2-135m-instruct --window 4096 --num_windows 1 \
@@ -76,6 +77,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num_windows", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory or known name (default model)")
+    parser.add_argument("--reference", default=None, help="KL to this checkpoint's dense run (a retrofit's base)")
     parser.add_argument("--chunk", type=int, default=64, help="prefill chunk (the context half is a multiple)")
     parser.add_argument(
         "--rows", default="expected-attention,expected-attention-adakv", help=f"comma-separated, among {list(ROWS)}"
@@ -104,7 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     windows = tokens[: args.window * args.num_windows].view(args.num_windows, 1, args.window)
     print("| policy | budget | KL (dense, policy) | top-1 | slots per head, min / max (x budget) |")
     print("|---|---:|---:|---:|---|")
-    dense_logp = [model(ids)[0, args.window // 2 :].log_softmax(-1) for ids in windows]
+    reference = model if args.reference is None else load_model(model_dir(args.reference), dtype=torch.float32)
+    dense_logp = [reference(ids)[0, args.window // 2 :].log_softmax(-1) for ids in windows]
+    if args.reference is not None:  # the policy-free row: the checkpoint's own dense run against the reference
+        for ids, dense in zip(windows, dense_logp, strict=True):
+            own = model(ids)[0, args.window // 2 :].log_softmax(-1)
+            kl = float((dense.exp() * (dense - own)).sum(-1).mean())
+            top1 = float((dense.argmax(-1) == own.argmax(-1)).float().mean())
+            print(f"| dense (this checkpoint) | {args.window} | {kl:.4f} | {top1:.3f} | - |", flush=True)
     for name in args.rows.split(","):
         for budget in args.budgets:
             kls, agree, counts = [], [], []
