@@ -88,7 +88,7 @@ def policy_layers(
             kvzip_score(model, [context], repeat, repeat.prefix_length)  # type: ignore[union-attr]
         state = snapshot(model)
         positions = [c.positions[0].clone() for c in model.caches]
-        scores = [c.oneshot_scores()[0].float().clone() for c in model.caches]
+        scores = [c.policy.oneshot_scores()[0].float().clone() for c in model.caches]
         if kvzip:  # compress_kvzip keeps the first n_sink positions whatever they score
             sink = model.caches[0].options.n_sink
             sinks = [(p >= 0) & (p < sink) for p in positions]

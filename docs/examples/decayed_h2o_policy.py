@@ -41,9 +41,9 @@ class DecayedH2OKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = DecayedH2OOptions
     needs = frozenset({"attn_weights"})  # the call's attention-weight sums (attention takes its eager path)
-    # per-slot state, declared: the base allocates `self.past` (B, G, L) float32 zeros; snapshots and undo carry it
+    # per-slot state, declared: the cache allocates `self.past` (B, G, L) float32 zeros; snapshots and undo carry it
     slot_state: ClassVar[Mapping[str, SlotState]] = {"past": SlotState(fill=0.0, dtype=torch.float32)}
-    past: torch.Tensor  # read it; the base writes what `update_state` returns
+    past: torch.Tensor  # read it; the cache writes what `update_state` returns
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)`: the slots' decayed past plus this call's weights (new tokens: no past)."""

@@ -75,7 +75,7 @@ def kvzip_records(
         for cache in caches:
             order = cache.positions.argsort(dim=2)  # (B, G, T): every token is held, slot -> position
             keys = cache.storage.read()[0].gather(2, order[..., None].expand(*order.shape, cache.shape.key_size))
-            scores = cache.kvzip_scores.gather(2, order)
+            scores = cache.policy.kvzip_scores.gather(2, order)
             pre = unrotate_keys(keys, cos, sin, model.config.rope_n_elem)
             records.append((pre.clone(), torch.log(scores.double().clamp_min(FLOOR))))
     return records

@@ -132,7 +132,7 @@ class SoftEviction:
 
         Args:
             q: `(B, H, T, hs)` the call's queries after RoPE; `q_pos` `(B, T)` their positions (no pads).
-            keys, values: `(B, G, S, hs)` what the cache returned (`KVCache.attend_inputs`): its slots, then
+            keys, values: `(B, G, S, hs)` what the cache returned (`SlotMachine.attend_inputs`): its slots, then
                 the call's own `T` tokens last (every cache path returns them so).
             k_pos: `(B, G, S)` the keys' positions, `-1` for empty slots.
             window: the layer's sliding window, or `None`.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from litkv.kvcache.base import KVCache
+from litkv.kvcache.machine import SlotMachine
 
 __all__ = ["LayerTape"]
 
@@ -40,7 +40,7 @@ class LayerTape:
         track_grads: as given.
     """
 
-    def __init__(self, cache: KVCache, seq_len: int, track_grads: bool) -> None:
+    def __init__(self, cache: SlotMachine, seq_len: int, track_grads: bool) -> None:
         s = cache.shape
         b, g, rows = s.batch_size, s.n_query_groups, seq_len + 1
         self.config = cache.config
@@ -61,7 +61,7 @@ class LayerTape:
 
     # -- forward: recording ---------------------------------------------------------------------
 
-    def record_chunk(self, cache: KVCache, before: torch.Tensor, start: int, end: int) -> None:
+    def record_chunk(self, cache: SlotMachine, before: torch.Tensor, start: int, end: int) -> None:
         """Record what the chunk `[start, end)` did to `cache`.
 
         Args:
@@ -88,7 +88,7 @@ class LayerTape:
         as the forward pass stored them (undefined where not stored)."""
         return self.keys[:, :, start:end], self.values[:, :, start:end], self.stored[:, :, start:end]
 
-    def finish(self, cache: KVCache) -> None:
+    def finish(self, cache: SlotMachine) -> None:
         """Record the positions after the last chunk; the backward walk starts from them."""
         self._positions = cache.positions.to(_HOST, torch.int64, copy=True)
         self._cursor = len(self._slots)

@@ -1,7 +1,7 @@
 """`litkv.hf.Cache`: litkv's layer caches as a transformers `Cache`, passed as `model.generate(...,
 past_key_values=cache)` or to a plain forward loop.
 
-Each attention layer gets the `KVCache` litkv's GPT would build from the same `KVCacheConfig` (`cache_length`
+Each attention layer gets the `SlotMachine` litkv's GPT would build from the same `KVCacheConfig` (`cache_length`
 slots per row and KV head, the policy, the storage). The layers' `update` only hand the new keys and values on;
 the registered attention function (`litkv.hf.attention`) gives the call to `Cache.attend`, which does what
 litkv's `CausalSelfAttention` does: `attend_inputs`, attention by layout (with the weight sums or queries the
@@ -27,10 +27,10 @@ from litkv.gates.gate import EvictionGates
 from litkv.hf.attention import ATTN_IMPLEMENTATION, note_mask_sizes, note_update, register
 from litkv.hf.compat import check_model_type
 from litkv.hf.state import check_configs, restore_caches, snapshot_caches
-from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import KVzipKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend
 from litkv.modeling.runner import Schedule, schedule
@@ -60,7 +60,7 @@ class CacheLayer(CacheLayerMixin):
         self.index = index
 
     @property
-    def kv_cache(self) -> KVCache | None:
+    def kv_cache(self) -> SlotMachine | None:
         """litkv's cache of this layer (`None` before the first call)."""
         caches = self.owner.caches
         return None if caches is None else caches[self.index]  # type: ignore[return-value]
@@ -163,17 +163,17 @@ class Cache(HFCache):
         """litkv's layer caches for the batch of the first call (`key_states` `(B, G, T, hs)`)."""
         b, g, _, hs = key_states.shape
         device, dtype = key_states.device, key_states.dtype
-        layers: list[KVCache] = []
+        layers: list[SlotMachine] = []
         for i, cfg in enumerate(self.configs):
             shape = CacheShape(b, g, cfg.cache_length, hs, value_states.shape[-1])
-            cache = cfg.policy_class(cfg, shape, device, dtype)
+            cache = cfg.make_cache(shape, device, dtype)
             if cache.needs_rope:
                 from litkv.hf.rope import rope_table
 
                 table, n_elem = rope_table(self._model, i, device)
-                cache.bind_rope(table, n_elem)
+                cache.policy.bind_rope(table, n_elem)
             if cache.needs_gates:  # `learned`: the gates checked against the model's weights (`__init__`)
-                cache.bind_gates(self.gates, i)
+                cache.policy.bind_gates(self.gates, i)
             layers.append(cache)
         self.caches = KVCaches(layers)
         for layer in self.layers:
@@ -205,7 +205,7 @@ class Cache(HFCache):
     # -- litkv's side ---------------------------------------------------------------------------
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def kv_caches(self) -> list[SlotMachine]:
         """litkv's layer caches (empty before the first call)."""
         return [] if self.caches is None else self.caches.policy_caches
 
@@ -218,7 +218,7 @@ class Cache(HFCache):
         decode step without being asked; a plain forward loop calls it between prompt and decoding. A `kvzip`
         cache compresses with its reconstruction pass only (`litkv.hf.kvzip_compress`, before this)."""
         if self.caches is not None:
-            if any(isinstance(c, KVzipKVCache) and not c.compressed for c in self.caches.policy_caches):
+            if any(isinstance(c.policy, KVzipKVCache) and not c.policy.compressed for c in self.caches.policy_caches):
                 raise ValueError(
                     "kvzip compresses the prompt by its reconstruction pass: call litkv.hf.kvzip_compress(model, "
                     "cache, input_ids, attention_mask, repeat) after the prefill, before decoding"
@@ -340,7 +340,7 @@ def _gather(x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_one(
-    cache: KVCache,
+    cache: SlotMachine,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -81,7 +81,7 @@ def kvzip_compress(
 
     with cache.whole_calls():
         reconstruct(caches, rows, repeat, prefix_length, [m.o_proj.weight for m in attn], run)
-    compress_kvzip(caches)
+    compress_kvzip([policy.cache for policy in caches])
 
 
 def _kvzip_caches(model: torch.nn.Module, cache: Cache) -> list[KVzipKVCache]:
@@ -92,12 +92,13 @@ def _kvzip_caches(model: torch.nn.Module, cache: Cache) -> list[KVzipKVCache]:
     layers = cache.kv_caches
     if not layers:
         raise ValueError("kvzip_compress: the cache holds nothing: prefill the context through it first")
-    if not all(isinstance(c, KVzipKVCache) for c in layers):
-        kinds = sorted({type(c).__name__ for c in layers})
+    policies = [c.policy for c in layers]
+    if not all(isinstance(p, KVzipKVCache) for p in policies):
+        kinds = sorted({type(p).__name__ for p in policies})
         raise ValueError(f"kvzip's reconstruction pass needs a kvzip cache in every layer, got {kinds}")
-    if any(c.compressed for c in layers):  # type: ignore[attr-defined]
+    if any(p.compressed for p in policies):  # type: ignore[attr-defined]
         raise ValueError("kvzip_compress: the cache is compressed already (once per context)")
-    return layers  # type: ignore[return-value]
+    return policies  # type: ignore[return-value]
 
 
 def _attention_modules(model: torch.nn.Module, n_layer: int) -> list[torch.nn.Module]:

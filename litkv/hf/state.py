@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 
 from litkv.gates.gate import EvictionGates
-from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
 from litkv.modeling.fingerprint import _parameter_digest, gates_fingerprint
 from litkv.states.state import CacheState, LayerState, _layer_snapshot
 from litkv.states.undo import writing_mode
@@ -74,7 +74,7 @@ def restore_caches(
         raise TypeError(f"state must be a litkv.CacheState, got {type(state).__name__}")
     if state.fingerprint != hf_fingerprint(model, gates):
         raise ValueError("the cache state was taken from another model (its config, weights or eviction gates differ)")
-    layers: list[KVCache] = caches.policy_caches
+    layers: list[SlotMachine] = caches.policy_caches
     if len(state.layers) != len(layers):
         raise ValueError(f"the cache state has {len(state.layers)} layers, the cache {len(layers)}")
     for i, (cache, layer) in enumerate(zip(layers, state.layers, strict=True)):

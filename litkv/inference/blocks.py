@@ -51,8 +51,8 @@ import torch
 from litkv.core.rope import apply_rope
 from litkv.core.tokens import encode_plain, encode_text
 from litkv.inference.chat_template import Format, TemplateFormat
-from litkv.kvcache.base import KVCache
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
 from litkv.modeling.attention import build_mask
 from litkv.modeling.model import GPT, check_integer_tensor
 from litkv.states.block_store import BlockKV, BlockStore
@@ -158,7 +158,7 @@ def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem
 # -- splicing into the run's caches -----------------------------------------------------------------
 
 
-def _uniform_weights(cache: KVCache, input_pos: torch.Tensor, k_pos: torch.Tensor, q_per_kv: int) -> torch.Tensor:
+def _uniform_weights(cache: SlotMachine, input_pos: torch.Tensor, k_pos: torch.Tensor, q_per_kv: int) -> torch.Tensor:
     """`(B, G, S)` float32 weight sums of zero queries at `input_pos` `(B, T)` over keys at `k_pos` `(B, G, S)`:
     each query spreads 1 uniformly over what it may attend, summed over the call and the group's query heads."""
     mask = build_mask(input_pos, k_pos).float()  # (B, G, T, S)
@@ -166,7 +166,7 @@ def _uniform_weights(cache: KVCache, input_pos: torch.Tensor, k_pos: torch.Tenso
     return per_query.sum(dim=2) * q_per_kv
 
 
-def _splice_layer(cache: KVCache, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_head: int) -> None:
+def _splice_layer(cache: SlotMachine, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_head: int) -> None:
     """One call of spliced tokens into a layer cache: keys/values `(1, G, T, hs)`, positions `(1, T)`."""
     queries = None
     if cache.needs_queries:
@@ -219,7 +219,7 @@ class _ContextView:
     needs_attn_weights = False
     heads_share_positions = False
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: SlotMachine) -> None:
         self.cache = cache
         self.positions = cache.positions
 

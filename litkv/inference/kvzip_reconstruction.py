@@ -73,11 +73,11 @@ def _kvzip_caches(model: GPT) -> list[KVzipKVCache]:
     caches = model.caches
     if caches is None:
         raise ValueError("kvzip: the model has no caches attached (prefill the prompts through kvzip caches first)")
-    layers = list(caches)
-    if not all(isinstance(c, KVzipKVCache) for c in layers):
-        kinds = sorted({type(c).__name__ for c in layers})
+    policies = [getattr(c, "policy", c) for c in caches]  # a layer cache's policy (a recurrent layer has none)
+    if not all(isinstance(p, KVzipKVCache) for p in policies):
+        kinds = sorted({type(p).__name__ for p in policies})
         raise ValueError(f"kvzip's reconstruction pass needs a kvzip cache in every layer, got {kinds}")
-    return layers  # type: ignore[return-value]
+    return policies  # type: ignore[return-value]
 
 
 def _row_call(ctx: list[int], start: int, end: int, first: bool, repeat: RepeatPrompt, prev_start: int) -> list[int]:
@@ -202,4 +202,4 @@ def _pad_calls(calls: list[list[int]], lengths: list[int], device: torch.device)
 def kvzip_compress(model: GPT, prompts: Sequence[torch.Tensor], repeat: RepeatPrompt, prefix_length: int = 0) -> None:
     """`kvzip_score`, then every layer compressed to its share of the budget (`compress_kvzip`)."""
     kvzip_score(model, prompts, repeat, prefix_length)
-    compress_kvzip(_kvzip_caches(model))
+    compress_kvzip([policy.cache for policy in _kvzip_caches(model)])

@@ -3,6 +3,7 @@
 from litkv.kvcache.base import CacheSettings, CacheShape, Candidates, KVCache, LayerCache, Placement, SlotState
 from litkv.kvcache.dense import DenseKVCache
 from litkv.kvcache.last_recent import LastRecentKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import LastRecentOptions, NoOptions, PolicyOptions, ScoreOptions
 from litkv.kvcache.registry import get_kv_cache_class, known_policies, register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
@@ -24,6 +25,7 @@ __all__ = [
     "PolicyOptions",
     "ScoreKVCache",
     "ScoreOptions",
+    "SlotMachine",
     "SlotState",
     "get_kv_cache_class",
     "known_policies",

@@ -1,46 +1,23 @@
-"""The `KVCache` contract: one object per attention layer, `cache_length` slots per (row, KV head).
+"""`KVCache`: the class a policy author subclasses (the policy side of a layer cache).
 
-A call brings `T` new tokens per row. Attention runs in two steps around the cache:
-
-1. `attend_inputs(keys, values, input_pos, queries)` returns what the new queries attend to: every
-   cached token plus the new tokens themselves, with the token position of each (`-1`: empty slot
-   or pad).
-2. `evict_and_store(attn_weights)` runs after attention: the policy decides which of the
-   `cache_length + T` candidates keep the `cache_length` slots (attend, then evict), and the
-   surviving new tokens are written into the freed slots.
-
-A policy implements `select_drop(candidates)` only (which `T` candidates lose their slot); the base
-class does the bookkeeping: checks, the fast path while the cache fills, pairing freed slots with
-surviving new tokens (`Placement`), and writing into the storage it is composed with. What a policy
-sees of a call is one record, `Candidates`; the inputs that cost something (attention-weight sums,
-the call's queries) are filled only when the class asks for them (`needs`), so that other policies
-keep the fast attention path. What a policy author writes is declared in `litkv.kvcache.policy`.
+A policy implements `select_drop(candidates)` only (which `T` candidates lose their slot), or through
+`ScoreKVCache`, `score(candidates)`; what it declares and may implement is `litkv.kvcache.policy.Policy`.
+The layer cache that runs it (`litkv.kvcache.machine.SlotMachine`: storage, positions, the undo journal,
+static shapes for compiled steps, snapshots, checks) builds one instance per layer and binds it to itself;
+the instance reads the cache's slots through the read-only views below, and keeps its declared state in
+its attributes (allocated at the binding, written by the machinery from what `update_state` returns).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 
-from litkv.core.validation import require_int
-from litkv.kvcache.call_checks import check_call_inputs, check_drops, check_full, row_overflow
-from litkv.kvcache.candidates import (
-    Candidates,
-    OpenCall,
-    PackedCandidates,
-    Placement,
-    drop_lowest,
-    pair_drops,
-    placement_of,
-    staged_placement,
-)
+from litkv.kvcache.candidates import Candidates, Placement, drop_lowest
 from litkv.kvcache.layer_cache import CacheSettings, LayerCache
-from litkv.kvcache.policy import NEEDS, Policy
-from litkv.kvcache.state_tensors import SlotState, allocate, load_named, named_tensors, set_named
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, needs_functional
-from litkv.kvcache.storage_kinds import make_storage
+from litkv.kvcache.machine import SlotMachine
+from litkv.kvcache.policy import Policy
+from litkv.kvcache.state_tensors import SlotState, allocate
+from litkv.kvcache.storage import CacheShape
 
 __all__ = [
     "CacheSettings",
@@ -55,389 +32,52 @@ __all__ = [
 
 
 class KVCache(Policy):
-    """The layer cache: the machinery that runs a policy (`litkv.kvcache.policy.Policy`: what a policy
-    declares and implements is there). Policies subclass it (or `ScoreKVCache`) and implement `select_drop`.
+    """A policy, bound to the layer cache that runs it (`cache`). Subclass it (or `ScoreKVCache`) and implement
+    `select_drop`; build it through its cache (`SlotMachine(policy_class, config, shape, device, dtype)`,
+    `KVCacheConfig.make_cache`), never alone.
 
     Optional classmethod (the one opt-in of the batched decode step):
-        select_drop_layers(caches, calls) -> `(n_layers, B, G, 1)`: the drops of the waiting decode steps
+        select_drop_layers(policies, calls) -> `(n_layers, B, G, 1)`: the drops of the waiting decode steps
             of several layers of the class at once (`calls`: their `Candidates`, weights set), each as its
             own `select_drop` would choose. `KVCaches.evict_waiting` then places and writes them; a class
             without it (or a subclass with its own `select_drop`) is evicted layer by layer.
-
-    Attributes:
-        positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
-        num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
-            no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it).
     """
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        if shape.cache_length != config.cache_length:
-            raise ValueError(f"shape.cache_length={shape.cache_length} != config.cache_length={config.cache_length}")
-        self.config = config
-        self.options = config.policy_options
+    def __new__(cls, *args: object) -> KVCache:
+        if args and (len(args) != 1 or not isinstance(args[0], SlotMachine)):  # built as a cache was before
+            name = cls.__name__
+            raise TypeError(
+                f"{name} is a policy, built by its layer cache: SlotMachine({name}, config, shape, device, dtype) "
+                f"or config.make_cache(shape, device, dtype), not {name}(config, shape, device, dtype)"
+            )
+        return super().__new__(cls)
+
+    def __init__(self, cache: SlotMachine) -> None:
+        object.__setattr__(self, "cache", cache)
+        self.options = cache.config.policy_options
         if not isinstance(self.options, self.Options):
             raise TypeError(
                 f"{type(self).__name__} expects options of type {self.Options.__name__}, got "
-                f"{type(self.options).__name__} (config.policy={config.policy!r})"
+                f"{type(self.options).__name__} (config.policy={cache.config.policy!r})"
             )
-        inputs = self.inputs()
-        for name in NEEDS:  # what attention and the model read, per instance
-            setattr(self, f"needs_{name}", name in inputs)
-        self.shape = shape
-        self.cache_length = config.cache_length
-        self.dtype = dtype
-        self.storage: KVStorage = make_storage(config.storage, shape, device, dtype, config.quant_group_size)
-        self._pos_buffer = torch.full(
-            (shape.batch_size, shape.n_query_groups, shape.cache_length + ROOM), -1, dtype=torch.long, device=device
-        )
-        self.positions = self._pos_buffer[:, :, : shape.cache_length]
-        # Every call attends all `L` slots and leaves `num_filled` to `advance()` (for compiled steps).
-        self.static_shapes = False
-        self.num_filled = 0
-        self._call: OpenCall | None = None  # the call between attend_inputs and the end of its eviction
-        # Host-known: every slot holds a token (`None`: not known; `slots_known_valid` reads it once)
-        self._slots_valid: bool | None = None
-        # The same, fixed for a run of compiled steps when `KVCaches.static_shapes` turns on (one graph)
-        self.static_slots_valid = False
-        # The keys the last `attend_inputs` returned all hold a token, known on the host (attention needs no mask)
-        self.attended_keys_valid = False
-        # Called once per call before the cache changes, with the `(B, G, T)` slots the call will
-        # overwrite (an undo log records what they held); `None`: nothing is recorded.
-        self.journal: Callable[[KVCache, torch.Tensor], None] | None = None
-        allocate(self)  # the declared per-slot and per-row state
-
-    def check_room(self, input_pos: torch.Tensor) -> None:
-        """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken."""
-        limit = self.max_tokens(self.config)
-        if limit is not None:
-            check_full(type(self).__name__, self.cache_length, self.overflow(input_pos, limit))
-
-    def overflow(self, input_pos: torch.Tensor, limit: int) -> tuple[int, int, int] | None:
-        """`(row, tokens held, tokens needed)` of a row whose own tokens would exceed `limit` with this call.
-
-        Pads never take a slot, so a ragged batch fits where each row fits (`call_checks.row_overflow`).
-        """
-        return row_overflow(self.positions, self.num_filled, input_pos, limit)
-
-    def slots_known_valid(self) -> bool:
-        """Whether every slot holds a token (position `>= 0`), known on the host without reading the device on
-        a decode step: read once (one device read) when a full cache does not know it, then kept over the
-        evictions of a class whose own `select_drop` drops pads and empty slots first (every call then keeps a
-        token in every slot); forgotten when slots are written otherwise (tokens written into empty slots,
-        `load_state_tensors`, `state_tensors`, whose live tensors the caller may write). With `static_shapes`
-        (compiled steps) the answer is the one `KVCaches.static_shapes` fixed when the steps began
-        (`static_slots_valid`), so that a run of steps keeps one graph; always `False` for a class whose drops
-        are not its own."""
-        if self.static_shapes:
-            return self.static_slots_valid
-        if self.num_filled < self.cache_length or not self.drops_valid_by_construction():
-            return False
-        if self._slots_valid is None:
-            self._slots_valid = bool((self.positions >= 0).all())
-        return self._slots_valid
-
-    def forget_valid_slots(self) -> None:
-        """Slots were emptied outside the eviction (`slots_known_valid` reads them again when asked; compiled
-        steps keep the mask from then on)."""
-        self._slots_valid = None
-        self.static_slots_valid = False
-
-    # -- contract -------------------------------------------------------------------------------
-
-    def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
-        """What the new queries attend to: cached tokens plus the new ones.
-
-        Three named paths, by what the call allows, invisible to policies: `_attend_direct` while a
-        lossless cache has empty slots for the whole call (the new tokens go straight into them,
-        nothing to choose); `_attend_staged` for a call of at most `ROOM` tokens (a decode step: staged
-        in the room after the slots and attended from there, so the step copies nothing of the cache);
-        `_attend_concat` for a longer call (a prefill chunk, or any call while autograd records). With
-        `static_shapes` every call takes one of the last two paths and attends all `L` slots (empty
-        ones masked), so shapes do not change from step to step.
-
-        Args:
-            keys: `(B, G, T, key_size)` new keys (after RoPE).
-            values: `(B, G, T, value_size)` new values.
-            input_pos: `(B, T)` int64 token positions, `-1` for padding.
-            queries: `(B, n_head, T, key_size)` the call's queries (after RoPE); kept only when the class
-                sets `needs_queries`.
-
-        Returns:
-            keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`; a staged
-            call of a storage with `read_staged_packed` (int8/int4) gives its `PackedSlots` as both keys
-            and values, which `attention.attend` reads without unpacking.
-        """
-        self.settle()
-        if self._call is not None:
-            raise RuntimeError("attend_inputs() called twice without evict_and_store() in between")
-        check_call_inputs(self.shape, self.dtype, keys, values, input_pos)
-        if self.needs_queries and queries is None:
-            raise ValueError(f"{type(self).__name__} needs the call's queries, got None")
-        b, g, t = keys.shape[:3]
-        new_pos = input_pos[:, None, :].expand(b, g, t)
-        self.attended_keys_valid = False
-        kept_queries = queries if self.needs_queries else None
-        if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
-            return self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
-        if not self.static_shapes:
-            self.check_room(input_pos)
-        if t <= ROOM and not needs_functional(keys, values):
-            return self._attend_staged(keys, values, new_pos, input_pos, kept_queries)
-        return self._attend_concat(keys, values, new_pos, input_pos, kept_queries)
-
-    def _attend_staged(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        new_pos: torch.Tensor,
-        input_pos: torch.Tensor,
-        queries: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
-        """A decode step: the token waits in the room after the slots; attend a view of slots + room.
-
-        A storage whose format attention reads directly (`read_staged_packed`: quantised codes) hands
-        over its packed slots as keys and values; the record unpacks them only if a policy reads them."""
-        length, t = self.cache_length, keys.shape[2]
-        # the room holds the call's own token: a pad there is seen by its own pad query only
-        self.attended_keys_valid = self.slots_known_valid()
-        self.storage.stage(keys, values)
-        packed = self.storage.read_staged_packed(t)
-        all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
-        self._pos_buffer[:, :, length : length + t] = new_pos
-        positions = self._pos_buffer[:, :, : length + t]
-        # the record's positions are a copy: the slots' positions change before `update_state` reads it
-        record = Candidates if packed is None else PackedCandidates
-        candidates = record(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
-        self._call = OpenCall("staged", 0, candidates)
-        return all_keys, all_values, positions
-
-    def _attend_concat(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        new_pos: torch.Tensor,
-        input_pos: torch.Tensor,
-        queries: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A longer call (a prefill chunk, or any call under autograd): the slots then the new tokens as stored."""
-        old_keys, old_values = self.storage.read()
-        seen_keys, seen_values = self.storage.as_stored(keys, values)
-        all_keys, all_values = torch.cat((old_keys, seen_keys), dim=2), torch.cat((old_values, seen_values), dim=2)
-        positions = torch.cat((self.positions, new_pos), dim=2)
-        candidates = Candidates(positions, all_keys, all_values, keys, values, input_pos, queries=queries)
-        self._call = OpenCall("concat", 0, candidates)
-        return all_keys, all_values, positions
-
-    def _attend_direct(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        new_pos: torch.Tensor,
-        input_pos: torch.Tensor,
-        queries: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The new tokens go into the empty slots `[num_filled, num_filled + T)`; attend the filled prefix."""
-        b, g, t = new_pos.shape
-        start = self.num_filled
-        # the record is built only for a policy with state
-        positions = torch.cat((self.positions, new_pos), dim=2) if self._keeps_state() else new_pos
-        if self.journal is not None:
-            self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
-        self.storage.write_range(start, keys, values)
-        self.positions[:, :, start : start + t] = new_pos
-        self.forget_valid_slots()  # the new tokens may be pads
-        self.num_filled = start + t
-        candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
-        self._call = OpenCall("direct", start, candidates)
-        all_keys, all_values = self.storage.read_prefix(start + t)
-        return all_keys, all_values, self.positions[:, :, : start + t]
-
-    def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
-        """After the call's queries have attended: evict and write the surviving new tokens.
-
-        Args:
-            attn_weights: `(B, G, S)` float32 weight sums over the attended tokens (`S` as returned by
-                `attend_inputs`), or `None` when the class does not set `needs_attn_weights`.
-        """
-        self.wait_for_eviction(attn_weights)
-        self.settle()
-
-    def wait_for_eviction(self, attn_weights: torch.Tensor | None) -> None:
-        """After the call's queries have attended: keep their weight sums with the call, whose eviction
-        waits (a decode step under `KVCaches`: `KVCaches.evict_waiting` evicts every layer's at once after
-        the block loop; `settle` evicts this one alone). Arguments as `evict_and_store`."""
-        call = self._call
-        if call is None or call.waiting:
-            raise RuntimeError(
-                f"{type(self).__name__}: evict_and_store() or wait_for_eviction() called without a preceding "
-                "attend_inputs()"
-            )
-        if self.needs_attn_weights and attn_weights is None:
-            raise ValueError(f"{type(self).__name__} needs attention weights, got None")
-        call.candidates.attn_weights = attn_weights
-        call.waiting = True
+        allocate(self, cache.positions)  # the declared per-slot and per-row state
 
     @property
-    def waiting_call(self) -> OpenCall | None:
-        """The call whose eviction waits (attention done, `wait_for_eviction`), else `None`."""
-        call = self._call
-        return call if call is not None and call.waiting else None
+    def positions(self) -> torch.Tensor:
+        """`(B, G, L)` int64 token position of each slot of the cache, `-1` when empty (the cache's)."""
+        return self.cache.positions
 
-    def take_waiting(self) -> Candidates:
-        """The waiting call's record, handed to a batched eviction (`KVCaches.evict_waiting`), which then
-        writes its choice with `store_staged`; the cache no longer holds the call."""
-        call = self.waiting_call
-        if call is None:
-            raise RuntimeError(f"{type(self).__name__}.take_waiting(): no call waits for its eviction")
-        self._call = None
-        return call.candidates
+    @property
+    def cache_length(self) -> int:
+        """`L`: the slots per (row, KV head)."""
+        return self.cache.cache_length
 
-    def settle(self) -> None:
-        """Evict the waiting call alone, if one waits (a cache read before `KVCaches.evict_waiting`, or a
-        layer that is not evicted with others); the result is bitwise that of the batched eviction."""
-        call = self.waiting_call
-        if call is None:
-            return
-        self._call = None
-        cand = call.candidates
-        if call.path == "direct":
-            self._after_direct(call.start, cand)
-        elif call.path == "staged":
-            self._evict_staged(cand)
-        else:
-            self._evict_concat(cand)
+    @property
+    def config(self) -> CacheSettings:
+        """The cache's configuration (`KVCacheConfig`)."""
+        return self.cache.config
 
-    def _evict_concat(self, cand: Candidates) -> None:
-        """Evict for a longer call: `T` candidates lose their slot, the surviving new tokens take them."""
-        length, t = self.cache_length, cand.num_new
-        drop = self.select_drop(cand)
-        self._check_drop(drop, t)
-        dest, src, valid = pair_drops(drop, length)
-        if self.journal is not None:
-            self.journal(self, dest)
-        new_pos = cand.positions[..., length:].gather(2, src)
-        self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
-        if not self.static_shapes:
-            self.advance(t)
-        if self._keeps_state():
-            self._write_state(placement_of(dest, src, valid, length), cand)
-        self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
-
-    def _evict_staged(self, cand: Candidates) -> None:
-        """Evict for a one-token call whose token waits in the room (slot `L`): it moves into the dropped
-        slot, or stays in the room (overwritten by the next call) when it is the one dropped."""
-        drop = self.select_drop(cand)
-        self._check_drop(drop, 1)
-        placement = staged_placement(drop, self.cache_length, self._keeps_state())
-        self.store_staged(placement, cand)
-
-    def store_staged(self, placement: Placement, cand: Candidates) -> None:
-        """Write a staged call's choice (`staged_placement`): positions, the policy's state, the storage."""
-        length = self.cache_length
-        if self.journal is not None:
-            self.journal(self, placement.dest)
-        target = torch.where(placement.valid, placement.dest, length)  # a dropped token stays in the room
-        self._pos_buffer.scatter_(2, target, cand.positions[..., length:])
-        if not self.static_shapes:
-            self.advance(1)
-        if self._keeps_state():  # before the storage write: `cand.keys` are views of the slots
-            self._write_state(placement, cand)
-        self.storage.commit_staged(target)
-
-    def _after_direct(self, start: int, cand: Candidates) -> None:
-        """`update_state` for a call whose tokens went into the empty slots `[start, start + T)`."""
-        if not self._keeps_state():
-            return
-        length, t = self.cache_length, cand.num_new
-        weights = cand.attn_weights
-        if weights is not None:  # (B, G, start + T): cached tokens, then the new ones
-            slot_part = F.pad(weights[..., :start], (0, length - start))
-            cand.attn_weights = torch.cat((slot_part, weights[..., start:]), dim=2)
-        slots = torch.arange(start, start + t, device=self.positions.device)
-        slots = slots.expand(*self.positions.shape[:2], t)
-        placement = placement_of(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
-        self._write_state(placement, cand)
-
-    def _set_state(self, name: str, value: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
-        """Set the policy's state `name` (a `slot_state` tensor or a `row_state` tensor or tuple) to `value`.
-        With `static_shapes` (compiled decode steps) the tensors there are overwritten in place, so they keep
-        their addresses from step to step (a CUDA graph replays on fixed addresses); otherwise the attribute
-        is rebound (a snapshot may hold the old tensors)."""
-        set_named(self, name, value)
-
-    def _write_state(self, placement: Placement, cand: Candidates) -> None:
-        """Run the policy's `update_state` and write what it returns (declared names only)."""
-        object.__setattr__(self, "_updating", True)  # declared state assigned in the hook is refused
-        try:
-            update = self.update_state(placement, cand)
-        finally:
-            object.__setattr__(self, "_updating", False)
-        if not update:
-            return
-        for name, value in update.items():
-            if name not in self._state_names:
-                raise ValueError(
-                    f"{type(self).__name__}.update_state returned {name!r}, which is not declared in its "
-                    f"slot_state {sorted(self.slot_state)} or row_state {list(self.row_state)}"
-                )
-            set_named(self, name, value)
-
-    def abort_call(self) -> None:
-        """Forget a call interrupted between `attend_inputs` and its eviction (its eviction is not done)."""
-        self._call = None
-
-    def advance(self, num_new: int) -> None:
-        """Count `num_new` tokens taken by an evicting call. Calls made with `static_shapes` leave this to
-        their caller, so that a compiled step does not depend on a changing host counter."""
-        self.num_filled = min(self.cache_length, self.num_filled + num_new)
-
-    def nbytes(self) -> int:
-        """Bytes held by the keys and values (scales and offsets included for quantised storage)."""
-        return self.storage.nbytes()
-
-    # -- state ----------------------------------------------------------------------------------
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Everything a call may change, by name; views of the live tensors (a snapshot clones them).
-
-        `"positions"` and `"storage.<name>"` and `"slot.<name>"` (the policy's `slot_state`) are
-        `(B, G, L, ...)` with the slot index on dim 2; `"row.<name>"` (or `"row.<name>.<i>"` for a
-        tuple) are the policy's `row_state`, batch first. Row state not set yet is left out. The host
-        counter `num_filled` is not a tensor: read it from the attribute.
-        """
-        self.settle()
-        self.forget_valid_slots()  # the caller may write the live tensors
-        return named_tensors(self)
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
-        """Set the cache to a state shaped as `state_tensors()` returns it (copied in; row state assigned).
-
-        Raises ValueError naming the tensor and the expected and actual shapes when they do not match.
-        """
-        if self._call is not None and not self._call.waiting:
-            raise RuntimeError("load_state_tensors() called between attend_inputs() and evict_and_store()")
-        require_int("num_filled", num_filled, 0, self.cache_length)
-        self._call = None  # a waiting eviction is overwritten with the rest of the state
-        self.forget_valid_slots()
-        load_named(self, tensors)
-        self.num_filled = num_filled
-
-    def _check_drop(self, drop: object, t: int) -> None:
-        """Raise naming the policy if `drop` is not `(B, G, T)` int64 distinct indices in `[0, L + T)` (the values
-        are read only for a policy whose drops are not valid by construction)."""
-        expected = (*self.positions.shape[:2], t)
-        check_drops(type(self).__name__, drop, expected, self.cache_length, not self.drops_valid_by_construction())
-
-    def _keeps_state(self) -> bool:
-        """Whether the class overrides `update_state` (else no `Placement` is built: nothing would read it)."""
-        return type(self).update_state is not Policy.update_state
-
-
-def _gather_tokens(tokens: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """`tokens` `(B, G, T, D)` gathered along T by `src` `(B, G, T')` -> `(B, G, T', D)`."""
-    index = src[..., None].expand(*src.shape, tokens.shape[-1])
-    return tokens.gather(2, index)
+    @property
+    def shape(self) -> CacheShape:
+        """The cache's sizes (batch, KV heads, slots, key and value sizes)."""
+        return self.cache.shape

@@ -3,7 +3,7 @@
 It owns the layer caches (one per attention layer), the last position each row has seen, the undo
 log recording the calls (if one is kept) and the compile mode; whole-model operations are loops over
 the layers. It also owns a decode step's eviction: `begin_call` says whether the call's evictions wait,
-and `evict_waiting`, after the model's block loop, evicts every layer at once (`KVCache`'s
+and `evict_waiting`, after the model's block loop, evicts every layer at once (the policy class's
 `select_drop_layers`). A conversation or a request is one such object; its value (a copy that can be saved,
 forked, merged) is a `litkv.CacheState` (`litkv.snapshot` / `litkv.restore`).
 """
@@ -19,6 +19,7 @@ import torch._dynamo
 
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.candidates import staged_placement
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.recurrent import RecurrentCache
 from litkv.kvcache.score import OneShot, compress_all
 
@@ -38,7 +39,7 @@ class KVCaches:
     """One cache per layer, plus the run's per-row state.
 
     Attributes:
-        layers: the layer caches (`KVCache`, or the gradient engine's replay caches).
+        layers: the layer caches (`SlotMachine`, or the gradient engine's replay caches).
         last_pos: `(B,)` int64 largest position each row has seen (`-1`: none yet), `None` before the
             first call.
         undo_log: the recorder of the calls, when one is kept (`litkv.keep_undo_log`).
@@ -95,9 +96,9 @@ class KVCaches:
         return f"{named} on attention layers {attention} of {len(self)}; {held}"
 
     @property
-    def policy_caches(self) -> list[KVCache]:
+    def policy_caches(self) -> list[SlotMachine]:
         """The layers that are policy caches (all of them, except during the gradient engine's replay)."""
-        return [cache for cache in self.layers if isinstance(cache, KVCache)]
+        return [cache for cache in self.layers if isinstance(cache, SlotMachine)]
 
     # -- compile mode ---------------------------------------------------------------------------
 
@@ -109,7 +110,7 @@ class KVCaches:
     @static_shapes.setter
     def static_shapes(self, value: bool) -> None:
         """Turning it on also fixes, per layer, whether its slots all hold a token for the steps to come
-        (`KVCache.static_slots_valid`, read before: a decode step then attends without a mask)."""
+        (`SlotMachine.static_slots_valid`, read before: a decode step then attends without a mask)."""
         for cache in self.policy_caches:
             if not value:
                 cache.static_slots_valid = False
@@ -134,7 +135,7 @@ class KVCaches:
         tensors: list[torch.Tensor] = [] if self.last_pos is None else [self.last_pos]
         tensors += [t for recurrent in self.recurrent_caches for t in (recurrent.conv, recurrent.ssm)]
         for cache in self.policy_caches:
-            for holder in (cache, cache.storage):
+            for holder in (cache, cache.storage, cache.policy):
                 for value in vars(holder).values():
                     parts = value if isinstance(value, tuple) else (value,)
                     tensors.extend(t for t in parts if isinstance(t, torch.Tensor))
@@ -147,14 +148,14 @@ class KVCaches:
         caches = self.policy_caches
         compress_all(caches)
         for cache in caches:
-            if not isinstance(cache, OneShot):
+            if not isinstance(cache.policy, OneShot):
                 cache.end_prefill()
 
     # -- a model call's evictions --------------------------------------------------------------
 
     def begin_call(self, num_new: int) -> bool:
         """Start a model call of `num_new` tokens per row. Returns whether its layers' evictions wait for
-        `evict_waiting` (the model then calls `KVCache.wait_for_eviction`, not `evict_and_store`).
+        `evict_waiting` (the model then calls `SlotMachine.wait_for_eviction`, not `evict_and_store`).
 
         What an interrupted call left (an exception between a layer's attention and `evict_waiting`) is
         settled first: a layer whose eviction waits is evicted alone (as `evict_waiting` would have), an
@@ -189,12 +190,12 @@ class KVCaches:
         writes its part (`store_staged`). Every other waiting layer is evicted alone (`settle`). Tokens and
         states are bitwise those of evicting each layer in its own call (tests/kvcache/test_policy_conformance.py).
         """
-        groups: list[list[KVCache]] = []
+        groups: list[list[SlotMachine]] = []
         for cache in self.policy_caches:
             call = cache.waiting_call
             if call is None:
                 continue
-            if call.path != "staged" or not _selects_layers_together(type(cache)):
+            if call.path != "staged" or not _selects_layers_together(type(cache.policy)):
                 cache.settle()
                 continue
             for group in groups:
@@ -209,7 +210,8 @@ class KVCaches:
                 continue
             first = group[0]
             calls = [cache.take_waiting() for cache in group]
-            drops = type(first).select_drop_layers(group, calls)  # type: ignore[attr-defined]  # (n, B, G, 1)
+            policies = [cache.policy for cache in group]
+            drops = type(first.policy).select_drop_layers(policies, calls)  # type: ignore[attr-defined]  # (n, B, G, 1)
             placement = staged_placement(drops, first.cache_length, first._keeps_state())
             for i, (cache, cand) in enumerate(zip(group, calls, strict=True)):
                 cache.store_staged(placement.layer(i), cand)
@@ -242,7 +244,7 @@ class KVCaches:
 
     def _check_call_length(self, num_new: int) -> None:
         for i, cache in enumerate(self.layers):
-            if isinstance(cache, KVCache) and not cache.static_shapes and num_new > cache.cache_length:
+            if isinstance(cache, SlotMachine) and not cache.static_shapes and num_new > cache.cache_length:
                 raise ValueError(
                     f"chunk of {num_new} tokens is longer than allowed: at most cache_length={cache.cache_length} "
                     f"new tokens per call (layer {i})"
@@ -277,10 +279,11 @@ class KVCaches:
                 t[row].copy_(given[name][source_row])
             dst_r.update(fresh["conv"], fresh["ssm"])
         for i, (dst, src) in enumerate(zip(self.policy_caches, source.policy_caches, strict=True)):
-            if dst.row_state_zero_is_unset:
+            zero_is_unset = dst.policy.row_state_zero_is_unset
+            if zero_is_unset:
                 _zero_unset_row_state(dst, src)
             live, given = dst.state_tensors(), src.state_tensors()
-            unset = set(live) - set(given) if dst.row_state_zero_is_unset else set()
+            unset = set(live) - set(given) if zero_is_unset else set()
             if set(live) - unset != set(given):
                 raise ValueError(f"copy_row: layer {i} holds {sorted(live)}, the source {sorted(given)}")
             for name, t in live.items():
@@ -301,17 +304,17 @@ class KVCaches:
         return sum(cache.nbytes() for cache in self.layers)
 
 
-def _zero_unset_row_state(dst: KVCache, src: KVCache) -> None:
-    """Give `dst` all-zero row state `(B, ...)` where `src` has row state and `dst` none yet (a class whose
-    zero row state means unset: `KVCache.row_state_zero_is_unset`)."""
+def _zero_unset_row_state(dst: SlotMachine, src: SlotMachine) -> None:
+    """Give `dst` all-zero row state `(B, ...)` where `src` has row state and `dst` none yet (a policy whose
+    zero row state means unset: `Policy.row_state_zero_is_unset`)."""
     batch = dst.positions.shape[0]
-    for name in dst.row_state:
-        have, given = getattr(dst, name), getattr(src, name)
+    for name in dst.policy.row_state:
+        have, given = getattr(dst.policy, name), getattr(src.policy, name)
         if have is not None or given is None:
             continue
         parts = given if isinstance(given, tuple) else (given,)
         zeros = tuple(t.new_zeros((batch, *t.shape[1:])) for t in parts)
-        dst._set_state(name, zeros if isinstance(given, tuple) else zeros[0])
+        dst.set_state(name, zeros if isinstance(given, tuple) else zeros[0])
 
 
 @functools.cache
@@ -322,11 +325,11 @@ def _selects_layers_together(cls: type[KVCache]) -> bool:
     return owner is not None and cls.select_drop is owner.select_drop  # type: ignore[attr-defined]
 
 
-def _alike(a: KVCache, b: KVCache) -> bool:
-    """Whether two layers' decode steps may be chosen in one stacked selection: one class, one
+def _alike(a: SlotMachine, b: SlotMachine) -> bool:
+    """Whether two layers' decode steps may be chosen in one stacked selection: one policy class, one
     configuration (so the same options, sinks and recent window), one shape, dtype and device."""
     return (
-        type(a) is type(b)
+        type(a.policy) is type(b.policy)
         and (a.config is b.config or a.config == b.config)
         and (a.shape is b.shape or a.shape == b.shape)
         and a.dtype == b.dtype

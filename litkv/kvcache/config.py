@@ -10,10 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from litkv.core.validation import FieldError, require_int
 from litkv.kvcache.base import KVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, check_int, parse_options
 from litkv.kvcache.registry import get_kv_cache_class
+from litkv.kvcache.storage import CacheShape
 from litkv.kvcache.storage_kinds import check_storage_name
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ChunkPlan", "KVCacheConfig"]
@@ -91,6 +95,10 @@ class KVCacheConfig:
     def policy_class(self) -> type[KVCache]:
         """The `KVCache` subclass named by `policy`."""
         return get_kv_cache_class(self.policy)
+
+    def make_cache(self, shape: CacheShape, device: torch.device | None, dtype: torch.dtype) -> SlotMachine:
+        """A fresh layer cache running this config's policy (`shape`: its sizes)."""
+        return SlotMachine(self.policy_class, self, shape, device, dtype)
 
     @property
     def policy_options(self) -> PolicyOptions:

@@ -258,7 +258,7 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         """`(B, G, L)` expected attention of the slots under the prompt's statistics; sinks and recent `inf`."""
         if self.stats is None:
             raise RuntimeError("ExpectedAttentionKVCache.compress() before any prompt token was seen")
-        keys, values = self.storage.read()
+        keys, values = self.cache.storage.read()
         return self.protect(self.expected(self.stats, keys, values, self.positions).float(), self.positions)
 
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:

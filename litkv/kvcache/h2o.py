@@ -92,12 +92,12 @@ class H2OKVCache(ScoreKVCache):
         return F.pad(self.attn_sums, (0, candidates.num_new)) + candidates.attn_weights
 
     @classmethod
-    def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+    def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """Every layer's accumulated attention in two operations over the stacked `(n_layers, B, G, .)`
         sums and weights (each layer's part kept in its record, as `accumulated` would compute it)."""
-        if not all(type(c) is H2OKVCache and not c.normalize for c in caches):
-            return super().stacked_scores(caches, records)
-        sums = torch.stack([c.attn_sums for c in caches])  # type: ignore[attr-defined]
+        if not all(type(c) is H2OKVCache and not c.normalize for c in policies):
+            return super().stacked_scores(policies, records)
+        sums = torch.stack([c.attn_sums for c in policies])  # type: ignore[attr-defined]
         weights = torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
         accumulated = F.pad(sums, (0, 1)) + weights
         for record, part in zip(records, accumulated, strict=True):

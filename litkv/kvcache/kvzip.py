@@ -36,18 +36,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState, drop_lowest
+from litkv.kvcache.base import Candidates, Placement, SlotState, drop_lowest
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import OneShot, compress_layers, keep_across_layers
-from litkv.kvcache.storage import CacheShape, PackedSlots
 
 __all__ = ["KVzipKVCache", "KVzipOptions", "Scoring", "compress_kvzip", "kvzip_keep"]
 
@@ -113,10 +113,8 @@ class KVzipKVCache(OneShot):
     needs = frozenset({"queries"})
     slot_state: ClassVar[dict[str, SlotState]] = {"kvzip_scores": SlotState(0.0)}
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
         if self.budget is None:  # one-shot without a budget: compress only what does not fit
             self.budget = self.cache_length
         self.sinks = self.options.sinks
@@ -130,52 +128,41 @@ class KVzipKVCache(OneShot):
         """Before the first reconstruction call: every score 0."""
         if not self.one_shot or self.compressed:
             raise RuntimeError("KVzipKVCache: the reconstruction pass is for mode='one-shot', before the compression")
-        self._set_state("kvzip_scores", torch.zeros_like(self.positions, dtype=torch.float32))
+        self.cache.set_state("kvzip_scores", torch.zeros_like(self.positions, dtype=torch.float32))
         self.scored = True
 
     def begin_scoring(self, scoring: Scoring | None) -> None:
         """Set (or clear, `None`) the chunk of the next call: that call scores and stores nothing."""
         self.scoring = scoring
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = super().state_tensors()
-        if self.one_shot:
-            out["row.kvzip_scored"] = torch.full((self.shape.batch_size,), self.scored)
-        return out
+    def flags(self) -> dict[str, bool]:
+        """`OneShot.flags`, and whether the reconstruction pass scored the slots (`"row.kvzip_scored"`)."""
+        return {**super().flags(), "kvzip_scored": self.scored} if self.one_shot else {}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
-        super().load_state_tensors(tensors, num_filled)
+    def set_flags(self, flags: Mapping[str, bool]) -> None:
+        super().set_flags(flags)
         if self.one_shot:
-            flag = tensors.get("row.kvzip_scored")
-            self.scored = flag is not None and bool(flag.all())
+            self.scored = flags["kvzip_scored"]
 
     def check_room(self, input_pos: torch.Tensor) -> None:
         if self.scoring is None:
             super().check_room(input_pos)
 
-    def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
-        """As `KVCache.attend_inputs`; while scoring, the slots plus the new tokens, which are not stored."""
-        if self.scoring is None:
-            return super().attend_inputs(keys, values, input_pos, queries)
-        self.settle()
-        if queries is None:
-            raise ValueError("KVzipKVCache needs the call's queries, got None")
-        slot_keys, slot_values = self.storage.read()
-        seen_keys, seen_values = self.storage.as_stored(keys, values)
-        self._score_chunk(slot_keys, slot_values, seen_keys, seen_values, input_pos, queries)
-        b, g, t = keys.shape[:3]
-        positions = torch.cat((self.positions, input_pos[:, None, :].expand(b, g, t)), dim=2)
-        return torch.cat((slot_keys, seen_keys), dim=2), torch.cat((slot_values, seen_values), dim=2), positions
+    def reads_only(self) -> bool:
+        """While scoring (`begin_scoring`): the reconstruction call is read, not stored."""
+        return self.scoring is not None
 
-    def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:
-        if self.scoring is None:
-            super().evict_and_store(attn_weights)
-
-    def wait_for_eviction(self, attn_weights: torch.Tensor | None) -> None:
-        if self.scoring is None:
-            super().wait_for_eviction(attn_weights)
+    def read_call(
+        self,
+        slot_keys: torch.Tensor,
+        slot_values: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor,
+    ) -> None:
+        """A reconstruction call: the scores of the chunk's slots (`_score_chunk`)."""
+        self._score_chunk(slot_keys, slot_values, new_keys, new_values, input_pos, queries)
 
     def _score_chunk(
         self,
@@ -214,7 +201,7 @@ class KVzipKVCache(OneShot):
         weights = weights.masked_fill((input_pos < 0)[:, None, None, :, None], 0.0)
         best = weights.amax(dim=(2, 3))  # (B, G, M)
         scores = torch.zeros_like(self.kvzip_scores).scatter(2, order, best.to(torch.float32))
-        self._set_state("kvzip_scores", torch.where(in_chunk, scores, self.kvzip_scores))
+        self.cache.set_state("kvzip_scores", torch.where(in_chunk, scores, self.kvzip_scores))
 
     def _plus_factor(self, s: Scoring, slot_values: torch.Tensor, order: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
         """KVzip+: `(B, G, q, T, M)` factor `||W_o^h v_m|| / ||x_t||`."""
@@ -272,16 +259,20 @@ class KVzipKVCache(OneShot):
 kvzip_keep = keep_across_layers
 
 
-def compress_kvzip(caches: Sequence[KVzipKVCache]) -> None:
-    """Compress every layer's cache to its share of the budget (after the reconstruction pass)."""
+def compress_kvzip(caches: Sequence[SlotMachine]) -> None:
+    """Compress every layer's cache (each running a `KVzipKVCache`) to its share of the budget (after the
+    reconstruction pass)."""
     if not caches:
         raise ValueError("compress_kvzip needs at least one KVzipKVCache")
-    first = caches[0]
-    for cache in caches:
-        if not cache.scored:
+    policies = [cache.policy for cache in caches]
+    if not all(isinstance(p, KVzipKVCache) for p in policies):
+        raise ValueError(f"compress_kvzip: every layer needs kvzip, got {sorted({type(p).__name__ for p in policies})}")
+    first = policies[0]
+    for policy in policies:
+        if not policy.scored:  # type: ignore[attr-defined]
             raise RuntimeError("compress_kvzip before the reconstruction pass (KVzipKVCache.start_scores)")
-        if cache.options != first.options:
+        if policy.options != first.options:
             raise ValueError("kvzip: every layer must have the same options (budget, layerwise, n_sink)")
     options = first.options
-    scores = torch.stack([c.kvzip_scores for c in caches])
-    compress_layers(caches, scores, options.layerwise, options.n_sink)
+    scores = torch.stack([p.kvzip_scores for p in policies])  # type: ignore[attr-defined]
+    compress_layers(caches, scores, options.layerwise, options.n_sink)  # type: ignore[attr-defined]

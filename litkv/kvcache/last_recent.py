@@ -35,10 +35,10 @@ class LastRecentKVCache(OneShot):
         return self._oldest(candidates.positions, candidates.num_new)
 
     @classmethod
-    def select_drop_layers(cls, caches: Sequence[LastRecentKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
-        """`(n_layers, B, G, 1)`: the decode-step drops of `caches` (`KVCaches.evict_waiting`) with one
+    def select_drop_layers(cls, policies: Sequence[LastRecentKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
+        """`(n_layers, B, G, 1)`: the decode-step drops of `policies` (`KVCaches.evict_waiting`) with one
         selection over the stacked `(n_layers, B, G, L + 1)` positions."""
-        return caches[0]._oldest(torch.stack([c.positions for c in calls]), 1)
+        return policies[0]._oldest(torch.stack([c.positions for c in calls]), 1)
 
     def _oldest(self, positions: torch.Tensor, k: int) -> torch.Tensor:
         """`(..., k)` indices of the `k` oldest of `positions` `(..., N)` outside the sinks (the first of

@@ -25,7 +25,7 @@ nothing on the host (compiled decoding works).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,15 +33,13 @@ import torch
 
 from litkv.core.rope import BoundRope, RopeTable
 from litkv.gates.gate import EvictionGates, unrotate_keys
-from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState
+from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
 __all__ = ["LearnedKVCache", "LearnedOptions", "NO_GATES"]
-
-Journal = Callable[[KVCache, torch.Tensor], None]
 
 #: The error of a `learned` cache attached to a model without gates.
 NO_GATES = (
@@ -130,18 +128,6 @@ def _gate_new_keys(gates: EvictionGates, rope: BoundRope, keys: torch.Tensor, po
     return gates.logits(0, keys_pre).to(torch.float32)
 
 
-class _AllSlots:
-    """A journal that records every slot of a call: threshold mode empties slots it does not overwrite."""
-
-    def __init__(self, inner: Journal) -> None:
-        self.inner = inner
-
-    def __call__(self, cache: KVCache, dest: torch.Tensor) -> None:
-        b, g, _ = dest.shape
-        length = cache.cache_length
-        self.inner(cache, torch.arange(length, device=dest.device).expand(b, g, length))
-
-
 @register_kv_cache("learned")
 class LearnedKVCache(ScoreKVCache):
     """Keeps the sinks, the recent window and the tokens with the highest gate logits.
@@ -163,10 +149,10 @@ class LearnedKVCache(ScoreKVCache):
         """Slots whose logit is below it are emptied after every call (`None`: none)."""
         return self.options.threshold  # type: ignore[attr-defined]
 
-    def slots_known_valid(self) -> bool:
-        """`KVCache.slots_known_valid`; always `False` in threshold mode, whose calls may empty slots (so a run
-        of compiled steps keeps the mask from its first step and one graph)."""
-        return self.threshold is None and super().slots_known_valid()
+    def empties_slots(self) -> bool:
+        """In threshold mode, a call empties the slots whose logit is below the threshold (the undo log then
+        records every slot; a run of compiled steps keeps the mask from its first step and one graph)."""
+        return self.threshold is not None
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -206,16 +192,6 @@ class LearnedKVCache(ScoreKVCache):
         calls the model runs (`column` picks the last dim of per-layer tables)."""
         self._rope = BoundRope(table, n_elem, column)
 
-    @property
-    def journal(self) -> Journal | None:
-        """The undo log's recorder (`KVCache.journal`); in threshold mode it records every slot."""
-        return self._journal
-
-    @journal.setter
-    def journal(self, value: Journal | None) -> None:
-        wrap = value is not None and self.options.threshold is not None and not isinstance(value, _AllSlots)
-        self._journal = _AllSlots(value) if wrap else value  # type: ignore[arg-type]
-
     # -- scoring --------------------------------------------------------------------------------
 
     def new_logits(self, candidates: Candidates) -> torch.Tensor:
@@ -228,24 +204,24 @@ class LearnedKVCache(ScoreKVCache):
         return _gate_new_keys(gates, rope, candidates.new_keys, candidates.query_pos)
 
     @classmethod
-    def stacked_scores(cls, caches: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+    def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """The layers' scores `(n_layers, B, G, L + 1)` built at once: the new tokens' gate logits of every
         layer in one pass (the keys of all layers side by side on the head axis `(B, n_layers * G, 1, D)`,
         rotated back and gated; per element the same operations as one layer alone), then the slots'
         carried logits stacked and the new ones appended in one copy. Each layer's record gets its view
         (what `score` returns for it), so the values are those of `score` layer by layer."""
-        rope = caches[0]._bound()[1]
-        if not all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in caches):
-            return super().stacked_scores(caches, records)
-        gates = [c._bound()[0] for c in caches]  # type: ignore[attr-defined]
+        rope = policies[0]._bound()[1]
+        if not all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in policies):
+            return super().stacked_scores(policies, records)
+        gates = [c._bound()[0] for c in policies]  # type: ignore[attr-defined]
         stacked = EvictionGates(
             torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1), 0, 0
         )
         keys = torch.cat([r.new_keys for r in records], dim=1)
         logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)  # (B, n * G, T)
         b, _, t = logits.shape
-        new = logits.view(b, len(caches), -1, t).transpose(0, 1)  # (n, B, G, T)
-        slots = torch.stack([c.logits for c in caches])  # type: ignore[attr-defined]  # (n, B, G, L)
+        new = logits.view(b, len(policies), -1, t).transpose(0, 1)  # (n, B, G, T)
+        slots = torch.stack([c.logits for c in policies])  # type: ignore[attr-defined]  # (n, B, G, L)
         scores = torch.cat((slots, new.to(slots.dtype)), dim=3)
         for i, record in enumerate(records):
             record.remember(LearnedKVCache._new_logits, new[i])
@@ -288,7 +264,6 @@ class LearnedKVCache(ScoreKVCache):
             protected = self._protected(self.positions)
             below = logits < self.threshold
             self.positions.masked_fill_(below if protected is None else below & ~protected, -1)
-            self.forget_valid_slots()
         return {"logits": logits.masked_fill_(self.positions < 0, 0.0)}  # `carry` made a new tensor
 
     def _bound(self) -> tuple[EvictionGates, BoundRope]:

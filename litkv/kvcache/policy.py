@@ -2,7 +2,8 @@
 
 A policy decides which tokens keep a layer's `cache_length` (`L`) slots. Everything else (storage,
 positions, the undo log, static shapes for compiled steps, snapshots, checks) is the layer cache's
-machinery (`litkv.kvcache.base.KVCache`), which runs the policy and knows no policy by name. A policy
+machinery (`litkv.kvcache.machine.SlotMachine`), which composes the policy (an instance of a
+`litkv.kvcache.base.KVCache` subclass, bound to its cache) and knows no policy by name. A policy
 declares, as class attributes:
 
 - `Options`: its options, a dataclass (fields with defaults, `check(cache_length)`; as kvpress's presses);
@@ -24,6 +25,7 @@ assigned in a hook) fails with one line saying what to change.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar
@@ -55,13 +57,26 @@ _OLD_NAMES = {
     "by name ({'name': tensor}) instead of assigning it",
 }
 
+#: The layer cache's methods (`SlotMachine`), which a policy inherited before it was composed: defined in a
+#: policy they would never be called, so a class defining one is refused.
+_MACHINE_NAMES = frozenset(
+    {
+        "attend_inputs", "evict_and_store", "wait_for_eviction", "settle", "take_waiting", "store_staged",
+        "abort_call", "advance", "nbytes", "state_tensors", "load_state_tensors", "slots_known_valid",
+        "forget_valid_slots", "overflow", "journal", "waiting_call", "_set_state",
+    }
+)  # fmt: skip
+
 
 class Policy(ABC):
     """The author's side of a layer cache: declarations and the methods a policy may implement.
 
-    Set by the machinery on the instance (read them, never assign them): `options` (the validated
-    `Options`), `cache_length` (`L`), `positions` (`(B, G, L)` int64 token position of each slot, `-1`
-    when empty), each declared state by its name, `config` (the `KVCacheConfig`).
+    Read on the instance (never assign them): `options` (the validated `Options`), `cache_length` (`L`),
+    `positions` (`(B, G, L)` int64 token position of each slot, `-1` when empty), each declared state by its
+    name, `config` (the `KVCacheConfig`), `cache` (the layer cache running it, `SlotMachine`).
+
+    The last methods (`check_room`, `flags`, `empties_slots`, `reads_only`) are what the one-shot mode and
+    kvzip's reconstruction pass ask of the machinery; a plain policy leaves them alone.
     """
 
     Options: ClassVar[type[PolicyOptions]] = NoOptions
@@ -80,14 +95,13 @@ class Policy(ABC):
     _state_names: ClassVar[frozenset[str]] = frozenset()
 
     options: PolicyOptions
-    cache_length: int
-    positions: torch.Tensor
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
         for name, change in _OLD_NAMES.items():
             if name in vars(cls):
                 raise TypeError(f"{cls.__name__}: {change} (docs/custom_policy.md)")
+        _refuse_machinery(cls)
         needs = frozenset(cls.needs)
         if not needs <= NEEDS:
             raise TypeError(f"{cls.__name__}.needs: unknown {sorted(needs - NEEDS)}; known: {sorted(NEEDS)}")
@@ -133,6 +147,11 @@ class Policy(ABC):
         return None
 
     @classmethod
+    def adjust(cls, config: CacheSettings) -> CacheSettings:
+        """The settings the cache is built with, from those given (`qh2o`: float storage becomes int4)."""
+        return config
+
+    @classmethod
     def max_tokens(cls, config: CacheSettings) -> int | None:
         """Most tokens one sequence may bring through this cache, `None` when unbounded (it evicts)."""
         return None
@@ -153,3 +172,57 @@ class Policy(ABC):
     def bind_gates(self, gates: EvictionGates | None, layer: int) -> None:
         """Receive the model's eviction gates (`None` when none are loaded) and this cache's layer index when
         `needs` has `"gates"`."""
+
+    def check_room(self, input_pos: torch.Tensor) -> None:
+        """Raise before attention if this policy cannot take the call's tokens (`input_pos` `(B, T)`) beyond
+        what `max_tokens` says (a one-shot cache keeps the whole prompt until it compresses)."""
+
+    def flags(self) -> dict[str, bool]:
+        """Host flags saved with the cache's state (each as `"row.<name>"`, `(B,)` bool; one-shot: whether
+        it compressed); `set_flags` receives them back when a state is loaded."""
+        return {}
+
+    def set_flags(self, flags: Mapping[str, bool]) -> None:
+        """Take the flags of a loaded state (the names `flags()` gives; `False` when the state had none)."""
+
+    def empties_slots(self) -> bool:
+        """Whether `update_state` may empty slots it did not overwrite (sets their position to `-1`): the
+        undo log then records every slot of a call, and the cache never assumes every slot holds a token."""
+        return False
+
+    def reads_only(self) -> bool:
+        """Whether the next call is one the policy reads and the cache does not keep (kvzip's reconstruction
+        pass): it attends the slots plus its own tokens, `read_call` sees them, nothing is stored or evicted."""
+        return False
+
+    def read_call(
+        self,
+        slot_keys: torch.Tensor,
+        slot_values: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor,
+    ) -> None:
+        """See a call while `reads_only()`: the slots' keys and values `(B, G, L, D)`, the new tokens' as
+        stored `(B, G, T, D)`, their positions `(B, T)`, the queries `(B, n_head, T, D)`."""
+        raise NotImplementedError(f"{type(self).__name__}.reads_only() is true but read_call is not implemented")
+
+
+def _refuse_machinery(cls: type) -> None:
+    """TypeError in one line when `cls` defines a layer cache method (`_MACHINE_NAMES`) or a constructor of the
+    old signature `(config, shape, device, dtype)`: neither would be called now that the cache composes it."""
+    own = sorted(_MACHINE_NAMES & set(vars(cls)))
+    if own:
+        raise TypeError(
+            f"{cls.__name__}.{own[0]} belongs to the layer cache (SlotMachine), which runs the policy: a policy "
+            "implements select_drop/score, update_state and the hooks of litkv.kvcache.policy (docs/custom_policy.md)"
+        )
+    init = vars(cls).get("__init__")
+    if init is not None:
+        params = list(inspect.signature(init).parameters)[1:]
+        if {"config", "shape", "device", "dtype"} & set(params):
+            raise TypeError(
+                f"{cls.__name__}.__init__{tuple(params)}: a policy is built by its cache as {cls.__name__}(cache) "
+                "(read cache.config, cache.shape); declared state (slot_state, row_state) needs no constructor"
+            )

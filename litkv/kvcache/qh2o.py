@@ -29,11 +29,11 @@ import torch
 
 from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState
 from litkv.kvcache.h2o import H2OKVCache, H2OOptions
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, check_float
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.registry import register_kv_cache
-from litkv.kvcache.storage import CacheShape
 
 __all__ = ["QuantizedH2OKVCache", "QH2OOptions"]
 
@@ -66,20 +66,22 @@ class QuantizedH2OKVCache(H2OKVCache):
     slot_state: ClassVar[Mapping[str, SlotState]] = {**H2OKVCache.slot_state, "quant_errors": SlotState()}
     quant_errors: torch.Tensor
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
+    @classmethod
+    def adjust(cls, config: CacheSettings) -> CacheSettings:
         """The storage must be quantised: `storage="float"` is replaced by `"int4"` (with a warning)."""
         if config.storage == "float":
             warnings.warn(
                 "policy 'qh2o' needs quantised storage; using storage='int4' (pass storage='int8' or "
                 "'int4' in KVCacheConfig to choose)",
-                stacklevel=2,
+                stacklevel=3,
             )
             config = dataclasses.replace(config, storage="int4")  # type: ignore[type-var]
-        super().__init__(config, shape, device, dtype)
-        if not isinstance(self.storage, QuantizedStorage):
-            raise TypeError(f"qh2o needs QuantizedStorage, got {type(self.storage).__name__}")
+        return config
+
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
+        if not isinstance(cache.storage, QuantizedStorage):
+            raise TypeError(f"qh2o needs QuantizedStorage, got {type(cache.storage).__name__}")
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` normalised H2O score minus the weighted normalised quantisation error."""
@@ -100,7 +102,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         return candidates.once(self._errors)
 
     def _errors(self, candidates: Candidates) -> torch.Tensor:
-        new = self.storage.token_errors(candidates.new_keys, candidates.new_values)  # type: ignore[attr-defined]
+        new = self.cache.storage.token_errors(candidates.new_keys, candidates.new_values)  # type: ignore[attr-defined]
         new = new.masked_fill(candidates.query_pos[:, None, :] < 0, 0.0)
         return torch.cat((self.quant_errors, new), dim=2)
 

@@ -30,20 +30,20 @@ looks like a decode step: with such chunks, call `compress_all` after the prompt
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import CacheSettings, Candidates, KVCache, drop_lowest
+from litkv.kvcache.base import Candidates, KVCache, drop_lowest
 from litkv.kvcache.candidates import keep_highest
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
-from litkv.kvcache.storage import CacheShape
 
 __all__ = ["OneShot", "ScoreKVCache", "compact_slots", "compress_all", "compress_layers", "keep_across_layers"]
 
 
-def compact_slots(cache: KVCache, keep: torch.Tensor) -> None:
+def compact_slots(cache: SlotMachine, keep: torch.Tensor) -> None:
     """Move the slots marked in `keep` `(B, G, L)` to the front of each (row, KV head), in slot order,
     and empty the others (position `-1`); `num_filled` becomes the largest kept count."""
     length = cache.cache_length
@@ -66,15 +66,14 @@ def compress_all(caches: Sequence[object]) -> None:
     of the prompt (what `KVCaches.end_prefill` does; `generate` calls it after the prefill). The caches
     that rank across layers (`OneShot.compresses_across_layers`) are compressed together (`compress_layers`
     on their `oneshot_scores()`). Other caches are left alone."""
-    across = [c for c in caches if isinstance(c, OneShot) and c.compresses_across_layers() and not c.compressed]
+    machines = [c for c in caches if isinstance(c, SlotMachine) and isinstance(c.policy, OneShot)]
+    across = [c for c in machines if c.policy.compresses_across_layers() and not c.policy.compressed]
     if across:
         for cache in across:
-            cache.settle()
-            if cache._call is not None:
-                raise RuntimeError("compress_all() called between attend_inputs() and evict_and_store()")
-        compress_layers(across, torch.stack([c.oneshot_scores().to(torch.float32) for c in across]))
-    for cache in caches:
-        if isinstance(cache, OneShot) and not any(cache is c for c in across):
+            cache.check_idle("compress_all()")
+        compress_layers(across, torch.stack([c.policy.oneshot_scores().to(torch.float32) for c in across]))
+    for cache in machines:
+        if not any(cache is c for c in across):
             cache.end_prefill()
 
 
@@ -99,19 +98,27 @@ def keep_across_layers(
     return keep.reshape(n, b, g, length) & (positions >= 0)
 
 
-def compress_layers(caches: Sequence[OneShot], scores: torch.Tensor, layerwise: bool = False, n_sink: int = 0) -> None:
-    """Compress the layers' caches together by `scores` `(n_layers, B, G, L)` (`keep_across_layers` with
-    their common `budget`): the kept slots move to the front of each head (`compact_slots`)."""
+def compress_layers(
+    caches: Sequence[SlotMachine], scores: torch.Tensor, layerwise: bool = False, n_sink: int = 0
+) -> None:
+    """Compress the layers' caches (of one-shot policies) together by `scores` `(n_layers, B, G, L)`
+    (`keep_across_layers` with their common `budget`): the kept slots move to the front of each head
+    (`compact_slots`)."""
     if not caches:
         raise ValueError("compress_layers needs at least one one-shot cache")
-    budgets = {c.budget for c in caches}
+    policies = [c.policy for c in caches]
+    if not all(isinstance(p, OneShot) for p in policies):
+        raise ValueError(
+            f"compress_layers: every layer needs a one-shot policy, got {[type(p).__name__ for p in policies]}"
+        )
+    budgets = {p.budget for p in policies}  # type: ignore[attr-defined]
     if len(budgets) != 1 or None in budgets:
         raise ValueError(f"compress_layers: every layer needs one one-shot budget, got {sorted(map(str, budgets))}")
     positions = torch.stack([c.positions for c in caches])
-    keep = keep_across_layers(scores, positions, caches[0].budget, layerwise, n_sink)  # type: ignore[arg-type]
+    keep = keep_across_layers(scores, positions, budgets.pop(), layerwise, n_sink)  # type: ignore[arg-type]
     for cache, layer_keep in zip(caches, keep, strict=True):
         compact_slots(cache, layer_keep)
-        cache.compressed = True
+        cache.policy.compressed = True  # type: ignore[attr-defined]
 
 
 def check_no_nan(scores: torch.Tensor, where: str, inputs: Sequence[torch.Tensor | None] = ()) -> None:
@@ -126,10 +133,8 @@ class OneShot(KVCache):
     """The one-shot mode of a policy (`options.mode == "one-shot"`, `options.budget`): no eviction until
     `compress()`, which keeps the `budget` highest `oneshot_scores()` per (row, KV head)."""
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
         self.one_shot = getattr(self.options, "mode", "continuous") == "one-shot"
         self.budget = getattr(self.options, "budget", None)
         self.compressed = False
@@ -147,12 +152,10 @@ class OneShot(KVCache):
         """Keep the `budget` best-scored tokens of each (row, KV head), moved to the first slots."""
         if not self.one_shot:
             raise RuntimeError(f"{type(self).__name__}.compress() is for mode='one-shot', got {self.options.mode!r}")
-        self.settle()
-        if self._call is not None:
-            raise RuntimeError("compress() called between attend_inputs() and evict_and_store()")
+        self.cache.check_idle("compress()")
         scores = self.oneshot_scores().to(torch.float32)
         check_no_nan(scores, f"{type(self).__name__}.oneshot_scores")  # once per prompt
-        compact_slots(self, self.select_keep(scores, self.positions))
+        compact_slots(self.cache, self.select_keep(scores, self.positions))
         self.compressed = True
 
     def select_keep(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -169,8 +172,7 @@ class OneShot(KVCache):
 
     def check_room(self, input_pos: torch.Tensor) -> None:
         """One-shot: the whole prompt must fit before the compression."""
-        super().check_room(input_pos)
-        over = self.overflow(input_pos, self.cache_length) if self.one_shot and not self.compressed else None
+        over = self.cache.overflow(input_pos, self.cache_length) if self.one_shot and not self.compressed else None
         if over is not None:
             row, held, need = over
             raise ValueError(
@@ -179,17 +181,13 @@ class OneShot(KVCache):
                 "Use cache_length >= prompt length (the budget sets what is kept)"
             )
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = super().state_tensors()
-        if self.one_shot:
-            out["row.one_shot_compressed"] = torch.full((self.shape.batch_size,), self.compressed)
-        return out
+    def flags(self) -> dict[str, bool]:
+        """One-shot: whether the cache compressed (`"row.one_shot_compressed"` in the state)."""
+        return {"one_shot_compressed": self.compressed} if self.one_shot else {}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
-        super().load_state_tensors(tensors, num_filled)
+    def set_flags(self, flags: Mapping[str, bool]) -> None:
         if self.one_shot:
-            flag = tensors.get("row.one_shot_compressed")
-            self.compressed = flag is not None and bool(flag.all())
+            self.compressed = flags["one_shot_compressed"]
 
 
 class ScoreKVCache(OneShot):
@@ -197,10 +195,8 @@ class ScoreKVCache(OneShot):
 
     Options: ClassVar[type[PolicyOptions]] = ScoreOptions
 
-    def __init__(
-        self, config: CacheSettings, shape: CacheShape, device: torch.device | None, dtype: torch.dtype
-    ) -> None:
-        super().__init__(config, shape, device, dtype)
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
         if not isinstance(self.options, ScoreOptions):
             raise TypeError(f"{type(self).__name__}.Options must subclass ScoreOptions, got {type(self.options)}")
         self.sinks = self.options.protected_sinks()
@@ -221,14 +217,14 @@ class ScoreKVCache(OneShot):
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` `score()` of the slots as a call without new tokens would see them; sinks and the
         `recent` newest tokens score `inf`. Policies whose score needs the prompt's queries override it."""
-        keys, values = self.storage.read()
+        keys, values = self.cache.storage.read()
         b, g, _ = self.positions.shape
         none = keys[:, :, :0]
         candidates = Candidates(
             self.positions.clone(), keys, values, none, values[:, :, :0],
             torch.zeros(b, 0, dtype=torch.long, device=keys.device),
         )  # fmt: skip
-        if self.needs_attn_weights:
+        if self.cache.needs_attn_weights:
             candidates.attn_weights = torch.zeros_like(self.positions, dtype=torch.float32)
         return self.protect(self.score(candidates).to(torch.float32), self.positions)
 
@@ -253,7 +249,7 @@ class ScoreKVCache(OneShot):
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise ValueError(f"{type(self).__name__}.score must return shape {expected} (B, G, L + T), got {got}")
-        if not self.static_shapes and (candidates.num_new > 1 or scores.device.type == "cpu"):
+        if not self.cache.static_shapes and (candidates.num_new > 1 or scores.device.type == "cpu"):
             # a prompt chunk, or a decode step on the CPU (no queue to stall): a device's decode steps read nothing
             inputs = (candidates.keys, candidates.new_keys, candidates.new_values, candidates.attn_weights)
             check_no_nan(scores, f"{type(self).__name__}.score", inputs)
@@ -268,19 +264,19 @@ class ScoreKVCache(OneShot):
         return drop_lowest(scores.masked_fill(positions < 0, float("-inf")), positions, k)
 
     @classmethod
-    def select_drop_layers(cls, caches: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
-        """`(n_layers, B, G, 1)`: the decode-step drops of `caches` (layers of this class with one
+    def select_drop_layers(cls, policies: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
+        """`(n_layers, B, G, 1)`: the decode-step drops of `policies` (layers of this class with one
         configuration, `KVCaches.evict_waiting`) with one selection (sinks, recent window, lowest score)
         over their stacked `(n_layers, B, G, L + 1)` scores, each layer's as its `select_drop` would pick."""
-        scores = cls.stacked_scores(caches, calls)
-        return caches[0].lowest(scores, torch.stack([c.positions for c in calls]), 1)
+        scores = cls.stacked_scores(policies, calls)
+        return policies[0].lowest(scores, torch.stack([c.positions for c in calls]), 1)
 
     @classmethod
-    def stacked_scores(cls, caches: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
+    def stacked_scores(cls, policies: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
         """`(n_layers, B, G, L + 1)` float32 scores of the layers' waiting decode steps: each layer's
         `checked_score`. A class may compute what its layers share once (`learned`: every layer's gate
         logits in one product), as long as each layer gets the scores it would get alone."""
-        return torch.stack([c.checked_score(r) for c, r in zip(caches, calls, strict=True)])
+        return torch.stack([c.checked_score(r) for c, r in zip(policies, calls, strict=True)])
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """`(..., N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.

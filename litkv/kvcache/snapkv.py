@@ -154,7 +154,7 @@ class SnapKVKVCache(ScoreKVCache):
         call's new keys)."""
         keys = candidates.keys
         if keys is None:
-            keys = torch.cat((self.storage.read()[0], candidates.new_keys), dim=2)
+            keys = torch.cat((self.cache.storage.read()[0], candidates.new_keys), dim=2)
         return self.call_scores(candidates, keys)
 
     def call_scores(self, candidates: Candidates, keys: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,7 @@ class SnapKVKVCache(ScoreKVCache):
             raise RuntimeError("SnapKVKVCache.compress() before any prompt token was seen")
         queries, query_pos = self.window
         pos = self.positions
-        weights = window_attention(queries, self.storage.read()[0], query_pos, pos, self.options.window)
+        weights = window_attention(queries, self.cache.storage.read()[0], query_pos, pos, self.options.window)
         start = query_pos.masked_fill(query_pos < 0, torch.iinfo(torch.long).max).min(dim=1).values  # (B,)
         in_window = pos >= start[:, None, None]
         pooled = pool_by_position(weights.masked_fill(in_window | (pos < 0), 0.0), pos, self.options.kernel)

@@ -78,7 +78,7 @@ class TOVAKVCache(ScoreKVCache):
             raise RuntimeError("TOVAKVCache.compress() before any prompt token was seen")
         query, query_pos = self.last_query
         pos = self.positions
-        weights = self._over_heads(window_attention(query, self.storage.read()[0], query_pos, pos, 1))
+        weights = self._over_heads(window_attention(query, self.cache.storage.read()[0], query_pos, pos, 1))
         return self.protect(weights.masked_fill(pos == query_pos[:, :1, None], float("inf")), pos)
 
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate | None:

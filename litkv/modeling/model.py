@@ -19,9 +19,10 @@ from litgpt.model import GPT as LitGPT
 
 from litkv.core.validation import require_int
 from litkv.gates.gate import EvictionGates
-from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.base import LayerCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.modeling.config import RECURRENT_KINDS, Config, layer_kinds
 from litkv.modeling.gated_deltanet import GatedDeltaNet
@@ -163,11 +164,11 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             block.attn.kv_cache = None if caches is None else caches[i]
             cache = block.attn.kv_cache
-            if isinstance(cache, KVCache) and cache.needs_rope:  # policies that score with RoPE (expected-attention)
+            if isinstance(cache, SlotMachine) and cache.needs_rope:  # policies scoring with RoPE (expected-attention)
                 column = None if self.config.rope_indices is None else self.config.rope_indices[i]
-                cache.bind_rope(self._rope_table, self.config.rope_n_elem, column)
-            if isinstance(cache, KVCache) and cache.needs_gates:  # the `learned` policy
-                cache.bind_gates(self.eviction_gates, i)
+                cache.policy.bind_rope(self._rope_table, self.config.rope_n_elem, column)
+            if isinstance(cache, SlotMachine) and cache.needs_gates:  # the `learned` policy
+                cache.policy.bind_gates(self.eviction_gates, i)
         self.caches = caches
         return caches
 
@@ -230,7 +231,7 @@ class GPT(nn.Module):
             self._checks = previous
 
     @property
-    def kv_caches(self) -> list[KVCache | None]:
+    def kv_caches(self) -> list[SlotMachine | None]:
         """The attached layer caches (`None` per layer when none are attached)."""
         return [block.attn.kv_cache for block in self.transformer.h]
 

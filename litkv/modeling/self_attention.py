@@ -1,5 +1,5 @@
 """The self-attention layer of a `Block` (`Block.attn` of an attention layer): queries, keys and values with
-RoPE, then attention through the layer's optional `KVCache` (`attend_inputs`, the attention kernel of
+RoPE, then attention through the layer's optional `SlotMachine` (`attend_inputs`, the attention kernel of
 `litkv.modeling.attention`, `evict_and_store`), with the mask layout chosen per call. The recurrent mixers
 in the same place are `litkv.modeling.mamba2.Mamba2Mixer` and `litkv.modeling.gated_deltanet.GatedDeltaNet`.
 """
@@ -14,8 +14,9 @@ import torch.nn as nn
 
 from litkv.core.rope import apply_rope, yarn_mscale
 from litkv.gates.soft import SoftEviction
-from litkv.kvcache.base import KVCache, LayerCache
+from litkv.kvcache.base import LayerCache
 from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import CAUSAL, Layout, attend, build_mask
 from litkv.modeling.config import ATTENTION, Config, HybridConfig
@@ -24,7 +25,7 @@ __all__ = ["CausalSelfAttention", "call_layout"]
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head / grouped-query self-attention through an optional per-layer `KVCache`."""
+    """Multi-head / grouped-query self-attention through an optional per-layer `SlotMachine`."""
 
     kind: ClassVar[str] = ATTENTION  # the layer kind it mixes (`litkv.modeling.config.layer_kinds`)
     reads_rope: ClassVar[bool] = True  # a block calls it with `(x, cos, sin, input_pos, no_pads, evict_later)`
@@ -40,7 +41,7 @@ class CausalSelfAttention(nn.Module):
         cls, config: Config, kv_cache: KVCacheConfig, batch_size: int, device: torch.device, dtype: torch.dtype
     ) -> LayerCache:
         """A fresh cache of `kv_cache`'s policy for the layer."""
-        return kv_cache.policy_class(kv_cache, cls.state_shape(config, kv_cache, batch_size), device, dtype)
+        return kv_cache.make_cache(cls.state_shape(config, kv_cache, batch_size), device, dtype)
 
     def __init__(self, config: Config, block_idx: int) -> None:
         super().__init__()
@@ -67,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         if adjustments.get("mscale_all_dim") and adjustments.get("factor"):
             mscale = yarn_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
         self.scale = mscale * mscale / math.sqrt(config.attention_scores_scalar or config.head_size)
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: SlotMachine | None = None
         # Set while eviction gates are trained (`litkv.gates.soft.soft_eviction`): calls attend with the
         # gates' soft keep decisions as an additive bias (without a cache, or through one, `attend_cached`).
         self.soft_eviction: SoftEviction | None = None
@@ -86,7 +87,7 @@ class CausalSelfAttention(nn.Module):
         """`x`: `(B, T, n_embd)` -> `(B, T, n_embd)`. `no_pads`: `input_pos` holds no `-1` (then a call
         that attends only its own tokens, the first prefill chunk, takes SDPA's causal kernel).
         `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
-        loop (`KVCache.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
+        loop (`SlotMachine.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
         q, k, v = self._qkv(x, cos, sin)
         if input_pos is None and self.soft_eviction is not None:
             y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
@@ -105,7 +106,7 @@ class CausalSelfAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         input_pos: torch.Tensor,
-        cache: KVCache,
+        cache: SlotMachine,
         no_pads: bool = False,
         evict_later: bool = False,
     ) -> torch.Tensor:
@@ -161,7 +162,7 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def _layout(
-        self, cache: KVCache, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool
+        self, cache: SlotMachine, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool
     ) -> Layout:
         """Which keys each of the call's queries sees (`call_layout` with this layer's sliding window)."""
         return call_layout(cache, keys, k_pos, input_pos, no_pads, self.window)

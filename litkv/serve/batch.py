@@ -34,9 +34,9 @@ import warnings
 import torch
 
 from litkv.inference.blocks import feed_blocks
-from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.recurrent import RecurrentCache
 from litkv.modeling.fingerprint import model_fingerprint
 from litkv.modeling.model import GPT
@@ -97,7 +97,7 @@ class RowBatch:
         self.fingerprint = model_fingerprint(model)
         self.place: dict[int, int] = {}  # a row in use -> its index in the caches (0..in use - 1)
         self._narrowed: dict[int, _Narrowed] = {}
-        self.narrowing = not any(cache.row_state for cache in self.batch.policy_caches)
+        self.narrowing = not any(cache.policy.row_state for cache in self.batch.policy_caches)
         self.last_step_rows = 0
         model.set_kv_caches(self.batch)
 
@@ -320,8 +320,8 @@ class _Narrowed:
         self.bound, sources = [], []
         for small, full in zip(self.caches.layers, batch.layers, strict=True):
             holders = [(small, full)]
-            if isinstance(small, KVCache) and isinstance(full, KVCache):
-                holders.append((small.storage, full.storage))
+            if isinstance(small, SlotMachine) and isinstance(full, SlotMachine):
+                holders += [(small.storage, full.storage), (small.policy, full.policy)]
             for h_small, h_full in holders:
                 for name, value in list(vars(h_small).items()):
                     if isinstance(value, torch.Tensor):

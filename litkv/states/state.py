@@ -1,6 +1,6 @@
 """Cache state: the KV caches of a model (all layers) as a value that can be taken and given back.
 
-A `CacheState` holds, per layer, what `KVCache.state_tensors()` returns (slot positions, storage
+A `CacheState` holds, per layer, what `SlotMachine.state_tensors()` returns (slot positions, storage
 tensors, the policy's per-slot and per-row state) and the host counter `num_filled`, plus the last
 position of each row (`GPT.last_pos`). On it are built:
 
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from litkv.kvcache.base import KVCache
 from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
+from litkv.kvcache.policy import Policy
 from litkv.kvcache.recurrent import RECURRENT_STATE_KINDS, RecurrentCache, RecurrentShape
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.config import ATTENTION, layer_kinds
@@ -57,7 +58,7 @@ class LayerState:
     Attributes:
         config: the layer's `KVCacheConfig`.
         shape: the cache's `CacheShape` (its `batch_size` is the state's).
-        tensors: `KVCache.state_tensors()` copies. "positions" and "storage.*" may hold only the first
+        tensors: `SlotMachine.state_tensors()` copies. "positions" and "storage.*" may hold only the first
             `length` slots (dim 2): the others were never written (positions -1, storage zeros).
         num_filled: the cache's host counter.
         length: slots held by the trimmed tensors (`cache_length` when not trimmed).
@@ -310,9 +311,9 @@ def _check_same(a: CacheState, b: CacheState, what: str) -> None:
 _WARNED: set[type] = set()
 
 
-def _layer_snapshot(cache: KVCache, device: torch.device | str | None) -> LayerState:
-    cls = type(cache)
-    if cls.update_state is not KVCache.update_state and not (cls.slot_state or cls.row_state) and cls not in _WARNED:
+def _layer_snapshot(cache: SlotMachine, device: torch.device | str | None) -> LayerState:
+    cls = type(cache.policy)
+    if cls.update_state is not Policy.update_state and not (cls.slot_state or cls.row_state) and cls not in _WARNED:
         _WARNED.add(cls)
         warnings.warn(
             f"{cls.__name__} overrides update_state but declares no slot_state/row_state: its own state is not "
@@ -381,7 +382,7 @@ def _check_model(model: GPT, state: CacheState) -> None:
 
 
 @torch.no_grad()
-def restore(model: GPT, state: CacheState) -> list[KVCache | RecurrentCache]:
+def restore(model: GPT, state: CacheState) -> list[SlotMachine | RecurrentCache]:
     """Set the model's caches to `state` (bitwise) and `model.last_pos` to the state's.
 
     The attached caches are reused when they have the state's configs, batch size and dtype; otherwise
@@ -426,17 +427,17 @@ def _fits(cache: object, layer: AnyLayerState, dtype: torch.dtype) -> bool:
             and cache.dtype == dtype
         )
     return (
-        isinstance(cache, KVCache)
+        isinstance(cache, SlotMachine)
         and cache.config == layer.config
         and cache.shape == layer.shape
         and cache.dtype == dtype
     )
 
 
-def _fresh_cache(layer: AnyLayerState, device: torch.device, dtype: torch.dtype) -> KVCache | RecurrentCache:
+def _fresh_cache(layer: AnyLayerState, device: torch.device, dtype: torch.dtype) -> SlotMachine | RecurrentCache:
     if isinstance(layer, RecurrentLayerState):
         return RecurrentCache(layer.shape, device, dtype, kind=layer.kind)
-    return layer.config.policy_class(layer.config, layer.shape, device, dtype)
+    return layer.config.make_cache(layer.shape, device, dtype)
 
 
 # -- files ----------------------------------------------------------------------------------------

@@ -20,21 +20,21 @@ from dataclasses import dataclass
 import torch
 
 from litkv.core.validation import require_int
-from litkv.kvcache.base import KVCache
 from litkv.kvcache.caches import KVCaches
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.recurrent import RecurrentCache
 from litkv.modeling.model import GPT
 
 __all__ = ["UndoLog", "attached_caches", "keep_undo_log", "truncate", "undo_log_of", "writing_mode"]
 
 
-def attached_caches(model: GPT) -> list[KVCache | RecurrentCache]:
-    """The model's attached layer caches (`KVCache`, and `RecurrentCache` in a hybrid model), one per layer;
+def attached_caches(model: GPT) -> list[SlotMachine | RecurrentCache]:
+    """The model's attached layer caches (`SlotMachine`, and `RecurrentCache` in a hybrid model), one per layer;
     ValueError when none are attached."""
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a litkv GPT, got {type(model).__name__}")
     caches = model.kv_caches
-    if any(not isinstance(c, (KVCache, RecurrentCache)) for c in caches):
+    if any(not isinstance(c, (SlotMachine, RecurrentCache)) for c in caches):
         raise ValueError("the model has no KV caches attached: call model.set_kv_caches(model.build_kv_caches(...))")
     return caches  # type: ignore[return-value]
 
@@ -42,7 +42,7 @@ def attached_caches(model: GPT) -> list[KVCache | RecurrentCache]:
 def writing_mode(caches: Sequence[object]) -> contextlib.AbstractContextManager:
     """`torch.inference_mode()` when a cache holds inference tensors (it ran under inference mode: they
     can be written in place only there), else `torch.no_grad()`."""
-    live = (t for c in caches if isinstance(c, KVCache) for t in c.state_tensors().values())
+    live = (t for c in caches if isinstance(c, SlotMachine) for t in c.state_tensors().values())
     return torch.inference_mode() if any(t.is_inference() for t in live) else torch.no_grad()
 
 
@@ -63,13 +63,13 @@ class _Record:
 
 
 class _LayerJournal:
-    """`KVCache.journal` of one layer: records into the undo log."""
+    """`SlotMachine.journal` of one layer: records into the undo log."""
 
     def __init__(self, log: UndoLog, layer: int) -> None:
         self.log = log
         self.layer = layer
 
-    def __call__(self, cache: KVCache, dest: torch.Tensor) -> None:
+    def __call__(self, cache: SlotMachine, dest: torch.Tensor) -> None:
         self.log._record(self.layer, cache, dest)
 
 
@@ -114,7 +114,7 @@ class UndoLog:
         return sum(t.nbytes for t in tensors)
 
     @torch.no_grad()
-    def _record(self, layer: int, cache: KVCache, dest: torch.Tensor) -> None:
+    def _record(self, layer: int, cache: SlotMachine, dest: torch.Tensor) -> None:
         last_pos = None if self._caches is None else self._caches.last_pos
         if layer == 0:
             after = None if last_pos is None else last_pos.clone()
@@ -134,7 +134,7 @@ class UndoLog:
                 whole[name] = t.clone()
         self.entries[-1][0].append(_Record(dest.clone(), at_dest, whole, cache.num_filled))
 
-    def undo_last(self, caches: Sequence[KVCache | RecurrentCache]) -> None:
+    def undo_last(self, caches: Sequence[SlotMachine | RecurrentCache]) -> None:
         """Undo the newest recorded call in every layer (recurrent layers: their state before the call)."""
         records, _ = self.entries.pop()
         states = self.recurrent.pop()
@@ -144,12 +144,12 @@ class UndoLog:
                 f"the undo log holds {len(states)} recurrent states, the model has {len(recurrent)} layers"
             )
         with writing_mode(caches):
-            self._undo([c for c in caches if isinstance(c, KVCache)], records)
+            self._undo([c for c in caches if isinstance(c, SlotMachine)], records)
         for cache, state in zip(recurrent, states, strict=True):
             cache.load_state_tensors(state)
 
     @staticmethod
-    def _undo(caches: Sequence[KVCache], records: list[_Record]) -> None:
+    def _undo(caches: Sequence[SlotMachine], records: list[_Record]) -> None:
         for cache, record in zip(caches, records, strict=True):
             tensors = {}
             for name, t in cache.state_tensors().items():
@@ -178,9 +178,9 @@ def undo_log_of(model: GPT) -> UndoLog | None:
     return log if isinstance(log, UndoLog) else None
 
 
-def _is_dense_like(cache: KVCache) -> bool:
+def _is_dense_like(cache: SlotMachine) -> bool:
     """No policy state and a token limit (never evicts): rolling back only empties slots."""
-    cls = type(cache)
+    cls = type(cache.policy)
     return not cls.slot_state and not cls.row_state and cls.max_tokens(cache.config) is not None
 
 
@@ -222,7 +222,7 @@ def truncate(model: GPT, n: int) -> None:
         return
     if log is None:
         raise ValueError(
-            f"cannot roll back {type(caches[0]).__name__} caches without an undo log: call "
+            f"cannot roll back {caches[0].name} caches without an undo log: call "
             "litkv.keep_undo_log(model, depth) before the calls to roll back"
         )
     count = _calls_to_undo(log, model.last_pos, target, n)
@@ -252,12 +252,12 @@ def _calls_to_undo(log: UndoLog, last_pos: torch.Tensor, target: torch.Tensor, n
     return count
 
 
-def _truncate_dense(caches: Sequence[KVCache], target: torch.Tensor) -> None:
+def _truncate_dense(caches: Sequence[SlotMachine], target: torch.Tensor) -> None:
     with writing_mode(caches):
         _empty_slots_after(caches, target)
 
 
-def _empty_slots_after(caches: Sequence[KVCache], target: torch.Tensor) -> None:
+def _empty_slots_after(caches: Sequence[SlotMachine], target: torch.Tensor) -> None:
     for cache in caches:
         tensors = dict(cache.state_tensors())
         positions = tensors["positions"]

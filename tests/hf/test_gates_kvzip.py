@@ -96,7 +96,7 @@ def test_learned_one_shot_ragged(gated, kind: str) -> None:
     with torch.no_grad():
         hf(input_ids=torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(4)), past_key_values=cache)
         cache.end_prefill()
-    assert all(c.compresses_across_layers() == (kind == "one-scale") for c in cache.kv_caches)
+    assert all(c.policy.compresses_across_layers() == (kind == "one-scale") for c in cache.kv_caches)
     kept = [int((c.positions >= 0).sum()) for c in cache.kv_caches]
     assert sum(kept) == 24 * 2 * 2 and (kind == "per-head") == (len(set(kept)) == 1), kept
 

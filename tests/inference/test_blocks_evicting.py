@@ -79,13 +79,13 @@ def test_h2o_state_of_spliced_tokens_is_that_of_uniform_attention(model: GPT) ->
     q_per_kv = model.config.n_head // model.config.n_query_groups
     with model.kv_caches_attached(cfg, 1):
         prefill_segments(model, [Segment(context)], cfg)
-        before = [cache.attn_sums[0, :, :4].clone() for cache in model.kv_caches]
+        before = [cache.policy.attn_sums[0, :, :4].clone() for cache in model.kv_caches]
         block = BlockStore(0).get(model, ids, ChunkPlan.of(cfg))
         splice(model, block, 4, torch.ones(10, dtype=torch.bool), 16)
         share = torch.tensor([q_per_kv / (4 + i + 1) for i in range(10)], dtype=torch.float64)
         for cache, old in zip(model.kv_caches, before, strict=True):
             assert torch.equal(cache.positions[0, 0, :14], torch.arange(14))
-            got_prior = cache.attn_sums[0, :, :4].double() - old.double()
+            got_prior = cache.policy.attn_sums[0, :, :4].double() - old.double()
             assert torch.allclose(got_prior, share.sum().expand(got_prior.shape), atol=1e-5)
             expected = torch.stack([share[j:].sum() for j in range(10)])
-            assert torch.allclose(cache.attn_sums[0, :, 4:14].double(), expected.expand(2, 10), atol=1e-5)
+            assert torch.allclose(cache.policy.attn_sums[0, :, 4:14].double(), expected.expand(2, 10), atol=1e-5)

@@ -16,6 +16,7 @@ from helpers import max_diff, rounding_bound
 import litkv.modeling.attention as attention
 from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.dense import DenseKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
 
@@ -60,7 +61,7 @@ def _cache_call(seed: int, storage: str = "float") -> tuple[torch.Tensor, ...]:
     """
     gen = torch.Generator().manual_seed(seed)
     config = KVCacheConfig("dense", cache_length=24, chunk_size=8, storage=storage)
-    cache = DenseKVCache(config, CacheShape(B, G, 24, HS, HS), None, torch.float32)
+    cache = SlotMachine(DenseKVCache, config, CacheShape(B, G, 24, HS, HS), None, torch.float32)
     first = torch.tensor([[0, 1, 2, 3, 4, 5], [-1, -1, -1, 0, 1, 2], [-1, -1, -1, -1, -1, 0]])
     second = torch.tensor([[6, 7, 8, 9, 10], [3, 4, 5, 6, 7], [-1, -1, -1, -1, -1]])
     for pos in (first, second):

@@ -47,13 +47,13 @@ def test_a_row_with_statistics_copies_into_caches_that_have_none(model: GPT) -> 
             _feed(model, alone, prompt[:, start : start + 8], start)
         batch = _caches(model, 3)  # no call yet: no statistics
         batch.copy_row(1, alone, 0)
-        stats = alone[0].stats
-        assert torch.equal(batch[0].stats[0][1], stats[0][0]) and not batch[0].stats[1][0].any()
+        stats = alone[0].policy.stats
+        assert torch.equal(batch[0].policy.stats[0][1], stats[0][0]) and not batch[0].policy.stats[1][0].any()
         for i, token in enumerate(steps.tolist()):
             want = _feed(model, alone, torch.tensor([[token]]), 40 + i)
             got = _feed(model, batch, torch.tensor([[5], [token], [7]]), 40 + i)  # rows 0, 2: fresh
             torch.testing.assert_close(got[1:2], want, rtol=0, atol=1e-12)
-        for mine, ref in zip(batch[0].stats, alone[0].stats, strict=True):
+        for mine, ref in zip(batch[0].policy.stats, alone[0].policy.stats, strict=True):
             torch.testing.assert_close(mine[1:2], ref, rtol=0, atol=1e-12)
         # and back: a row of the batch into caches without statistics, and one without into caches with
         again = _caches(model, 1)
@@ -61,7 +61,7 @@ def test_a_row_with_statistics_copies_into_caches_that_have_none(model: GPT) -> 
         assert torch.equal(again[0].positions, batch[0].positions[1:2])
         empty = _caches(model, 1)
         batch.copy_row(2, empty, 0)
-        assert not any(part[2].any() for part in batch[0].stats) and (batch[0].positions[2] == -1).all()
+        assert not any(part[2].any() for part in batch[0].policy.stats) and (batch[0].positions[2] == -1).all()
 
 
 def test_other_row_state_mismatches_are_still_refused(model: GPT) -> None:

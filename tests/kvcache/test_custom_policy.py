@@ -14,6 +14,7 @@ import torch
 
 from litkv.kvcache import CacheShape, KVCache
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.registry import get_kv_cache_class, known_policies
 from litkv.modeling.attention import attend, build_mask
 
@@ -132,7 +133,7 @@ def test_value_norm_keeps_the_largest_values(examples_on_path: None, sinks: int,
     config = KVCacheConfig(
         VALUE_NORM, cache_length=length, chunk_size=3, prefill_length=5, options=dict(sinks=sinks, recent=recent)
     )
-    cache = get_kv_cache_class(VALUE_NORM)(config, CacheShape(b, g, length, hs, hs), None, torch.float32)
+    cache = SlotMachine(get_kv_cache_class(VALUE_NORM), config, CacheShape(b, g, length, hs, hs), None, torch.float32)
     bounds = ChunkPlan.of(config).bounds(n)
     expected = _brute_force_value_norm(v.double(), bounds, length, sinks, recent)
     for (start, end), kept in zip(bounds, expected, strict=True):
@@ -150,7 +151,7 @@ def _run_with_attention(
     b, heads, n, hs = q.shape
     g, length = k.shape[1], 8
     config = KVCacheConfig(policy, cache_length=length, chunk_size=3, prefill_length=5, options=options)
-    cache = get_kv_cache_class(policy)(config, CacheShape(b, g, length, hs, hs), None, torch.float32)
+    cache = SlotMachine(get_kv_cache_class(policy), config, CacheShape(b, g, length, hs, hs), None, torch.float32)
     for start, end in ChunkPlan.of(config).bounds(n):
         pos = torch.arange(start, end).expand(b, end - start)
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end], v[:, :, start:end], pos)

@@ -16,6 +16,7 @@ import torch
 from litkv import GPT, KVCacheConfig, keep_undo_log, snapshot
 from litkv.kvcache import CacheShape, Candidates, KVCache, LastRecentKVCache, SlotState
 from litkv.kvcache.h2o import H2OKVCache
+from litkv.kvcache.machine import SlotMachine
 
 N_LAYER = 4
 
@@ -94,7 +95,7 @@ def _run_with(model: GPT, cls: type[KVCache], together: bool) -> tuple[list[torc
     idx, pos = _inputs()
     cfg = KVCacheConfig("last-recent", cache_length=10, options={"sinks": 2})
     shape = model.build_kv_caches(cfg, 2)[0].shape
-    model.set_kv_caches([cls(cfg, shape, None, torch.float32) for _ in range(N_LAYER)])
+    model.set_kv_caches([SlotMachine(cls, cfg, shape, None, torch.float32) for _ in range(N_LAYER)])
     try:
         model.caches.evict_layers_together = together
         logits = [model(idx[:, :10], pos[:, :10])]
@@ -137,8 +138,8 @@ class _Stop(Exception):
     pass
 
 
-class _FailAfterAttention(H2OKVCache):
-    """h2o whose attention raises once, after `attend_inputs` (the call is open and never evicted)."""
+class _FailAfterAttention(SlotMachine):
+    """A layer cache whose attention raises once, after `attend_inputs` (the call is open and never evicted)."""
 
     fail_next = False
 
@@ -157,7 +158,7 @@ def _interrupted_run(model: GPT, together: bool, where: str) -> tuple[list[torch
     idx, pos = _inputs()
     cfg = KVCacheConfig("h2o", cache_length=10)
     shape = model.build_kv_caches(cfg, 2)[0].shape
-    model.set_kv_caches([_FailAfterAttention(cfg, shape, None, torch.float32) for _ in range(N_LAYER)])
+    model.set_kv_caches([_FailAfterAttention(H2OKVCache, cfg, shape, None, torch.float32) for _ in range(N_LAYER)])
     try:
         model.caches.evict_layers_together = together
         model(idx[:, :10], pos[:, :10])
@@ -212,11 +213,11 @@ class _DeclaredState(LastRecentKVCache):
 
 def test_declared_slot_state_is_allocated_by_the_base() -> None:
     cfg = KVCacheConfig("last-recent", cache_length=6)
-    cache = _DeclaredState(cfg, CacheShape(3, 2, 6, 8, 8), None, torch.float32)
-    assert cache.age.dtype == torch.int64 and tuple(cache.age.shape) == (3, 2, 6)
-    assert bool((cache.age == -1).all())
-    assert cache.mass.dtype == torch.float32 and not bool(cache.mass.any())
-    assert cache.calls is None
+    cache = SlotMachine(_DeclaredState, cfg, CacheShape(3, 2, 6, 8, 8), None, torch.float32)
+    assert cache.policy.age.dtype == torch.int64 and tuple(cache.policy.age.shape) == (3, 2, 6)
+    assert bool((cache.policy.age == -1).all())
+    assert cache.policy.mass.dtype == torch.float32 and not bool(cache.policy.mass.any())
+    assert cache.policy.calls is None
     assert {"slot.age", "slot.mass"} <= set(cache.state_tensors()) and "row.calls" not in cache.state_tensors()
 
 
@@ -224,10 +225,10 @@ def test_declared_slot_state_is_allocated_by_the_base() -> None:
 def test_declared_slot_state_travels_in_snapshots(model: GPT) -> None:
     cfg = KVCacheConfig("last-recent", cache_length=6)
     shape = model.build_kv_caches(cfg, 1)[0].shape
-    model.set_kv_caches([_DeclaredState(cfg, shape, None, torch.float32) for _ in range(N_LAYER)])
+    model.set_kv_caches([SlotMachine(_DeclaredState, cfg, shape, None, torch.float32) for _ in range(N_LAYER)])
     try:
         for cache in model.kv_caches:
-            cache.age.fill_(7)
+            cache.policy.age.fill_(7)
         state = snapshot(model)
     finally:
         model.set_kv_caches(None)

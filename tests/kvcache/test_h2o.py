@@ -12,6 +12,7 @@ from helpers import forward_depth, max_diff, rounding_bound
 import litkv
 from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.h2o import H2OKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
 
@@ -97,7 +98,7 @@ def test_h2o_matches_brute_force(chunk_size: int, normalize: bool, sinks: int, r
     )  # fmt: skip
     q, k, v, pos = _random_run(config, seed=chunk_size + 10 * sinks, n=n)
     scale = 1 / math.sqrt(HS)
-    cache = H2OKVCache(config, CacheShape(B, G, L, HS, HS), None, torch.float32)
+    cache = SlotMachine(H2OKVCache, config, CacheShape(B, G, L, HS, HS), None, torch.float32)
     oracle = BruteForceH2O(config, pos, scale)
     evicting_steps = 0
     for start, end in config.chunk_bounds(n):
@@ -110,7 +111,7 @@ def test_h2o_matches_brute_force(chunk_size: int, normalize: bool, sinks: int, r
         valid = ps >= 0
         # float32 attention over at most L + chunk keys (q.k over HS, softmax and probs @ v over the keys)
         assert max_diff(y[valid], y_ref[valid]) <= rounding_bound(y_ref[valid], HS + 2 * (L + chunk_size))
-        scores = cache.slot_scores()
+        scores = cache.policy.slot_scores()
         for b in range(B):
             for g in range(G):
                 expected = oracle.kept(b, g)
@@ -140,7 +141,7 @@ def test_h2o_scores_accumulate_over_prefill_chunks() -> None:
     """After the prefill every slot holds the sum, over the chunks' queries and heads, of its weights."""
     config = KVCacheConfig("h2o", cache_length=L, chunk_size=4, prefill_length=4)
     q, k, v, pos = _random_run(config, seed=3, n=L)
-    cache = H2OKVCache(config, CacheShape(B, G, L, HS, HS), None, torch.float32)
+    cache = SlotMachine(H2OKVCache, config, CacheShape(B, G, L, HS, HS), None, torch.float32)
     for start, end in config.chunk_bounds(L):
         ps = pos[:, start:end]
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end].float(), v[:, :, start:end].float(), ps)
@@ -151,7 +152,9 @@ def test_h2o_scores_accumulate_over_prefill_chunks() -> None:
     per_row = (pos >= 0).sum(dim=1).double() * (N_HEAD // G)
     # float32 sums: softmax over at most L keys, accumulated over the L queries' heads
     depth = HS + 2 * L + L * (N_HEAD // G)
-    assert max_diff(cache.slot_scores().sum(dim=2), per_row[:, None].expand(B, G)) <= rounding_bound(per_row, depth)
+    assert max_diff(cache.policy.slot_scores().sum(dim=2), per_row[:, None].expand(B, G)) <= rounding_bound(
+        per_row, depth
+    )
 
 
 def test_h2o_generates_with_eviction(tiny_model: Callable[..., litkv.GPT]) -> None:

@@ -12,7 +12,7 @@ from bamba_helpers import VOCAB, bamba_config, tiny_bamba_config
 from helpers import tiny_gpt
 
 from litkv import GPT, KVCacheConfig, generate
-from litkv.kvcache import KVCache
+from litkv.kvcache import SlotMachine
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.recurrent import RecurrentCache
 
@@ -71,6 +71,6 @@ def test_per_layer_list_with_placeholders_at_recurrent_layers(hf_and_model: tupl
         "RecurrentCache",
         type(caches[3]).__name__,
     ]
-    assert isinstance(caches[1], KVCache) and caches[1].config == H2O
-    assert isinstance(caches[3], KVCache) and caches[3].config == DENSE
+    assert isinstance(caches[1], SlotMachine) and caches[1].config == H2O
+    assert isinstance(caches[3], SlotMachine) and caches[3].config == DENSE
     assert caches.coverage().startswith("policy dense, h2o on attention layers [1, 3] of 4;")

@@ -12,6 +12,7 @@ from helpers import max_diff, random_tokens
 from litkv import GPT, KVCacheConfig, forward_chunked, generate
 from litkv.inference.generate import pad_prompts
 from litkv.kvcache.base import Candidates, KVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.quantized import dequantize, quantize
 from litkv.kvcache.storage import CacheShape
 
@@ -104,7 +105,7 @@ class _FixedDrops(KVCache):
 def _run(make, chunk: int) -> None:  # noqa: ANN001
     cls = type("BuggyPolicy", (_FixedDrops,), {"make": staticmethod(make)})
     cfg = KVCacheConfig(policy="dense", cache_length=8, chunk_size=chunk)
-    cache = cls(cfg, CacheShape(2, 1, 8, 4, 4), None, torch.float32)
+    cache = SlotMachine(cls, cfg, CacheShape(2, 1, 8, 4, 4), None, torch.float32)
     pos = torch.arange(12).expand(2, 12)
     for start in range(0, 12, chunk):
         keys = torch.randn(2, 1, chunk, 4)

@@ -51,7 +51,7 @@ def _cache_scores(model: GPT, row: int, n: int) -> torch.Tensor:
         per = torch.full((pos.shape[0], n), float("nan"), dtype=torch.float64)
         for g in range(pos.shape[0]):
             held = pos[g] >= 0
-            per[g, pos[g][held]] = cache.kvzip_scores[row, g][held].double()
+            per[g, pos[g][held]] = cache.policy.kvzip_scores[row, g][held].double()
         out.append(per)
     return torch.stack(out)
 
@@ -88,7 +88,7 @@ def test_kept_sets_equal_brute_force_selection(tiny_model, layerwise: bool) -> N
         _prefill(model, prompts, cfg)
         kvzip_compress(model, prompts, REPEAT, prefix_length=PREFIX)
         kept = [_kept(model, r) for r in range(len(prompts))]
-        assert all(c.compressed for c in model.caches)
+        assert all(c.policy.compressed for c in model.caches)
     c = model.config
     for r, p in enumerate(prompts):
         scores = _brute_scores(model, p.tolist(), False)  # (n_layer, G, n)

@@ -23,6 +23,7 @@ from litkv import GPT, KVCacheConfig, generate, keep_undo_log, snapshot, truncat
 from litkv.checkpoints.checkpoint import load_model, save_gates
 from litkv.gates.gate import GATES_FILE, EvictionGates, unrotate_keys
 from litkv.kvcache.learned import NO_GATES, LearnedKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.storage import CacheShape
 from litkv.kvcache.storage_kinds import known_storages
 from litkv.modeling.fingerprint import model_fingerprint
@@ -112,7 +113,7 @@ def _check_against_oracle(threshold: float | None, stats: dict[str, int]) -> Che
                 assert held == want, where
                 assert set(range(max(0, seen - WINDOW), seen)) <= set(held), f"{where}: recent window emptied"
                 filled = slots >= 0
-                carried, fresh = cache.logits[row, head][filled].double(), oracle[row, head][slots[filled]]
+                carried, fresh = cache.policy.logits[row, head][filled].double(), oracle[row, head][slots[filled]]
                 torch.testing.assert_close(carried, fresh, rtol=0, atol=1e-5, msg=f"{where}: carried logits")
                 stats["short"] += int(seen > LENGTH and len(held) < LENGTH)
                 stats["full"] += int(len(held) == LENGTH)
@@ -153,7 +154,7 @@ def test_quantised_storage_logits_come_from_the_new_keys_not_the_stored_ones(mod
             cos, sin = model.rope(cache.positions[:, head])
             heads.append(unrotate_keys(keys[:, head : head + 1], cos, sin, n))
         stored = layer_gates.logits(0, torch.cat(heads, dim=1))
-        assert float((stored - cache.logits).abs().max()) > 1e-4
+        assert float((stored - cache.policy.logits).abs().max()) > 1e-4
     finally:
         model.set_kv_caches(None)
 
@@ -315,26 +316,26 @@ def test_learned_without_gates_is_refused_when_the_caches_are_attached(ckpt: Pat
 
 def _layer_cache(**options: object) -> LearnedKVCache:
     cfg = KVCacheConfig("learned", cache_length=8, chunk_size=4, options=options)
-    return LearnedKVCache(cfg, CacheShape(1, 2, 8, 16, 16), None, torch.float32)
+    return SlotMachine(LearnedKVCache, cfg, CacheShape(1, 2, 8, 16, 16), None, torch.float32)
 
 
 def test_cache_binding_errors(model: GPT) -> None:
     cache = _layer_cache()
-    cache.bind_rope(model._rope_table, model.config.rope_n_elem)
+    cache.policy.bind_rope(model._rope_table, model.config.rope_n_elem)
     keys = torch.randn(1, 2, 4, 16)
     cache.attend_inputs(keys, keys, torch.arange(4)[None])
     with pytest.raises(RuntimeError, match=r"no eviction gates \(bind_gates\)"):
         cache.evict_and_store(None)
     with pytest.raises(ValueError, match="policy 'learned' needs trained eviction gates"):
-        _layer_cache().bind_gates(None, 0)
+        _layer_cache().policy.bind_gates(None, 0)
     with pytest.raises(ValueError, match=r"the gates are for .*\(2, 2, 8\).*the model has \(2, 2, 16\)"):
-        _layer_cache().bind_gates(EvictionGates.create(2, 2, 8, 2, 1), 0)
+        _layer_cache().policy.bind_gates(EvictionGates.create(2, 2, 8, 2, 1), 0)
     with pytest.raises(ValueError, match=r"layer must be in \[0, 2\)"):
-        _layer_cache().bind_gates(EvictionGates.create(2, 2, 16, 2, 1), 2)
+        _layer_cache().policy.bind_gates(EvictionGates.create(2, 2, 16, 2, 1), 2)
     clamped = _layer_cache()  # the gates' window 7 and sinks 2 do not fit 8 slots: clamped, the gates still rank
-    clamped.bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)
-    assert (clamped.sinks, clamped.recent) == (2, 3)
-    _layer_cache(recent=2).bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)  # explicit recent wins
+    clamped.policy.bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)
+    assert (clamped.policy.sinks, clamped.policy.recent) == (2, 3)
+    _layer_cache(recent=2).policy.bind_gates(EvictionGates.create(2, 2, 16, 7, 2), 0)  # explicit recent wins
     with pytest.raises(TypeError, match="threshold must be a finite number"):
         _layer_cache(threshold="high")
     with pytest.raises(ValueError, match="sinks \\+ recent must be <= cache_length"):
@@ -343,11 +344,11 @@ def test_cache_binding_errors(model: GPT) -> None:
 
 def test_defaults_come_from_the_gates_and_options_override_them() -> None:
     cache = _layer_cache()
-    cache.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
-    assert (cache.sinks, cache.recent) == (1, 3)  # the gates' sinks; recent: half of the 7 slots left
+    cache.policy.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
+    assert (cache.policy.sinks, cache.policy.recent) == (1, 3)  # the gates' sinks; recent: half of the 7 slots left
     cache = _layer_cache(sinks=0, recent=5)
-    cache.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
-    assert (cache.sinks, cache.recent) == (0, 5)
+    cache.policy.bind_gates(EvictionGates.create(2, 2, 16, 3, 1), 1)
+    assert (cache.policy.sinks, cache.policy.recent) == (0, 5)
 
 
 def test_states_and_prefix_seeds_know_the_gates(tiny_model: Callable[..., GPT]) -> None:

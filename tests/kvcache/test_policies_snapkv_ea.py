@@ -16,6 +16,7 @@ from litkv.inference.generate import pad_prompts
 from litkv.kvcache import CacheShape, get_kv_cache_class
 from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.expected_attention import ExpectedAttentionKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.snapkv import SnapKVKVCache
 from litkv.modeling.attention import attend, build_mask
 
@@ -195,11 +196,11 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
     pos = torch.arange(n).expand(B, n).clone()
     pos[1] = torch.arange(n) - PADS
     pos[1, :PADS] = -1
-    cache = get_kv_cache_class(policy)(config, CacheShape(B, G, L, HS, HS), None, dtype)
+    cache = SlotMachine(get_kv_cache_class(policy), config, CacheShape(B, G, L, HS, HS), None, dtype)
     seen_k, seen_v = cache.storage.as_stored(k, v)  # what queries and policy see (int4: rounded per token)
     oracle = oracle_class(config, q.double(), seen_k.double(), seen_v.double(), pos)
     if cache.needs_rope:  # the cache gets the queries after RoPE, the oracle keeps them before
-        cache.bind_rope(rope_table, ROPE_N)
+        cache.policy.bind_rope(rope_table, ROPE_N)
         q = rotated(q.double(), pos).to(dtype)
     got, want = _record_scores(cache, oracle)
     evicting = 0
@@ -228,7 +229,7 @@ def _record_scores(cache: KVCache, oracle: BruteForce) -> tuple[list[tuple[torch
     the brute force's scores (`{(row, head): {sequence index: score}}` of the last step)."""
     got: list[tuple[torch.Tensor, torch.Tensor]] = []
     want: dict[tuple[int, int], dict[int, float]] = {}
-    score, oracle_scores = cache.score, oracle.scores
+    score, oracle_scores = cache.policy.score, oracle.scores
 
     def record(candidates: Candidates) -> torch.Tensor:
         out = score(candidates)
@@ -239,7 +240,7 @@ def _record_scores(cache: KVCache, oracle: BruteForce) -> tuple[list[tuple[torch
         want[b, g] = out = oracle_scores(b, g, held, new, call_scores)
         return out
 
-    cache.score, oracle.scores = record, record_oracle  # type: ignore[method-assign]
+    cache.policy.score, oracle.scores = record, record_oracle  # type: ignore[method-assign]
     return got, want
 
 
@@ -314,7 +315,9 @@ def test_decode_step_scores_match_float64(policy: str, options: dict[str, object
 
 def test_expected_attention_without_rope_is_a_clear_error() -> None:
     config = KVCacheConfig("expected-attention", cache_length=8)
-    cache = get_kv_cache_class("expected-attention")(config, CacheShape(1, G, 8, HS, HS), None, torch.float32)
+    cache = SlotMachine(
+        get_kv_cache_class("expected-attention"), config, CacheShape(1, G, 8, HS, HS), None, torch.float32
+    )
     k = torch.randn(1, G, 2, HS)
     cache.attend_inputs(k, k, torch.arange(2)[None], torch.randn(1, N_HEAD, 2, HS))
     with pytest.raises(RuntimeError, match="needs the model's RoPE table"):

@@ -9,12 +9,15 @@ import torch
 
 from litkv.kvcache import CacheShape, Candidates, KVCache, Placement, ScoreKVCache, SlotState
 from litkv.kvcache.h2o import H2OKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.modeling.config import KVCacheConfig
 
 
 def _drive(cls: type[KVCache], calls: int = 3, length: int = 4) -> KVCache:
     """A 4-slot cache of `cls` (h2o's options) fed `calls` calls of 3 tokens with uniform weights."""
-    cache = cls(KVCacheConfig("h2o", cache_length=length), CacheShape(1, 1, length, 4, 4), None, torch.float32)
+    cache = SlotMachine(
+        cls, KVCacheConfig("h2o", cache_length=length), CacheShape(1, 1, length, 4, 4), None, torch.float32
+    )
     gen = torch.Generator().manual_seed(0)
     for i in range(calls):
         pos = torch.arange(3 * i, 3 * i + 3)[None]
@@ -70,7 +73,7 @@ def test_memo_computes_once_per_call() -> None:
     _drive(Counted, calls=3)
     assert seen == [3, 3, 3]  # score and update_state both asked in the evicting calls; once each call
     expected = _drive(H2OKVCache, calls=3)
-    assert torch.equal(_drive(Counted, calls=3).attn_sums, expected.attn_sums)
+    assert torch.equal(_drive(Counted, calls=3).policy.attn_sums, expected.policy.attn_sums)
 
 
 def test_state_assigned_in_the_hook_is_refused() -> None:
@@ -99,5 +102,34 @@ def test_returned_state_is_what_the_cache_holds() -> None:
             return {**super().update_state(placement, candidates), "age": self.positions.float() * 2}
 
     cache = _drive(Aged)
-    assert torch.equal(cache.age, cache.positions.float() * 2)
+    assert torch.equal(cache.policy.age, cache.positions.float() * 2)
     assert "slot.age" in cache.state_tensors()
+
+
+def test_a_policy_is_built_by_its_cache() -> None:
+    """The layer cache composes the policy: the policy object carries the contract, the cache the machinery."""
+    cache = _drive(H2OKVCache)
+    policy = cache.policy
+    assert isinstance(policy, H2OKVCache) and policy.cache is cache
+    assert policy.positions is cache.positions and policy.cache_length == cache.cache_length == 4
+    assert not hasattr(policy, "attend_inputs") and not hasattr(policy, "storage")
+    assert not hasattr(cache, "attn_sums") and "slot.attn_sums" in cache.state_tensors()
+
+
+def test_the_old_constructor_says_how_to_build() -> None:
+    with pytest.raises(TypeError, match=r"^H2OKVCache is a policy, built by its layer cache: SlotMachine\(H2OKVCache"):
+        H2OKVCache(KVCacheConfig("h2o", cache_length=4), CacheShape(1, 1, 4, 4, 4), None, torch.float32)
+
+
+def test_a_constructor_of_the_old_signature_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"^Old.__init__\('config', 'shape', 'device', 'dtype'\): a policy is built"):
+
+        class Old(H2OKVCache):
+            def __init__(self, config: object, shape: object, device: object, dtype: object) -> None:
+                pass
+
+
+@pytest.mark.parametrize("name", ["attend_inputs", "state_tensors", "load_state_tensors", "slots_known_valid"])
+def test_overriding_the_machinery_is_refused(name: str) -> None:
+    with pytest.raises(TypeError, match=rf"^Old.{name} belongs to the layer cache \(SlotMachine\), which runs"):
+        type("Old", (H2OKVCache,), {name: lambda self, *a: None})

@@ -39,6 +39,7 @@ from litkv import GPT, KVCacheConfig, chunked_loss_backward, forward_chunked, ge
 from litkv.inference.generate import pad_prompts
 from litkv.kvcache import CacheShape, KVCache, get_kv_cache_class, known_policies
 from litkv.kvcache.config import ChunkPlan
+from litkv.kvcache.machine import SlotMachine
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "docs" / "examples"
 if str(EXAMPLES_DIR) not in sys.path:
@@ -90,7 +91,7 @@ def _stored(policy: str, storage: str) -> str:
     cfg = KVCacheConfig(policy, cache_length=16, storage=storage, quant_group_size=GROUP, options=_options(policy))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a policy may warn that it replaces the storage: that is what we look at
-        cache = get_kv_cache_class(policy)(cfg, CacheShape(1, 1, 16, 16, 16), None, torch.float32)
+        cache = SlotMachine(get_kv_cache_class(policy), cfg, CacheShape(1, 1, 16, 16, 16), None, torch.float32)
     return cache.config.storage
 
 
@@ -200,7 +201,7 @@ def _check_slots(cache: KVCache, seen: int, sinks: int, layer: int) -> None:
     for sink in range(min(sinks, seen)):
         kept = (positions == sink).any(dim=2)
         assert bool(kept.all()), f"{where}: sink {sink} evicted in (row, head) {(~kept).nonzero().tolist()}"
-    if type(cache).heads_share_positions:
+    if cache.heads_share_positions:
         assert torch.equal(positions, positions[:, :1].expand_as(positions)), f"{where}: heads differ"
 
 

@@ -255,10 +255,10 @@ def test_one_shot_decodes_without_eviction_until_full(model: GPT, prompt: torch.
     cfg = KVCacheConfig("knorm", cache_length=N, chunk_size=CHUNK, storage=storage, quant_group_size=8, options=options)
     try:
         caches = _prefill(model, prompt, cfg)
-        assert all(not c.compressed and c.num_filled == N for c in caches)
+        assert all(not c.policy.compressed and c.num_filled == N for c in caches)
         compress_all(caches)
         kept = [c.positions.clone() for c in caches]
-        assert all(c.compressed and int((c.positions >= 0).sum(dim=2).min()) == 12 for c in caches)
+        assert all(c.policy.compressed and int((c.positions >= 0).sum(dim=2).min()) == 12 for c in caches)
         for step in range(N - 12):
             model(prompt[:, :1], input_pos=torch.full((ROWS, 1), N + step))
         for c, before in zip(caches, kept, strict=True):
@@ -287,16 +287,16 @@ def test_compress_is_for_one_shot_only_and_state_keeps_the_flag(model: GPT, prom
     try:
         continuous = _prefill(model, prompt, KVCacheConfig("knorm", cache_length=N, chunk_size=CHUNK))
         with pytest.raises(RuntimeError, match="is for mode='one-shot'"):
-            continuous[0].compress()
+            continuous[0].policy.compress()
         cfg = KVCacheConfig("snapkv", cache_length=N, chunk_size=CHUNK, options={"mode": "one-shot", "budget": 16})
         cache = _prefill(model, prompt, cfg)[0]
         before = {k: v.clone() for k, v in cache.state_tensors().items()}
-        cache.compress()
+        cache.policy.compress()
         after = {k: v.clone() for k, v in cache.state_tensors().items()}
         cache.load_state_tensors(before, N)
-        assert not cache.compressed and cache.positions.tolist() == before["positions"].tolist()
+        assert not cache.policy.compressed and cache.positions.tolist() == before["positions"].tolist()
         cache.load_state_tensors(after, 16)
-        assert cache.compressed and cache.positions.tolist() == after["positions"].tolist()
+        assert cache.policy.compressed and cache.positions.tolist() == after["positions"].tolist()
     finally:
         model.set_kv_caches(None)
 

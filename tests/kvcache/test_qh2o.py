@@ -11,6 +11,7 @@ import torch
 import litkv
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.h2o import H2OKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.qh2o import QuantizedH2OKVCache
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.storage import CacheShape
@@ -36,7 +37,7 @@ def _hand_made(outlier_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _run(cls: type, config: KVCacheConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
     """Prefill tokens 0-2, decode token 3 (layer level); returns the cache."""
     b, g, n, hs = k.shape
-    cache = cls(config, CacheShape(b, g, config.cache_length, hs, hs), None, torch.float32)
+    cache = SlotMachine(cls, config, CacheShape(b, g, config.cache_length, hs, hs), None, torch.float32)
     for start, end in ChunkPlan.of(config).bounds(n):
         ps = pos[:, start:end]
         keys, values, k_pos = cache.attend_inputs(k[:, :, start:end], v[:, :, start:end], ps)
@@ -62,16 +63,16 @@ def test_token_with_large_quantisation_error_is_evicted_where_h2o_keeps_it() -> 
     q, k, v, pos = _hand_made(torch.tensor([1, 2]))
     h2o = _run(H2OKVCache, _config(), q, k, v, pos)
     qh2o = _run(QuantizedH2OKVCache, _config(), q, k, v, pos)
-    scores = h2o.slot_scores()
+    scores = h2o.policy.slot_scores()
     assert float(scores[0, 0, 1]) > float(scores[0, 0, 2])  # by attention, token 1 beats token 2 ...
     assert _kept(h2o) == [[0, 1, 3], [0, 1, 3]]  # ... so plain H2O (same int4 storage) keeps it
     assert _kept(qh2o) == [[0, 2, 3], [0, 1, 3]]  # qh2o drops the badly quantised token, per row
-    assert float(qh2o.quant_errors.max()) < 1e-6  # what is left is exactly representable
+    assert float(qh2o.policy.quant_errors.max()) < 1e-6  # what is left is exactly representable
     # the penalty is what decides: without it, qh2o is H2O and keeps the outlier with its error
     plain = _run(QuantizedH2OKVCache, _config(weight=0.0), q, k, v, pos)
     assert _kept(plain) == _kept(h2o)
     outlier_slot = plain.positions[0, 0].tolist().index(1)
-    assert float(plain.quant_errors[0, 0, outlier_slot]) > 0.01
+    assert float(plain.policy.quant_errors[0, 0, outlier_slot]) > 0.01
 
 
 def test_per_slot_errors_follow_tokens_through_evictions() -> None:
@@ -91,7 +92,7 @@ def test_per_slot_errors_follow_tokens_through_evictions() -> None:
             for slot, p in enumerate(cache.positions[row, head].tolist()):
                 kk, vv = k[row, head, p], v[row, head, p]  # position p is sequence index p
                 expected = (keys[row, head, slot] - kk).square().mean() + (values[row, head, slot] - vv).square().mean()
-                assert float(cache.quant_errors[row, head, slot]) == pytest.approx(float(expected), rel=1e-5)
+                assert float(cache.policy.quant_errors[row, head, slot]) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_zero_weight_decides_like_h2o_on_random_data() -> None:
@@ -113,7 +114,7 @@ def test_zero_weight_decides_like_h2o_on_random_data() -> None:
 def test_float_storage_defaults_to_int4_with_a_warning() -> None:
     config = KVCacheConfig("qh2o", cache_length=8, chunk_size=2)
     with pytest.warns(UserWarning, match="int4"):
-        cache = QuantizedH2OKVCache(config, CacheShape(1, 2, 8, 16, 16), None, torch.float32)
+        cache = SlotMachine(QuantizedH2OKVCache, config, CacheShape(1, 2, 8, 16, 16), None, torch.float32)
     assert isinstance(cache.storage, QuantizedStorage) and cache.storage.bits == 4
     assert cache.config.storage == "int4" and config.storage == "float"  # the caller's config is untouched
 
@@ -121,9 +122,13 @@ def test_float_storage_defaults_to_int4_with_a_warning() -> None:
 def test_qh2o_bytes_at_most_0_3_of_h2o() -> None:
     shape = CacheShape(1, 3, 512, 64, 64)
     for dtype in (torch.float32, torch.bfloat16):
-        h2o = H2OKVCache(KVCacheConfig("h2o", cache_length=512), shape, None, dtype)
-        qh2o = QuantizedH2OKVCache(
-            KVCacheConfig("qh2o", cache_length=512, storage="int4", quant_group_size=64), shape, None, dtype
+        h2o = SlotMachine(H2OKVCache, KVCacheConfig("h2o", cache_length=512), shape, None, dtype)
+        qh2o = SlotMachine(
+            QuantizedH2OKVCache,
+            KVCacheConfig("qh2o", cache_length=512, storage="int4", quant_group_size=64),
+            shape,
+            None,
+            dtype,
         )
         assert qh2o.nbytes() <= 0.3 * h2o.nbytes()
 

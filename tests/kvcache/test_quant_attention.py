@@ -12,6 +12,7 @@ import litkv.kvcache.quant_attention as qa
 import litkv.kvcache.quant_int as quant_int
 from litkv import KVCacheConfig
 from litkv.kvcache.base import CacheShape
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.quantized import QuantizedSlots, quantize
 from litkv.kvcache.registry import get_kv_cache_class
 from litkv.modeling.attention import attend, build_mask
@@ -142,7 +143,7 @@ def test_a_staged_step_hands_over_codes_and_unpacks_only_on_demand(policy: str) 
     slots plus the staged token (h2o never reads them, knorm does)."""
     torch.manual_seed(0)
     cfg = KVCacheConfig(policy, cache_length=8, storage="int4", quant_group_size=8)
-    cache = get_kv_cache_class(policy)(cfg, CacheShape(1, 2, 8, 16, 16), None, torch.float32)
+    cache = SlotMachine(get_kv_cache_class(policy), cfg, CacheShape(1, 2, 8, 16, 16), None, torch.float32)
     for pos in range(10):
         keys, values = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
         seen_keys, seen_values, k_pos = cache.attend_inputs(keys, values, torch.tensor([[pos]]))

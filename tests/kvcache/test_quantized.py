@@ -9,6 +9,7 @@ import torch
 
 from litkv import GPT, KVCacheConfig, generate
 from litkv.kvcache.dense import DenseKVCache
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.quantized import QuantizedStorage, dequantize, quantize
 from litkv.kvcache.storage import CacheShape, FloatStorage
 
@@ -113,7 +114,7 @@ def test_bytes_at_head_size_64(model_dtype: torch.dtype) -> None:
             if group == 64:
                 assert store.nbytes() / bf16 <= target, (bits, store.nbytes() / bf16)
     config = KVCacheConfig("dense", cache_length=100, chunk_size=10, storage="int4", quant_group_size=64)
-    cache = DenseKVCache(config, shape, None, model_dtype)
+    cache = SlotMachine(DenseKVCache, config, shape, None, model_dtype)
     assert cache.nbytes() / bf16 == pytest.approx(0.28125)
 
 

@@ -55,12 +55,12 @@ STEPS = 200  # decode steps of `test_compiled_decode_is_one_graph_with_static_ad
 
 
 def _cache_addresses(model: GPT) -> dict[str, int]:
-    """Address of every tensor a decode step may touch: each layer cache's and its storage's tensor
-    attributes, and `last_pos` (what a CUDA graph replays on, `KVCaches.mark_static_addresses`)."""
+    """Address of every tensor a decode step may touch: each layer cache's, its storage's and its policy's
+    tensor attributes, and `last_pos` (what a CUDA graph replays on, `KVCaches.mark_static_addresses`)."""
     caches = model.caches
     out = {"last_pos": caches.last_pos.data_ptr()}
     for i, cache in enumerate(caches.policy_caches):
-        for where, holder in (("cache", cache), ("storage", cache.storage)):
+        for where, holder in (("cache", cache), ("storage", cache.storage), ("policy", cache.policy)):
             for name, value in vars(holder).items():
                 parts = value if isinstance(value, tuple) else (value,)
                 for j, t in enumerate(parts):

@@ -14,7 +14,7 @@ from helpers import evicts_alone, tiny_gpt
 from hybrid_families import HYBRID_FAMILIES, VOCAB
 
 from litkv import GPT, KVCacheConfig, generate
-from litkv.kvcache import KVCache, get_kv_cache_class, known_policies
+from litkv.kvcache import SlotMachine, get_kv_cache_class, known_policies
 from litkv.kvcache.recurrent import RecurrentCache
 
 POLICIES = [n for n in known_policies() if get_kv_cache_class(n).__module__.startswith("litkv.") and evicts_alone(n)]
@@ -44,7 +44,7 @@ def _run(model: GPT, prompts: list[torch.Tensor], cfg: KVCacheConfig) -> tuple[l
             [
                 [sorted(p for p in h.tolist() if p >= 0) for h in c.positions[r]]
                 for c in caches
-                if isinstance(c, KVCache)
+                if isinstance(c, SlotMachine)
             ]
             for r in range(len(prompts))
         ]
@@ -91,7 +91,7 @@ def test_nbytes_counts_both_kinds_and_recurrent_bytes_are_flat(model: GPT) -> No
     def keep(_: torch.Tensor) -> None:
         caches = model.caches
         recurrent = [c.nbytes() for c in caches if isinstance(c, RecurrentCache)]
-        attention = sum(c.nbytes() for c in caches if isinstance(c, KVCache))
+        attention = sum(c.nbytes() for c in caches if isinstance(c, SlotMachine))
         seen.append((caches.nbytes(), recurrent, attention))
 
     for n in (10, 60):

@@ -160,7 +160,7 @@ def test_each_layer_its_own_cache(model: GPT) -> None:
         KVCacheConfig(policy="last-recent", cache_length=9, chunk_size=1, prefill_length=1, options=dict(sinks=2)),
     ]
     caches = model.build_kv_caches(configs, batch_size=2)
-    assert [type(c) for c in caches] == [DenseKVCache, LastRecentKVCache, LastRecentKVCache]
+    assert [type(c.policy) for c in caches] == [DenseKVCache, LastRecentKVCache, LastRecentKVCache]
     assert [c.cache_length for c in caches] == [T, 5, 9]
     expected = reference_forward(model, idx, [causal_mask, band_mask(5), band_mask(9, sinks=2)]).logits
     assert max_diff(forward_chunked(model, idx, configs), expected) <= _bound(model, expected)
@@ -194,7 +194,7 @@ def test_register_and_create_by_name(model: GPT, registry: None) -> None:
     assert register_kv_cache("test-keep-first")(KeepFirstKVCache) is KeepFirstKVCache
     assert "test-keep-first" in known_policies()
     kv_cache = KVCacheConfig(policy="test-keep-first", cache_length=6, chunk_size=1, prefill_length=1)
-    assert all(type(c) is KeepFirstKVCache for c in model.build_kv_caches(kv_cache, 2))
+    assert all(type(c.policy) is KeepFirstKVCache for c in model.build_kv_caches(kv_cache, 2))
     idx = _idx()
     expected = reference_forward(model, idx, _keep_first_mask(6)).logits
     assert max_diff(forward_chunked(model, idx, kv_cache), expected) <= _bound(model, expected)

@@ -18,7 +18,7 @@ import torch
 from helpers import evicts_alone
 
 from litkv import GPT, CacheState, KVCacheConfig, keep_undo_log, restore, snapshot, truncate
-from litkv.kvcache import KVCache, SlotState, get_kv_cache_class, known_policies
+from litkv.kvcache import KVCache, SlotMachine, SlotState, get_kv_cache_class, known_policies
 from litkv.kvcache.h2o import H2OKVCache
 from litkv.kvcache.storage_kinds import known_storages
 
@@ -395,7 +395,7 @@ class _Undeclared(H2OKVCache):
 def test_undeclared_state_warns(model: GPT) -> None:
     _Undeclared.slot_state = {}
     cfg = _config("h2o", "float")
-    caches = [_Undeclared(cfg, c.shape, None, torch.float32) for c in model.build_kv_caches(cfg, 1)]
+    caches = [SlotMachine(_Undeclared, cfg, c.shape, None, torch.float32) for c in model.build_kv_caches(cfg, 1)]
     model.set_kv_caches(caches)
     with pytest.warns(UserWarning, match="declares no slot_state"):
         snapshot(model)

@@ -284,8 +284,8 @@ def test_entry_check_of_a_policy_that_cannot_be_built_on_the_meta_device(
 ) -> None:
     """`EntryCheck.of` sizes the caches on the meta device; a custom policy whose constructor reads a
     value (impossible there) gets the check of its configs as given, equal to the built caches'."""
-    from litkv import KVCache, register_kv_cache
-    from litkv.kvcache import registry
+    from litkv import register_kv_cache
+    from litkv.kvcache import SlotMachine, registry
     from litkv.kvcache.h2o import H2OKVCache
 
     monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())  # the registration is undone after
@@ -300,7 +300,7 @@ def test_entry_check_of_a_policy_that_cannot_be_built_on_the_meta_device(
     cfg = KVCacheConfig(policy="test-host-read", cache_length=16)
     check = EntryCheck.of(model, cfg)
     built = model.build_kv_caches(cfg, 1)
-    assert all(isinstance(c, KVCache) for c in built)
+    assert all(isinstance(c, SlotMachine) for c in built)
     assert check == EntryCheck.of(model, cfg)
     assert [s["cache_length"] for s in check.shapes] == [c.shape.cache_length for c in built] == [16, 16]
     assert [c["policy"] for c in check.configs] == ["test-host-read"] * 2
