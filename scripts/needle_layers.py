@@ -90,7 +90,7 @@ def policy_layers(
         positions = [c.positions[0].clone() for c in model.caches]
         scores = [c.policy.oneshot_scores()[0].float().clone() for c in model.caches]
         if kvzip:  # compress_kvzip keeps the first n_sink positions whatever they score
-            sink = model.caches[0].options.n_sink
+            sink = model.caches[0].policy.options.n_sink
             sinks = [(p >= 0) & (p < sink) for p in positions]
             scores = [s.masked_fill(m, float("inf")) for s, m in zip(scores, sinks, strict=True)]
         for budget, config in configs.items():
