@@ -96,6 +96,15 @@ def write_checkpoint(base: Path, gates: EvictionGates, out: Path) -> None:
     save_gates(gates, out / GATES_FILE)
 
 
+def training_lines(out_dir: Path) -> list[str]:
+    """The generator's source: the KJV training chapters (`OUT/kjv_train.txt`), the held-out lines taken out."""
+    import adapt_to_budget  # scripts/ is on sys.path when a script here runs
+
+    heldout = (default_checkpoint_dir() / "heldout.txt").read_text(encoding="utf-8")
+    text = adapt_to_budget.write_training_text(out_dir / "kjv_train.txt", default_checkpoint_dir())
+    return check_source(text.read_text(encoding="utf-8"), heldout)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--out_dir", type=Path, default=Path("out/kvzap_fit"))
@@ -114,7 +123,6 @@ def main() -> None:
     p.add_argument("--eval_length", type=int, default=0, help="tokens of a calibration/held-out window (0: --length)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    import adapt_to_budget  # scripts/ is on sys.path when this file runs as a script
 
     ckpt = resolve_checkpoint_dir(NAME)
     model = load_model(ckpt)
@@ -122,9 +130,8 @@ def main() -> None:
     weights_id = model_fingerprint(model)["weights"]
     tok = load_tokenizer(ckpt)
     repeat = RepeatPrompt.build(tok, None)  # plain text, as the windows are
-    heldout = (default_checkpoint_dir() / "heldout.txt").read_text(encoding="utf-8")
-    text = adapt_to_budget.write_training_text(args.out_dir / "kjv_train.txt", default_checkpoint_dir())
-    lines = check_source(text.read_text(encoding="utf-8"), heldout)
+    lines = training_lines(args.out_dir)
+    heldout = (default_checkpoint_dir() / "heldout.txt").read_text(encoding="utf-8")  # the evaluation's text
     state = args.out_dir / "sums.safetensors"
     sums = KVzapSums.load(state) if args.eval_only else fit(args, model, lines, tok, repeat, state)
     if len(sums.windows) < args.windows and not args.partial:

@@ -26,13 +26,13 @@ from pathlib import Path
 import jsonargparse
 import torch
 
-from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_tokenizer
+from litkv.checkpoints.checkpoint import load_tokenizer
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.cli.finetune_cmd import finetune
-from litkv.finetune.retrieval_data import check_source, retrieval_window
+from litkv.finetune.retrieval_data import retrieval_window
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import adapt_to_budget  # noqa: E402  (scripts/: the KJV training text)
+from fit_kvzap import training_lines  # noqa: E402  (scripts/: the KVzap fit's source text)
 
 NAME = "smollm2-135m-instruct"
 
@@ -44,9 +44,7 @@ def write_data(out: Path, windows: int, length: int, seed: int) -> Path:
         return path
     ckpt = resolve_checkpoint_dir(NAME)
     tok = load_tokenizer(ckpt)
-    heldout = (default_checkpoint_dir() / "heldout.txt").read_text(encoding="utf-8")
-    text = adapt_to_budget.write_training_text(out / "kjv_train.txt", default_checkpoint_dir())
-    lines = check_source(text.read_text(encoding="utf-8"), heldout)
+    lines = training_lines(out)
     parts = [tok.decode(torch.tensor(retrieval_window(lines, tok, length, seed, i))) for i in range(windows)]
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

@@ -161,22 +161,11 @@ class KVzipKVCache(OneShot):
         input_pos: torch.Tensor,
         queries: torch.Tensor,
     ) -> None:
-        """A reconstruction call: the scores of the chunk's slots (`_score_chunk`)."""
-        self._score_chunk(slot_keys, slot_values, new_keys, new_values, input_pos, queries)
-
-    def _score_chunk(
-        self,
-        slot_keys: torch.Tensor,
-        slot_values: torch.Tensor,
-        new_keys: torch.Tensor,
-        new_values: torch.Tensor,
-        input_pos: torch.Tensor,
-        queries: torch.Tensor,
-    ) -> None:
-        """Scores of the chunk's slots from this call's queries `(B, H, T, D)` (module docstring)."""
+        """A reconstruction call: the scores of the chunk's slots from its queries `(B, H, T, D)` (module
+        docstring)."""
         s = self.scoring
         if s is None:
-            raise RuntimeError("KVzipKVCache._score_chunk outside a reconstruction call")
+            raise RuntimeError("KVzipKVCache.read_call outside a reconstruction call")
         b, g, t, d = new_keys.shape
         q_per = queries.shape[1] // g
         ct = torch.promote_types(queries.dtype, torch.float32)
