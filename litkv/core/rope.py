@@ -42,6 +42,13 @@ class BoundRope:
         index = positions.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)
         return cos[index, : self.n_elem], sin[index, : self.n_elem]
 
+    def at_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `(1, 1, n_elem)` at position 0: `at` of a zero position, read by slicing (no index)."""
+        cos, sin = self.table(1)
+        if self.column is not None:
+            cos, sin = cos[..., self.column], sin[..., self.column]
+        return cos[None, :1, : self.n_elem], sin[None, :1, : self.n_elem]
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Rotate `x` by the angles whose cosines and sines are `cos` and `sin`.

@@ -25,6 +25,7 @@ nothing on the host (compiled decoding works).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from litkv.core.rope import BoundRope, RopeTable
-from litkv.gates.gate import EvictionGates, unrotate_keys
+from litkv.gates.gate import EvictionGates
 from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.policy import StateUpdate
@@ -98,34 +99,41 @@ class LearnedOptions(ScoreOptions):
             raise ValueError(f"across_layers=True is for mode='one-shot' (a budget over layers), got {self.mode!r}")
 
 
-def _pre_rope(
-    keys: torch.Tensor, at_pos: tuple[torch.Tensor, torch.Tensor], at_zero: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """Keys `(B, G, T, D)` rotated back to position 0: `unrotate_keys`, whose result is the key times
-    `cos^2 + sin^2` of its position, divided by that and multiplied by its value at position 0.
+def _pre_rope(keys: torch.Tensor, rope: BoundRope, pos: torch.Tensor) -> torch.Tensor:
+    """Keys `(B, G, T, D)` (after RoPE) at positions `pos` `(B, T)` rotated back to position 0, as
+    `unrotate_keys` rotates them, then divided by `cos^2 + sin^2` at their positions and multiplied by its
+    value at position 0.
 
     The factor is 1 (or YaRN's scaling squared, the same at every position) up to the rounding of the
     table: without the correction one token id at two positions (one pre-RoPE key in the first layer)
     would get logits that differ in float32 and the tie would be broken by the table's rounding, not
-    by position as `drop_lowest` does. `at_pos`: cos, sin `(B, T, n_elem)` at the keys' positions;
-    `at_zero`: cos, sin `(B, 1, n_elem)` at position 0 (`BoundRope.at`).
+    by position as `drop_lowest` does. Written out in the fewest tensor operations (a decode step runs it
+    in every layer): per element the arithmetic of `unrotate_keys` followed by the correction.
     """
-    c, s = at_pos[0].to(keys), at_pos[1].to(keys)
-    c0, s0 = at_zero[0].to(keys), at_zero[1].to(keys)
-    n_elem = c.shape[-1]
+    n_elem, half = rope.n_elem, rope.n_elem // 2
+    cos, sin = rope.at(pos)
+    c, s = cos.to(keys)[:, None], sin.to(keys)[:, None]  # (B, 1, T, n_elem): broadcast over heads
+    c0, s0 = (t.to(keys)[:, None] for t in rope.at_zero())
     gain = (c0 * c0 + s0 * s0) / (c * c + s * s)
-    unrotated = unrotate_keys(keys, c, s, n_elem)
-    return torch.cat((unrotated[..., :n_elem] * gain[:, None], unrotated[..., n_elem:]), dim=-1)
+    x = keys[..., :n_elem]
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    unrotated = (x * c + rotated * -s) * gain
+    return unrotated if n_elem == keys.shape[-1] else torch.cat((unrotated, keys[..., n_elem:]), dim=-1)
 
 
 def _gate_new_keys(gates: EvictionGates, rope: BoundRope, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """`(B, H, T)` float32 logits of gate layer 0 for new keys `(B, H, T, D)` (after RoPE) at positions
     `pos` `(B, T)`: rotated back to position 0 in the keys' precision (float64 models: one token id at two
-    positions gets one float32 logit, so the tie is broken by position in `drop_lowest`, not by rounding)."""
+    positions gets one float32 logit, so the tie is broken by position in `drop_lowest`, not by rounding).
+
+    The logit is `EvictionGates.logits`' value, its dot product summed along the head dim of each token
+    alone (the same operations for one token in a decode step as in a prefill chunk of many)."""
     keys = keys.detach()
     keys = keys.to(torch.promote_types(keys.dtype, torch.float32))
-    keys_pre = _pre_rope(keys, rope.at(pos), rope.at(torch.zeros_like(pos[:, :1])))
-    return gates.logits(0, keys_pre).to(torch.float32)
+    keys_pre = _pre_rope(keys, rope, pos)
+    weight, bias = gates.weight[0].to(keys), gates.bias[0].to(keys)  # (H, D), (H,)
+    dots = (keys_pre * weight[:, None, :]).sum(dim=-1)
+    return (dots / math.sqrt(weight.shape[1]) + bias[:, None]).to(torch.float32)
 
 
 @register_kv_cache("learned")
