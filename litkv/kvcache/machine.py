@@ -390,8 +390,8 @@ class SlotMachine:
 
         `"positions"` and `"storage.<name>"` and `"slot.<name>"` (the policy's `slot_state`) are
         `(B, G, L, ...)` with the slot index on dim 2; `"row.<name>"` (or `"row.<name>.<i>"` for a
-        tuple) are the policy's `row_state`, batch first, and its host flags (`Policy.flags`,
-        `"row.<name>"` `(B,)` bool). Row state not set yet is left out. The host
+        tuple) are the policy's `row_state`, batch first, and the host flags of the one-shot compression and
+        the policy (their `flags()`, `"row.<name>"` `(B,)` bool). Row state not set yet is left out. The host
         counter `num_filled` is not a tensor: read it from the attribute.
         """
         self.settle()
