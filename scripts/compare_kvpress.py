@@ -271,7 +271,7 @@ def litkv_recall_one(model: Any, policy: str, options: dict[str, Any] | None, ex
                      budget: int) -> bool:  # fmt: skip
     """litkv's recall of one example: one-shot (`options` given) or continuous (`options` None)."""
     from litkv import KVCacheConfig
-    from litkv.kvcache.score import compress_all
+    from litkv.kvcache.one_shot import compress_all
 
     ids = torch.tensor(example["ids"], dtype=torch.long)[None]
     answer = example["ids"][example["answer_start"] :]

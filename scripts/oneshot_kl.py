@@ -29,7 +29,7 @@ from litkv.checkpoints.checkpoint import default_checkpoint_dir, load_model, loa
 from litkv.checkpoints.known import model_dir
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
 from litkv.kvcache.kvzip import compress_kvzip
-from litkv.kvcache.score import compress_all
+from litkv.kvcache.one_shot import compress_all
 
 EA = {"recent": 0, "n_sink": 4, "n_future_positions": 512}  # kvpress's ExpectedAttentionPress settings
 ROWS = {

@@ -43,7 +43,7 @@ from kvpress_pairs import ADAKV, PAIRS, WINDOW  # noqa: E402
 
 from litkv import KVCacheConfig  # noqa: E402
 from litkv.checkpoints.checkpoint import load_model, load_tokenizer  # noqa: E402
-from litkv.kvcache.score import compress_all  # noqa: E402
+from litkv.kvcache.one_shot import compress_all  # noqa: E402
 from litkv.modeling.model import GPT  # noqa: E402
 
 PRESS_NAMES = {

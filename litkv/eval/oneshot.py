@@ -27,6 +27,7 @@ from litkv.inference.generate import decode_greedy, pad_prompts
 from litkv.inference.kvzip_reconstruction import RepeatPrompt, kvzip_score
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.kvzip import KVzipKVCache, compress_kvzip
+from litkv.kvcache.registry import get_kv_cache_class
 from litkv.modeling.model import GPT
 from litkv.modeling.runner import run_chunks
 from litkv.states.state import CacheState, restore, snapshot
@@ -51,9 +52,9 @@ def check_compress(compress: object) -> str:
 
 def is_one_shot(policy: str, options: Mapping[str, Any] | None) -> bool:
     """Whether `evaluate` runs `policy` one-shot (at each budget, one prefill shared by all budgets): its
-    options say `mode: one-shot`, or it is `kvzip` without a `mode` (KVzip is a one-shot method)."""
-    mode = (options or {}).get("mode")
-    return mode == "one-shot" or (policy == KVZIP and mode is None)
+    options say `mode: one-shot`, or its class does without a `mode` (`kvzip`, a `one_shot(policy)` class)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(get_kv_cache_class(policy).Options)}
+    return (options or {}).get("mode", defaults.get("mode")) == "one-shot"
 
 
 def _with_config(state: CacheState, config: KVCacheConfig) -> CacheState:

@@ -218,7 +218,8 @@ class Cache(HFCache):
         decode step without being asked; a plain forward loop calls it between prompt and decoding. A `kvzip`
         cache compresses with its reconstruction pass only (`litkv.hf.kvzip_compress`, before this)."""
         if self.caches is not None:
-            if any(isinstance(c.policy, KVzipKVCache) and not c.policy.compressed for c in self.caches.policy_caches):
+            layers = self.caches.policy_caches
+            if any(isinstance(c.policy, KVzipKVCache) and c.policy.before_compression() for c in layers):
                 raise ValueError(
                     "kvzip compresses the prompt by its reconstruction pass: call litkv.hf.kvzip_compress(model, "
                     "cache, input_ids, attention_mask, repeat) after the prefill, before decoding"

@@ -96,7 +96,7 @@ def _kvzip_caches(model: torch.nn.Module, cache: Cache) -> list[KVzipKVCache]:
     if not all(isinstance(p, KVzipKVCache) for p in policies):
         kinds = sorted({type(p).__name__ for p in policies})
         raise ValueError(f"kvzip's reconstruction pass needs a kvzip cache in every layer, got {kinds}")
-    if any(p.compressed for p in policies):  # type: ignore[attr-defined]
+    if any(not p.before_compression() for p in policies):
         raise ValueError("kvzip_compress: the cache is compressed already (once per context)")
     return policies  # type: ignore[return-value]
 

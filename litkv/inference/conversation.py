@@ -323,7 +323,7 @@ def refuse_one_shot(kv_cache: KVCacheConfig | Sequence[KVCacheConfig], command: 
                 "after a reconstruction pass, and a conversation feeds turn after turn into a live cache "
                 "(docs/kvzip.md); use litkv generate / evaluate for kvzip, or an evicting policy here (e.g. snapkv)"
             )
-        if getattr(cfg.policy_options, "mode", "continuous") == "one-shot":
+        if cfg.policy_options.one_shot_budget(cfg.cache_length) is not None:
             raise ValueError(
                 f"{command} does not apply --kv_cache.mode one-shot (policy {cfg.policy!r}): the one-shot "
                 "compression runs once, at the end of one prompt (litkv generate); a conversation's turns would "

@@ -10,11 +10,14 @@ its attributes (allocated at the binding, written by the machinery from what `up
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from litkv.kvcache.candidates import Candidates, Placement, drop_lowest
 from litkv.kvcache.layer_cache import CacheSettings, LayerCache
 from litkv.kvcache.machine import SlotMachine
+from litkv.kvcache.one_shot import OneShot
 from litkv.kvcache.policy import Policy
 from litkv.kvcache.state_tensors import SlotState, allocate
 from litkv.kvcache.storage import CacheShape
@@ -41,7 +44,12 @@ class KVCache(Policy):
             of several layers of the class at once (`calls`: their `Candidates`, weights set), each as its
             own `select_drop` would choose. `KVCaches.evict_waiting` then places and writes them; a class
             without it (or a subclass with its own `select_drop`) is evicted layer by layer.
+
+    In one-shot mode (`options={"mode": "one-shot", "budget": N}`) its cache composes `compression` (`OneShot`;
+    `litkv.kvcache.one_shot`), which ranks the slots by `oneshot_scores()`; the policy reads it as `one_shot`.
     """
+
+    compression: ClassVar[type[OneShot]] = OneShot
 
     def __new__(cls, *args: object) -> KVCache:
         if args and (len(args) != 1 or not isinstance(args[0], SlotMachine)):  # built as a cache was before
@@ -81,3 +89,13 @@ class KVCache(Policy):
     def shape(self) -> CacheShape:
         """The cache's sizes (batch, KV heads, slots, key and value sizes)."""
         return self.cache.shape
+
+    @property
+    def one_shot(self) -> OneShot | None:
+        """The one-shot compression its cache runs (`budget`, `compressed`), `None` outside one-shot mode."""
+        return self.cache.one_shot  # type: ignore[return-value]
+
+    def before_compression(self) -> bool:
+        """Whether the cache is one-shot and has not compressed yet (it keeps the whole prompt)."""
+        one_shot = self.cache.one_shot
+        return one_shot is not None and not one_shot.compressed

@@ -20,8 +20,8 @@ import torch._dynamo
 from litkv.kvcache.base import KVCache, LayerCache
 from litkv.kvcache.candidates import staged_placement
 from litkv.kvcache.machine import SlotMachine
+from litkv.kvcache.one_shot import compress_all
 from litkv.kvcache.recurrent import RecurrentCache
-from litkv.kvcache.score import OneShot, compress_all
 
 __all__ = ["KVCaches", "CallRecorder"]
 
@@ -148,7 +148,7 @@ class KVCaches:
         caches = self.policy_caches
         compress_all(caches)
         for cache in caches:
-            if not isinstance(cache.policy, OneShot):
+            if cache.one_shot is None:
                 cache.end_prefill()
 
     # -- a model call's evictions --------------------------------------------------------------
@@ -212,7 +212,7 @@ class KVCaches:
             calls = [cache.take_waiting() for cache in group]
             policies = [cache.policy for cache in group]
             drops = type(first.policy).select_drop_layers(policies, calls)  # type: ignore[attr-defined]  # (n, B, G, 1)
-            placement = staged_placement(drops, first.cache_length, first._keeps_state())
+            placement = staged_placement(drops, first.cache_length, first.keeps_state)
             for i, (cache, cand) in enumerate(zip(group, calls, strict=True)):
                 cache.store_staged(placement.layer(i), cand)
 

@@ -4,11 +4,13 @@ and what it was given."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from litkv.kvcache.storage import CacheShape
 
-__all__ = ["check_call_inputs", "check_drops", "check_full", "row_overflow"]
+__all__ = ["check_call_inputs", "check_drops", "check_full", "check_no_nan", "row_overflow"]
 
 
 def check_call_inputs(
@@ -97,3 +99,11 @@ def row_overflow(
         return None
     row = int(need.argmax())
     return row, int(held[row]), int(need[row])
+
+
+def check_no_nan(scores: torch.Tensor, where: str, inputs: Sequence[torch.Tensor | None] = ()) -> None:
+    """ValueError naming the policy's method when `scores` holds a NaN (it would evict arbitrarily) while
+    its `inputs` (the cached and new keys, the new values, the attention weights) are finite: a NaN the model produced
+    is not the policy's, and the caller's own check (a NaN loss, NaN logits) names it."""
+    if bool(torch.isnan(scores).any()) and all(t is None or bool(torch.isfinite(t).all()) for t in inputs):
+        raise ValueError(f"{where} returned NaN scores: a NaN cannot be ranked, so the eviction would be arbitrary")

@@ -42,14 +42,14 @@ from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates, Placement, SlotState, drop_lowest
+from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState, drop_lowest
 from litkv.kvcache.machine import SlotMachine
+from litkv.kvcache.one_shot import OneShot, compress_layers, keep_across_layers
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
-from litkv.kvcache.score import OneShot, compress_layers, keep_across_layers
 
-__all__ = ["KVzipKVCache", "KVzipOptions", "Scoring", "compress_kvzip", "kvzip_keep"]
+__all__ = ["KVzipCompression", "KVzipKVCache", "KVzipOptions", "Scoring", "compress_kvzip", "kvzip_keep"]
 
 
 @dataclass
@@ -85,6 +85,10 @@ class KVzipOptions(ScoreOptions):
         check_bool("layerwise", self.layerwise)
         check_int("chunk_size", self.chunk_size, minimum=1)
 
+    def one_shot_budget(self, cache_length: int) -> int | None:
+        """`budget`, or without one `cache_length` (compress only what does not fit)."""
+        return cache_length if self.budget is None else self.budget
+
 
 @dataclass
 class Scoring:
@@ -99,8 +103,20 @@ class Scoring:
     hidden: torch.Tensor | None = None
 
 
+class KVzipCompression(OneShot):
+    """kvzip's one-shot compression: every layer at once, after the reconstruction pass (`compress_kvzip`)."""
+
+    def compress(self) -> None:
+        """A single layer cannot rank against the others: `compress_kvzip` compresses every layer at once."""
+        raise RuntimeError(
+            "kvzip scores the prompt with a context-reconstruction pass that needs the model: run "
+            "litkv.inference.kvzip_reconstruction.kvzip_compress(model, prompts, repeat) after the prefill ("
+            "`litkv evaluate` does), not end_prefill()/compress() of a layer"
+        )
+
+
 @register_kv_cache("kvzip")
-class KVzipKVCache(OneShot):
+class KVzipKVCache(KVCache):
     """One-shot cache whose scores come from a context-reconstruction pass (module docstring).
 
     Attributes:
@@ -112,11 +128,10 @@ class KVzipKVCache(OneShot):
     Options: ClassVar[type[PolicyOptions]] = KVzipOptions
     needs = frozenset({"queries"})
     slot_state: ClassVar[dict[str, SlotState]] = {"kvzip_scores": SlotState(0.0)}
+    compression = KVzipCompression
 
     def __init__(self, cache: SlotMachine) -> None:
         super().__init__(cache)
-        if self.budget is None:  # one-shot without a budget: compress only what does not fit
-            self.budget = self.cache_length
         self.sinks = self.options.sinks
         self.recent = self.options.recent_length(self.cache_length)
         self.scoring: Scoring | None = None
@@ -126,7 +141,7 @@ class KVzipKVCache(OneShot):
 
     def start_scores(self) -> None:
         """Before the first reconstruction call: every score 0."""
-        if not self.one_shot or self.compressed:
+        if not self.before_compression():
             raise RuntimeError("KVzipKVCache: the reconstruction pass is for mode='one-shot', before the compression")
         self.cache.set_state("kvzip_scores", torch.zeros_like(self.positions, dtype=torch.float32))
         self.scored = True
@@ -136,17 +151,11 @@ class KVzipKVCache(OneShot):
         self.scoring = scoring
 
     def flags(self) -> dict[str, bool]:
-        """`OneShot.flags`, and whether the reconstruction pass scored the slots (`"row.kvzip_scored"`)."""
-        return {**super().flags(), "kvzip_scored": self.scored} if self.one_shot else {}
+        """Whether the reconstruction pass scored the slots (`"row.kvzip_scored"`)."""
+        return {"kvzip_scored": self.scored}
 
     def set_flags(self, flags: Mapping[str, bool]) -> None:
-        super().set_flags(flags)
-        if self.one_shot:
-            self.scored = flags["kvzip_scored"]
-
-    def check_room(self, input_pos: torch.Tensor) -> None:
-        if self.scoring is None:
-            super().check_room(input_pos)
+        self.scored = flags["kvzip_scored"]
 
     def reads_only(self) -> bool:
         """While scoring (`begin_scoring`): the reconstruction call is read, not stored."""
@@ -209,14 +218,6 @@ class KVzipKVCache(OneShot):
     def oneshot_scores(self) -> torch.Tensor:
         return self.kvzip_scores
 
-    def compress(self) -> None:
-        """A single layer cannot rank against the others: `compress_kvzip` compresses every layer at once."""
-        raise RuntimeError(
-            "kvzip scores the prompt with a context-reconstruction pass that needs the model: run "
-            "litkv.inference.kvzip_reconstruction.kvzip_compress(model, prompts, repeat) after the prefill ("
-            "`litkv evaluate` does), not end_prefill()/compress() of a layer"
-        )
-
     def score(self, candidates: Candidates) -> torch.Tensor:
         """After the compression, if the cache fills up: the slots' scores, new tokens the largest float32
         (below the `inf` of the sinks and the recent window, so that those stay protected)."""
@@ -244,7 +245,7 @@ class KVzipKVCache(OneShot):
         return {"kvzip_scores": placement.carry(self.score(candidates))}
 
 
-#: The kept slots of the compression (`litkv.kvcache.score.keep_across_layers`).
+#: The kept slots of the compression (`litkv.kvcache.one_shot.keep_across_layers`).
 kvzip_keep = keep_across_layers
 
 

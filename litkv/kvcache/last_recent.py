@@ -11,16 +11,15 @@ from typing import ClassVar
 
 import torch
 
-from litkv.kvcache.base import Candidates
+from litkv.kvcache.base import Candidates, KVCache
 from litkv.kvcache.options import LastRecentOptions, PolicyOptions
 from litkv.kvcache.registry import register_kv_cache
-from litkv.kvcache.score import OneShot
 
 __all__ = ["LastRecentKVCache"]
 
 
 @register_kv_cache("last-recent")
-class LastRecentKVCache(OneShot):
+class LastRecentKVCache(KVCache):
     """Keeps the `cache_length - sinks` most recent tokens and the first `sinks` tokens (StreamingLLM,
     Xiao et al., 2024). Options: `sinks`, `mode`, `budget`."""
 

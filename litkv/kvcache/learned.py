@@ -252,17 +252,7 @@ class LearnedKVCache(ScoreKVCache):
     def compresses_across_layers(self) -> bool:
         """`across_layers` (as resolved: by default with one-scale gates) in one-shot mode: the layers
         compress together (`compress_all`)."""
-        return self.one_shot and self._across
-
-    def compress(self) -> None:
-        """`OneShot.compress`; with `across_layers` a layer cannot rank against the others alone."""
-        if self.compresses_across_layers():
-            raise RuntimeError(
-                "learned across layers (across_layers=True, or gates on one scale) compresses every layer at once: "
-                "call KVCaches.end_prefill() "
-                "(generate and evaluate do) or litkv.kvcache.score.compress_all(caches), not compress() of a layer"
-            )
-        super().compress()
+        return self.one_shot is not None and self._across
 
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
         """Carry each surviving candidate's logit into its slot; in threshold mode, empty the old slots

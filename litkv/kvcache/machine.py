@@ -12,8 +12,10 @@ A call brings `T` new tokens per row. Attention runs in two steps around the cac
    surviving new tokens are written into the freed slots.
 
 The machine does the bookkeeping: checks, the fast path while the cache fills, pairing freed slots with
-surviving new tokens (`Placement`), writing into the storage it is composed with, the undo journal,
-static shapes for compiled steps, the state as named tensors. It asks the policy `select_drop`, hands it
+surviving new tokens (`Placement`) and writing them into the storage it is composed with (the second step's
+code is `litkv.kvcache.eviction`), the undo journal, static shapes for compiled steps, the state as named
+tensors. Besides the policy it composes, in one-shot mode, the compression its class names
+(`cache.one_shot`, `litkv.kvcache.one_shot.OneShot`). It asks the policy `select_drop`, hands it
 the placement (`update_state`) and writes the state it returns. What a policy sees of a call is one record,
 `Candidates`; the inputs that cost something (attention-weight sums, the call's queries) are filled only
 when the policy asks for them (`needs`), so that other policies keep the fast attention path.
@@ -21,32 +23,19 @@ when the policy asks for them (`needs`), so that other policies keep the fast at
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 
 from litkv.core.validation import require_int
-from litkv.kvcache.call_checks import check_call_inputs, check_drops, check_full, row_overflow
-from litkv.kvcache.candidates import (
-    Candidates,
-    OpenCall,
-    PackedCandidates,
-    Placement,
-    pair_drops,
-    placement_of,
-    staged_placement,
-)
+from litkv.kvcache.call_checks import check_call_inputs, check_full, row_overflow
+from litkv.kvcache.candidates import Candidates, OpenCall, PackedCandidates, Placement
+from litkv.kvcache.eviction import Journal, evict, store_staged
 from litkv.kvcache.layer_cache import CacheSettings
-from litkv.kvcache.policy import NEEDS, Policy
+from litkv.kvcache.policy import NEEDS, Compression, Policy
 from litkv.kvcache.state_tensors import load_named, named_tensors, set_named
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, needs_functional
 from litkv.kvcache.storage_kinds import make_storage
 
 __all__ = ["Journal", "SlotMachine"]
-
-#: The undo log's recorder: called once per call before the cache changes, with the `(B, G, T)` slots it overwrites.
-Journal = Callable[["SlotMachine", torch.Tensor], None]
 
 
 class SlotMachine:
@@ -55,6 +44,8 @@ class SlotMachine:
 
     Attributes:
         policy: the policy this cache runs (its declared state lives there, by name).
+        one_shot: the one-shot compression (`policy.compression`) when the options ask for one
+            (`options.one_shot_budget`), else `None`.
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
         num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
             no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it).
@@ -80,10 +71,10 @@ class SlotMachine:
         self.cache_length = config.cache_length
         self.dtype = dtype
         self.storage: KVStorage = make_storage(config.storage, shape, device, dtype, config.quant_group_size)
-        self._pos_buffer = torch.full(
+        self.pos_buffer = torch.full(
             (shape.batch_size, shape.n_query_groups, shape.cache_length + ROOM), -1, dtype=torch.long, device=device
         )
-        self.positions = self._pos_buffer[:, :, : shape.cache_length]
+        self.positions = self.pos_buffer[:, :, : shape.cache_length]
         # Every call attends all `L` slots and leaves `num_filled` to `advance()` (for compiled steps).
         self.static_shapes = False
         self.num_filled = 0
@@ -95,13 +86,24 @@ class SlotMachine:
         # The keys the last `attend_inputs` returned all hold a token, known on the host (attention needs no mask)
         self.attended_keys_valid = False
         self._journal: Journal | None = None
+        self.one_shot = self._compose_one_shot(policy)
         self.policy: Policy = policy(self)  # binds itself to this cache, allocates its declared state
         inputs = self.policy.inputs()
         for name in NEEDS:  # what attention and the model read, per instance
             setattr(self, f"needs_{name}", name in inputs)
         self.heads_share_positions = policy.heads_share_positions
-        self._keeps = type(self.policy).update_state is not Policy.update_state
-        self._empties = self.policy.empties_slots()
+        # whether the policy overrides `update_state` (else no `Placement` is built: nothing would read it)
+        self.keeps_state = type(self.policy).update_state is not Policy.update_state
+        self.empties = self.policy.empties_slots()
+
+    def _compose_one_shot(self, policy: type[Policy]) -> Compression | None:
+        """The one-shot compression of `policy.compression` when the options name a budget, else `None`."""
+        budget = self.config.policy_options.one_shot_budget(self.cache_length)
+        if budget is None:
+            return None
+        if policy.compression is None:
+            raise TypeError(f"{policy.__name__} has no one-shot compression (compression=None)")
+        return policy.compression(self, budget)
 
     @property
     def name(self) -> str:
@@ -117,11 +119,14 @@ class SlotMachine:
 
     @journal.setter
     def journal(self, value: Journal | None) -> None:
-        wrap = value is not None and self._empties and not isinstance(value, _AllSlots)
+        wrap = value is not None and self.empties and not isinstance(value, _AllSlots)
         self._journal = _AllSlots(value) if wrap else value
 
     def end_prefill(self) -> None:
-        """A prompt has been prefilled, before its first decode step: the policy's `end_prefill`."""
+        """A prompt has been prefilled, before its first decode step: the one-shot compression (if any), then
+        the policy's `end_prefill`."""
+        if self.one_shot is not None:
+            self.one_shot.end_prefill()
         self.policy.end_prefill()
 
     def check_idle(self, what: str) -> None:
@@ -139,10 +144,15 @@ class SlotMachine:
         set_named(self, name, value)
 
     def check_room(self, input_pos: torch.Tensor) -> None:
-        """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken."""
+        """Raise before attention if the call's tokens (`input_pos` `(B, T)`, `-1` at pads) cannot be taken (a
+        call the policy only reads, `Policy.reads_only`, takes no slot)."""
+        if self.policy.reads_only():
+            return
         limit = self.policy.max_tokens(self.config)
         if limit is not None:
             check_full(self.name, self.cache_length, self.overflow(input_pos, limit))
+        if self.one_shot is not None:
+            self.one_shot.check_room(input_pos)
         self.policy.check_room(input_pos)
 
     def overflow(self, input_pos: torch.Tensor, limit: int) -> tuple[int, int, int] | None:
@@ -163,7 +173,7 @@ class SlotMachine:
         are not its own, or that empties slots (`Policy.empties_slots`)."""
         if self.static_shapes:
             return self.static_slots_valid
-        if self.num_filled < self.cache_length or self._empties or not self.policy.drops_valid_by_construction():
+        if self.num_filled < self.cache_length or self.empties or not self.policy.drops_valid_by_construction():
             return False
         if self._slots_valid is None:
             self._slots_valid = bool((self.positions >= 0).all())
@@ -255,8 +265,8 @@ class SlotMachine:
         self.storage.stage(keys, values)
         packed = self.storage.read_staged_packed(t)
         all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
-        self._pos_buffer[:, :, length : length + t] = new_pos
-        positions = self._pos_buffer[:, :, : length + t]
+        self.pos_buffer[:, :, length : length + t] = new_pos
+        positions = self.pos_buffer[:, :, : length + t]
         # the record's positions are a copy: the slots' positions change before `update_state` reads it
         record = Candidates if packed is None else PackedCandidates
         candidates = record(positions.clone(), all_keys, all_values, keys, values, input_pos, queries=queries)
@@ -292,7 +302,7 @@ class SlotMachine:
         b, g, t = new_pos.shape
         start = self.num_filled
         # the record is built only for a policy with state
-        positions = torch.cat((self.positions, new_pos), dim=2) if self._keeps_state() else new_pos
+        positions = torch.cat((self.positions, new_pos), dim=2) if self.keeps_state else new_pos
         if self.journal is not None:
             self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
         self.storage.write_range(start, keys, values)
@@ -354,83 +364,11 @@ class SlotMachine:
         if call is None:
             return
         self._call = None
-        cand = call.candidates
-        if call.path == "direct":
-            self._after_direct(call.start, cand)
-        elif call.path == "staged":
-            self._evict_staged(cand)
-        else:
-            self._evict_concat(cand)
-
-    def _evict_concat(self, cand: Candidates) -> None:
-        """Evict for a longer call: `T` candidates lose their slot, the surviving new tokens take them."""
-        length, t = self.cache_length, cand.num_new
-        drop = self.policy.select_drop(cand)
-        self._check_drop(drop, t)
-        dest, src, valid = pair_drops(drop, length)
-        if self.journal is not None:
-            self.journal(self, dest)
-        new_pos = cand.positions[..., length:].gather(2, src)
-        self.positions.scatter_(2, dest, torch.where(valid, new_pos, self.positions.gather(2, dest)))
-        if not self.static_shapes:
-            self.advance(t)
-        if self._keeps_state():
-            self._write_state(placement_of(dest, src, valid, length), cand)
-        self.storage.write(dest, _gather_tokens(cand.new_keys, src), _gather_tokens(cand.new_values, src), valid)
-
-    def _evict_staged(self, cand: Candidates) -> None:
-        """Evict for a one-token call whose token waits in the room (slot `L`): it moves into the dropped
-        slot, or stays in the room (overwritten by the next call) when it is the one dropped."""
-        drop = self.policy.select_drop(cand)
-        self._check_drop(drop, 1)
-        placement = staged_placement(drop, self.cache_length, self._keeps_state())
-        self.store_staged(placement, cand)
+        evict(self, call)
 
     def store_staged(self, placement: Placement, cand: Candidates) -> None:
-        """Write a staged call's choice (`staged_placement`): positions, the policy's state, the storage."""
-        length = self.cache_length
-        if self.journal is not None:
-            self.journal(self, placement.dest)
-        target = torch.where(placement.valid, placement.dest, length)  # a dropped token stays in the room
-        self._pos_buffer.scatter_(2, target, cand.positions[..., length:])
-        if not self.static_shapes:
-            self.advance(1)
-        if self._keeps_state():  # before the storage write: `cand.keys` are views of the slots
-            self._write_state(placement, cand)
-        self.storage.commit_staged(target)
-
-    def _after_direct(self, start: int, cand: Candidates) -> None:
-        """`update_state` for a call whose tokens went into the empty slots `[start, start + T)`."""
-        if not self._keeps_state():
-            return
-        length, t = self.cache_length, cand.num_new
-        weights = cand.attn_weights
-        if weights is not None:  # (B, G, start + T): cached tokens, then the new ones
-            slot_part = F.pad(weights[..., :start], (0, length - start))
-            cand.attn_weights = torch.cat((slot_part, weights[..., start:]), dim=2)
-        slots = torch.arange(start, start + t, device=self.positions.device)
-        slots = slots.expand(*self.positions.shape[:2], t)
-        placement = placement_of(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
-        self._write_state(placement, cand)
-
-    def _write_state(self, placement: Placement, cand: Candidates) -> None:
-        """Run the policy's `update_state` and write what it returns (declared names only)."""
-        object.__setattr__(self.policy, "_updating", True)  # declared state assigned in the hook is refused
-        try:
-            update = self.policy.update_state(placement, cand)
-        finally:
-            object.__setattr__(self.policy, "_updating", False)
-        if self._empties:  # `update_state` may have emptied slots
-            self.forget_valid_slots()
-        if not update:
-            return
-        for name, value in update.items():
-            if name not in self.policy._state_names:
-                raise ValueError(
-                    f"{self.name}.update_state returned {name!r}, which is not declared in its "
-                    f"slot_state {sorted(self.policy.slot_state)} or row_state {list(self.policy.row_state)}"
-                )
-            set_named(self, name, value)
+        """Write a staged call's choice (`eviction.store_staged`; `KVCaches.evict_waiting`'s batched one)."""
+        store_staged(self, placement, cand)
 
     def abort_call(self) -> None:
         """Forget a call interrupted between `attend_inputs` and its eviction (its eviction is not done)."""
@@ -452,15 +390,15 @@ class SlotMachine:
 
         `"positions"` and `"storage.<name>"` and `"slot.<name>"` (the policy's `slot_state`) are
         `(B, G, L, ...)` with the slot index on dim 2; `"row.<name>"` (or `"row.<name>.<i>"` for a
-        tuple) are the policy's `row_state`, batch first, and its host flags (`Policy.flags`,
-        `"row.<name>"` `(B,)` bool). Row state not set yet is left out. The host
+        tuple) are the policy's `row_state`, batch first, and the host flags of the one-shot compression and
+        the policy (their `flags()`, `"row.<name>"` `(B,)` bool). Row state not set yet is left out. The host
         counter `num_filled` is not a tensor: read it from the attribute.
         """
         self.settle()
         self.forget_valid_slots()  # the caller may write the live tensors
         out = named_tensors(self)
         b = self.shape.batch_size
-        out.update({f"row.{name}": torch.full((b,), flag) for name, flag in self.policy.flags().items()})
+        out.update({f"row.{name}": torch.full((b,), flag) for name, flag in self._flags().items()})
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], num_filled: int) -> None:
@@ -475,24 +413,14 @@ class SlotMachine:
         self.forget_valid_slots()
         load_named(self, tensors)
         self.num_filled = num_filled
-        given = {name: tensors.get(f"row.{name}") for name in self.policy.flags()}
-        self.policy.set_flags({name: flag is not None and bool(flag.all()) for name, flag in given.items()})
+        for holder in (self.one_shot, self.policy):
+            if holder is not None:
+                given = {name: tensors.get(f"row.{name}") for name in holder.flags()}
+                holder.set_flags({name: flag is not None and bool(flag.all()) for name, flag in given.items()})
 
-    def _check_drop(self, drop: object, t: int) -> None:
-        """Raise naming the policy if `drop` is not `(B, G, T)` int64 distinct indices in `[0, L + T)` (the values
-        are read only for a policy whose drops are not valid by construction)."""
-        expected = (*self.positions.shape[:2], t)
-        check_drops(self.name, drop, expected, self.cache_length, not self.policy.drops_valid_by_construction())
-
-    def _keeps_state(self) -> bool:
-        """Whether the policy overrides `update_state` (else no `Placement` is built: nothing would read it)."""
-        return self._keeps
-
-
-def _gather_tokens(tokens: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """`tokens` `(B, G, T, D)` gathered along T by `src` `(B, G, T')` -> `(B, G, T', D)`."""
-    index = src[..., None].expand(*src.shape, tokens.shape[-1])
-    return tokens.gather(2, index)
+    def _flags(self) -> dict[str, bool]:
+        """The host flags of the state: the one-shot compression's (`one_shot_compressed`), then the policy's."""
+        return {**(self.one_shot.flags() if self.one_shot is not None else {}), **self.policy.flags()}
 
 
 class _AllSlots:

@@ -54,6 +54,11 @@ class PolicyOptions:
     def check(self, cache_length: int) -> None:
         """Raise ValueError/TypeError naming the option if a value is not usable with `cache_length` slots."""
 
+    def one_shot_budget(self, cache_length: int) -> int | None:
+        """The tokens a one-shot compression keeps per (row, KV head), `None` when the cache does not run one
+        (the layer cache composes one, `litkv.kvcache.one_shot.OneShot`, otherwise)."""
+        return None
+
 
 @dataclass
 class NoOptions(PolicyOptions):
@@ -78,6 +83,9 @@ class LastRecentOptions(PolicyOptions):
         if self.sinks >= cache_length:
             raise ValueError(f"sinks must be < cache_length, got sinks={self.sinks}, cache_length={cache_length}")
         check_mode(self.mode, self.budget, cache_length, self.sinks)
+
+    def one_shot_budget(self, cache_length: int) -> int | None:
+        return self.budget if self.mode == "one-shot" else None
 
 
 @dataclass
@@ -104,6 +112,9 @@ class ScoreOptions(PolicyOptions):
     recent: int | None = None
     mode: str = "continuous"
     budget: int | None = None
+
+    def one_shot_budget(self, cache_length: int) -> int | None:
+        return self.budget if self.mode == "one-shot" else None
 
     def protected_sinks(self) -> int:
         """Tokens never evicted at the start of a sequence (`sinks`)."""

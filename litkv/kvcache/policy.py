@@ -19,8 +19,12 @@ and implements `select_drop(candidates)` (or, through `ScoreKVCache`, `score(can
 assigns them; the machinery writes them, in place under compiled steps). What `score` computed and
 `update_state` needs again goes through the call's typed memo, `candidates.once(self.method)`.
 
+Its one-shot mode is not the policy's code: when its options ask for one (`mode="one-shot"`, `budget`), the
+layer cache composes the compression its class names (`compression`: `litkv.kvcache.one_shot.OneShot` for a
+`KVCache`), which ranks the slots by the policy's `oneshot_scores()`.
+
 A policy written for the old interface (the `needs_*` flags, `after_write`, `candidates.scratch`, state
-assigned in a hook) fails with one line saying what to change.
+assigned in a hook, the one-shot mode's `compress`/`select_keep`) fails with one line saying what to change.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -40,7 +44,7 @@ from litkv.kvcache.state_tensors import SlotState, check_slot_state
 if TYPE_CHECKING:
     from litkv.gates.gate import EvictionGates
 
-__all__ = ["NEEDS", "Policy", "StateUpdate"]
+__all__ = ["NEEDS", "Compression", "Policy", "StateUpdate"]
 
 #: The inputs a policy may ask for (`Policy.needs`).
 NEEDS = frozenset({"attn_weights", "queries", "rope", "gates"})
@@ -55,6 +59,10 @@ _OLD_NAMES = {
     "needs_gates": 'declare needs = {"gates"} instead of needs_gates = True',
     "after_write": "after_write is now update_state(placement, candidates), which returns the new state "
     "by name ({'name': tensor}) instead of assigning it",
+    "compress": "compress belongs to the one-shot compression the cache composes (cache.one_shot, "
+    "litkv.kvcache.one_shot.OneShot): implement oneshot_scores() (and compresses_across_layers())",
+    "select_keep": "select_keep belongs to the one-shot compression (litkv.kvcache.one_shot.OneShot): subclass it "
+    "and run the policy with one_shot(policy, YourCompression), as adakv(policy) does",
 }
 
 #: The layer cache's methods (`SlotMachine`), which a policy inherited before it was composed: defined in a
@@ -68,6 +76,21 @@ _MACHINE_NAMES = frozenset(
 )  # fmt: skip
 
 
+class Compression(Protocol):
+    """What the layer cache asks of the one-shot compression it composes (`litkv.kvcache.one_shot.OneShot`)."""
+
+    budget: int
+    compressed: bool
+
+    def end_prefill(self) -> None: ...
+
+    def check_room(self, input_pos: torch.Tensor) -> None: ...
+
+    def flags(self) -> dict[str, bool]: ...
+
+    def set_flags(self, flags: Mapping[str, bool]) -> None: ...
+
+
 class Policy(ABC):
     """The author's side of a layer cache: declarations and the methods a policy may implement.
 
@@ -75,8 +98,9 @@ class Policy(ABC):
     `positions` (`(B, G, L)` int64 token position of each slot, `-1` when empty), each declared state by its
     name, `config` (the `KVCacheConfig`), `cache` (the layer cache running it, `SlotMachine`).
 
-    The last methods (`check_room`, `flags`, `empties_slots`, `reads_only`) are what the one-shot mode and
-    kvzip's reconstruction pass ask of the machinery; a plain policy leaves them alone.
+    `oneshot_scores` and `compresses_across_layers` are what the one-shot compression asks of a policy;
+    the last methods (`check_room`, `flags`, `empties_slots`, `reads_only`) are what kvzip's reconstruction
+    pass asks of the machinery; a plain policy leaves them alone.
     """
 
     Options: ClassVar[type[PolicyOptions]] = NoOptions
@@ -87,6 +111,9 @@ class Policy(ABC):
     row_state_zero_is_unset: ClassVar[bool] = False
     #: every KV head of a row holds the same tokens in the same slots (attention builds one mask per row)
     heads_share_positions: ClassVar[bool] = False
+    #: the one-shot compression the cache composes when the options ask for one (`OneShot` for a `KVCache`;
+    #: `one_shot(policy, compression)` sets another), called as `compression(cache, budget)`
+    compression: ClassVar[Callable[[Any, int], Compression] | None] = None
     # derived from `needs` for attention and the model (a subclass never sets them)
     needs_attn_weights: ClassVar[bool] = False
     needs_queries: ClassVar[bool] = False
@@ -173,13 +200,23 @@ class Policy(ABC):
         """Receive the model's eviction gates (`None` when none are loaded) and this cache's layer index when
         `needs` has `"gates"`."""
 
+    def oneshot_scores(self) -> torch.Tensor:
+        """`(B, G, L)` score of each slot's token at the end of the prompt, for the one-shot compression
+        (highest kept; `inf`: always kept). `ScoreKVCache` scores the slots as a call without new tokens."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-shot mode: it implements no oneshot_scores()")
+
+    def compresses_across_layers(self) -> bool:
+        """Whether the one-shot compression ranks this layer's `oneshot_scores()` against the other layers'
+        (`compress_all` / `KVCaches.end_prefill` then compress the layers together); `False` by default."""
+        return False
+
     def check_room(self, input_pos: torch.Tensor) -> None:
         """Raise before attention if this policy cannot take the call's tokens (`input_pos` `(B, T)`) beyond
-        what `max_tokens` says (a one-shot cache keeps the whole prompt until it compresses)."""
+        what `max_tokens` says (the one-shot compression checks its own: the whole prompt must fit)."""
 
     def flags(self) -> dict[str, bool]:
-        """Host flags saved with the cache's state (each as `"row.<name>"`, `(B,)` bool; one-shot: whether
-        it compressed); `set_flags` receives them back when a state is loaded."""
+        """Host flags saved with the cache's state (each as `"row.<name>"`, `(B,)` bool; kvzip: whether its
+        reconstruction pass scored the slots); `set_flags` receives them back when a state is loaded."""
         return {}
 
     def set_flags(self, flags: Mapping[str, bool]) -> None:

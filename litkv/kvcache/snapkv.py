@@ -179,7 +179,7 @@ class SnapKVKVCache(ScoreKVCache):
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate | None:
         """One-shot before the compression: the window of newest queries; else the running maximum carried
         into the slots (while filling, the call is scored here)."""
-        if self.one_shot and not self.compressed:
+        if self.before_compression():
             return {"window": update_window(self.window, candidates.queries, candidates.query_pos, self.options.window)}
         if self.options.keep_max:
             return {"best": placement.carry(candidates.once(self._scores)).masked_fill(self.positions < 0, 0.0)}

@@ -83,6 +83,6 @@ class TOVAKVCache(ScoreKVCache):
 
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate | None:
         """One-shot, before the compression: keep the newest query of each row."""
-        if self.one_shot and not self.compressed:
+        if self.before_compression():
             return {"last_query": update_window(self.last_query, candidates.queries, candidates.query_pos, 1)}
         return None

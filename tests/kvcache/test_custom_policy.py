@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from litkv.kvcache import CacheShape, KVCache
+from litkv.kvcache import CacheShape, KVCache, registry
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.registry import get_kv_cache_class, known_policies
@@ -42,17 +42,22 @@ def test_walkthrough_shows_the_example_modules_verbatim() -> None:
     assert len(code_lines) < 40
 
 
-def test_walkthrough_runs_by_name_and_by_path(examples_on_path: None) -> None:
+def test_walkthrough_runs_by_name_and_by_path(examples_on_path: None, monkeypatch: pytest.MonkeyPatch) -> None:
     modules = {path.read_text(encoding="utf-8") for path in MODULES}
     snippets = [block for block in _python_blocks() if block not in modules]
-    assert len(snippets) == 3  # by name, by path, the chat template (test_walkthrough_chat_ids_are_the_clis)
+    # by name, by path, one-shot and adakv, the chat template (test_walkthrough_chat_ids_are_the_clis)
+    assert len(snippets) == 4
+    import value_norm_policy  # registered in the registry itself, before the copy the snippets run under
+
+    monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())  # the one-shot snippet registers a name
     namespace: dict[str, object] = {}
-    for block in snippets[:2]:
+    for block in snippets[:3]:
         exec(compile(block, str(DOCS / "custom_policy.md"), "exec"), namespace)  # noqa: S102
     by_name, by_path = namespace["by_name"], namespace["by_path"]
     assert len(by_name[0]) == 8 and torch.equal(by_name[0], by_path[0])
-    import value_norm_policy
-
+    one_shot_tokens, adakv_tokens = namespace["one_shot_tokens"], namespace["adakv_tokens"]
+    assert len(one_shot_tokens[0]) == len(adakv_tokens[0]) == 8
+    assert get_kv_cache_class("value-norm-adakv").__name__ == "AdaKVValueNorm"
     assert get_kv_cache_class("value-norm") is value_norm_policy.ValueNormKVCache
     assert get_kv_cache_class(VALUE_NORM) is value_norm_policy.ValueNormKVCache
 

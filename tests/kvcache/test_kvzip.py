@@ -88,7 +88,7 @@ def test_kept_sets_equal_brute_force_selection(tiny_model, layerwise: bool) -> N
         _prefill(model, prompts, cfg)
         kvzip_compress(model, prompts, REPEAT, prefix_length=PREFIX)
         kept = [_kept(model, r) for r in range(len(prompts))]
-        assert all(c.policy.compressed for c in model.caches)
+        assert all(c.one_shot.compressed for c in model.caches)
     c = model.config
     for r, p in enumerate(prompts):
         scores = _brute_scores(model, p.tolist(), False)  # (n_layer, G, n)

@@ -45,7 +45,7 @@ def _prefill(model: GPT, across: bool | None) -> tuple[list[set[tuple[int, int, 
         model.caches.end_prefill()
         kept: list[set[tuple[int, int, int]]] = [set() for _ in LENGTHS]
         for layer, cache in enumerate(model.kv_caches):
-            assert cache.policy.compressed
+            assert cache.one_shot.compressed
             for row, head, slot in zip(*torch.nonzero(cache.positions >= 0, as_tuple=True), strict=True):
                 kept[int(row)].add((layer, int(head), int(cache.positions[row, head, slot])))
     finally:
@@ -142,6 +142,6 @@ def test_across_layers_outside_one_shot_and_a_single_layer_compress_are_refused(
         cache = model.kv_caches[0]
         assert isinstance(cache.policy, LearnedKVCache)
         with pytest.raises(RuntimeError, match="every layer at once"):
-            cache.policy.compress()
+            cache.one_shot.compress()
     finally:
         model.set_kv_caches(None)

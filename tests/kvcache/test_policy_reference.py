@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from litkv import GPT, KVCacheConfig, generate
-from litkv.kvcache.score import compress_all
+from litkv.kvcache.one_shot import compress_all
 
 N, CHUNK, ROWS = 48, 7, 2
 Kept = list[list[list[set[int]]]]  # [layer][row][KV head] -> kept positions
@@ -228,6 +228,8 @@ def test_adakv_expected_attention_keeps_the_reference_set(model: GPT, prompt: to
 
 def test_adakv_needs_one_shot() -> None:
     with pytest.raises(ValueError, match="mode must be 'one-shot'"):
+        KVCacheConfig("litkv.kvcache.adakv:AdaKVKNorm", cache_length=16, options={"mode": "continuous"})
+    with pytest.raises(ValueError, match="mode='one-shot' needs budget"):  # one-shot by default
         KVCacheConfig("litkv.kvcache.adakv:AdaKVKNorm", cache_length=16)
     with pytest.raises(ValueError, match="alpha_safeguard must be in"):
         options = dict(mode="one-shot", budget=4, alpha_safeguard=1.5)
@@ -255,10 +257,10 @@ def test_one_shot_decodes_without_eviction_until_full(model: GPT, prompt: torch.
     cfg = KVCacheConfig("knorm", cache_length=N, chunk_size=CHUNK, storage=storage, quant_group_size=8, options=options)
     try:
         caches = _prefill(model, prompt, cfg)
-        assert all(not c.policy.compressed and c.num_filled == N for c in caches)
+        assert all(not c.one_shot.compressed and c.num_filled == N for c in caches)
         compress_all(caches)
         kept = [c.positions.clone() for c in caches]
-        assert all(c.policy.compressed and int((c.positions >= 0).sum(dim=2).min()) == 12 for c in caches)
+        assert all(c.one_shot.compressed and int((c.positions >= 0).sum(dim=2).min()) == 12 for c in caches)
         for step in range(N - 12):
             model(prompt[:, :1], input_pos=torch.full((ROWS, 1), N + step))
         for c, before in zip(caches, kept, strict=True):
@@ -286,17 +288,16 @@ def test_one_shot_prompt_must_fit(model: GPT, prompt: torch.Tensor) -> None:
 def test_compress_is_for_one_shot_only_and_state_keeps_the_flag(model: GPT, prompt: torch.Tensor) -> None:
     try:
         continuous = _prefill(model, prompt, KVCacheConfig("knorm", cache_length=N, chunk_size=CHUNK))
-        with pytest.raises(RuntimeError, match="is for mode='one-shot'"):
-            continuous[0].policy.compress()
+        assert all(c.one_shot is None for c in continuous)  # nothing to compress
         cfg = KVCacheConfig("snapkv", cache_length=N, chunk_size=CHUNK, options={"mode": "one-shot", "budget": 16})
         cache = _prefill(model, prompt, cfg)[0]
         before = {k: v.clone() for k, v in cache.state_tensors().items()}
-        cache.policy.compress()
+        cache.one_shot.compress()
         after = {k: v.clone() for k, v in cache.state_tensors().items()}
         cache.load_state_tensors(before, N)
-        assert not cache.policy.compressed and cache.positions.tolist() == before["positions"].tolist()
+        assert not cache.one_shot.compressed and cache.positions.tolist() == before["positions"].tolist()
         cache.load_state_tensors(after, 16)
-        assert cache.policy.compressed and cache.positions.tolist() == after["positions"].tolist()
+        assert cache.one_shot.compressed and cache.positions.tolist() == after["positions"].tolist()
     finally:
         model.set_kv_caches(None)
 
