@@ -5,7 +5,7 @@ The range is that of the `Cache` interfaces it was built against: 5.0 - 5.3 (lay
 `get_mask_sizes` takes the query length) and 5.25 (the models call a layer's `update` with `kwargs=` instead
 of `cache_kwargs`, and name the forward's cache argument `cache`, `past_key_values` kept as a deprecated alias).
 The adapter reads the query length from either form, takes any `update` arguments, and passes its cache under the
-name the model's forward declares (`cache_argument`). Tested: 5.3.0, 5.17.0, 5.25.0 (docs/hf.md).
+name the model's forward declares (`cache_argument`). Tested: 5.3.0, 5.17.0, 5.21.1, 5.25.0 (docs/hf.md).
 """
 
 from __future__ import annotations
