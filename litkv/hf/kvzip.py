@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from litkv.hf.cache import Cache
+from litkv.hf.compat import cache_argument
 from litkv.inference.kvzip_reconstruction import FIRST_PROMPT, LATER_PROMPT, RepeatPrompt, reconstruct
 from litkv.kvcache.kvzip import KVzipKVCache, Scoring, compress_kvzip
 
@@ -69,10 +70,12 @@ def kvzip_compress(
     attn = _attention_modules(model, len(caches))
     plus = caches[0].options.kvzip_plus
 
+    cache_kw = cache_argument(model)
+
     def run(idx: torch.Tensor, pos: torch.Tensor, scorings: list[Scoring]) -> None:
         columns = torch.ones(idx.shape[0], cache.seen, dtype=torch.long, device=idx.device)
         call_mask = torch.cat((columns, (pos >= 0).long()), dim=1)
-        call = dict(input_ids=idx, attention_mask=call_mask, position_ids=pos.clamp(min=0), past_key_values=cache)
+        call = dict(input_ids=idx, attention_mask=call_mask, position_ids=pos.clamp(min=0), **{cache_kw: cache})
         if plus:
             with _hidden_hooks(attn, scorings):
                 model(**call, logits_to_keep=1)

@@ -22,7 +22,7 @@ from litkv.modeling.runner import run_chunks
 
 transformers = pytest.importorskip("transformers")
 hf_mod = pytest.importorskip("litkv.hf")
-from litkv.hf.compat import check_model_type, check_transformers_version  # noqa: E402
+from litkv.hf.compat import cache_argument, check_model_type, check_transformers_version  # noqa: E402
 
 
 class ValueNormKVCache(ScoreKVCache):
@@ -203,7 +203,7 @@ def test_refusals_are_one_line(pair) -> None:
     assert "one KVCacheConfig per layer" in _one_line(err)
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "5.18.0", "6.0.0"])
+@pytest.mark.parametrize("version", ["4.57.1", "5.26.0", "6.0.0"])
 def test_transformers_outside_the_range_is_refused(version: str) -> None:
     with pytest.raises(ImportError) as err:
         check_transformers_version(version)
@@ -212,4 +212,24 @@ def test_transformers_outside_the_range_is_refused(version: str) -> None:
 
 def test_transformers_installed_is_in_the_range() -> None:
     check_transformers_version(transformers.__version__)
-    check_transformers_version("5.17.0")
+    for tested in ("5.3.0", "5.17.0", "5.25.0"):
+        check_transformers_version(tested)
+
+
+def test_both_update_forms_and_the_cache_argument(pair) -> None:
+    """A layer's `update` as transformers up to 5.17 call it (`cache_kwargs`) and as 5.25 does (`kwargs=`); the
+    forward's cache keyword read from its signature (`cache` where declared, else `past_key_values`)."""
+    hf, _ = pair
+    cache = hf_mod.Cache(hf, KVCacheConfig(policy="h2o", cache_length=16))
+    k = torch.randn(1, hf.config.num_key_value_heads, 3, hf.config.head_dim)
+    assert cache.layers[0].update(k, k, {"cache_position": torch.arange(3)})[0] is k
+    assert cache.layers[0].update(k, k, kwargs={"position_ids": torch.arange(3)[None]})[0] is k
+    assert cache_argument(hf) in ("cache", "past_key_values")
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    assert cache_argument(Old()) == "past_key_values" and cache_argument(New()) == "cache"

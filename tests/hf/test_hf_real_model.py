@@ -35,8 +35,8 @@ def real(tmp_path_factory: pytest.TempPathFactory):
     obtain_checkpoint(MODELS[NAME], out)
     add_shipped_gates(NAME, out)  # the gates litkv ships, fitted for the weights litkv converts
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.parent), gguf_file=source.name, dtype=torch.float32
-    ).eval()
+        str(source.parent), gguf_file=source.name, dtype=torch.float32, use_kernels=False
+    ).eval()  # use_kernels: 5.25 kernelizes by default (hub kernels, the `kernels` package); 5.3 - 5.21 did not
     return hf, load_model(out).eval(), load_tokenizer(out), out
 
 
