@@ -190,6 +190,7 @@ class KVCaches:
         writes its part (`store_staged`). Every other waiting layer is evicted alone (`settle`). Tokens and
         states are bitwise those of evicting each layer in its own call (tests/kvcache/test_policy_conformance.py).
         """
+        self._prepare_direct()
         groups: list[list[SlotMachine]] = []
         for cache in self.policy_caches:
             call = cache.waiting_call
@@ -215,6 +216,23 @@ class KVCaches:
             placement = staged_placement(drops, first.cache_length, first.keeps_state)
             for i, (cache, cand) in enumerate(zip(group, calls, strict=True)):
                 cache.store_staged(placement.layer(i), cand)
+
+    def _prepare_direct(self) -> None:
+        """The waiting decode steps that go into empty slots (a cache still filling, or compressed one-shot):
+        the policy class's `prepare_layers` over each group of alike layers, before each layer writes its own."""
+        groups: list[list[SlotMachine]] = []
+        for cache in self.policy_caches:
+            call = cache.waiting_call
+            if call is None or call.path != "direct" or not cache.keeps_state:
+                continue
+            group = next((g for g in groups if _alike(g[0], cache)), None)
+            if group is None:
+                groups.append([cache])
+            else:
+                group.append(cache)
+        for group in groups:
+            records = [cache.waiting_call.candidates for cache in group]  # type: ignore[union-attr]
+            type(group[0].policy).prepare_layers([cache.policy for cache in group], records)
 
     # -- positions ------------------------------------------------------------------------------
 

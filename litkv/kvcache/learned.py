@@ -36,7 +36,7 @@ from litkv.core.rope import BoundRope, RopeTable
 from litkv.gates.gate import EvictionGates
 from litkv.kvcache.base import Candidates, Placement, SlotState
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
-from litkv.kvcache.policy import StateUpdate
+from litkv.kvcache.policy import Policy, StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
@@ -136,6 +136,29 @@ def _gate_new_keys(gates: EvictionGates, rope: BoundRope, keys: torch.Tensor, po
     return (dots / math.sqrt(weight.shape[1]) + bias[:, None]).to(torch.float32)
 
 
+def _stacked_new_logits(policies: Sequence[Policy], records: Sequence[Candidates]) -> torch.Tensor | None:
+    """`(n_layers, B, G, T)` the new tokens' gate logits of the layers' calls in one pass, each layer's
+    remembered in its record (what `new_logits` returns for it); `None` (nothing computed) unless every
+    policy is a bound `LearnedKVCache` of one RoPE table. The keys of all layers sit side by side on the head
+    axis `(B, n_layers * G, T, D)`: per element the operations of one layer alone, so the values are bitwise
+    those of `new_logits` layer by layer."""
+    if not all(isinstance(p, LearnedKVCache) and p._gates is not None and p._rope is not None for p in policies):
+        return None
+    rope = policies[0]._rope  # type: ignore[attr-defined]
+    if not all(p._rope == rope for p in policies):  # type: ignore[attr-defined]
+        return None
+    gates = [p._gates for p in policies]  # type: ignore[attr-defined]
+    weight, bias = torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1)
+    stacked = EvictionGates(weight, bias, 0, 0)
+    keys = torch.cat([r.new_keys for r in records], dim=1)
+    logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)  # (B, n * G, T)
+    b, _, t = logits.shape
+    new = logits.view(b, len(policies), -1, t).transpose(0, 1)  # (n, B, G, T)
+    for layer, record in zip(new, records, strict=True):
+        record.remember(LearnedKVCache._new_logits, layer)
+    return new
+
+
 @register_kv_cache("learned")
 class LearnedKVCache(ScoreKVCache):
     """Keeps the sinks, the recent window and the tokens with the highest gate logits.
@@ -214,27 +237,23 @@ class LearnedKVCache(ScoreKVCache):
     @classmethod
     def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """The layers' scores `(n_layers, B, G, L + 1)` built at once: the new tokens' gate logits of every
-        layer in one pass (the keys of all layers side by side on the head axis `(B, n_layers * G, 1, D)`,
-        rotated back and gated; per element the same operations as one layer alone), then the slots'
-        carried logits stacked and the new ones appended in one copy. Each layer's record gets its view
-        (what `score` returns for it), so the values are those of `score` layer by layer."""
-        rope = policies[0]._bound()[1]
-        if not all(isinstance(c, LearnedKVCache) and c._bound()[1] == rope for c in policies):
+        layer in one pass (`_stacked_new_logits`), then the slots' carried logits stacked and the new ones
+        appended in one copy. Each layer's record gets its view (what `score` returns for it), so the values
+        are those of `score` layer by layer."""
+        new = _stacked_new_logits(policies, records)
+        if new is None:
             return super().stacked_scores(policies, records)
-        gates = [c._bound()[0] for c in policies]  # type: ignore[attr-defined]
-        stacked = EvictionGates(
-            torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1), 0, 0
-        )
-        keys = torch.cat([r.new_keys for r in records], dim=1)
-        logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)  # (B, n * G, T)
-        b, _, t = logits.shape
-        new = logits.view(b, len(policies), -1, t).transpose(0, 1)  # (n, B, G, T)
         slots = torch.stack([c.logits for c in policies])  # type: ignore[attr-defined]  # (n, B, G, L)
         scores = torch.cat((slots, new.to(slots.dtype)), dim=3)
         for i, record in enumerate(records):
-            record.remember(LearnedKVCache._new_logits, new[i])
             record.remember(LearnedKVCache._score, scores[i])
         return scores
+
+    @classmethod
+    def prepare_layers(cls, policies: Sequence[Policy], records: Sequence[Candidates]) -> None:
+        """A decode step into empty slots (a compressed one-shot cache, a cache still filling): every layer's
+        new gate logits in one pass (`_stacked_new_logits`), which each layer's `update_state` then reads."""
+        _stacked_new_logits(policies, records)
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` float32: the slots' carried logits, then the new tokens' fresh ones (built once

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -172,6 +172,13 @@ class Policy(ABC):
         per-slot one; `self.positions` is already updated (`-1`: still empty). Runs while the cache fills too.
         """
         return None
+
+    @classmethod
+    def prepare_layers(cls, policies: Sequence[Policy], records: Sequence[Candidates]) -> None:
+        """Before the layers' waiting decode steps that fill empty slots are written (`KVCaches.evict_waiting`;
+        layers of this class with one configuration): compute what their `update_state` calls share once and
+        `remember` it in each record (`learned`: every layer's gate logits in one product). Each layer must then
+        get bitwise what it would compute alone. Nothing by default."""
 
     @classmethod
     def adjust(cls, config: CacheSettings) -> CacheSettings:

@@ -271,6 +271,62 @@ def test_decode_steps_evicting_all_layers_together_equal_each_layer_alone(
             assert torch.equal(a[name], b[name]), f"layer {layer}: {name} differs"
 
 
+def _fill_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Tensor, together: bool) -> tuple:
+    """Prefill `idx[:, :16]`, compress a one-shot cache, then one token per call into empty slots; the logits of
+    every call and the final state of every layer."""
+    model.set_kv_caches(model.build_kv_caches(cfg, idx.shape[0]))
+    try:
+        model.caches.evict_layers_together = together
+        logits = [model(idx[:, :8], pos[:, :8]), model(idx[:, 8:16], pos[:, 8:16])]
+        model.caches.end_prefill()
+        logits += [model(idx[:, i : i + 1], pos[:, i : i + 1]) for i in range(16, idx.shape[1])]
+        states = [{k: v.clone() for k, v in c.state_tensors().items()} for c in model.kv_caches]
+        return logits, states
+    finally:
+        model.set_kv_caches(None)
+
+
+@pytest.mark.parametrize("mode", ["continuous", "one-shot"])
+@pytest.mark.parametrize("policy", EVICTING)
+@torch.inference_mode()
+def test_decode_steps_into_empty_slots_together_equal_each_layer_alone(
+    model32: GPT, policy: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps that fill empty slots (a cache that is not full yet; a one-shot cache after its compression)
+    are written after the block loop, the policy class's `prepare_layers` first (`learned`: every layer's gate
+    logits in one product, counted); logits and states bitwise those of each layer in its own call."""
+    options = _options(policy)
+    if mode == "one-shot":
+        fields = {f.name for f in dataclasses.fields(get_kv_cache_class(policy).Options)}
+        if "budget" not in fields:
+            pytest.skip(f"{policy} has no one-shot mode")
+        options = {**options, "mode": "one-shot", "budget": 8, **({"window": 4} if "window" in fields else {})}
+    cfg = KVCacheConfig(policy, cache_length=40, chunk_size=8, prefill_length=8, options=options)
+    if get_kv_cache_class(policy).max_tokens(cfg) is not None:
+        pytest.skip(f"{policy} does not evict")
+    idx = _tokens(2, 36, seed=12)
+    pos = torch.arange(36).expand(2, 36).clone()
+    pos[1, :3] = -1  # row 1 is left-padded
+    import litkv.kvcache.learned as learned_module
+
+    gate_calls = []
+    gate = learned_module._gate_new_keys
+    monkeypatch.setattr(learned_module, "_gate_new_keys", lambda *a: gate_calls.append(1) or gate(*a))
+    together = _fill_run(model32, cfg, idx, pos, True)
+    calls_together = len(gate_calls)
+    alone = _fill_run(model32, cfg, idx, pos, False)
+    if policy == "learned":  # two prefill chunks of every layer, then one product per decode step
+        n_layers = model32.config.n_layer
+        assert calls_together == 2 * n_layers + 20, calls_together
+        assert len(gate_calls) - calls_together == 22 * n_layers
+    for step, (a, b) in enumerate(zip(together[0], alone[0], strict=True)):
+        assert torch.equal(a, b), f"call {step}: logits differ by {max_diff(a, b)}"
+    for layer, (a, b) in enumerate(zip(together[1], alone[1], strict=True)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"layer {layer}: {name} differs"
+
+
 # -- gradients through the policy -----------------------------------------------------------------
 
 
