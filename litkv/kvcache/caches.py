@@ -191,7 +191,7 @@ class KVCaches:
         states are bitwise those of evicting each layer in its own call (tests/kvcache/test_policy_conformance.py).
         """
         self._prepare_direct()
-        groups: list[list[SlotMachine]] = []
+        together: list[SlotMachine] = []
         for cache in self.policy_caches:
             call = cache.waiting_call
             if call is None:
@@ -199,13 +199,8 @@ class KVCaches:
             if call.path != "staged" or not _selects_layers_together(type(cache.policy)):
                 cache.settle()
                 continue
-            for group in groups:
-                if _alike(group[0], cache):
-                    group.append(cache)
-                    break
-            else:
-                groups.append([cache])
-        for group in groups:
+            together.append(cache)
+        for group in _alike_groups(together):
             if len(group) == 1:
                 group[0].settle()
                 continue
@@ -220,17 +215,12 @@ class KVCaches:
     def _prepare_direct(self) -> None:
         """The waiting decode steps that go into empty slots (a cache still filling, or compressed one-shot):
         the policy class's `prepare_layers` over each group of alike layers, before each layer writes its own."""
-        groups: list[list[SlotMachine]] = []
-        for cache in self.policy_caches:
-            call = cache.waiting_call
-            if call is None or call.path != "direct" or not cache.keeps_state:
-                continue
-            group = next((g for g in groups if _alike(g[0], cache)), None)
-            if group is None:
-                groups.append([cache])
-            else:
-                group.append(cache)
-        for group in groups:
+        direct = [
+            cache
+            for cache in self.policy_caches
+            if cache.keeps_state and (call := cache.waiting_call) is not None and call.path == "direct"
+        ]
+        for group in _alike_groups(direct):
             records = [cache.waiting_call.candidates for cache in group]  # type: ignore[union-attr]
             type(group[0].policy).prepare_layers([cache.policy for cache in group], records)
 
@@ -341,6 +331,18 @@ def _selects_layers_together(cls: type[KVCache]) -> bool:
     and `cls` keeps that class's `select_drop` (a subclass with its own `select_drop` is evicted alone)."""
     owner = next((k for k in cls.__mro__ if "select_drop_layers" in vars(k)), None)
     return owner is not None and cls.select_drop is owner.select_drop  # type: ignore[attr-defined]
+
+
+def _alike_groups(caches: Sequence[SlotMachine]) -> list[list[SlotMachine]]:
+    """`caches` in groups of `_alike` layers, each group and each layer in it in the order given."""
+    groups: list[list[SlotMachine]] = []
+    for cache in caches:
+        group = next((g for g in groups if _alike(g[0], cache)), None)
+        if group is None:
+            groups.append([cache])
+        else:
+            group.append(cache)
+    return groups
 
 
 def _alike(a: SlotMachine, b: SlotMachine) -> bool:

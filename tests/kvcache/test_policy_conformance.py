@@ -226,6 +226,16 @@ def test_evicting_run_keeps_cache_length_distinct_tokens(model32: GPT, policy: s
         model32.set_kv_caches(None)
 
 
+def _assert_runs_bitwise_equal(together: tuple, alone: tuple) -> None:
+    """The logits of every call and every layer's final state of two runs (`_decode_run`, `_fill_run`) are equal."""
+    for step, (a, b) in enumerate(zip(together[0], alone[0], strict=True)):
+        assert torch.equal(a, b), f"call {step}: logits differ by {max_diff(a, b)}"
+    for layer, (a, b) in enumerate(zip(together[1], alone[1], strict=True)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"layer {layer}: {name} differs"
+
+
 def _decode_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Tensor, together: bool) -> tuple:
     """Prefill `idx[:, :16]` in chunks, then one token per call; returns the logits of every call, the
     final state of every layer, and how many layers were waiting for their eviction at a block's start."""
@@ -263,12 +273,7 @@ def test_decode_steps_evicting_all_layers_together_equal_each_layer_alone(
     assert alone[2] == 0
     if get_kv_cache_class(policy).max_tokens(cfg) is None:  # it evicts: its decode steps are staged
         assert together[2] > 0, "the decode steps of the first run did not wait for evict_waiting"
-    for step, (a, b) in enumerate(zip(together[0], alone[0], strict=True)):
-        assert torch.equal(a, b), f"call {step}: logits differ by {max_diff(a, b)}"
-    for layer, (a, b) in enumerate(zip(together[1], alone[1], strict=True)):
-        assert a.keys() == b.keys()
-        for name in a:
-            assert torch.equal(a[name], b[name]), f"layer {layer}: {name} differs"
+    _assert_runs_bitwise_equal(together, alone)
 
 
 def _fill_run(model: GPT, cfg: KVCacheConfig, idx: torch.Tensor, pos: torch.Tensor, together: bool) -> tuple:
@@ -319,12 +324,7 @@ def test_decode_steps_into_empty_slots_together_equal_each_layer_alone(
         n_layers = model32.config.n_layer
         assert calls_together == 2 * n_layers + 20, calls_together
         assert len(gate_calls) - calls_together == 22 * n_layers
-    for step, (a, b) in enumerate(zip(together[0], alone[0], strict=True)):
-        assert torch.equal(a, b), f"call {step}: logits differ by {max_diff(a, b)}"
-    for layer, (a, b) in enumerate(zip(together[1], alone[1], strict=True)):
-        assert a.keys() == b.keys()
-        for name in a:
-            assert torch.equal(a[name], b[name]), f"layer {layer}: {name} differs"
+    _assert_runs_bitwise_equal(together, alone)
 
 
 # -- gradients through the policy -----------------------------------------------------------------
