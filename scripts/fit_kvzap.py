@@ -11,9 +11,9 @@
 3. **eval**: `--eval_windows` windows of `heldout.txt` (never trained on): mean squared error and Spearman
    (per head, pooled over all layers) of the key gates raw and calibrated and of the hidden-state
    surrogate; written to `OUT/report.json` and printed.
-4. Writes `OUT/ckpt_raw/` and `OUT/ckpt_cal/`: checkpoint directories (the model's files linked, the gates
-   with the weights' fingerprint) that `litkv generate --kv-cache learned OUT/ckpt_cal` and
-   `scripts/ruler_slice.py OUT/ckpt_cal` load.
+4. Writes `OUT/ckpt_raw/`, `OUT/ckpt_cal/` and `OUT/ckpt_hidden/` (the hidden-state input, `input="hidden"`):
+   checkpoint directories (the model's files linked, the gates with the weights' fingerprint) that
+   `litkv generate --kv-cache learned OUT/ckpt_cal` and `scripts/ruler_slice.py OUT/ckpt_cal` load.
 
     OMP_NUM_THREADS=1 nice -n 10 python scripts/fit_kvzap.py --out_dir out/kvzap_fit --windows 32
     # the Spearman of the gates so far (and of other gates files beside them), no window added:
@@ -161,10 +161,9 @@ def main() -> None:
     print(json.dumps(report, indent=1))
     write_checkpoint(ckpt, gates, args.out_dir / "ckpt_raw")
     write_checkpoint(ckpt, cal, args.out_dir / "ckpt_cal")
-    from safetensors.torch import save_file
-
-    save_file({"weight": hidden_gates[0].float().contiguous(), "bias": hidden_gates[1].float().contiguous()},
-              str(args.out_dir / "kvzap_hidden.safetensors"))  # fmt: skip
+    hidden = sums.hidden_gates(args.window, args.sinks)
+    hidden.weights = weights_id
+    write_checkpoint(ckpt, hidden, args.out_dir / "ckpt_hidden")
 
 
 if __name__ == "__main__":

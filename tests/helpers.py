@@ -123,19 +123,23 @@ def random_gpt(config: Config, seed: int = 0) -> GPT:
     return model.eval()
 
 
-def random_gates(config: Config, seed: int = 0, window: int = 2, sinks: int = 1) -> EvictionGates:
+def random_gates(
+    config: Config, seed: int = 0, window: int = 2, sinks: int = 1, gate_input: str = "key"
+) -> EvictionGates:
     """Eviction gates for `config` with N(0, 1) weights and biases (so that the `learned` policy's
-    ranking is far from trivial), drawn from a generator seeded with `seed`."""
-    gates = EvictionGates.create(config.n_layer, config.n_query_groups, config.head_size, window, sinks)
+    ranking is far from trivial), drawn from a generator seeded with `seed`; `gate_input="hidden"`: gates
+    of the layer's attention input (`(n_layer, G, n_embd)`)."""
+    width = config.head_size if gate_input == "key" else config.n_embd
     gen = torch.Generator().manual_seed(seed)
-    gates.weight.copy_(torch.randn(gates.weight.shape, generator=gen))
-    gates.bias.copy_(torch.randn(gates.bias.shape, generator=gen))
-    return gates
+    weight = torch.randn(config.n_layer, config.n_query_groups, width, generator=gen)
+    bias = torch.randn(config.n_layer, config.n_query_groups, generator=gen)
+    return EvictionGates(weight, bias, window, sinks, input=gate_input)
 
 
-def attach_random_gates(model: GPT, seed: int = 0, window: int = 2, sinks: int = 1) -> GPT:
+def attach_random_gates(model: GPT, seed: int = 0, window: int = 2, sinks: int = 1, gate_input: str = "key") -> GPT:
     """`model` (returned) with `random_gates` as its `eviction_gates`, on its device."""
-    model.eviction_gates = random_gates(model.config, seed, window, sinks).to(model.lm_head.weight.device)
+    gates = random_gates(model.config, seed, window, sinks, gate_input)
+    model.eviction_gates = gates.to(model.lm_head.weight.device)
     return model
 
 

@@ -372,7 +372,7 @@ def _load_gates(path: Path, config: Config, device: torch.device, weights_id: st
     if not gates_file.is_file():
         raise ValueError(f"{str(gates_file)!r} must be an eviction-gates safetensors file, got a directory or device")
     gates = EvictionGates.load(gates_file)
-    gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(gates_file))
+    gates.check_model(config.n_layer, config.n_query_groups, config.head_size, config.n_embd, str(gates_file))
     if gates.weights is None:  # gates that cannot prove their weights are never run
         raise ValueError(
             f"{str(gates_file)!r}: these eviction gates record no fingerprint of the weights they were trained "

@@ -148,7 +148,7 @@ def _attach_shipped_gates(ckpt: Path) -> None:
             continue
         gates = EvictionGates.load(path)
         try:
-            gates.check_model(config.n_layer, config.n_query_groups, config.head_size, str(path))
+            gates.check_model(config.n_layer, config.n_query_groups, config.head_size, config.n_embd, str(path))
         except ValueError:
             continue  # another model's shape: no need to read the weights
         if gates.weights == model_fingerprint(load_model(ckpt))["weights"] and add_shipped_gates(name, ckpt):

@@ -96,6 +96,13 @@ class KVzapSums:
         weight, bias = self.keys.solve()
         return EvictionGates(weight.float(), bias.float(), window, sinks, target="kvzip")
 
+    def hidden_gates(self, window: int, sinks: int) -> EvictionGates:
+        """The hidden-input solution as gates on one scale (`input="hidden"`, `target="kvzip"`): weight `(L, G, C)`
+        read as `x . w / sqrt(C) + b`, the logits of `solve_hidden`."""
+        weight, bias = self.solve_hidden()
+        weight = weight * math.sqrt(weight.shape[-1])
+        return EvictionGates(weight.float(), bias.float(), window, sinks, target="kvzip", input="hidden")
+
     def save(self, path: Path) -> None:
         """Write the sums and the window list atomically (safetensors)."""
         from safetensors.torch import save_file

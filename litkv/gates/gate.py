@@ -1,11 +1,12 @@
 """Trainable eviction gates: one retention logit per token, layer and KV head.
 
-The gate of layer `l` and KV head `g` is linear in the token's key *before RoPE*:
-`logit = (k_pre . w[l, g]) / sqrt(D) + b[l, g]`. Keys are already computed for every token and live in
-the cache, so the gate needs no plumbing beyond the cache (a KVzap/Locret-style scorer on the hidden
-state would); a key is a linear map of the normed hidden state, so this is DMS's
-"RMSNorm + Linear(hidden -> n_kv_heads)" restricted to the key's subspace. The key is rotated back to
-position 0 (`unrotate_keys`) so that the same content gives the same logit at every position.
+The gate of layer `l` and KV head `g` is linear in its input `x`: `logit = (x . w[l, g]) / sqrt(len(x)) +
+b[l, g]`, where the input (`EvictionGates.input`) is either the token's key *before RoPE* (`"key"`, `D`
+wide: what training through the cache fits; the key is rotated back to position 0, `unrotate_keys`, so
+that the same content gives the same logit at every position) or the layer's attention input, the normed
+hidden state the keys are made from (`"hidden"`, `n_embd` wide: KVzap's input, fitted in closed form by
+`litkv.finetune.kvzap_fit`). A key is a linear map of that hidden state, so the key gate is DMS's
+"RMSNorm + Linear(hidden -> n_kv_heads)" restricted to the key's subspace.
 
 Gates are plain tensors, not modules of the model: the model's own weights and files stay as they
 are, and the gates are saved in their own safetensors file next to them (`GATES_FILE`).
@@ -31,7 +32,10 @@ import torch
 from litkv.core.rope import apply_rope
 from litkv.core.secret import mac, macs_equal, user_secret
 
-__all__ = ["GATES_FILE", "ONE_SCALE_TARGETS", "EvictionGates", "gates_digest", "shipped_digests", "unrotate_keys"]
+__all__ = [
+    "GATES_FILE", "GATE_INPUTS", "ONE_SCALE_TARGETS", "EvictionGates", "gates_digest", "shipped_digests",
+    "unrotate_keys",
+]  # fmt: skip
 
 #: The gates' file in a checkpoint directory, next to `model.safetensors`.
 GATES_FILE = "eviction_gates.safetensors"
@@ -84,6 +88,9 @@ def _authenticity_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]
 #: `"kvzip"`, the log KVzip+ score (KVzap's target, `litkv.finetune.kvzip_target`).
 ONE_SCALE_TARGETS = ("kvzip",)
 
+#: What a gate reads (`EvictionGates.input`): the pre-RoPE key, or the layer's attention input (hidden state).
+GATE_INPUTS = ("key", "hidden")
+
 
 def unrotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
     """Keys rotated back to position 0.
@@ -106,7 +113,7 @@ class EvictionGates:
     """The gates of every layer.
 
     Attributes:
-        weight: `(n_layer, G, D)` float32.
+        weight: `(n_layer, G, D)` float32 (`(n_layer, G, n_embd)` for `input="hidden"`).
         bias: `(n_layer, G)` float32.
         window: the recent window the gates were trained with (tokens younger than this are never
             evicted in training; the `learned` policy's default `recent`).
@@ -116,6 +123,8 @@ class EvictionGates:
             `None` (unknown). `load_model` refuses gates whose fingerprint differs or is `None`.
         target: what the logits were fitted to (`"kvzip"`: log KVzip+, one scale across layers), or `None`
             (trained per head: no common scale). Written to the file's metadata.
+        input: what the gates read (`GATE_INPUTS`): `"key"`, the pre-RoPE key, or `"hidden"`, the layer's
+            attention input `(B, T, n_embd)`. Written to the file's metadata when `"hidden"`.
     """
 
     weight: torch.Tensor
@@ -124,6 +133,7 @@ class EvictionGates:
     sinks: int
     weights: str | None = None
     target: str | None = None
+    input: str = "key"
 
     def __post_init__(self) -> None:
         if self.weight.dim() != 3 or self.bias.shape != self.weight.shape[:2]:
@@ -139,6 +149,8 @@ class EvictionGates:
             raise ValueError(f"gate weights fingerprint must be a str or None, got {self.weights!r}")
         if self.target is not None and not isinstance(self.target, str):
             raise ValueError(f"gate target must be a str or None, got {self.target!r}")
+        if self.input not in GATE_INPUTS:
+            raise ValueError(f"gate input must be one of {list(GATE_INPUTS)}, got {self.input!r}")
 
     @property
     def one_scale(self) -> bool:
@@ -171,11 +183,18 @@ class EvictionGates:
             self.sinks,
             self.weights,
             self.target,
+            self.input,
         )
 
     def logits(self, layer: int, keys_pre: torch.Tensor) -> torch.Tensor:
         """`(B, G, T)` retention logits (higher: keep) of pre-RoPE keys `(B, G, T, D)`, float32 (float64 for
-        float64 keys)."""
+        float64 keys). Key-input gates only (what training through the cache fits): ValueError for
+        `input="hidden"`."""
+        if self.input != "key":
+            raise ValueError(
+                f"these eviction gates read the layer's hidden state (input={self.input!r}, a KVzap fit), not the "
+                "key: they are fitted in closed form (scripts/fit_kvzap.py), not trained through the cache"
+            )
         dtype = torch.promote_types(keys_pre.dtype, torch.float32)
         weight = self.weight[layer].to(keys_pre.device, dtype)
         if keys_pre.shape[1] != weight.shape[0] or keys_pre.shape[-1] != weight.shape[1]:
@@ -186,13 +205,16 @@ class EvictionGates:
         dots = torch.einsum("bgtd,gd->bgt", keys_pre.to(dtype), weight)
         return dots / math.sqrt(weight.shape[1]) + self.bias[layer].to(keys_pre.device, dtype)[None, :, None]
 
-    def check_model(self, n_layer: int, n_kv_heads: int, head_size: int, source: str) -> None:
-        """ValueError naming both shapes unless these gates fit a model of this shape."""
-        expected = (n_layer, n_kv_heads, head_size)
-        if tuple(self.weight.shape) != expected:
+    def check_model(self, n_layer: int, n_kv_heads: int, head_size: int, n_embd: int | None, source: str) -> None:
+        """ValueError naming both shapes unless these gates fit a model of this shape (`n_embd`: the width of
+        hidden-input gates; `None`: not checked here)."""
+        width = head_size if self.input == "key" else n_embd
+        what = "head_size" if self.input == "key" else "n_embd"
+        shape = tuple(self.weight.shape)
+        if shape[:2] != (n_layer, n_kv_heads) or (width is not None and shape[2] != width):
             raise ValueError(
-                f"{source}: the gates are for (n_layer, n_query_groups, head_size) = {tuple(self.weight.shape)}, "
-                f"the model has {expected}"
+                f"{source}: the gates are for (n_layer, n_query_groups, {what}) = {shape}, the model has "
+                f"{(n_layer, n_kv_heads, width)}"
             )
 
     def file_contents(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -204,6 +226,8 @@ class EvictionGates:
             meta["weights"] = self.weights
         if self.target is not None:
             meta["target"] = self.target
+        if self.input != "key":  # key-input files (every file written before hidden inputs) keep their digest
+            meta["input"] = self.input
         meta["sha256"] = gates_digest(tensors, meta)
         meta["mac"] = mac(user_secret(), _MAC_PURPOSE, meta["sha256"])
         return tensors, meta
@@ -248,4 +272,7 @@ class EvictionGates:
                 f"{str(path)!r}: these eviction gates are refused: {problem}; train them again "
                 "(litkv finetune --learn_eviction true) or use the gates litkv ships"
             )
-        return cls(weight, bias, window, sinks, meta.get("weights"), meta.get("target"))
+        gate_input = meta.get("input", "key")
+        if gate_input not in GATE_INPUTS:
+            raise ValueError(f"{str(path)!r}: metadata 'input' must be one of {list(GATE_INPUTS)}, got {gate_input!r}")
+        return cls(weight, bias, window, sinks, meta.get("weights"), meta.get("target"), gate_input)

@@ -199,7 +199,12 @@ def soft_eviction(model: nn.Module, soft: SoftEviction) -> Iterator[SoftEviction
     config = model.config
     if config.attention_logit_softcapping is not None:
         raise ValueError("soft eviction does not support attention-logit soft-capping (Gemma 2 configs)")
-    soft.gates.check_model(config.n_layer, config.n_query_groups, config.head_size, "soft_eviction")
+    soft.gates.check_model(config.n_layer, config.n_query_groups, config.head_size, config.n_embd, "soft_eviction")
+    if soft.gates.input != "key":
+        raise ValueError(
+            f"soft eviction trains key-input gates, got gates that read the layer's {soft.gates.input} state "
+            "(a KVzap fit: scripts/fit_kvzap.py fits them in closed form)"
+        )
     blocks = list(model.transformer.h)
     indices = config.rope_indices
 

@@ -38,6 +38,7 @@ class ReplayKVCache:
     """
 
     needs_attn_weights: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = False
     heads_share_positions: ClassVar[bool] = False
 
     def __init__(
@@ -69,7 +70,12 @@ class ReplayKVCache:
             )
 
     def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached slots followed by the new tokens: `(B, G, n + T, *)` keys/values and positions."""
         if self.new_keys is not None:

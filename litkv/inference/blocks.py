@@ -217,6 +217,7 @@ class _ContextView:
     """A read-only `LayerCache` over a layer cache: its slots plus the call's tokens, nothing written."""
 
     needs_attn_weights = False
+    needs_hidden = False
     heads_share_positions = False
 
     def __init__(self, cache: SlotMachine) -> None:
@@ -224,7 +225,12 @@ class _ContextView:
         self.positions = cache.positions
 
     def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = self.cache
         held = cache.num_filled if cache.storage.lossless else cache.cache_length  # lossless: a filled prefix

@@ -45,6 +45,8 @@ class Candidates:
             and each KV group's query heads; `None` unless the class sets `needs_attn_weights`.
         queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
             `needs_queries`.
+        hidden: `(B, T, n_embd)` the layer's attention input (the normed hidden state its keys are made from);
+            `None` unless the class sets `needs_hidden`, and where the caller has none (`litkv.hf`, spliced blocks).
 
     What `score`/`select_drop` computed and `update_state` needs again is asked for through the call's
     typed memo, `once(self.method)`: computed on the first ask, the same value on the next; gone after
@@ -59,6 +61,7 @@ class Candidates:
     query_pos: torch.Tensor
     attn_weights: torch.Tensor | None = None
     queries: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
     _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -31,11 +31,17 @@ class LayerCache(Protocol):
     """What an attention layer needs from its cache (`KVCache` and the gradient engine's replay cache)."""
 
     needs_attn_weights: bool
+    needs_hidden: bool
     heads_share_positions: bool
     positions: torch.Tensor  # (B, G, n) token position of each cached slot, -1 when empty
 
     def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]: ...
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None: ...

@@ -1,14 +1,16 @@
 """`learned`: evict by trained eviction gates (`litkv.gates`, `litkv finetune --learn_eviction true`).
 
-Each token gets one retention logit per KV head from the layer's gate, linear in its key before RoPE
-(`EvictionGates.logits`, in the keys' precision): the call's new keys are rotated back to position 0
-with the model's RoPE table at their own positions (`_pre_rope`), and the logit is computed once, when
-the token arrives, from the key as computed (not as stored: with int8/int4 storage the gate sees the
-un-quantised key). It then travels with the token's slot (`slot_state`), so snapshots, restores, row
-selection, files and the undo log carry it; the stored keys are never scored again. When the cache is
-full, the lowest logits are evicted, outside the `sinks` first tokens and the `recent` newest (by
-default the gates' own `sinks`, at most a quarter of the cache, and half of the rest for the recent
-window, as H2O).
+Each token gets one retention logit per KV head from the layer's gate, linear in its input
+(`EvictionGates.input`): its key before RoPE (`"key"`, in the keys' precision: the call's new keys are
+rotated back to position 0 with the model's RoPE table at their own positions, `_pre_rope`), or the layer's
+attention input, the normed hidden state the keys are made from (`"hidden"`, KVzap's input: the model hands
+it to the cache, `needs_hidden`; callers without it, `litkv.hf` and spliced blocks, are refused). The logit
+is computed once, when the token arrives, from the key as computed (not as stored: with int8/int4 storage
+the gate sees the un-quantised key). It then travels with the token's slot (`slot_state`), so snapshots,
+restores, row selection, files and the undo log carry it; the stored keys are never scored again. When the
+cache is full, the lowest logits are evicted, outside the `sinks` first tokens and the `recent` newest (by
+default the gates' own `sinks`, at most a quarter of the cache, and half of the rest for the recent window,
+as H2O).
 
 With `threshold`, the cache also empties, after every call, the slots whose logit is below it, outside
 the sinks and the recent window: it then holds a variable number of tokens, at most `cache_length`, and
@@ -136,6 +138,34 @@ def _gate_new_keys(gates: EvictionGates, rope: BoundRope, keys: torch.Tensor, po
     return (dots / math.sqrt(weight.shape[1]) + bias[:, None]).to(torch.float32)
 
 
+def _gate_hidden(weight: torch.Tensor, bias: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """`(B, n, G, T)` float32 logits of hidden-input gates `weight` `(n, G, C)`, `bias` `(n, G)` (`n` layers) for
+    their layers' attention inputs `hidden` `(B, n, T, C)`: `x . w / sqrt(C) + b`, in the inputs' precision
+    (float32 at least). One layer is `n = 1`: per element the same operations, so the logits of layers computed
+    together are bitwise those of each alone; the dot product is summed along `C` for each token alone."""
+    x = hidden.detach()
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    w, b = weight.to(x), bias.to(x)
+    dots = (x[:, :, None] * w[None, :, :, None, :]).sum(dim=-1)  # (B, n, G, T)
+    return (dots / math.sqrt(w.shape[-1]) + b[None, :, :, None]).to(torch.float32)
+
+
+def _hidden_of(record: Candidates, gates: EvictionGates) -> torch.Tensor:
+    """The call's attention input `(B, T, C)`; ValueError when the caller gave none or one of another width."""
+    hidden = record.hidden
+    if hidden is None:
+        raise ValueError(
+            "policy 'learned': these eviction gates read the layer's hidden state (input='hidden'), which this "
+            "call did not hand to the cache (litkv.hf and spliced blocks give none; use key-input gates there)"
+        )
+    if hidden.shape[-1] != gates.weight.shape[-1]:
+        raise ValueError(
+            f"policy 'learned': the gates read hidden states of width {gates.weight.shape[-1]}, the call gave "
+            f"{tuple(hidden.shape)}"
+        )
+    return hidden
+
+
 def _stacked_new_logits(policies: Sequence[Policy], records: Sequence[Candidates]) -> torch.Tensor | None:
     """`(n_layers, B, G, T)` the new tokens' gate logits of the layers' calls in one pass, each layer's
     remembered in its record (what `new_logits` returns for it); `None` (nothing computed) unless every
@@ -148,12 +178,17 @@ def _stacked_new_logits(policies: Sequence[Policy], records: Sequence[Candidates
     if not all(p._rope == rope for p in policies):  # type: ignore[attr-defined]
         return None
     gates = [p._gates for p in policies]  # type: ignore[attr-defined]
-    weight, bias = torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1)
-    stacked = EvictionGates(weight, bias, 0, 0)
-    keys = torch.cat([r.new_keys for r in records], dim=1)
-    logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)  # (B, n * G, T)
-    b, _, t = logits.shape
-    new = logits.view(b, len(policies), -1, t).transpose(0, 1)  # (n, B, G, T)
+    if gates[0].input == "hidden":  # every layer's gates are a slice of one model's
+        weight, bias = torch.cat([g.weight for g in gates]), torch.cat([g.bias for g in gates])  # (n, G, C), (n, G)
+        hidden = torch.stack([_hidden_of(r, g) for r, g in zip(records, gates, strict=True)], dim=1)
+        new = _gate_hidden(weight, bias, hidden).transpose(0, 1)  # (n, B, G, T)
+    else:
+        weight, bias = torch.cat([g.weight for g in gates], dim=1), torch.cat([g.bias for g in gates], dim=1)
+        stacked = EvictionGates(weight, bias, 0, 0)
+        keys = torch.cat([r.new_keys for r in records], dim=1)
+        logits = _gate_new_keys(stacked, rope, keys, records[0].query_pos)  # (B, n * G, T)
+        b, _, t = logits.shape
+        new = logits.view(b, len(policies), -1, t).transpose(0, 1)  # (n, B, G, T)
     for layer, record in zip(new, records, strict=True):
         record.remember(LearnedKVCache._new_logits, layer)
     return new
@@ -168,7 +203,7 @@ class LearnedKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = LearnedOptions
-    needs = frozenset({"rope", "gates"})
+    needs = frozenset({"rope", "gates", "hidden"})
     slot_state: ClassVar[Mapping[str, SlotState]] = {"logits": SlotState()}
     logits: torch.Tensor
     _gates: EvictionGates | None = None  # this layer's gates only, on the cache's device (bind_gates)
@@ -198,7 +233,7 @@ class LearnedKVCache(ScoreKVCache):
         if not isinstance(gates, EvictionGates):
             raise TypeError(f"bind_gates expects EvictionGates, got {type(gates).__name__}")
         source = f"policy 'learned' (layer {layer})"
-        gates.check_model(gates.n_layer, self.shape.n_query_groups, self.shape.key_size, source)
+        gates.check_model(gates.n_layer, self.shape.n_query_groups, self.shape.key_size, None, source)
         if not 0 <= layer < gates.n_layer:
             raise ValueError(f"{source}: layer must be in [0, {gates.n_layer}) (the gates' n_layer), got {layer}")
         o = self.options
@@ -215,7 +250,9 @@ class LearnedKVCache(ScoreKVCache):
             )
         across = o.across_layers
         self._across = bool(gates.one_scale and o.mode == "one-shot") if across is None else across
-        part = EvictionGates(gates.weight[layer : layer + 1], gates.bias[layer : layer + 1], gates.window, gates.sinks)
+        part = EvictionGates(
+            gates.weight[layer : layer + 1], gates.bias[layer : layer + 1], gates.window, gates.sinks, input=gates.input
+        )
         self._gates = part.to(self.positions.device)
 
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
@@ -227,11 +264,15 @@ class LearnedKVCache(ScoreKVCache):
 
     def new_logits(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, T)` float32 gate logits of the call's new tokens (computed once per call, from
-        `candidates.new_keys` as computed, rotated back to position 0; pads get a meaningless value)."""
+        `candidates.new_keys` as computed, rotated back to position 0, or from `candidates.hidden` for
+        hidden-input gates; pads get a meaningless value)."""
         return candidates.once(self._new_logits)
 
     def _new_logits(self, candidates: Candidates) -> torch.Tensor:
         gates, rope = self._bound()
+        if gates.input == "hidden":
+            hidden = _hidden_of(candidates, gates)[:, None]  # (B, 1, T, C)
+            return _gate_hidden(gates.weight, gates.bias, hidden)[:, 0]
         return _gate_new_keys(gates, rope, candidates.new_keys, candidates.query_pos)
 
     @classmethod

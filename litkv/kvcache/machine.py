@@ -4,7 +4,7 @@ policy by name.
 
 A call brings `T` new tokens per row. Attention runs in two steps around the cache:
 
-1. `attend_inputs(keys, values, input_pos, queries)` returns what the new queries attend to: every
+1. `attend_inputs(keys, values, input_pos, queries, hidden)` returns what the new queries attend to: every
    cached token plus the new tokens themselves, with the token position of each (`-1`: empty slot
    or pad).
 2. `evict_and_store(attn_weights)` runs after attention: the policy decides which of the
@@ -49,8 +49,8 @@ class SlotMachine:
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
         num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
             no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it).
-        needs_attn_weights, needs_queries, needs_rope, needs_gates: what the policy uses (`Policy.inputs`),
-            read by attention and the model.
+        needs_attn_weights, needs_queries, needs_rope, needs_gates, needs_hidden: what the policy uses
+            (`Policy.inputs`), read by attention and the model.
     """
 
     def __init__(
@@ -188,7 +188,12 @@ class SlotMachine:
     # -- contract -------------------------------------------------------------------------------
 
     def attend_inputs(
-        self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        input_pos: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
         """What the new queries attend to: cached tokens plus the new ones.
 
@@ -206,6 +211,8 @@ class SlotMachine:
             input_pos: `(B, T)` int64 token positions, `-1` for padding.
             queries: `(B, n_head, T, key_size)` the call's queries (after RoPE); kept only when the policy
                 sets `needs_queries`.
+            hidden: `(B, T, n_embd)` the layer's attention input (the normed hidden state the keys are made from);
+                kept only when the policy sets `needs_hidden`, `None` where the caller has none.
 
         Returns:
             keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`; a staged
@@ -225,12 +232,17 @@ class SlotMachine:
         self.attended_keys_valid = False
         kept_queries = queries if self.needs_queries else None
         if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
-            return self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
-        if not self.static_shapes:
-            self.check_room(input_pos)
-        if t <= ROOM and not needs_functional(keys, values):
-            return self._attend_staged(keys, values, new_pos, input_pos, kept_queries)
-        return self._attend_concat(keys, values, new_pos, input_pos, kept_queries)
+            attended = self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
+        else:
+            if not self.static_shapes:
+                self.check_room(input_pos)
+            if t <= ROOM and not needs_functional(keys, values):
+                attended = self._attend_staged(keys, values, new_pos, input_pos, kept_queries)
+            else:
+                attended = self._attend_concat(keys, values, new_pos, input_pos, kept_queries)
+        if self.needs_hidden and self._call is not None:
+            self._call.candidates.hidden = hidden
+        return attended
 
     def _attend_read_only(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None

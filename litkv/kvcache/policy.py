@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["NEEDS", "Compression", "Policy", "StateUpdate"]
 
 #: The inputs a policy may ask for (`Policy.needs`).
-NEEDS = frozenset({"attn_weights", "queries", "rope", "gates"})
+NEEDS = frozenset({"attn_weights", "queries", "rope", "gates", "hidden"})
 
 #: What `update_state` returns: new values of declared state by name (a tensor, or a tuple for row state).
 StateUpdate = Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]
@@ -119,6 +119,7 @@ class Policy(ABC):
     needs_queries: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = False
     needs_gates: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = False
     _state_names: ClassVar[frozenset[str]] = frozenset()
 
     options: PolicyOptions
@@ -136,7 +137,7 @@ class Policy(ABC):
         if not isinstance(cls.row_state, tuple):
             raise TypeError(f"{cls.__name__}.row_state must be a tuple of attribute names, got {cls.row_state!r}")
         cls.needs = needs
-        for name in ("attn_weights", "queries", "rope", "gates"):
+        for name in NEEDS:
             setattr(cls, f"needs_{name}", name in needs)
         cls._state_names = frozenset(cls.slot_state) | frozenset(cls.row_state)
 

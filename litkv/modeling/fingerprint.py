@@ -91,10 +91,13 @@ def weights_fingerprint(params: Sequence[tuple[str, torch.Tensor]], dtype: torch
 
 
 def gates_fingerprint(gates: EvictionGates) -> str:
-    """sha256 of eviction gates' tensors, window, sinks and target: the `"eviction_gates"` of `model_fingerprint`."""
+    """sha256 of eviction gates' tensors, window, sinks, target and input: the `"eviction_gates"` of
+    `model_fingerprint`."""
     h = hashlib.sha256(f"{tuple(gates.weight.shape)}:{gates.window}:{gates.sinks};".encode())
     if getattr(gates, "target", None) is not None:  # one-scale gates rank across layers by default
         h.update(f"target:{gates.target};".encode())
+    if getattr(gates, "input", "key") != "key":  # what the gates read (key-input fingerprints unchanged)
+        h.update(f"input:{gates.input};".encode())
     for tensor in (gates.weight, gates.bias):
         h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()

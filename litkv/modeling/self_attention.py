@@ -97,7 +97,7 @@ class CausalSelfAttention(nn.Module):
             cache = self.kv_cache
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
-            y = self.attend_cached(q, k, v, input_pos, cache, no_pads, evict_later)
+            y = self.attend_cached(q, k, v, input_pos, cache, no_pads, evict_later, x)
         return self.proj(y if self.gate is None else y * torch.sigmoid(self.gate(x)))
 
     def attend_cached(
@@ -109,11 +109,16 @@ class CausalSelfAttention(nn.Module):
         cache: SlotMachine,
         no_pads: bool = False,
         evict_later: bool = False,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of a call through `cache` (the layer's own): queries `(B, n_head, T, hs)`, keys and
         values `(B, G, T, hs)` (`heads`) at positions `input_pos` `(B, T)` -> `(B, T, n_head * hs)`, before the
-        output projection. `no_pads` and `evict_later` as in `forward`."""
-        keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
+        output projection. `no_pads` and `evict_later` as in `forward`; `hidden`: the layer's input `x`
+        `(B, T, n_embd)`, handed to a cache whose policy reads it (`needs_hidden`)."""
+        if cache.needs_hidden:  # by keyword, and only then: a cache that reads no hidden state takes the 4 arguments
+            keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q, hidden=hidden)
+        else:
+            keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
         if self.soft_eviction is not None:  # eviction gates trained through caches
             if cache.needs_attn_weights:
                 raise ValueError(

@@ -159,7 +159,7 @@ def test_gate_args_and_gates_validate():
         EvictionGates(torch.zeros(2, 3), torch.zeros(2), 1, 0)
     gates = random_gates(0)
     with pytest.raises(ValueError, match=r"the model has \(3, 2, 16\)"):
-        gates.check_model(3, 2, 16, "test")
+        gates.check_model(3, 2, 16, None, "test")
 
 
 def test_finetune_learn_eviction_writes_a_loadable_checkpoint(tmp_path):

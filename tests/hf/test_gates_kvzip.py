@@ -144,6 +144,18 @@ def test_gates_for_other_weights_are_refused(gated, tmp_path) -> None:
     assert "\n" not in str(err.value) and "'h2o'" in str(err.value)
 
 
+def test_gates_of_the_hidden_state_are_refused(gated, tmp_path) -> None:
+    """Gates that read the layer's hidden state (a KVzap fit): transformers' attention functions do not see it."""
+    hf, model, directory = gated["one-scale"]
+    shutil.copytree(directory, tmp_path / "hidden")
+    gates = random_gates(model.config, seed=4, gate_input="hidden")
+    gates.weights, gates.target = model.eviction_gates.weights, "kvzip"
+    save_gates(gates, tmp_path / "hidden" / GATES_FILE)
+    with pytest.raises(ValueError, match="read the layer's hidden state") as err:
+        hf_mod.Cache(hf, KVCacheConfig(policy="learned", cache_length=32), gates=tmp_path / "hidden")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     "options", [{}, {"kvzip_plus": True}, {"layerwise": True, "n_sink": 2}], ids=["kvzip", "kvzip+", "layerwise"]
 )

@@ -1,7 +1,8 @@
 """One-shot `learned` with `across_layers=True` (litkv/kvcache/learned.py, `compress_all` / `compress_layers` in
 litkv/kvcache/score.py): the prompt's kept tokens are, per row, the `budget x G x n_layers` highest gate logits
 over every layer and KV head (sinks and recent window kept), checked against a float64 numpy oracle on a
-left-padded (ragged) batch; the default keeps `budget` per head; the option outside one-shot mode is refused."""
+left-padded (ragged) batch, for gates of the pre-RoPE key and of the layer's hidden state (`input="hidden"`); the
+default keeps `budget` per head; the option outside one-shot mode is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from helpers import attach_random_gates
 
 from litkv import GPT, KVCacheConfig
 from litkv.inference.generate import pad_prompts
@@ -23,6 +25,13 @@ BUDGET, SINKS, RECENT, CHUNK = 6, 1, 2, 8
 @pytest.fixture(scope="module")
 def model(tiny_model: Callable[..., GPT]) -> GPT:
     return tiny_model(41, torch.float64, gates=True, gate_seed=42, window=RECENT, sinks=SINKS)
+
+
+@pytest.fixture(scope="module", params=["key", "hidden"])
+def either_model(request: pytest.FixtureRequest, tiny_model: Callable[..., GPT]) -> GPT:
+    """The model with gates of either input (the hidden-state gates drawn anew, `(n_layer, G, n_embd)`)."""
+    model = tiny_model(41, torch.float64, gates=True, gate_seed=42, window=RECENT, sinks=SINKS)
+    return attach_random_gates(model, 43, RECENT, SINKS, request.param) if request.param == "hidden" else model
 
 
 def _config(across: bool | None) -> KVCacheConfig:
@@ -55,13 +64,18 @@ def _prefill(model: GPT, across: bool | None) -> tuple[list[set[tuple[int, int, 
 
 def _oracle_logits(model: GPT, inputs: list[np.ndarray]) -> np.ndarray:
     """`(n_layers, B, G, T)` float64 gate logits `k . w / sqrt(D) + b` of the pre-RoPE keys (RMSNorm and the
-    qkv projection in numpy), `T` the padded length (pads included, ignored later)."""
+    qkv projection in numpy), or `h . w / sqrt(C) + b` of the normed block input `h` for hidden-state gates,
+    `T` the padded length (pads included, ignored later)."""
     c, gates = model.config, model.eviction_gates
     out = []
     for layer, x in enumerate(inputs):
         block = model.transformer.h[layer]
         w_norm = block.norm_1.weight.detach().double().numpy()
         h = x / np.sqrt((x * x).mean(-1, keepdims=True) + block.norm_1.eps) * w_norm
+        if gates.input == "hidden":
+            w, b = gates.weight[layer].double().numpy(), gates.bias[layer].double().numpy()
+            out.append(np.einsum("btc,gc->bgt", h, w) / math.sqrt(c.n_embd) + b[None, :, None])
+            continue
         qkv = h @ block.attn.qkv.weight.detach().double().numpy().T
         if block.attn.qkv.bias is not None:
             qkv = qkv + block.attn.qkv.bias.detach().double().numpy()
@@ -100,7 +114,8 @@ def _expected(logits: np.ndarray, across: bool) -> list[set[tuple[int, int, int]
 
 @pytest.mark.parametrize("across", [True, False])
 @torch.inference_mode()
-def test_kept_tokens_equal_a_float64_global_top_k(model: GPT, across: bool) -> None:
+def test_kept_tokens_equal_a_float64_global_top_k(either_model: GPT, across: bool) -> None:
+    model = either_model
     kept, inputs = _prefill(model, across)
     expected = _expected(_oracle_logits(model, inputs), across)
     n, g = model.config.n_layer, model.config.n_query_groups
