@@ -66,8 +66,8 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[torch.nn.Module, GPT]:
         from litkv.cli.convert_cmd import convert
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(args.gguf.parent), gguf_file=args.gguf.name, dtype=torch.float32
-        )
+            str(args.gguf.parent), gguf_file=args.gguf.name, dtype=torch.float32, use_kernels=False
+        )  # no hub kernels: 5.25 kernelizes by default and then needs the `kernels` package (docs/hf.md)
         convert(args.gguf, tmp / "litkv")
     else:
         config = transformers.LlamaConfig(

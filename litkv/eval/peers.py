@@ -274,7 +274,8 @@ def load_hf(hf_dir: Path, static_compile: bool = False, device: torch.device | s
     CUDA graphs, on a CUDA device)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval().to(device)
+    # use_kernels=False: transformers 5.25 kernelizes by default, which needs the `kernels` package (docs/hf.md)
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_kernels=False).eval().to(device)
     if static_compile:
         mode = "reduce-overhead" if model.device.type == "cuda" else None
         model.forward = torch.compile(model.forward, mode=mode, fullgraph=True, dynamic=False)
