@@ -26,6 +26,7 @@ from litkv.finetune.kvzip_target import FLOOR, kvzip_records
 from litkv.finetune.lstsq import RIDGE
 from litkv.gates.gate import EvictionGates
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
+from litkv.kvcache.learned import _gate_hidden
 
 CONFIG = tiny_config("pythia-14m", n_layer=2, n_head=4, n_query_groups=2, rotary_percentage=0.5)
 REPEAT = RepeatPrompt(first=(5, 6, 7), later=(8, 9), suffix=(10, 11))
@@ -89,6 +90,12 @@ def test_fit_on_kvzip_target_equals_brute_force_for_keys_and_hidden_states():
     h = attention_inputs(model, windows[:1])[1]
     want = torch.einsum("btc,gc->bgt", h, hw[1]) + hb[1][None, :, None]
     torch.testing.assert_close(hidden_logits(hw, hb, 1, h), want)
+    # the gates written for `learned` (`hidden_gates`: the weight rescaled to `x . w / sqrt(C) + b`) give those
+    # logits when the policy computes them (float32 gates)
+    gates = sums.hidden_gates(window=2, sinks=SINKS)
+    assert gates.input == "hidden" and gates.one_scale
+    got = _gate_hidden(gates.weight[1:2], gates.bias[1:2], h[:, None])[:, 0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def _random_sums(seed: int, windows: list[int]) -> KVzapSums:
