@@ -8,22 +8,36 @@ SDPA attention. The mask function gives the litkv path the 2D padding mask as it
 `(T, S)` mask is built) and every other call SDPA's mask.
 
 A call reaches the cache through a note left by `update` (`note_update`): the layer, and the key tensor it
-returned, which must be the one the attention function is given.
+returned, which must be the one the attention function is given. For a policy that reads the layer's attention
+input (`needs_hidden`: `learned` with gates of the hidden state), `watch_hidden` puts a forward pre-hook on each
+attention module that notes the `hidden_states` it is called with (`note_hidden`); the attention function hands
+that note to the cache when it is its module's.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "litkv_attention", "litkv_mask", "note_mask_sizes", "note_update", "register"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "litkv_attention",
+    "litkv_mask",
+    "note_hidden",
+    "note_mask_sizes",
+    "note_update",
+    "register",
+    "watch_hidden",
+]
 
 #: The name under which the attention and mask functions are registered.
 ATTN_IMPLEMENTATION = "litkv"
 
 _NOTES = threading.local()
+_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()  # module -> hook handle
 
 
 class Cache(Protocol):
@@ -40,12 +54,34 @@ class Cache(Protocol):
         scale: float,
         window: int | None,
         softcap: float | None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
 def note_update(cache: Cache, layer: int, key: torch.Tensor) -> None:
     """`Cache.update` of `layer` returned `key`: the next attention call with that key goes to `cache`."""
     _NOTES.update = (cache, layer, key)
+
+
+def note_hidden(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A forward pre-hook (`with_kwargs=True`) of an attention module: note the `hidden_states` `(B, T, C)` it is
+    called with (its first argument), for the attention function that `module` calls next."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    _NOTES.hidden = (module, hidden) if isinstance(hidden, torch.Tensor) else None
+
+
+def watch_hidden(model: torch.nn.Module) -> None:
+    """Put `note_hidden` on each attention module of `model` (each module whose name ends in `self_attn`), once.
+
+    Raises:
+        ValueError: `model` has no such module.
+    """
+    modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no self_attn modules: its attention inputs cannot be read")
+    for module in modules:
+        if module not in _WATCHED:
+            _WATCHED[module] = module.register_forward_pre_hook(note_hidden, with_kwargs=True)
 
 
 def note_mask_sizes() -> None:
@@ -85,6 +121,8 @@ def litkv_attention(
     `key`; else transformers' SDPA attention with the same arguments."""
     noted = getattr(_NOTES, "update", None)
     _NOTES.update = None
+    seen = getattr(_NOTES, "hidden", None)
+    _NOTES.hidden = None
     if noted is None or noted[2] is not key:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -96,8 +134,9 @@ def litkv_attention(
     if module.training and dropout:
         raise ValueError("litkv.hf.Cache runs inference only: the model is in training mode with attention dropout")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    hidden = seen[1] if seen is not None and seen[0] is module else None
     y = cache.attend(layer, query, key, value, attention_mask, kwargs.get("position_ids"), scale, sliding_window,
-                     softcap)  # fmt: skip
+                     softcap, hidden)  # fmt: skip
     b, h, t, _ = query.shape
     return y.view(b, t, h, -1), None
 

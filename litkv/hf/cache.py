@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache as HFCache
 from transformers.cache_utils import CacheLayerMixin
 
 from litkv.gates.gate import EvictionGates
-from litkv.hf.attention import ATTN_IMPLEMENTATION, note_mask_sizes, note_update, register
+from litkv.hf.attention import ATTN_IMPLEMENTATION, note_mask_sizes, note_update, register, watch_hidden
 from litkv.hf.compat import check_model_type
 from litkv.hf.state import check_configs, restore_caches, snapshot_caches
 from litkv.kvcache.caches import KVCaches
@@ -156,6 +156,8 @@ class Cache(HFCache):
         self._replay: torch.Tensor | None = None  # `whole_calls`: the caches' `last_pos` every call starts from
         register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if any("hidden" in cfg.policy_class.needs for cfg in configs):
+            watch_hidden(model)  # the attention inputs reach `attend` (`learned` with gates of the hidden state)
 
     # -- building -------------------------------------------------------------------------------
 
@@ -279,25 +281,28 @@ class Cache(HFCache):
         scale: float,
         window: int | None,
         softcap: float | None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one layer's call through its litkv cache: queries `q` `(B, H, T, hs)` after RoPE, keys and
         values `(B, G, T, hs)`, `pad_mask` `(B, columns)` (`False` at pads) or `None`, transformers' `position_ids`
-        `(B or 1, T)` -> `(B, T, H * hv)`. Layer 0 starts the call (positions, chunks, one-shot compression)."""
+        `(B or 1, T)`, `hidden` `(B, T, C)` the layer's attention input (`None`: not watched) -> `(B, T, H * hv)`.
+        Layer 0 starts the call (positions, chunks, one-shot compression)."""
         if layer == 0 or self._call is None:
             self._begin_call(q.shape[2], pad_mask, position_ids, q.device)
         caches = self.caches
         cache = caches[layer]  # type: ignore[index]
         input_pos, plan, later = self._call  # type: ignore[misc]
         if plan is None:
-            y = _attend_one(cache, q, k, v, input_pos, scale, window, softcap, later)  # type: ignore[arg-type]
+            y = _attend_one(cache, q, k, v, hidden, input_pos, scale, window, softcap, later)  # type: ignore[arg-type]
             if later and layer == len(caches) - 1:  # type: ignore[arg-type]
                 caches.evict_waiting()  # type: ignore[union-attr]  # a decode step: every layer at once, as litkv's GPT
             return y
         outputs = []
         for call in plan.calls:
             src = call.idx
-            parts = [_gather(t, src) for t in (q, k, v)]
-            outputs.append(_attend_one(cache, *parts, call.input_pos, scale, window, softcap, False))  # type: ignore[arg-type]
+            q_, k_, v_ = (_gather(t, src) for t in (q, k, v))
+            x = None if hidden is None else _gather(hidden[:, None], src)[:, 0]
+            outputs.append(_attend_one(cache, q_, k_, v_, x, call.input_pos, scale, window, softcap, False))  # type: ignore[arg-type]
         return plan.gather(outputs)
 
     def _begin_call(
@@ -345,6 +350,7 @@ def _attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    hidden: torch.Tensor | None,
     input_pos: torch.Tensor,
     scale: float,
     window: int | None,
@@ -352,9 +358,13 @@ def _attend_one(
     later: bool,
 ) -> torch.Tensor:
     """One call through `cache`, as `CausalSelfAttention.attend_cached`: attend, then evict (`later`: the eviction
-    waits for `KVCaches.evict_waiting` after the last layer) -> `(B, T, H * hv)`."""
+    waits for `KVCaches.evict_waiting` after the last layer) -> `(B, T, H * hv)`. `hidden` `(B, T, C)` or `None`
+    is handed on (by keyword) only to a cache that reads it."""
     no_pads = input_pos.shape[1] > 1 and bool((input_pos >= 0).all())
-    keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
+    if cache.needs_hidden:
+        keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q, hidden=hidden)
+    else:
+        keys, values, k_pos = cache.attend_inputs(k, v, input_pos, q)
     mask = call_layout(cache, keys, k_pos, input_pos, no_pads, window)
     y, weights = attend(q, keys, values, mask, scale, softcap, cache.needs_attn_weights, input_pos >= 0)
     if later:

@@ -36,8 +36,7 @@ def hf_gates(model: torch.nn.Module, checkpoint: str | Path) -> EvictionGates:
     Raises:
         FileNotFoundError: no such checkpoint, or no `eviction_gates.safetensors` in it.
         ValueError: gates that do not prove their tensors, that record no weights' fingerprint, do not fit the
-            checkpoint's shape, were fitted for other weights than `model`'s (both digests named), or read the
-            hidden state (`input="hidden"`).
+            checkpoint's shape, or were fitted for other weights than `model`'s (both digests named).
     """
     path = check_checkpoint_dir(model_dir(checkpoint), tokenizer=False)
     gates_file = path / GATES_FILE
@@ -49,11 +48,6 @@ def hf_gates(model: torch.nn.Module, checkpoint: str | Path) -> EvictionGates:
     config = load_config(path)
     gates = EvictionGates.load(gates_file)
     gates.check_model(config.n_layer, config.n_query_groups, config.head_size, config.n_embd, str(gates_file))
-    if gates.input != "key":
-        raise ValueError(
-            f"{str(gates_file)!r}: these eviction gates read the layer's hidden state (input={gates.input!r}), which "
-            "transformers' attention functions do not see; litkv.hf runs key-input gates"
-        )
     if gates.weights is None:
         raise ValueError(
             f"{str(gates_file)!r}: these eviction gates record no fingerprint of the weights they were fitted for "

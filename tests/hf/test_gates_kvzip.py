@@ -1,8 +1,9 @@
 """`learned` and `kvzip` through litkv.hf: an HF model with `litkv.hf.Cache` keeps the slots litkv's GPT keeps in
 every layer, row and head, with logits within 1e-5 relative and the same greedy tokens: `learned` with gates read
 from the litkv checkpoint directory they were fitted in (continuous, threshold, one-shot per head and across
-layers with gates of one scale), `kvzip` through its reconstruction pass (`litkv.hf.kvzip_compress`); gates
-fitted for other weights refused in one line naming both fingerprints."""
+layers with gates of one scale; gates of the key and of the layer's hidden state), `kvzip` through its
+reconstruction pass (`litkv.hf.kvzip_compress`); gates fitted for other weights refused in one line naming both
+fingerprints."""
 
 from __future__ import annotations
 
@@ -44,15 +45,18 @@ RAGGED = [70, 41, 9]
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, GPT, Path]]:
-    """`{"per-head" | "one-scale" | "gemma3": (HF model, litkv GPT loaded with the gates, checkpoint directory)}`:
-    random gates fitted (as recorded) for the pair's weights, per head (no target) or on one scale
-    (`target="kvzip"`); Gemma-3 (a sliding and a global layer, RoPE of each) with gates of one scale."""
+    """`{"per-head" | "one-scale" | "hidden" | "gemma3" | "gemma3-hidden": (HF model, litkv GPT loaded with the
+    gates, checkpoint directory)}`: random gates fitted (as recorded) for the pair's weights, per head (no target)
+    or on one scale (`target="kvzip"`), of the key or (`*hidden`) of the layer's attention input; Gemma-3 (a
+    sliding and a global layer, RoPE of each) with gates of one scale."""
     tmp = tmp_path_factory.mktemp("gates")
     out, pairs = {}, {family: hf_and_litkv(family, tmp) for family in ("llama", "gemma3")}
     for kind, family, target in (
         ("per-head", "llama", None),
         ("one-scale", "llama", "kvzip"),
+        ("hidden", "llama", "kvzip"),
         ("gemma3", "gemma3", "kvzip"),
+        ("gemma3-hidden", "gemma3", "kvzip"),
     ):
         hf, model = pairs[family]
         directory = tmp / kind
@@ -62,16 +66,17 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.
             directory.mkdir()
             save_state_dict_atomic(directory / SAFETENSORS_FILE, model.state_dict())
             (directory / CONFIG_FILE).write_text(yaml.dump(asdict(model.config)))
-        g = random_gates(model.config, seed=3, window=4, sinks=2)
+        g = random_gates(model.config, seed=3, window=4, sinks=2, gate_input="hidden" if "hidden" in kind else "key")
         weights = model_fingerprint(model)["weights"]
-        save_gates(EvictionGates(g.weight, g.bias, g.window, g.sinks, weights, target), directory / GATES_FILE)
+        gates = EvictionGates(g.weight, g.bias, g.window, g.sinks, weights, target, input=g.input)
+        save_gates(gates, directory / GATES_FILE)
         out[kind] = (hf, load_model(directory).eval(), directory)
     return out
 
 
 def _pairs(gated, kind: str) -> dict[str, tuple[torch.nn.Module, GPT]]:
     hf, model, _ = gated[kind]
-    return {"llama": (hf, model)}
+    return {"gemma3" if kind.startswith("gemma3") else "llama": (hf, model)}
 
 
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk{c[0]}-prefill{c[1]}")
@@ -144,16 +149,32 @@ def test_gates_for_other_weights_are_refused(gated, tmp_path) -> None:
     assert "\n" not in str(err.value) and "'h2o'" in str(err.value)
 
 
-def test_gates_of_the_hidden_state_are_refused(gated, tmp_path) -> None:
-    """Gates that read the layer's hidden state (a KVzap fit): transformers' attention functions do not see it."""
-    hf, model, directory = gated["one-scale"]
-    shutil.copytree(directory, tmp_path / "hidden")
-    gates = random_gates(model.config, seed=4, gate_input="hidden")
-    gates.weights, gates.target = model.eviction_gates.weights, "kvzip"
-    save_gates(gates, tmp_path / "hidden" / GATES_FILE)
-    with pytest.raises(ValueError, match="read the layer's hidden state") as err:
-        hf_mod.Cache(hf, KVCacheConfig(policy="learned", cache_length=32), gates=tmp_path / "hidden")
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("chunk", [(8, None), (5, 16)], ids=["chunk8", "chunk5-prefill16"])
+@pytest.mark.parametrize("one_shot", [False, True], ids=["continuous", "one-shot"])
+@pytest.mark.parametrize("kind", ["hidden", "gemma3-hidden"])
+def test_learned_hidden_state_gates_ragged(gated, kind: str, one_shot: bool, chunk) -> None:
+    """Gates of the layer's hidden state: the attention modules' inputs reach each layer's cache (in the chunks
+    litkv's runner cuts, rows of other lengths), so the slots are litkv's GPT's; one-shot ranks across layers."""
+    family = "gemma3" if kind.startswith("gemma3") else "llama"
+    cfg = _config("learned", "float", chunk, one_shot=one_shot)
+    _check_same(family, _pairs(gated, kind), cfg, RAGGED, gates=gated[kind][2])
+
+
+def test_learned_hidden_state_gates_greedy_tokens(gated) -> None:
+    """`generate` with hidden-state gates (continuous, int8 slots): litkv's GPT's greedy tokens."""
+    hf, model, directory = gated["hidden"]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (n,), generator=gen) for n in RAGGED]
+    cfg = KVCacheConfig(policy="learned", cache_length=32, chunk_size=8, storage="int8")
+    with torch.no_grad():
+        expected = generate(model, prompts, max_new_tokens=16, kv_cache=cfg)
+        ids = torch.zeros(3, 70, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, 70 - p.numel() :], mask[row, 70 - p.numel() :] = p, 1
+        out = hf.generate(ids, attention_mask=mask, past_key_values=hf_mod.Cache(hf, cfg, gates=directory),
+                          max_new_tokens=16, do_sample=False, pad_token_id=0)[:, 70:]  # fmt: skip
+    assert out.tolist() == [t.tolist() for t in expected]
 
 
 @pytest.mark.parametrize(
