@@ -147,22 +147,29 @@ class Placement:
         dest: `(B, G, T)` slot indices; `src`: `(B, G, T)` new-token indices; `valid`: `(B, G, T)`
             bool. New token `src[j]` went into slot `dest[j]` where `valid[j]`.
         source: `(B, G, L)` int64, for each slot the index of the candidate (`0..L+T-1`) it holds now
-            (`source >= L`: the slot received a new token in this call).
+            (`source >= L`: the slot received a new token in this call); empty when `start` is set.
+        start: a direct call (`None`: another): new token `j` went into slot `start + j` of every row and
+            head, every other slot kept its token (`carry` slices instead of gathering).
     """
 
     dest: torch.Tensor
     src: torch.Tensor
     valid: torch.Tensor
     source: torch.Tensor
+    start: int | None = None
 
     def layer(self, i: int) -> Placement:
         """Layer `i` of a placement built for `n` layers at once (fields `(n, B, G, ...)`)."""
         source = self.source[i] if self.source.numel() else self.source
-        return Placement(self.dest[i], self.src[i], self.valid[i], source)
+        return Placement(self.dest[i], self.src[i], self.valid[i], source, self.start)
 
     def carry(self, per_candidate: torch.Tensor) -> torch.Tensor:
         """Per-slot state after the call from per-candidate state `(B, G, L + T)` -> `(B, G, L)`."""
-        return per_candidate.gather(2, self.source)
+        if self.start is None:
+            return per_candidate.gather(2, self.source)
+        s, t = self.start, self.dest.shape[-1]
+        length = per_candidate.shape[2] - t
+        return torch.cat((per_candidate[..., :s], per_candidate[..., length:], per_candidate[..., s + t : length]), 2)
 
 
 def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

@@ -110,7 +110,7 @@ def _after_direct(cache: Slots, start: int, cand: Candidates) -> None:
         cand.attn_weights = torch.cat((slot_part, weights[..., start:]), dim=2)
     slots = torch.arange(start, start + t, device=cache.positions.device)
     slots = slots.expand(*cache.positions.shape[:2], t)
-    placement = placement_of(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), length)
+    placement = Placement(slots, slots - start, torch.ones_like(slots, dtype=torch.bool), slots.new_empty(0), start)
     write_state(cache, placement, cand)
 
 

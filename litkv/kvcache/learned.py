@@ -316,7 +316,15 @@ class LearnedKVCache(ScoreKVCache):
 
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
         """Carry each surviving candidate's logit into its slot; in threshold mode, empty the old slots
-        whose logit is below the threshold."""
+        whose logit is below the threshold. A direct call (tokens into the empty slots `[start, start + T)`,
+        nothing evicted) writes its new logits there in place and nothing else (0 at pads)."""
+        compiling = torch.compiler.is_compiling()  # (static shapes: in place is what they need)
+        in_place = compiling or not self.logits.is_inference() or torch.is_inference_mode_enabled()
+        if placement.start is not None and self.threshold is None and in_place:
+            s, new = placement.start, self.new_logits(candidates)
+            pads = candidates.positions[..., -new.shape[-1] :] < 0
+            self.logits[..., s : s + new.shape[-1]] = new.masked_fill(pads, 0.0)
+            return {}
         logits = placement.carry(self.score(candidates))
         if self.threshold is not None:
             protected = self._protected(self.positions)
