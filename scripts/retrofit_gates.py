@@ -1,20 +1,22 @@
 #!/usr/bin/env python
-"""A DMS-style retrofit of SmolLM2-135M-Instruct through its cache, starting from the gates it ships
+"""A DMS-style retrofit of SmolLM2-135M-Instruct through its cache, starting from fitted key-input gates
 (issue 58, item 3), resumable.
 
 1. **data**: `--windows` retrieval windows of `--length` tokens (`litkv.finetune.retrieval_data`, the
    generator of the KVzap fit, from the KJV training chapters with the held-out lines taken out; seed
    `--seed`), decoded and written to `OUT/retrofit_train.txt` (once).
 2. **retrofit**: `litkv finetune --learn_eviction true` on that text with `--learn.init checkpoint` (the
-   shipped one-scale gates, one bias shift to a `--keep` share), `--learn.lora true` (r 8, alpha 16 on the
-   attention's qkv and output projections), the soft eviction at the target keep `--keep` from step 0
-   (`--learn.ramp 0`), the base model with its adapters off as teacher, through the chunked gradient engine
-   and `learned` caches with room for every token (chunks of 128). A checkpoint every `--interval` steps;
-   run the same command again to go on from the last one (`--resume`). Output: `OUT/run/final`, a checkpoint
-   directory (merged weights, gates) that `litkv generate --kv-cache learned OUT/run/final` and
-   `scripts/ruler_slice.py OUT/run/final` load by path.
+   one-scale key-input gates of the checkpoint given, one bias shift to a `--keep` share; soft eviction trains
+   key-input gates only, so not the hidden-state gates litkv ships: `scripts/fit_kvzap.py`'s `OUT/ckpt_raw`),
+   `--learn.lora true` (r 8, alpha 16 on the attention's qkv and output projections), the soft eviction at the
+   target keep `--keep` from step 0 (`--learn.ramp 0`), the base model with its adapters off as teacher, through
+   the chunked gradient engine and `learned` caches with room for every token (chunks of 128). A checkpoint every
+   `--interval` steps; run the same command again to go on from the last one (`--resume`). Output:
+   `OUT/run/final`, a checkpoint directory (merged weights, gates) that `litkv generate --kv-cache learned
+   OUT/run/final` and `scripts/ruler_slice.py OUT/run/final` load by path.
 
-    OMP_NUM_THREADS=1 nice -n 5 python scripts/retrofit_gates.py --out_dir out/retrofit --steps 60
+    OMP_NUM_THREADS=1 nice -n 5 python scripts/retrofit_gates.py out/kvzap_fit/ckpt_raw --out_dir out/retrofit \
+        --steps 60
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def last_checkpoint(run: Path) -> Path | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint", help="a checkpoint directory of SmolLM2-135M-Instruct with key-input gates")
     p.add_argument("--out_dir", type=Path, default=Path("out/retrofit"))
     p.add_argument("--windows", type=int, default=200)
     p.add_argument("--length", type=int, default=512)
@@ -71,7 +74,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     data = write_data(args.out_dir, args.windows, args.length, args.seed)
     run = args.out_dir / "run"
-    argv = ["--checkpoint_dir", str(resolve_checkpoint_dir(NAME)), "--data.path", str(data),
+    argv = ["--checkpoint_dir", str(resolve_checkpoint_dir(args.checkpoint)), "--data.path", str(data),
             "--data.seq_length", str(args.length), "--data.val_fraction", "0", "--learn_eviction", "true",
             "--kv_cache.policy", "learned", "--kv_cache.cache_length", str(args.length),
             "--kv_cache.chunk_size", "128", "--learn.init", "checkpoint", "--learn.lora", "true",

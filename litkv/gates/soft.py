@@ -203,7 +203,8 @@ def soft_eviction(model: nn.Module, soft: SoftEviction) -> Iterator[SoftEviction
     if soft.gates.input != "key":
         raise ValueError(
             f"soft eviction trains key-input gates, got gates that read the layer's {soft.gates.input} state "
-            "(a KVzap fit: scripts/fit_kvzap.py fits them in closed form)"
+            "(a KVzap fit, as litkv ships for smollm2-135m-instruct); start from key-input gates (scripts/"
+            "fit_kvzap.py's OUT/ckpt_raw) or use --learn.init bias"
         )
     blocks = list(model.transformer.h)
     indices = config.rope_indices
