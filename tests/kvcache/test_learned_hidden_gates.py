@@ -122,3 +122,38 @@ def test_training_through_the_cache_refuses_hidden_gates(model: GPT) -> None:
     soft = SoftEviction(gates, n_elem=model.config.rope_n_elem)
     with pytest.raises(ValueError, match="soft eviction trains key-input gates"), soft_eviction(model, soft):
         pass
+
+
+@torch.inference_mode()
+def test_a_compressed_caches_slots_carry_each_tokens_oracle_logit(model: GPT) -> None:
+    """One-shot: after the compression, decode steps write into empty slots (the direct path, in place): every
+    filled slot's logit is the float64 oracle `x . w / sqrt(C) + b` of the token it holds, `x` that token's
+    attention input as the attention module received it (a forward pre-hook), and 0 in every empty slot."""
+    cfg = KVCacheConfig("learned", cache_length=40, options={"mode": "one-shot", "budget": 6, "sinks": 1, "recent": 2})
+    gates = model.eviction_gates
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(model.config.n_layer)}
+    hooks = [
+        block.attn.register_forward_pre_hook(lambda m, args, i=i: inputs[i].append(args[0].double()))
+        for i, block in enumerate(model.transformer.h)
+    ]
+    idx = torch.randint(0, model.config.padded_vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(30).expand(2, 30).clone()
+    pos[1, :3] = -1
+    try:
+        with model.kv_caches_attached(cfg, 2) as caches:
+            model(idx[:, :8], pos[:, :8])
+            model(idx[:, 8:16], pos[:, 8:16])
+            caches.end_prefill()
+            for i in range(16, 30):
+                model(idx[:, i : i + 1], pos[:, i : i + 1])
+            for layer, cache in enumerate(caches.policy_caches):
+                x = torch.cat(inputs[layer], dim=1)  # (B, 30, C): column j holds position pos[:, j]
+                want = torch.einsum("btc,gc->bgt", x, gates.weight[layer].double()) / math.sqrt(x.shape[-1])
+                want = want + gates.bias[layer].double()[None, :, None]
+                held = cache.positions  # (B, G, L)
+                expected = torch.where(held >= 0, want.gather(2, held.clamp(min=0)), 0.0)  # position = column
+                assert int((held >= 16).sum()) == held.shape[0] * held.shape[1] * 14  # every decode token kept
+                torch.testing.assert_close(cache.policy.logits.double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        for hook in hooks:
+            hook.remove()
