@@ -166,12 +166,23 @@ def _uniform_weights(cache: SlotMachine, input_pos: torch.Tensor, k_pos: torch.T
     return per_query.sum(dim=2) * q_per_kv
 
 
-def _splice_layer(cache: SlotMachine, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_head: int) -> None:
-    """One call of spliced tokens into a layer cache: keys/values `(1, G, T, hs)`, positions `(1, T)`."""
+def _splice_layer(
+    cache: SlotMachine,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    n_head: int,
+    inputs: torch.Tensor | None,
+) -> None:
+    """One call of spliced tokens into a layer cache: keys/values `(1, G, T, hs)`, positions `(1, T)`, the
+    tokens' attention inputs `(1, T, n_embd)` (the block alone) or `None`, handed to a cache that reads them."""
     queries = None
     if cache.needs_queries:
         queries = keys.new_zeros(keys.shape[0], n_head, keys.shape[2], keys.shape[3])
-    _, _, k_pos = cache.attend_inputs(keys, values, pos, queries)
+    if cache.needs_hidden:
+        _, _, k_pos = cache.attend_inputs(keys, values, pos, queries, hidden=inputs)
+    else:
+        _, _, k_pos = cache.attend_inputs(keys, values, pos, queries)
     weights = None
     if cache.needs_attn_weights:
         weights = _uniform_weights(cache, pos, k_pos, n_head // keys.shape[1])
@@ -196,7 +207,8 @@ def splice(model: GPT, block: BlockKV, offset: int, keep: torch.Tensor, chunk: i
         if offset:
             cos, sin = rope_delta(model, offset, layer)
             keys = rotate_keys(keys, cos.to(keys.dtype), sin.to(keys.dtype), n_elem).to(keys.dtype)
-        layers.append((keys, block.values[layer].index_select(2, index)))
+        inputs = None if block.inputs is None else block.inputs[layer].index_select(1, index)
+        layers.append((keys, block.values[layer].index_select(2, index), inputs))
     before = caches.last_pos
     try:
         for s in range(0, index.numel(), chunk):
@@ -204,8 +216,9 @@ def splice(model: GPT, block: BlockKV, offset: int, keep: torch.Tensor, chunk: i
             if caches.undo_log is not None:
                 caches.undo_log.before_call(caches)
             caches.last_pos = positions[:, part].amax(dim=1)  # what an undo log records after the call
-            for cache, (keys, values) in zip(caches.policy_caches, layers, strict=True):
-                _splice_layer(cache, keys[:, :, part], values[:, :, part], positions[:, part], n_head)
+            for cache, (keys, values, inputs) in zip(caches.policy_caches, layers, strict=True):
+                x = None if inputs is None else inputs[:, part]
+                _splice_layer(cache, keys[:, :, part], values[:, :, part], positions[:, part], n_head, x)
     finally:
         caches.last_pos = before
 

@@ -46,7 +46,7 @@ class Candidates:
         queries: `(B, n_head, T, key_size)` the call's queries after RoPE; `None` unless the class sets
             `needs_queries`.
         hidden: `(B, T, n_embd)` the layer's attention input (the normed hidden state its keys are made from);
-            `None` unless the class sets `needs_hidden`, and where the caller has none (spliced blocks).
+            `None` unless the class sets `needs_hidden`, and where the caller has none.
 
     What `score`/`select_drop` computed and `update_state` needs again is asked for through the call's
     typed memo, `once(self.method)`: computed on the first ask, the same value on the next; gone after

@@ -4,7 +4,7 @@ Each token gets one retention logit per KV head from the layer's gate, linear in
 (`EvictionGates.input`): its key before RoPE (`"key"`, in the keys' precision: the call's new keys are
 rotated back to position 0 with the model's RoPE table at their own positions, `_pre_rope`), or the layer's
 attention input, the normed hidden state the keys are made from (`"hidden"`, KVzap's input: the model hands
-it to the cache, `needs_hidden`; callers without it, spliced blocks, are refused). The logit
+it to the cache, `needs_hidden`; a call without it is refused). The logit
 is computed once, when the token arrives, from the key as computed (not as stored: with int8/int4 storage
 the gate sees the un-quantised key). It then travels with the token's slot (`slot_state`), so snapshots,
 restores, row selection, files and the undo log carry it; the stored keys are never scored again. When the
@@ -156,7 +156,7 @@ def _hidden_of(record: Candidates, gates: EvictionGates) -> torch.Tensor:
     if hidden is None:
         raise ValueError(
             "policy 'learned': these eviction gates read the layer's hidden state (input='hidden'), which this "
-            "call did not hand to the cache (spliced blocks give none; use key-input gates there)"
+            "call did not hand to the cache (use key-input gates where the hidden state is not at hand)"
         )
     if hidden.shape[-1] != gates.weight.shape[-1]:
         raise ValueError(

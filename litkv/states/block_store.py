@@ -50,19 +50,22 @@ class BlockKV:
         keys: per layer `(1, G, n, hs)`, after RoPE at positions `0..n-1` (as the caches hold keys).
         values: per layer `(1, G, n, hs)`.
         last_hidden: `(1, n_embd)` final hidden state of the last token (the block alone).
+        inputs: per layer `(1, n, n_embd)` the layer's attention input of each token (the block alone), kept
+            only for a model whose eviction gates read the hidden state (`keeps_inputs`); else `None`.
     """
 
     ids: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     last_hidden: torch.Tensor
+    inputs: list[torch.Tensor] | None = None
 
     @property
     def length(self) -> int:
         return int(self.ids.numel())
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.keys, *self.values))
+        return sum(t.nbytes for t in (*self.keys, *self.values, *(self.inputs or ())))
 
 
 class BlockStore:
@@ -138,6 +141,8 @@ class BlockStore:
             state = self._store.get(key, EntryCheck.of(model, _piece_config(e - s), dtype), tokens=e, token_ids=ids[:e])
             if state is None or state.last_hidden is None or _positions(state) != list(range(s, e)):
                 break
+            if keeps_inputs(model) and _INPUTS not in state.layers[0].tensors:
+                break
             pieces.append(state)
         self.hits += len(pieces)
         self.misses += len(bounds) - len(pieces)
@@ -148,7 +153,12 @@ class BlockStore:
         n_layer = model.config.n_layer
         k = [_joined(pieces, i, "storage.keys").to(device) for i in range(n_layer)]
         v = [_joined(pieces, i, "storage.values").to(device) for i in range(n_layer)]
-        return BlockKV(ids.cpu(), k, v, pieces[-1].last_hidden.to(device))  # type: ignore[union-attr]
+        inputs = None
+        if keeps_inputs(model):
+            inputs = [
+                torch.cat([p.layers[i].tensors[_INPUTS] for p in pieces], dim=1).to(device) for i in range(n_layer)
+            ]
+        return BlockKV(ids.cpu(), k, v, pieces[-1].last_hidden.to(device), inputs)  # type: ignore[union-attr]
 
     def _compute(
         self,
@@ -170,6 +180,9 @@ class BlockStore:
                 parts = {name: _joined(found, i, name).to(device) for name in _PIECE_TENSORS}
                 full = LayerState(config, cache.shape, parts, start, start).full_tensors()
                 cache.load_state_tensors(full, start)
+        inputs: list[torch.Tensor] = []  # each layer's attention input of the piece being computed
+        hooks = [block.attn.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach().clone()))
+                 for block in model.transformer.h] if keeps_inputs(model) else []  # fmt: skip
         try:
             model.set_kv_caches(caches)
             if found:
@@ -177,16 +190,29 @@ class BlockStore:
             pieces = list(found)
             ids = ids.to(device)
             for key, (s, e) in zip(keys[len(found) :], bounds[len(found) :], strict=True):
+                inputs.clear()
                 hidden = model(ids[None, s:e], torch.arange(s, e, device=device)[None], lm_head=False)[:, -1]
-                piece = _piece_state(model, s, e, hidden)
+                piece = _piece_state(model, s, e, hidden, inputs if hooks else None)
                 self._store.put(key, piece, tokens=e, token_ids=ids[:e])
                 pieces.append(piece)
         finally:
+            for hook in hooks:
+                hook.remove()
             model.set_kv_caches(previous)
         return pieces
 
 
 _PIECE_TENSORS = ("positions", "storage.keys", "storage.values")
+# a piece layer's attention inputs `(1, T, n_embd)`: a per-row tensor of the piece's state (a state file's names
+# are positions, storage.*, slot.* and row.*), never loaded into a cache (a piece restores `_PIECE_TENSORS`)
+_INPUTS = "row.block_inputs"
+
+
+def keeps_inputs(model: GPT) -> bool:
+    """Whether blocks of `model` keep each layer's attention inputs: its eviction gates read the hidden state
+    (`learned` scores spliced tokens from them; the store's key covers the gates through the fingerprint)."""
+    gates = getattr(model, "eviction_gates", None)
+    return gates is not None and gates.input == "hidden"
 
 
 def _joined(pieces: list[CacheState], layer: int, name: str) -> torch.Tensor:
@@ -199,15 +225,20 @@ def _piece_config(length: int) -> KVCacheConfig:
     return KVCacheConfig(policy="dense", cache_length=length)
 
 
-def _piece_state(model: GPT, s: int, e: int, hidden: torch.Tensor) -> CacheState:
-    """The piece `[s, e)` of the attached dense caches as a `CacheState` (a copy), with `hidden` `(1, n_embd)`."""
+def _piece_state(
+    model: GPT, s: int, e: int, hidden: torch.Tensor, inputs: list[torch.Tensor] | None = None
+) -> CacheState:
+    """The piece `[s, e)` of the attached dense caches as a `CacheState` (a copy), with `hidden` `(1, n_embd)`
+    and, when given, each layer's attention inputs `(1, e - s, n_embd)` (`_INPUTS`)."""
     config, layers = _piece_config(e - s), []
-    for cache in model.kv_caches:
+    for i, cache in enumerate(model.kv_caches):
         tensors = {
             name: t[:, :, s:e].detach().clone()
             for name, t in cache.state_tensors().items()  # type: ignore[union-attr]
             if name in _PIECE_TENSORS
         }
+        if inputs is not None:
+            tensors[_INPUTS] = inputs[i]
         shape = CacheShape(1, cache.shape.n_query_groups, e - s, cache.shape.key_size, cache.shape.value_size)  # type: ignore[union-attr]
         layers.append(LayerState(config, shape, tensors, e - s, e - s))
     last_pos = torch.tensor([e - 1], device=hidden.device)
