@@ -371,7 +371,7 @@ def decode_tokens(
     check_memory(table, device, "max_new_tokens", what, "lower max_new_tokens")
     # whether the logits picked from so far were finite; read on the host only where `done` is
     finite = torch.ones((), dtype=torch.bool, device=device)
-    with model.trusted_inputs(last_position), _decode_steps(model, compile) as step:
+    with model.trusted_inputs(last_position, no_pads=True), _decode_steps(model, compile) as step:
         tokens = pick(logits)
         done = torch.isin(tokens, stops)
         if feed_last:

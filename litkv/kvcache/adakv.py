@@ -8,7 +8,7 @@ best tokens (the safeguard), then the best remaining scores of all heads of the 
 (`adakv_keep`). Scores must be comparable across heads (softmax-normalised ones are: expected-attention,
 snapkv, tova; key norms are too).
 
-Memory: the kept tokens are moved to the first slots of each head (`compact_slots`), so head `g` uses
+Memory: the kept tokens are moved before `num_filled`, right-aligned in each head (`compact_slots`), so head `g` uses
 `n_g` slots with `sum_g n_g = budget x G`; the slot buffers keep their size (`cache_length`), since
 litkv's storage is one `(B, G, L, D)` tensor per layer. `AdaKV.used_slots()` (`cache.one_shot.used_slots()`)
 gives the per-head counts from which the bytes of a ragged layout (`sum_g n_g`) or a padded one

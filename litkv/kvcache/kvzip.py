@@ -22,8 +22,8 @@ chunk covers (a chat template's prefix) score 0; the first `n_sink` positions ar
 `compress_kvzip(caches)` then keeps, per row, the `budget x G x n_layers` best scores over all layers
 and KV heads (`layerwise=false`, the paper's and kvpress's default) or `budget x G` per layer
 (`layerwise=true`); within a layer the heads share its count by score (kvpress's masking, per head).
-The kept slots move to the front of each head (`compact_slots`). After that the cache takes new tokens
-without eviction; if it fills up, the lowest scores go first (new tokens score the largest float32).
+The kept slots move before `num_filled`, right-aligned in each head (`compact_slots`). After that the cache takes
+new tokens without eviction; if it fills up, the lowest scores go first (new tokens score the largest float32).
 
 KVzip is a one-shot method, and `kvzip` runs one-shot only (`mode="one-shot"`, the default; `budget` defaults
 to `cache_length`): the caller that owns the model runs the reconstruction pass after the prefill (`generate`

@@ -85,6 +85,9 @@ class SlotMachine:
         self.static_slots_valid = False
         # The keys the last `attend_inputs` returned all hold a token, known on the host (attention needs no mask)
         self.attended_keys_valid = False
+        # After a one-shot compression (`compact_slots`): per (row, KV head) the first filled slot, every slot from
+        # there on holding a token, on the host and as a `(B, G)` tensor (`direct_head_starts`); `None` when not known
+        self.head_starts: tuple[list[list[int]], torch.Tensor] | None = None
         self._journal: Journal | None = None
         self.one_shot = self._compose_one_shot(policy)
         self.policy: Policy = policy(self)  # binds itself to this cache, allocates its declared state
@@ -181,9 +184,20 @@ class SlotMachine:
 
     def forget_valid_slots(self) -> None:
         """Slots were emptied outside the eviction (`slots_known_valid` reads them again when asked; compiled
-        steps keep the mask from then on)."""
+        steps keep the mask from then on; the compression's `head_starts` are dropped)."""
         self._slots_valid = None
         self.static_slots_valid = False
+        self.head_starts = None
+
+    def direct_head_starts(self, no_pads: bool) -> tuple[list[list[int]], torch.Tensor] | None:
+        """For the call just attended: per (row, KV head) the first of the attended slots, every one from there to
+        the last holding a token earlier than the call's (`head_starts`, as a host list `B x G` and a `(B, G)` int64
+        tensor), or `None`. Known only for a direct call (new tokens appended after every head's slots) after a
+        one-shot compression, while no call held a pad; a call that may hold one (`no_pads` false) ends it (its
+        pad's slot would sit inside the range), so attention asks after every call."""
+        if self._call is None or self._call.path != "direct" or not no_pads:
+            self.head_starts = None
+        return self.head_starts
 
     # -- contract -------------------------------------------------------------------------------
 
@@ -234,6 +248,7 @@ class SlotMachine:
         if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
             attended = self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
         else:
+            self.head_starts = None  # slots are chosen again: the compression's layout is gone
             if not self.static_shapes:
                 self.check_room(input_pos)
             if t <= ROOM and not needs_functional(keys, values):
@@ -319,7 +334,9 @@ class SlotMachine:
             self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
         self.storage.write_range(start, keys, values)
         self.positions[:, :, start : start + t] = new_pos
+        starts = self.head_starts
         self.forget_valid_slots()  # the new tokens may be pads
+        self.head_starts = starts  # appended after every head's slots (a pad ends them: `direct_head_starts`)
         self.num_filled = start + t
         candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
         self._call = OpenCall("direct", start, candidates)

@@ -3,8 +3,9 @@
 
 In one-shot mode a cache keeps every prompt token (it must have room for the whole prompt), then
 `compress()` keeps `budget` tokens per (row, KV head), scored by the policy's `oneshot_scores()`, and moves
-them to the first slots; decoding then fills the freed slots without eviction (the policy's continuous
-eviction resumes only if the cache fills up again). `compress()` runs at the end of the prompt
+them before `num_filled`, right-aligned in each head (`compact_slots`: each head's tokens and the ones decoding
+appends form one run of slots, attended without a mask); decoding then fills the freed slots without eviction
+(the policy's continuous eviction resumes only if the cache fills up again). `compress()` runs at the end of the prompt
 (`KVCaches.end_prefill`, which `generate` calls after the prefill), or when a caller invokes it (before a
 question that must not be compressed, as kvpress's pipeline does; `compress_all(caches)`).
 
@@ -78,7 +79,7 @@ class OneShot:
         return self.cache.config.policy_options
 
     def compress(self) -> None:
-        """Keep the `budget` best-scored tokens of each (row, KV head), moved to the first slots."""
+        """Keep the `budget` best-scored tokens of each (row, KV head), compacted (`compact_slots`)."""
         name = self.cache.name
         if self.policy.compresses_across_layers():
             raise RuntimeError(
@@ -159,12 +160,18 @@ def one_shot(policy: type[Policy], compression: type[OneShot] = OneShot, module:
 
 
 def compact_slots(cache: SlotMachine, keep: torch.Tensor) -> None:
-    """Move the slots marked in `keep` `(B, G, L)` to the front of each (row, KV head), in slot order,
-    and empty the others (position `-1`); `num_filled` becomes the largest kept count."""
+    """Move the slots marked in `keep` `(B, G, L)` before `num_filled`, the largest kept count, in slot order
+    and right-aligned: a (row, KV head) that keeps `n` tokens holds them in slots `[num_filled - n, num_filled)`,
+    so that with the tokens a decode step appends at `num_filled` they are one run of slots (attended without a
+    mask: `SlotMachine.head_starts`, set here). The other slots are emptied (position `-1`)."""
     length = cache.cache_length
     if cache.journal is not None:
         cache.journal(cache, torch.arange(length, device=keep.device).expand(keep.shape))
     order = torch.sort((~keep).to(torch.int8), dim=2, stable=True).indices  # kept slots first
+    counts = keep.sum(dim=2)  # (B, G)
+    filled = int(counts.max()) if keep.numel() else 0
+    starts = filled - counts  # empty slots before each head's kept ones
+    order = order.gather(2, (torch.arange(length, device=keep.device) - starts[..., None]) % length)
     kept = keep.gather(2, order)
     tensors = {}
     for name, tensor in cache.state_tensors().items():
@@ -173,7 +180,8 @@ def compact_slots(cache: SlotMachine, keep: torch.Tensor) -> None:
             tensor = tensor.gather(2, index)
         tensors[name] = tensor.clone()
     tensors["positions"] = tensors["positions"].masked_fill(~kept, -1)
-    cache.load_state_tensors(tensors, int(keep.sum(dim=2).max()) if keep.numel() else 0)
+    cache.load_state_tensors(tensors, filled)
+    cache.head_starts = (starts.tolist(), starts)
 
 
 def compress_all(caches: Sequence[object]) -> None:
@@ -217,7 +225,7 @@ def compress_layers(
     caches: Sequence[SlotMachine], scores: torch.Tensor, layerwise: bool = False, n_sink: int = 0
 ) -> None:
     """Compress the layers' one-shot caches together by `scores` `(n_layers, B, G, L)` (`keep_across_layers`
-    with their common `budget`): the kept slots move to the front of each head (`compact_slots`)."""
+    with their common `budget`): the kept slots are compacted in each head (`compact_slots`)."""
     if not caches:
         raise ValueError("compress_layers needs at least one one-shot cache")
     compressions = [c.one_shot for c in caches]

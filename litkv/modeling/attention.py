@@ -4,8 +4,9 @@ the output from SDPA on an accelerator, from that same pass on the CPU).
 
 Which keys a query sees is a layout (`attend`'s `mask`): a bool mask built from positions (`build_mask`: pads,
 empty slots, sliding windows, spliced positions), `CAUSAL` (the queries are the last keys, every earlier key
-valid: a prefill chunk without pads, no mask built) or `None` (every key visible: a decode step over slots that
-all hold a token, no mask built). Packed slots (`PackedSlots`: a storage's own format, e.g. an int8/int4
+valid: a prefill chunk without pads, no mask built), `None` (every key visible: a decode step over slots that
+all hold a token, no mask built) or `HeadStarts` (a decode step over a compressed one-shot cache: each (row, KV
+head) attends its own run of slots). Packed slots (`PackedSlots`: a storage's own format, e.g. an int8/int4
 cache's codes on a decode step) are attended by their own kernel (`PackedSlots.attend`), never converted here.
 
 Grouped-query attention never materialises expanded keys/values on the CPU: the query heads of each KV group
@@ -24,6 +25,7 @@ from litkv.kvcache.storage import PackedSlots
 
 __all__ = [
     "CAUSAL",
+    "HeadStarts",
     "attend",
     "attend_causal_suffix",
     "build_mask",
@@ -72,7 +74,35 @@ class _Causal:
 # a whole sequence): no `(B, G, T, S)` mask is built.
 CAUSAL = _Causal()
 
-Layout = torch.Tensor | _Causal | None
+
+class HeadStarts:
+    """The layout of a one-query call (a decode step without pads) whose keys are, per (row, KV head), the slots
+    `[start, S)`, each holding a token earlier than the query, the slots before `start` empty: a one-shot cache
+    compressed to different counts per head (`SlotMachine.direct_head_starts`). `attend` runs SDPA once per
+    (row, KV head) over its own slots, no mask built, when that leaves out at least `HEAD_RANGES_MIN_SKIPPED` of the
+    slot-heads, else with the mask of the starts.
+
+    Attributes:
+        host: `B x G` starts on the host; starts: the same `(B, G)` int64 tensor on the keys' device.
+    """
+
+    def __init__(self, host: list[list[int]], starts: torch.Tensor) -> None:
+        self.host = host
+        self.starts = starts
+
+    def mask(self, s: int) -> torch.Tensor:
+        """`(B, G, 1, S)` bool: slot `j` visible where `j >= start`."""
+        return torch.arange(s, device=self.starts.device) >= self.starts[:, :, None, None]
+
+    def __repr__(self) -> str:
+        return f"HeadStarts({self.host})"
+
+
+# Per-(row, KV head) SDPA calls when they leave out at least this fraction of the `B x G x S` slot-heads (each call
+# costs an operator's overhead; the masked call computes every slot)
+HEAD_RANGES_MIN_SKIPPED = 0.2
+
+Layout = torch.Tensor | _Causal | HeadStarts | None
 
 
 def attend(
@@ -102,7 +132,8 @@ def attend(
         mask: which keys each query sees. A `(B, G, T, S)` or `(B, 1, T, S)` bool tensor, True where attention is
             allowed (a mask shared by all KV groups lets a multi-token call use SDPA's grouped-query kernel);
             `CAUSAL`: the queries are the last `T` keys, every earlier key visible (no mask is built); `None`:
-            every key visible to every query (a decode step over slots that all hold a token).
+            every key visible to every query (a decode step over slots that all hold a token); `HeadStarts`: each
+            (row, KV head) sees its slots from its start on (one query).
         scale: factor applied to `q @ k^T`.
         softcap: attention-logit soft-capping threshold, or `None`.
         need_weights: also return the weights summed over queries and each group's heads.
@@ -121,6 +152,8 @@ def attend(
     if isinstance(mask, _Causal) and t > s:
         raise ValueError(f"attend: {t} causal queries over {s} keys (the queries are the last keys)")
     one_pass = softcap is not None or (need_weights and weights_in_one_pass(q.device))
+    if isinstance(mask, HeadStarts) and (need_weights or softcap is not None):
+        mask = mask.mask(s)
     y = None if one_pass else _sdpa(q, k, v, mask, scale)
     weights = None
     if need_weights or softcap is not None:
@@ -142,6 +175,8 @@ def full_mask(mask: Layout, b: int, g: int, t: int, s: int, device: torch.device
     """A layout as a `(B, G or 1, T, S)` bool tensor (for kernels that take only tensors: packed slots)."""
     if isinstance(mask, torch.Tensor):
         return mask
+    if isinstance(mask, HeadStarts):
+        return mask.mask(s)
     if mask is None:
         return torch.ones(1, 1, t, s, dtype=torch.bool, device=device).expand(b, g, t, s)
     return torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=s - t).expand(b, g, t, s)
@@ -156,6 +191,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout, scale
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             return y.transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
         return attend_causal_suffix(q, k, v, scale)
+    if isinstance(mask, HeadStarts):
+        skipped = sum(map(sum, mask.host)) / (b * g * s)
+        if skipped >= HEAD_RANGES_MIN_SKIPPED and t == 1 and not torch.compiler.is_compiling():
+            return _attend_head_ranges(q, k, v, mask.host, scale)
+        mask = mask.mask(s)
     if mask is not None and t > 1 and mask.shape[1] == 1:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return y.transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
@@ -173,6 +213,28 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Layout, scale
         else:
             y = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=scale)
     return y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
+
+
+def _attend_head_ranges(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[list[int]], scale: float
+) -> torch.Tensor:
+    """A one-query call whose (row, KV head) attends its slots `[start, S)` (`HeadStarts`): SDPA per (row, KV
+    head) with the group's query heads folded, no mask. `q` `(B, n_head, 1, hs)`, `k`/`v` `(B, G, S, hs/hv)` ->
+    `(B, 1, n_head * hv)`."""
+    b, n_head, t, hs = q.shape
+    g, hv = k.shape[1], v.shape[-1]
+    folded = q.reshape(b, g, n_head // g * t, hs)
+    rows = []
+    for r, row_starts in enumerate(starts):
+        heads = [
+            F.scaled_dot_product_attention(
+                folded[r, h, None, None], k[r, h, None, None, s0:], v[r, h, None, None, s0:], scale=scale
+            )  # fmt: skip
+            for h, s0 in enumerate(row_starts)
+        ]
+        rows.append(torch.cat(heads, dim=1))
+    y = torch.cat(rows) if len(rows) > 1 else rows[0]
+    return y.view(b, n_head, t, hv).transpose(1, 2).reshape(b, t, n_head * hv)
 
 
 def attend_causal_suffix(

@@ -105,6 +105,8 @@ class GPT(nn.Module):
         self.eviction_gates: EvictionGates | None = None
         # False inside `trusted_inputs()`: the checks that read tensors on the host are skipped.
         self._checks = True
+        # Inside `trusted_inputs(no_pads=True)`: the calls hold no pad position.
+        self._trusted_no_pads = False
         # (backend, mode, the compiled step)
         self._compiled_decode: tuple[str, str | None, DecodeStep] | None = None
 
@@ -214,21 +216,22 @@ class GPT(nn.Module):
             self.set_kv_caches(None)
 
     @contextmanager
-    def trusted_inputs(self, max_position: int) -> Iterator[None]:
+    def trusted_inputs(self, max_position: int, no_pads: bool = False) -> Iterator[None]:
         """Skip the checks that read tensors on the host (token ids in the vocabulary, positions
         increasing, RoPE table long enough) for calls made inside the block.
 
         For callers whose inputs are valid by construction (`generate`'s decode loop: sampled tokens,
         positions one past the last); a decode step then never waits for the device, and `torch.compile`
-        sees no graph break. The RoPE table is built for `max_position` first.
+        sees no graph break. The RoPE table is built for `max_position` first. `no_pads`: the caller's calls
+        hold no `-1` position (attention may then use a compressed cache's layout without reading them).
         """
         self._rope_table(max_position + 1)
-        previous = self._checks
-        self._checks = False
+        previous = self._checks, self._trusted_no_pads
+        self._checks, self._trusted_no_pads = False, no_pads
         try:
             yield
         finally:
-            self._checks = previous
+            self._checks, self._trusted_no_pads = previous
 
     @property
     def kv_caches(self) -> list[SlotMachine | None]:
@@ -272,7 +275,10 @@ class GPT(nn.Module):
         rope_indices = self.config.rope_indices
         # a multi-token call without pads may use SDPA's causal kernel where a layer's cache held nothing
         # before (one host read, outside trusted decode steps)
-        no_pads = input_pos is not None and t > 1 and self._checks and bool((input_pos >= 0).all())
+        if self._checks:
+            no_pads = input_pos is not None and t > 1 and bool((input_pos >= 0).all())
+        else:  # trusted steps: known by the caller (`trusted_inputs`), no host read
+            no_pads = input_pos is not None and self._trusted_no_pads
         caches = self.caches if input_pos is not None else None
         # a decode step: each layer attends, then every layer evicts at once after the loop
         evict_later = caches is not None and caches.begin_call(t)

@@ -18,7 +18,7 @@ from litkv.kvcache.base import LayerCache
 from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.storage import CacheShape
-from litkv.modeling.attention import CAUSAL, Layout, attend, build_mask
+from litkv.modeling.attention import CAUSAL, HeadStarts, Layout, attend, build_mask
 from litkv.modeling.config import ATTENTION, Config, HybridConfig
 
 __all__ = ["CausalSelfAttention", "call_layout"]
@@ -186,19 +186,25 @@ def call_layout(
 ) -> Layout:
     """Which keys each of a call's queries sees (`attend`'s `mask`): `CAUSAL` for a call without pads whose keys
     end with its own after filled earlier slots (no mask), `None` for a decode step over slots the cache knows all
-    hold a token (no mask), else a mask built from positions (pads, empty slots, a sliding window, spliced
-    positions). Shared by `CausalSelfAttention` and `litkv.hf`'s attention function.
+    hold a token (no mask), `HeadStarts` for a decode step without pads over a compressed one-shot cache whose heads
+    keep different counts (each head's run of slots), else a mask built from positions (pads, empty slots, a
+    sliding window, spliced positions). Shared by `CausalSelfAttention` and `litkv.hf`'s attention function.
 
     Args:
         cache: the layer's cache; keys: the keys `attend_inputs` returned (a tensor, or packed slots); k_pos: their
             positions `(B, G, S)` (`-1`: empty); input_pos: the call's positions `(B, T)`; no_pads: `input_pos` has
             no `-1`; window: the layer's sliding window, or `None`.
     """
+    t = input_pos.shape[-1]
+    # asked after every call (a call that may hold pads ends the compression's layout)
+    starts = cache.direct_head_starts(no_pads) if isinstance(cache, SlotMachine) else None
     if window is None and isinstance(keys, torch.Tensor):
-        if no_pads and _suffix_causal(k_pos, input_pos):
+        if t > 1 and no_pads and _suffix_causal(k_pos, input_pos):
             return CAUSAL
-        if input_pos.shape[-1] == 1 and getattr(cache, "attended_keys_valid", False):
+        if t == 1 and getattr(cache, "attended_keys_valid", False):
             return None  # a decode step: its token is the newest, every slot holds an earlier one
+        if t == 1 and starts is not None:  # a decode step after a one-shot compression: each head's run of slots
+            return HeadStarts(*starts) if any(map(any, starts[0])) else None
     return build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, window)
 
 
