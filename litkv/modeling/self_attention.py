@@ -132,7 +132,8 @@ class CausalSelfAttention(nn.Module):
             mask = self._layout(cache, keys, k_pos, input_pos, no_pads)
             need = cache.needs_attn_weights
             softcap = self.config.attention_logit_softcapping
-            y, weights = attend(q, keys, values, mask, self.scale, softcap, need, input_pos >= 0)
+            valid = None if no_pads or not need else input_pos >= 0  # which queries count in the weight sums
+            y, weights = attend(q, keys, values, mask, self.scale, softcap, need, valid)
         if evict_later:
             cache.wait_for_eviction(weights)
         else:
