@@ -72,7 +72,7 @@ class CacheLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`key_states`/`value_states` `(B, G, T, hs)` handed on as they are: the attention function attends them
-        through litkv's cache. The rest is not read (`cache_kwargs` up to transformers 5.17, `kwargs=` after)."""
+        through litkv's cache. The rest is not read (`cache_kwargs` up to transformers 5.23, `kwargs=` from 5.24)."""
         if self.owner.caches is None:
             self.owner.build(key_states, value_states)
         self.is_initialized = True

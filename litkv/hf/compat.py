@@ -2,10 +2,11 @@
 
 The range is that of the `Cache` interfaces it was built against: 5.0 - 5.3 (layers' `get_mask_sizes` take
 `cache_position`, the models pass `cache_position`), the later 5.x up to 5.17 (`cache_position` gone,
-`get_mask_sizes` takes the query length) and 5.25 (the models call a layer's `update` with `kwargs=` instead
+`get_mask_sizes` takes the query length) and from 5.24 (the models call a layer's `update` with `kwargs=` instead
 of `cache_kwargs`, and name the forward's cache argument `cache`, `past_key_values` kept as a deprecated alias).
 The adapter reads the query length from either form, takes any `update` arguments, and passes its cache under the
-name the model's forward declares (`cache_argument`). Tested: 5.3.0, 5.17.0, 5.21.1, 5.25.0 (docs/hf.md).
+name the model's forward declares (`cache_argument`). Tested: 5.3.0 and every minor version from 5.17 to 5.25
+(docs/hf.md).
 """
 
 from __future__ import annotations
