@@ -18,9 +18,12 @@ rounds and each row's median ratio to dense (prefill) and to last-recent (decode
 each round. Times are the CPU time of the one thread that runs the model (`time.thread_time`: torch runs
 on the calling thread with one intra-op thread), so other processes on a shared machine do not count, only
 what they do to the caches; `--clock wall` uses `time.perf_counter` instead (for a machine with a core to
-spare).
+spare). A machine whose speed drifts over the minutes between rows (a virtual machine beside others) moves the
+rounds' decode ratios; `--interleaved` then also prefills each row once into caches of its own and decodes them
+one step of each row at a time, and gives each row's median step time and the median of the per-step ratios.
 
     nice python scripts/bench_oneshot_cost.py                               # 4,096 tokens, budget 1,024, 5 rounds
+    python scripts/bench_oneshot_cost.py --rows dense,learned,last-recent --rounds 1 --interleaved --new 64
     python scripts/bench_oneshot_cost.py --prompt 256 --budget 64 --new 4 --rounds 1 --chunk_size 64   # smoke
 """
 
@@ -57,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help=f"among {list(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=list(CLOCKS), default="thread", help="the calling thread's CPU time, or wall")
+    p.add_argument("--interleaved", action="store_true", help="also decode the rows one step of each at a time")
     args = p.parse_args(argv)
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown or "dense" not in args.rows.split(","):
@@ -76,6 +80,18 @@ def row_config(row: str, args: argparse.Namespace) -> KVCacheConfig:
     return KVCacheConfig(row, cache_length=room, chunk_size=args.chunk_size, options=options)
 
 
+def prefill(model: GPT, row: str, ids: torch.Tensor, config: KVCacheConfig, repeat: RepeatPrompt) -> torch.Tensor:
+    """One row's prefill into the attached caches, compressed (`(1, T, n_embd)` hidden states of the last chunk)."""
+    pos = torch.arange(ids.shape[1])[None]
+    hidden = run_chunks(model, ids, pos, ChunkPlan.of(config), lm_head=False, last_only=True)
+    if row == "kvzip":
+        kvzip_score(model, [ids[0]], repeat, repeat.prefix_length)
+        compress_kvzip(list(model.caches))
+    elif row == "learned":
+        model.caches.end_prefill()
+    return hidden
+
+
 @torch.inference_mode()
 def run_row(
     model: GPT, row: str, ids: torch.Tensor, args: argparse.Namespace, repeat: RepeatPrompt
@@ -86,18 +102,40 @@ def run_row(
     with model.kv_caches_attached(config, 1):
         clock = CLOCKS[args.clock]
         start = clock()
-        hidden = run_chunks(model, ids, pos, ChunkPlan.of(config), lm_head=False, last_only=True)
-        if row == "kvzip":
-            kvzip_score(model, [ids[0]], repeat, repeat.prefix_length)
-            compress_kvzip(list(model.caches))
-        elif row == "learned":
-            model.caches.end_prefill()
+        hidden = prefill(model, row, ids, config, repeat)
         model.lm_head(hidden[:, -1:])  # the first token's logits
-        prefill = clock() - start
+        prefill_s = clock() - start
         start = clock()
         decode_greedy(model, hidden, pos[:, -1] + 1, args.new)
         decode = clock() - start
-    return prefill, (args.new - 1) / decode
+    return prefill_s, (args.new - 1) / decode
+
+
+@torch.inference_mode()
+def interleaved_decode(
+    model: GPT, rows: list[str], ids: torch.Tensor, args: argparse.Namespace, repeat: RepeatPrompt
+) -> dict[str, list[float]]:
+    """Each row prefilled (and compressed) once into caches of its own, then `--new` greedy decode steps taken in
+    turn, one step of each row at a time, the order rotating: per row, each step's seconds (the caches are attached
+    between steps, outside the timed call)."""
+    t = ids.shape[1]
+    state = {}
+    for row in rows:
+        config = row_config(row, args)
+        caches = model.build_kv_caches(config, 1)
+        with model.kv_caches_attached(caches):
+            state[row] = (caches, model.lm_head(prefill(model, row, ids, config, repeat)[:, -1]))
+    clock, times = CLOCKS[args.clock], {row: [] for row in rows}
+    for step in range(args.new):
+        pos = torch.tensor([[t + step]])
+        for row in rows[step % len(rows) :] + rows[: step % len(rows)]:
+            caches, logits = state[row]
+            with model.kv_caches_attached(caches), model.trusted_inputs(t + args.new, no_pads=True):
+                start = clock()
+                logits = model(logits.argmax(-1)[:, None], pos)[:, -1]
+                times[row].append(clock() - start)
+            state[row] = (caches, logits)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         pre_ratio = statistics.median(a[0] / b[0] for a, b in zip(results[row], results["dense"], strict=True))
         dec_ratio = statistics.median(a[1] / b[1] for a, b in zip(results[row], results[ref], strict=True))
         print(f"| {row} | {pre:.2f} | {pre_ratio:.3f}x | {dec:.2f} | {dec_ratio:.3f}x |")
+    if args.interleaved:
+        decode_rows = [row for row in rows if row != "dense" or ref == "dense"]
+        times = interleaved_decode(model, decode_rows, ids, args, repeat)
+        print(f"\ninterleaved decode ({args.new} steps of each row in turn): ms per step (median), and the median of")
+        print(f"each step's {ref} time over the row's (decode speed / {ref})")
+        for row in decode_rows:
+            ratio = statistics.median(b / a for a, b in zip(times[row], times[ref], strict=True))
+            print(f"- {row}: {1000 * statistics.median(times[row]):.1f} ms, {ratio:.3f}x")
     return 0
 
 
