@@ -19,8 +19,9 @@ each round. Times are the CPU time of the one thread that runs the model (`time.
 on the calling thread with one intra-op thread), so other processes on a shared machine do not count, only
 what they do to the caches; `--clock wall` uses `time.perf_counter` instead (for a machine with a core to
 spare). A machine whose speed drifts over the minutes between rows (a virtual machine beside others) moves the
-rounds' decode ratios; `--interleaved` then also prefills each row once into caches of its own and decodes them
-one step of each row at a time, and gives each row's median step time and the median of the per-step ratios.
+rounds' ratios; `--interleaved` then also runs the rows in caches of their own, one prefill chunk of each row at a
+time, then one decode step of each row at a time, and gives each row's prefill time against dense's and the
+median of its per-step decode ratios.
 
     nice python scripts/bench_oneshot_cost.py                               # 4,096 tokens, budget 1,024, 5 rounds
     python scripts/bench_oneshot_cost.py --rows dense,learned,last-recent --rounds 1 --interleaved --new 64
@@ -112,30 +113,43 @@ def run_row(
 
 
 @torch.inference_mode()
-def interleaved_decode(
+def interleaved(
     model: GPT, rows: list[str], ids: torch.Tensor, args: argparse.Namespace, repeat: RepeatPrompt
-) -> dict[str, list[float]]:
-    """Each row prefilled (and compressed) once into caches of its own, then `--new` greedy decode steps taken in
-    turn, one step of each row at a time, the order rotating: per row, each step's seconds (the caches are attached
-    between steps, outside the timed call)."""
-    t = ids.shape[1]
-    state = {}
-    for row in rows:
-        config = row_config(row, args)
-        caches = model.build_kv_caches(config, 1)
-        with model.kv_caches_attached(caches):
-            state[row] = (caches, model.lm_head(prefill(model, row, ids, config, repeat)[:, -1]))
-    clock, times = CLOCKS[args.clock], {row: [] for row in rows}
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """The rows' prefills and decodes taken in turn, each row in caches of its own: the prompt's chunks one of each
+    row at a time (a row's compression, and its first token's logits, after its last chunk), then `--new` greedy
+    decode steps one of each row at a time, the order rotating. Per row: the prefill's seconds, and each decode
+    step's seconds (caches are attached between calls, outside the timed ones)."""
+    t, clock = ids.shape[1], CLOCKS[args.clock]
+    configs = {row: row_config(row, args) for row in rows}
+    caches = {row: model.build_kv_caches(configs[row], 1) for row in rows}
+    prefill_s, logits = dict.fromkeys(rows, 0.0), {}
+    pos = torch.arange(t)[None]
+    for start in range(0, t, args.chunk_size):
+        part = slice(start, start + args.chunk_size)
+        for row in rows:
+            with model.kv_caches_attached(caches[row]):
+                begin = clock()
+                hidden = run_chunks(model, ids[:, part], pos[:, part], ChunkPlan.of(configs[row]), lm_head=False,
+                                    last_only=True)  # fmt: skip
+                if part.stop >= t:
+                    if row == "kvzip":
+                        kvzip_score(model, [ids[0]], repeat, repeat.prefix_length)
+                        compress_kvzip(list(model.caches))
+                    elif row == "learned":
+                        model.caches.end_prefill()
+                    logits[row] = model.lm_head(hidden[:, -1])
+                prefill_s[row] += clock() - begin
+    decode_rows = [row for row in rows if row != "dense"] or rows
+    times = {row: [] for row in decode_rows}
     for step in range(args.new):
-        pos = torch.tensor([[t + step]])
-        for row in rows[step % len(rows) :] + rows[: step % len(rows)]:
-            caches, logits = state[row]
-            with model.kv_caches_attached(caches), model.trusted_inputs(t + args.new, no_pads=True):
-                start = clock()
-                logits = model(logits.argmax(-1)[:, None], pos)[:, -1]
-                times[row].append(clock() - start)
-            state[row] = (caches, logits)
-    return times
+        step_pos = torch.tensor([[t + step]])
+        for row in decode_rows[step % len(decode_rows) :] + decode_rows[: step % len(decode_rows)]:
+            with model.kv_caches_attached(caches[row]), model.trusted_inputs(t + args.new, no_pads=True):
+                begin = clock()
+                logits[row] = model(logits[row].argmax(-1)[:, None], step_pos)[:, -1]
+                times[row].append(clock() - begin)
+    return prefill_s, times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         dec_ratio = statistics.median(a[1] / b[1] for a, b in zip(results[row], results[ref], strict=True))
         print(f"| {row} | {pre:.2f} | {pre_ratio:.3f}x | {dec:.2f} | {dec_ratio:.3f}x |")
     if args.interleaved:
-        decode_rows = [row for row in rows if row != "dense" or ref == "dense"]
-        times = interleaved_decode(model, decode_rows, ids, args, repeat)
-        print(f"\ninterleaved decode ({args.new} steps of each row in turn): ms per step (median), and the median of")
-        print(f"each step's {ref} time over the row's (decode speed / {ref})")
-        for row in decode_rows:
-            ratio = statistics.median(b / a for a, b in zip(times[row], times[ref], strict=True))
-            print(f"- {row}: {1000 * statistics.median(times[row]):.1f} ms, {ratio:.3f}x")
+        prefill_s, times = interleaved(model, rows, ids, args, repeat)
+        print(f"\ninterleaved (the chunks, then {args.new} decode steps, one of each row at a time): prefill s and")
+        print(f"/ dense; decode ms per step (median) and the median of each step's {ref} time over the row's")
+        for row in rows:
+            line = f"- {row}: prefill {prefill_s[row]:.2f} s, {prefill_s[row] / prefill_s['dense']:.3f}x"
+            if row in times:
+                ratio = statistics.median(b / a for a, b in zip(times[row], times[ref], strict=True))
+                line += f"; decode {1000 * statistics.median(times[row]):.1f} ms, {ratio:.3f}x"
+            print(line)
     return 0
 
 
