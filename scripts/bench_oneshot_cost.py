@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(ROWS), help=f"among {list(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=list(CLOCKS), default="thread", help="the calling thread's CPU time, or wall")
-    p.add_argument("--interleaved", action="store_true", help="also decode the rows one step of each at a time")
+    p.add_argument("--interleaved", action="store_true", help="also prefill and decode the rows in turn")
     args = p.parse_args(argv)
     unknown = set(args.rows.split(",")) - set(ROWS)
     if unknown or "dense" not in args.rows.split(","):
@@ -81,15 +81,20 @@ def row_config(row: str, args: argparse.Namespace) -> KVCacheConfig:
     return KVCacheConfig(row, cache_length=room, chunk_size=args.chunk_size, options=options)
 
 
-def prefill(model: GPT, row: str, ids: torch.Tensor, config: KVCacheConfig, repeat: RepeatPrompt) -> torch.Tensor:
-    """One row's prefill into the attached caches, compressed (`(1, T, n_embd)` hidden states of the last chunk)."""
-    pos = torch.arange(ids.shape[1])[None]
-    hidden = run_chunks(model, ids, pos, ChunkPlan.of(config), lm_head=False, last_only=True)
+def compress(model: GPT, row: str, ids: torch.Tensor, repeat: RepeatPrompt) -> None:
+    """The end of a row's prefill of `ids` into the attached caches: `kvzip`'s pass and compression, `learned`'s."""
     if row == "kvzip":
         kvzip_score(model, [ids[0]], repeat, repeat.prefix_length)
         compress_kvzip(list(model.caches))
     elif row == "learned":
         model.caches.end_prefill()
+
+
+def prefill(model: GPT, row: str, ids: torch.Tensor, config: KVCacheConfig, repeat: RepeatPrompt) -> torch.Tensor:
+    """One row's prefill into the attached caches, compressed (`(1, T, n_embd)` hidden states of the last chunk)."""
+    pos = torch.arange(ids.shape[1])[None]
+    hidden = run_chunks(model, ids, pos, ChunkPlan.of(config), lm_head=False, last_only=True)
+    compress(model, row, ids, repeat)
     return hidden
 
 
@@ -133,14 +138,10 @@ def interleaved(
                 hidden = run_chunks(model, ids[:, part], pos[:, part], ChunkPlan.of(configs[row]), lm_head=False,
                                     last_only=True)  # fmt: skip
                 if part.stop >= t:
-                    if row == "kvzip":
-                        kvzip_score(model, [ids[0]], repeat, repeat.prefix_length)
-                        compress_kvzip(list(model.caches))
-                    elif row == "learned":
-                        model.caches.end_prefill()
+                    compress(model, row, ids, repeat)
                     logits[row] = model.lm_head(hidden[:, -1])
                 prefill_s[row] += clock() - begin
-    decode_rows = [row for row in rows if row != "dense"] or rows
+    decode_rows = [row for row in rows if row != "dense" or "last-recent" not in rows]  # dense: the reference
     times = {row: [] for row in decode_rows}
     for step in range(args.new):
         step_pos = torch.tensor([[t + step]])
