@@ -106,17 +106,29 @@ class ScoreKVCache(KVCache):
         return self.lowest(self.checked_score(candidates), candidates.positions, candidates.num_new)
 
     def checked_score(self, candidates: Candidates) -> torch.Tensor:
-        """`score(candidates)` as `(B, G, L + T)` float32; ValueError naming the shapes when it is not."""
+        """`score(candidates)` as `(B, G, L + T)` float32; ValueError naming the shapes when it is not, or
+        naming the class when it holds a NaN that its inputs do not (`check_no_nan`)."""
+        scores = self._shaped_score(candidates)
+        if self._checks_nan(candidates, scores):
+            self._check_no_nan(candidates, scores)
+        return scores.to(torch.float32)
+
+    def _shaped_score(self, candidates: Candidates) -> torch.Tensor:
+        """`score(candidates)`; ValueError naming the shapes unless it is a `(B, G, L + T)` tensor."""
         scores = self.score(candidates)
         expected = tuple(candidates.positions.shape)
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
             raise ValueError(f"{type(self).__name__}.score must return shape {expected} (B, G, L + T), got {got}")
-        if not self.cache.static_shapes and (candidates.num_new > 1 or scores.device.type == "cpu"):
-            # a prompt chunk, or a decode step on the CPU (no queue to stall): a device's decode steps read nothing
-            inputs = (candidates.keys, candidates.new_keys, candidates.new_values, candidates.attn_weights)
-            check_no_nan(scores, f"{type(self).__name__}.score", inputs)
-        return scores.to(torch.float32)
+        return scores
+
+    def _checks_nan(self, candidates: Candidates, scores: torch.Tensor) -> bool:
+        """A prompt chunk, or a decode step on the CPU (no queue to stall): a device's decode steps read nothing."""
+        return not self.cache.static_shapes and (candidates.num_new > 1 or scores.device.type == "cpu")
+
+    def _check_no_nan(self, candidates: Candidates, scores: torch.Tensor) -> None:
+        inputs = (candidates.keys, candidates.new_keys, candidates.new_values, candidates.attn_weights)
+        check_no_nan(scores, f"{type(self).__name__}.score", inputs)
 
     def lowest(self, scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
         """`(..., k)` indices of the `k` lowest-ranked candidates of `scores`, `positions` `(..., N)`:
@@ -137,9 +149,15 @@ class ScoreKVCache(KVCache):
     @classmethod
     def stacked_scores(cls, policies: Sequence[ScoreKVCache], calls: Sequence[Candidates]) -> torch.Tensor:
         """`(n_layers, B, G, L + 1)` float32 scores of the layers' waiting decode steps: each layer's
-        `checked_score`. A class may compute what its layers share once (`learned`: every layer's gate
-        logits in one product), as long as each layer gets the scores it would get alone."""
-        return torch.stack([c.checked_score(r) for c, r in zip(policies, calls, strict=True)])
+        `checked_score` (the NaN check reads all layers at once, then each to name the culprit). A class may
+        compute what its layers share once (`learned`: every layer's gate logits in one product), as long as
+        each layer gets the scores it would get alone."""
+        scores = [c._shaped_score(r) for c, r in zip(policies, calls, strict=True)]
+        stacked = torch.stack(scores).to(torch.float32)
+        if policies[0]._checks_nan(calls[0], scores[0]) and bool(torch.isnan(stacked).any()):  # one read, all layers
+            for c, r, layer_scores in zip(policies, calls, scores, strict=True):
+                c._check_no_nan(r, layer_scores)
+        return stacked
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """`(..., N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.

@@ -93,12 +93,12 @@ def _one_query_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: t
     """`window_attention` of a one-query call (a decode step; the window is the query unless it is a pad):
     queries `(B, H, 1, D)`, keys `(B, G, N, D)`, query_pos `(B, 1)`, key_pos `(B, G, N)` -> `(B, G, N)` float32."""
     b, h, _, d = queries.shape
-    g = keys.shape[1]
-    q = queries.detach().float().view(b, g, h // g, d)
-    logits = (q @ keys.detach().float().transpose(-1, -2)) * d**-0.5  # (B, G, P, N)
+    g, n = keys.shape[1], keys.shape[2]
+    q = queries.detach().float().reshape(b * g, h // g, d)
+    logits = torch.bmm(q, keys.detach().float().reshape(b * g, n, d).transpose(1, 2)).mul_(d**-0.5)
     allowed = (key_pos >= 0) & (key_pos <= query_pos[:, :, None])  # (B, G, N); a pad query (-1) sees nothing
-    weights = torch.softmax(torch.where(allowed[:, :, None], logits, float("-inf")), dim=-1)
-    return weights.nan_to_num(0.0).sum(dim=2)
+    logits = torch.where(allowed[:, :, None], logits.view(b, g, h // g, n), float("-inf"))  # (B, G, P, N)
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=2)
 
 
 def update_window(
