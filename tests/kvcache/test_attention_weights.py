@@ -158,3 +158,36 @@ def test_fast_path_pays_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     q, keys, values, q_pos, k_pos = _cache_call(2)
     y, w = attend(q, keys, values, build_mask(q_pos, k_pos), 0.25)
     assert w is None and y.shape == (B, q.shape[2], N_HEAD * HS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_query_weights_equal_the_blockwise_pass_and_the_oracle(dtype: torch.dtype) -> None:
+    """A decode step's weights on the CPU (`_one_query_pass`): bitwise the blockwise pass's output and sums (so
+    eager, compiled and batched steps stay as exact as before) and, in float32, the float64 oracle's; keys a view
+    of larger slots, a mask by positions (empty slots, a pad query), no mask, and `CAUSAL` (every key seen)."""
+    gen = torch.Generator().manual_seed(5)
+    s = 37
+    q = torch.randn(B, N_HEAD, 1, HS, generator=gen).to(dtype)
+    k = torch.randn(B, G, s + 4, HS, generator=gen).to(dtype)[:, :, :s]
+    v = torch.randn(B, G, s + 4, HS, generator=gen).to(dtype)[:, :, :s]
+    k_pos = torch.randint(-1, 60, (B, G, s), generator=gen)
+    q_pos = torch.tensor([[60], [60], [-1]])
+    valid = q_pos >= 0
+    every = torch.zeros(B, G, s, dtype=torch.long)
+    for mask, positions in ((build_mask(q_pos, k_pos), k_pos), (None, every), (attention.CAUSAL, every)):
+        y, sums = attend(q, k, v, mask, 0.25, need_weights=True, query_valid=valid)
+        qg = q.view(B, G, N_HEAD // G, 1, HS)
+        ref_y, ref_sums = attention._scores_pass(qg, k, v, mask, 0.25, None, True, valid)
+        assert torch.equal(y, ref_y.view(B, N_HEAD, 1, HS).transpose(1, 2).reshape(B, 1, N_HEAD * HS))
+        assert torch.equal(sums, ref_sums)
+        if dtype == torch.float32:
+            oracle_y, oracle_sums = reference(
+                q, k, v, q_pos if mask is not None else q_pos.clamp(min=0), positions, 0.25
+            )
+            oracle_sums = torch.where(valid[:, :, None], oracle_sums, 0.0)
+            assert max_diff(sums, oracle_sums) <= _weights_rtol(s, N_HEAD // G)
+            rows = valid[:, 0]  # the pad query's output is not defined by the oracle
+            scale = oracle_y[rows].abs().max()
+            assert max_diff(y[rows], oracle_y[rows].transpose(1, 2).reshape(-1, 1, N_HEAD * HS)) <= 10 * rounding_bound(
+                scale, s
+            )
