@@ -240,3 +240,42 @@ def test_slot_state_declared_as_names_is_refused() -> None:
 
         class _Names(H2OKVCache):
             slot_state = ("attn_sums", "query_counts")  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff", "snapkv"])
+@torch.inference_mode()
+def test_scores_computed_after_attention_are_the_end_of_step_scores(
+    model: GPT, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`score_early` (knorm, keydiff, snapkv): a staged step is scored right after its layer's attention, once per
+    layer and step; logits and states bitwise those of scoring every layer at the end of the step, and of each
+    layer evicted alone (a ragged batch, 20 decode steps into a full cache)."""
+    from litkv.kvcache.score import ScoreKVCache
+
+    cls = type(model.build_kv_caches(KVCacheConfig(name, cache_length=10), 1)[0].policy)
+    assert cls.score_early
+    early_calls = []
+    real = ScoreKVCache.after_attention
+
+    def counting(self: ScoreKVCache, candidates: Candidates) -> None:
+        early_calls.append(self.score_early)
+        real(self, candidates)
+
+    monkeypatch.setattr(ScoreKVCache, "after_attention", counting)
+    idx, pos = _inputs()
+    runs = []
+    for early, together in ((True, True), (False, True), (True, False)):
+        monkeypatch.setattr(cls, "score_early", early)
+        early_calls.clear()
+        model.set_kv_caches(model.build_kv_caches(KVCacheConfig(name, cache_length=10, chunk_size=10), 2))
+        try:
+            model.caches.evict_layers_together = together
+            logits = [model(idx[:, :10], pos[:, :10])]
+            logits += [model(idx[:, i : i + 1], pos[:, i : i + 1]) for i in range(10, 30)]
+            runs.append((logits, _states(model)))
+        finally:
+            model.set_kv_caches(None)
+        assert early_calls == [early] * (20 * N_LAYER)
+    for logits, states in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], logits, strict=True))
+        _assert_same(runs[0][1], states)
