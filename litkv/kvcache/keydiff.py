@@ -35,7 +35,6 @@ class KeyDiffKVCache(ScoreKVCache):
     """Evicts the candidates whose keys are most similar (cosine) to the mean normalised key."""
 
     Options: ClassVar[type[PolicyOptions]] = KeyDiffOptions
-    score_early: ClassVar[bool] = True
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` minus the cosine similarity of each key to the anchor.

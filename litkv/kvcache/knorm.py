@@ -32,7 +32,6 @@ class KNormKVCache(ScoreKVCache):
     """Evicts the candidates whose keys have the largest L2 norm."""
 
     Options: ClassVar[type[PolicyOptions]] = KNormOptions
-    score_early: ClassVar[bool] = True
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` minus the key norms (computed in float32)."""

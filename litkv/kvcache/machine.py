@@ -370,8 +370,6 @@ class SlotMachine:
             raise ValueError(f"{self.name} needs attention weights, got None")
         call.candidates.attn_weights = attn_weights
         call.waiting = True
-        if call.path == "staged":
-            self.policy.after_attention(call.candidates)
 
     @property
     def waiting_call(self) -> OpenCall | None:

@@ -174,12 +174,6 @@ class Policy(ABC):
         """
         return None
 
-    def after_attention(self, candidates: Candidates) -> None:
-        """A staged decode step's layer has attended (`SlotMachine.wait_for_eviction`; its eviction waits for the
-        end of the model call): compute here, and `remember` in the record, what is cheaper to compute while the
-        layer's keys are still in the CPU's caches (score policies that read the keys: `ScoreKVCache.score_early`).
-        Nothing by default."""
-
     @classmethod
     def prepare_layers(cls, policies: Sequence[Policy], records: Sequence[Candidates]) -> None:
         """Before the layers' waiting decode steps that fill empty slots are written (`KVCaches.evict_waiting`;

@@ -57,10 +57,6 @@ class ScoreKVCache(KVCache):
     """Evicts, per (row, KV head), the candidates with the lowest `score()`; keeps sinks and recent tokens."""
 
     Options: ClassVar[type[PolicyOptions]] = ScoreOptions
-    #: A staged decode step is scored right after its layer's attention (`after_attention`) instead of with every
-    #: layer's at the end of the step, where the weights' stream has pushed the layer's keys out of the CPU's
-    #: caches: for policies whose score reads the keys (knorm, keydiff, snapkv). Same scores, bitwise.
-    score_early: ClassVar[bool] = False
 
     def __init__(self, cache: SlotMachine) -> None:
         super().__init__(cache)
@@ -117,17 +113,9 @@ class ScoreKVCache(KVCache):
             self._check_no_nan(candidates, scores)
         return scores.to(torch.float32)
 
-    def after_attention(self, candidates: Candidates) -> None:
-        """With `score_early`: the step's scores now (kept in the record for the selection)."""
-        if self.score_early:
-            candidates.once(self._call_score)
-
-    def _call_score(self, candidates: Candidates) -> torch.Tensor:
-        return self.score(candidates)
-
     def _shaped_score(self, candidates: Candidates) -> torch.Tensor:
-        """`score(candidates)` (once per call); ValueError naming the shapes unless it is a `(B, G, L + T)` tensor."""
-        scores = candidates.once(self._call_score)
+        """`score(candidates)`; ValueError naming the shapes unless it is a `(B, G, L + T)` tensor."""
+        scores = self.score(candidates)
         expected = tuple(candidates.positions.shape)
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__

@@ -138,7 +138,6 @@ class SnapKVKVCache(ScoreKVCache):
     """
 
     Options: ClassVar[type[PolicyOptions]] = SnapKVOptions
-    score_early: ClassVar[bool] = True
     needs = frozenset({"queries"})
     slot_state: ClassVar[Mapping[str, SlotState]] = {"best": SlotState()}
     row_state: ClassVar[tuple[str, ...]] = ("window",)
