@@ -311,10 +311,7 @@ def _scores_pass(
     b, g, q_per_kv, t, hs = qg.shape
     s = k.shape[2]
     block = max(1, WEIGHTS_BLOCK_ELEMENTS // max(1, b * g * q_per_kv * s))
-    score_dtype = torch.promote_types(qg.dtype, torch.float32)
-    # Products in the model dtype (no float32 copy of the keys), except float16, whose range (65,504) a
-    # q.k product can exceed: inf scores would give NaN weights. bfloat16 has float32's range.
-    product_dtype = score_dtype if qg.dtype == torch.float16 else qg.dtype
+    score_dtype, product_dtype = _score_dtypes(qg.dtype)
     keys_t = k.transpose(2, 3).to(product_dtype)
     if isinstance(mask, torch.Tensor):
         mask = mask.expand(b, g, t, s)
@@ -359,8 +356,7 @@ def _one_query_pass(
     """
     b, g, q_per_kv, _, hs = qg.shape
     s, hv = k.shape[2], v.shape[-1]
-    score_dtype = torch.promote_types(qg.dtype, torch.float32)
-    product_dtype = score_dtype if qg.dtype == torch.float16 else qg.dtype
+    score_dtype, product_dtype = _score_dtypes(qg.dtype)
     q, keys = qg.reshape(b * g, q_per_kv, hs), k.reshape(b * g, s, hs)
     if q.dtype != product_dtype:
         q, keys = q.to(product_dtype), keys.to(product_dtype)
@@ -370,10 +366,16 @@ def _one_query_pass(
         scores = torch.where(mask.expand(b, g, 1, s).reshape(b * g, 1, s), scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # (B x G, q_per_kv, S)
     y = torch.bmm(probs if probs.dtype == v.dtype else probs.to(v.dtype), v.reshape(b * g, s, hv))
-    weights = probs.detach().sum(dim=1).view(b, g, s).float()
-    if query_valid is not None:
-        weights = torch.where(query_valid[:, None, :], weights, 0.0)
+    weights = _weight_sum(probs.detach().view(b, g, q_per_kv, 1, s), query_valid)
     return y.view(b, 1, g * q_per_kv * hv), weights
+
+
+def _score_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(scores and softmax, `q . k` products) dtypes of the weights pass for a model `dtype`: products in the
+    model dtype (no float32 copy of the keys), except float16, whose range (65,504) a `q . k` product can exceed
+    (inf scores would give NaN weights; bfloat16 has float32's range); scores float32 at least."""
+    score_dtype = torch.promote_types(dtype, torch.float32)
+    return score_dtype, score_dtype if dtype == torch.float16 else dtype
 
 
 def _weight_sum(probs: torch.Tensor, query_valid: torch.Tensor | None) -> torch.Tensor:
