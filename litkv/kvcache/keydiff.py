@@ -9,6 +9,7 @@ the layer keeps the fast attention path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,12 +43,50 @@ class KeyDiffKVCache(ScoreKVCache):
         Two products with the keys (no normalised copy of them): the anchor is the weighted sum of the
         keys with weights `1 / |k|` over the real candidates, the similarity `k . anchor / (|k| |anchor|)`.
         """
-        keys = candidates.keys.detach()
-        if keys.dtype not in (torch.float32, torch.float64):  # products of 16-bit keys in float32
-            keys = keys.float()
+        keys = _float_keys(candidates)
         norms = torch.linalg.vector_norm(keys, dim=-1).clamp(min=1e-12)  # (B, G, N)
-        real = candidates.positions >= 0
-        weights = torch.where(real, norms.reciprocal(), 0.0) / real.sum(dim=2, keepdim=True).clamp(min=1)
-        anchor = torch.matmul(weights[:, :, None], keys)  # (B, G, 1, D)
-        dots = torch.matmul(keys, anchor.transpose(2, 3))[..., 0]  # (B, G, N)
-        return -dots / (norms * torch.linalg.vector_norm(anchor, dim=-1).clamp(min=1e-12))
+        weights = _anchor_weights(norms, candidates.positions)
+        return _minus_cosine(*_anchor_dots(keys, weights), norms)
+
+    @classmethod
+    def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """The layers' decode-step scores `(n_layers, B, G, L + 1)`: per layer only what reads its keys (norms,
+        anchor, dots), the elementwise rest once over the stacked layers (so each layer's part is what `score`
+        gives it alone)."""
+        if any(type(c) is not KeyDiffKVCache for c in policies) or any(r.keys is None for r in records):
+            return super().stacked_scores(policies, records)
+        keys = [_float_keys(r) for r in records]
+        norms = torch.stack([torch.linalg.vector_norm(k, dim=-1) for k in keys]).clamp(min=1e-12)  # (n, B, G, N)
+        weights = _anchor_weights(norms, torch.stack([r.positions for r in records]))
+        dots, anchor_norms = zip(*(_anchor_dots(k, w) for k, w in zip(keys, weights, strict=True)), strict=True)
+        scores = _minus_cosine(torch.stack(dots), torch.stack(anchor_norms), norms)
+        cls.check_stacked(policies, records, scores)
+        return scores
+
+
+def _float_keys(candidates: Candidates) -> torch.Tensor:
+    """The candidates' keys, detached; 16-bit keys in float32 (their products in float32)."""
+    keys = candidates.keys.detach()  # type: ignore[union-attr]
+    return keys if keys.dtype in (torch.float32, torch.float64) else keys.float()
+
+
+def _anchor_weights(norms: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`(..., N)` weight of each key in the anchor: `1 / |k|` over the real candidates, divided by their count
+    (norms (clamped away from 0), positions `(..., N)`; leading dims `(B, G)`, or `(n, B, G)` for layers stacked)."""
+    real = positions >= 0
+    inverse = torch.where(real, norms.reciprocal(), 0.0)
+    return inverse / real.sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+def _anchor_dots(keys: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's `(B, G, N)` dot products of its keys `(B, G, N, D)` with the anchor (the keys summed with
+    `weights` `(B, G, N)`), and the anchor's norm `(B, G, 1)`."""
+    anchor = torch.matmul(weights[:, :, None], keys)  # (B, G, 1, D)
+    dots = torch.matmul(keys, anchor.transpose(2, 3))[..., 0]
+    return dots, torch.linalg.vector_norm(anchor, dim=-1)
+
+
+def _minus_cosine(dots: torch.Tensor, anchor_norms: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """`-dots / (|k| |anchor|)` elementwise (dots and norms `(..., N)`, the norms clamped away from 0;
+    anchor_norms `(..., 1)`)."""
+    return -dots / (norms * anchor_norms.clamp(min=1e-12))

@@ -152,12 +152,19 @@ class ScoreKVCache(KVCache):
         `checked_score` (the NaN check reads all layers at once, then each to name the culprit). A class may
         compute what its layers share once (`learned`: every layer's gate logits in one product), as long as
         each layer gets the scores it would get alone."""
-        scores = [c._shaped_score(r) for c, r in zip(policies, calls, strict=True)]
-        stacked = torch.stack(scores).to(torch.float32)
-        if policies[0]._checks_nan(calls[0], scores[0]) and bool(torch.isnan(stacked).any()):  # one read, all layers
-            for c, r, layer_scores in zip(policies, calls, scores, strict=True):
-                c._check_no_nan(r, layer_scores)
+        stacked = torch.stack([c._shaped_score(r) for c, r in zip(policies, calls, strict=True)]).to(torch.float32)
+        cls.check_stacked(policies, calls, stacked)
         return stacked
+
+    @classmethod
+    def check_stacked(
+        cls, policies: Sequence[ScoreKVCache], calls: Sequence[Candidates], stacked: torch.Tensor
+    ) -> None:
+        """The NaN check of `checked_score` over stacked scores `(n_layers, B, G, L + 1)`: one read for all layers,
+        then each layer's to name the culprit."""
+        if policies[0]._checks_nan(calls[0], stacked) and bool(torch.isnan(stacked).any()):
+            for c, r, layer_scores in zip(policies, calls, stacked, strict=True):
+                c._check_no_nan(r, layer_scores)
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """`(..., N)` bool: sinks and the `recent` newest candidates (by position) of each row and head.

@@ -20,7 +20,7 @@ with zero padding), and the `budget` best pooled tokens are kept.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -92,13 +92,25 @@ def _one_query_attention(queries: torch.Tensor, keys: torch.Tensor, query_pos: t
                          key_pos: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """`window_attention` of a one-query call (a decode step; the window is the query unless it is a pad):
     queries `(B, H, 1, D)`, keys `(B, G, N, D)`, query_pos `(B, 1)`, key_pos `(B, G, N)` -> `(B, G, N)` float32."""
+    return _one_query_weights(_one_query_logits(queries, keys), query_pos, key_pos)
+
+
+def _one_query_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scaled float32 logits `(B, G, P, N)` of one query per head, queries `(B, H, 1, D)`, over keys `(B, G, N, D)`."""
     b, h, _, d = queries.shape
     g, n = keys.shape[1], keys.shape[2]
     q = queries.detach().float().reshape(b * g, h // g, d)
     logits = torch.bmm(q, keys.detach().float().reshape(b * g, n, d).transpose(1, 2)).mul_(d**-0.5)
-    allowed = (key_pos >= 0) & (key_pos <= query_pos[:, :, None])  # (B, G, N); a pad query (-1) sees nothing
-    logits = torch.where(allowed[:, :, None], logits.view(b, g, h // g, n), float("-inf"))  # (B, G, P, N)
-    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=2)
+    return logits.view(b, g, h // g, n)
+
+
+def _one_query_weights(logits: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Causal softmax of `_one_query_logits` `(..., B, G, P, N)` (leading dims: layers stacked), summed over the
+    group's heads: query_pos `(B, 1)`, key_pos `(..., B, G, N)` -> `(..., B, G, N)` float32. Row by row, so a
+    stack of layers gets each layer's own result."""
+    allowed = (key_pos >= 0) & (key_pos <= query_pos[:, :, None])  # a pad query (-1) sees nothing
+    logits = torch.where(allowed[..., None, :], logits, float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(dim=-2)
 
 
 def update_window(
@@ -119,14 +131,24 @@ def update_window(
 
 
 def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Average pool of `scores` `(B, G, N)` over neighbours in token order (`positions` `(B, G, N)`;
-    empty slots sort first and must score 0, so they act as the zero padding of the pool)."""
+    """Average pool of `scores` `(..., N)` over neighbours in token order along the last dim (`positions` of
+    the same shape; empty slots sort first and must score 0, so they act as the zero padding of the pool).
+    Each row is pooled on its own (leading dims `(B, G)`, or `(n, B, G)` for layers stacked)."""
     if kernel == 1:
         return scores
-    order = torch.sort(positions, dim=2, stable=True).indices
-    ordered = scores.gather(2, order).flatten(0, 1)[:, None]
+    order = torch.sort(positions, dim=-1, stable=True).indices
+    ordered = scores.gather(-1, order).flatten(0, -2)[:, None]
     pooled = F.avg_pool1d(ordered, kernel, stride=1, padding=kernel // 2).view_as(scores)
-    return torch.empty_like(scores).scatter_(2, order, pooled)
+    return torch.empty_like(scores).scatter_(-1, order, pooled)
+
+
+def _kept_scores(
+    options: SnapKVOptions, weights: torch.Tensor, pos: torch.Tensor, best: torch.Tensor | None
+) -> torch.Tensor:
+    """Pooled `weights` `(..., L + T)` at `pos`, 0 at empty slots and pads, maxed with the slots' `best`
+    `(..., L)` (the running maximum; `None` without `keep_max`)."""
+    pooled = pool_by_position(weights, pos, options.kernel).masked_fill(pos < 0, 0.0)
+    return pooled if best is None else torch.maximum(F.pad(best, (0, pos.shape[-1] - best.shape[-1])), pooled)
 
 
 @register_kv_cache("snapkv")
@@ -161,8 +183,27 @@ class SnapKVKVCache(ScoreKVCache):
         """`(B, G, L + T)` this call's pooled window attention over `keys`, maxed with the past if asked."""
         o, pos = self.options, candidates.positions
         weights = window_attention(candidates.queries, keys, candidates.query_pos, pos, o.window)
-        pooled = pool_by_position(weights, pos, o.kernel).masked_fill(pos < 0, 0.0)
-        return torch.maximum(F.pad(self.best, (0, candidates.num_new)), pooled) if o.keep_max else pooled
+        return _kept_scores(o, weights, pos, self.best if o.keep_max else None)
+
+    @classmethod
+    def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """The layers' decode-step scores `(n_layers, B, G, L + 1)`: per layer only its logits (one product with
+        its keys), then the mask, softmax, pool and running maximum once over the stacked layers, row by row (so
+        each layer's part is what `score` gives it alone); each part is kept in its record for `update_state`."""
+        if any(type(c) is not SnapKVKVCache for c in policies) or any(
+            r.keys is None or r.num_new != 1 for r in records
+        ):
+            return super().stacked_scores(policies, records)
+        o = policies[0].options
+        pos = torch.stack([r.positions for r in records])
+        logits = torch.stack([_one_query_logits(r.queries, r.keys) for r in records])  # type: ignore[arg-type]
+        weights = _one_query_weights(logits, records[0].query_pos, pos)
+        best = torch.stack([c.best for c in policies]) if o.keep_max else None  # type: ignore[attr-defined]
+        scores = _kept_scores(o, weights, pos, best)  # type: ignore[arg-type]
+        for record, part in zip(records, scores, strict=True):
+            record.remember(SnapKVKVCache._scores, part)
+        cls.check_stacked(policies, records, scores)
+        return scores
 
     def oneshot_scores(self) -> torch.Tensor:
         """`(B, G, L)` pooled attention of the prompt's last `window` queries; the window's tokens `inf`."""
