@@ -33,7 +33,7 @@ from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
 
-__all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "update_window", "window_attention"]
+__all__ = ["SnapKVKVCache", "SnapKVOptions", "pool_by_position", "update_window", "window_attention", "window_mean"]
 
 
 @dataclass
@@ -137,9 +137,20 @@ def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, kernel: int)
     if kernel == 1:
         return scores
     order = torch.sort(positions, dim=-1, stable=True).indices
-    ordered = scores.gather(-1, order).flatten(0, -2)[:, None]
-    pooled = F.avg_pool1d(ordered, kernel, stride=1, padding=kernel // 2).view_as(scores)
-    return torch.empty_like(scores).scatter_(-1, order, pooled)
+    return torch.empty_like(scores).scatter_(-1, order, window_mean(scores.gather(-1, order), kernel))
+
+
+def window_mean(x: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Mean of each element's window of `kernel` (odd) neighbours along the last dim of `x` `(..., N)`, zeros
+    outside: `F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)` (zero padding counted) as `kernel`
+    whole-tensor additions, from the window's first element to its last, then one division (a pool over
+    many short rows costs several times more on the CPU)."""
+    n, half = x.shape[-1], kernel // 2
+    padded = F.pad(x, (half, half))
+    total = padded[..., :n].clone()
+    for i in range(1, kernel):
+        total.add_(padded[..., i : i + n])
+    return total.div_(kernel)
 
 
 def _kept_scores(

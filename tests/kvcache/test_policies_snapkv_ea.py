@@ -395,3 +395,21 @@ def test_left_padded_batch_row_equals_alone(model64: GPT, policy: str, storage: 
 def test_bad_options_are_clear_errors(policy: str, options: dict[str, object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         KVCacheConfig(policy, cache_length=16, options=options)
+
+
+@pytest.mark.parametrize("kernel", [1, 3, 7, 15])
+def test_window_mean_is_the_average_pool_of_the_float64_loop(kernel: int) -> None:
+    """snapkv's pool (`window_mean`: whole-tensor additions) against a float64 loop over each element's window
+    (zero padding counted, as kvpress's `F.avg_pool1d`), within float32 rounding of the window's sum, and against
+    `F.avg_pool1d` itself; rows of 1 to 40 elements, layers stacked in front."""
+    from litkv.kvcache.snapkv import window_mean
+
+    for n in (1, 2, 5, 40):
+        x = torch.rand(3, 2, 4, n)
+        got = window_mean(x, kernel)
+        half, x64 = kernel // 2, x.double()
+        oracle = torch.stack([x64[..., max(i - half, 0) : i + half + 1].sum(dim=-1) / kernel for i in range(n)], dim=-1)
+        assert got.dtype == x.dtype and got.shape == x.shape
+        torch.testing.assert_close(got.double(), oracle, rtol=0, atol=kernel * 2**-23)
+        pooled = torch.nn.functional.avg_pool1d(x.flatten(0, -2)[:, None], kernel, stride=1, padding=half)
+        torch.testing.assert_close(got, pooled.view_as(x), rtol=0, atol=kernel * 2**-23)
