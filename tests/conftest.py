@@ -16,6 +16,7 @@ import _triton_interpret  # noqa: F401  (first: sets TRITON_INTERPRET before any
 import early
 import helpers
 import pytest
+import suite_order
 import torch
 from litgpt import Config
 from tiny_checkpoint import make_tiny_checkpoint
@@ -81,44 +82,9 @@ def ckpt(tiny_ckpt: Path) -> Path:
     return tiny_ckpt
 
 
-# The suite's longest files (by their tests' summed `--durations=0` times on a 2-core CPU), longest first: under
-# `--dist loadfile` a worker takes the next file in collection order when it is done, so a long file left for the
-# end runs alone while the other workers wait (pyproject.toml's `--no-loadscope-reorder` keeps this order instead of
-# xdist's default, the files with the most tests first). The other files follow in their usual order.
-LONGEST_FIRST = (
-    "modeling/test_compile.py",
-    "kvcache/test_policy_conformance.py",
-    "serve/test_serve.py",
-    "kvcache/test_batch_invariance.py",
-    "cli/test_gpu_check.py",
-    "hf/test_hf_real_model.py",
-    "checkpoints/test_real_model.py",
-    "cli/test_evaluate_parallel.py",
-    "cli/test_bench_serve.py",
-    "cli/test_chat_cmd.py",
-    "states/test_faults.py",
-    "checkpoints/test_convert_gates.py",
-    "cli/test_cli.py",
-    "finetune/test_gate_checkpoints.py",
-    "serve/test_serve_limits.py",
-    "states/test_properties.py",
-    "serve/test_batching.py",
-    "cli/test_chat_template.py",
-    "inference/test_template_limits.py",
-    "inference/test_blocks_real_model.py",
-)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files of `LONGEST_FIRST` first, in its order; each file's tests stay together and in their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    tests = Path(__file__).parent
-    items.sort(key=lambda item: rank.get(_under(item.path, tests), len(rank)))
-
-
-def _under(path: Path, folder: Path) -> str:
-    """`path` relative to `folder` in POSIX form, or "" when it is not under it."""
-    return path.relative_to(folder).as_posix() if path.is_relative_to(folder) else ""
+    """The suite's longest files first (`tests/suite_order.py`)."""
+    suite_order.longest_first(items, Path(__file__).parent)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

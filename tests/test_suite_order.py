@@ -1,4 +1,4 @@
-"""tests/conftest.py's `LONGEST_FIRST`: the files it runs first exist, and a collection starts with them."""
+"""`suite_order.LONGEST_FIRST` (tests/conftest.py applies it): its files exist, and a collection runs them first."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import LONGEST_FIRST
+from suite_order import LONGEST_FIRST
 
 TESTS = Path(__file__).parent
 
