@@ -12,13 +12,15 @@ state; on a shared machine, say how loaded it was):
 - `kv`: the KV cache alone at long contexts: decode steps of the real model (float32 weights) with
   every layer's cache filled with `--cached` random tokens (no prefill: the state is written directly),
   dense and h2o, float / int8 / int4 storage, and the same at `--slots` slots; the ratio of each
-  quantised row to the float row of its policy and length.
+  quantised row to the float row of its policy and length. Every row is timed once per round and the
+  rounds alternate (`--repeats`, the median round); `--cpu_kernel both` adds each quantised storage
+  through the PyTorch path (`int8-torch`: `litkv.kvcache.kernels.cpu_decode` off), the kernel's reference.
 - `kl`: quality of the quantised weights: KL to the float32 model per token and top-1 agreement,
   teacher-forced on windows of the shipped held-out text.
 
     python scripts/bench_cpu.py peers --checkpoint_dir smollm2-135m-instruct \\
         --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --llamacpp_python ../venv-llamacpp/bin/python
-    python scripts/bench_cpu.py kv --checkpoint_dir smollm2-135m-instruct --cached 16384
+    python scripts/bench_cpu.py kv --checkpoint_dir smollm2-135m-instruct --cached 16384 --repeats 3 --cpu_kernel both
     python scripts/bench_cpu.py kl --checkpoint_dir smollm2-135m-instruct --weights int8,int4,int4-g64
 """
 
@@ -40,6 +42,7 @@ from litkv.eval.bandwidth import measure_bandwidth
 from litkv.inference.generate import generate
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import KVCacheConfig
+from litkv.kvcache.kernels import cpu_decode
 from litkv.modeling.model import GPT
 
 STORAGE_BYTES = {"float": 4.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}  # per number, 16-bit scale+offset
@@ -133,26 +136,51 @@ def time_steps(model: GPT, cached: int, steps: int) -> float:
     return statistics.median(times[1:])
 
 
+def kv_rows(args: argparse.Namespace) -> list[tuple[int, str, str]]:
+    """The `kv` table's rows: (cached tokens, policy, storage); a quantised storage also as `STORAGE-torch`
+    (the PyTorch path, `cpu_decode.CPU_KERNEL` off) with `--cpu_kernel both`."""
+    storages = []
+    for storage in args.storages:
+        if storage == "float" or args.cpu_kernel != "off":
+            storages.append(storage)
+        if storage != "float" and args.cpu_kernel != "on":
+            storages.append(f"{storage}-torch")
+    return [
+        (cached, policy, storage)
+        for cached in (args.cached, args.slots)
+        for policy in args.policies
+        for storage in storages
+    ]
+
+
 def kv(args: argparse.Namespace, bandwidth: float) -> None:
-    """The `kv` table: float / int8 / int4 storage at `--cached` tokens and at `--slots` slots."""
+    """The `kv` table: float / int8 / int4 storage at `--cached` tokens and at `--slots` slots, every row
+    timed once per round, rounds alternated (`--repeats`), the median round per row."""
     model, _ = load_for_inference(args.checkpoint_dir, "32-true", "cpu", args.threads, args.weights[0])
-    print(f"\nKV cache alone: {args.weights[0]} weights, {args.threads} thread(s), median of {args.steps} steps")
+    rows = kv_rows(args)
+    times: dict[tuple[int, str, str], list[float]] = {row: [] for row in rows}
+    for _ in range(args.repeats):
+        for row in rows:
+            cached, policy, storage = row
+            cpu_decode.CPU_KERNEL = not storage.endswith("-torch")
+            length = cached + args.steps + 1 if policy == "dense" else cached
+            config = KVCacheConfig(policy=policy, cache_length=length, storage=storage.removesuffix("-torch"))
+            fill(model, config, cached, 0)
+            times[row].append(time_steps(model, cached, args.steps))
+            model.set_kv_caches(None)
+    cpu_decode.CPU_KERNEL = True
+    print(f"\nKV cache alone: {args.weights[0]} weights, {args.threads} thread(s), median of {args.steps} steps, "
+          f"median of {args.repeats} alternated round(s)")  # fmt: skip
     print("| cached tokens | policy | storage | decode tok/s | vs float | MB/step | bound tok/s | of bound |")
     print("|---|---|---|---|---|---|---|---|")
-    for cached in (args.cached, args.slots):
-        for policy in args.policies:
-            ref = None
-            for storage in args.storages:
-                length = cached + args.steps + 1 if policy == "dense" else cached
-                fill(model, KVCacheConfig(policy=policy, cache_length=length, storage=storage), cached, 0)
-                tok_s = 1 / time_steps(model, cached, args.steps)
-                ref = tok_s if storage == "float" else ref
-                nbytes = step_bytes(model, storage, cached)
-                ratio = f"{tok_s / ref:.2f}" if ref else "-"
-                bound = bandwidth / nbytes
-                print(f"| {cached} | {policy} | {storage} | {tok_s:.1f} | {ratio} | {nbytes / 1e6:.0f} | {bound:.1f} "
-                      f"| {tok_s / bound:.0%} |", flush=True)  # fmt: skip
-                model.set_kv_caches(None)
+    for cached, policy, storage in rows:
+        tok_s = 1 / statistics.median(times[cached, policy, storage])
+        ref = 1 / statistics.median(times[cached, policy, "float"]) if (cached, policy, "float") in times else None
+        nbytes = step_bytes(model, storage.removesuffix("-torch"), cached)
+        ratio = f"{tok_s / ref:.2f}" if ref else "-"
+        bound = bandwidth / nbytes
+        print(f"| {cached} | {policy} | {storage} | {tok_s:.1f} | {ratio} | {nbytes / 1e6:.0f} | {bound:.1f} "
+              f"| {tok_s / bound:.0%} |", flush=True)  # fmt: skip
 
 
 def kl(args: argparse.Namespace, _bandwidth: float) -> None:
@@ -196,6 +224,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storages", default="float,int8,int4")
     p.add_argument("--policies", default="dense,h2o")
     p.add_argument("--kv_types", default="f16,q8_0,q4_0", help="llama.cpp KV cache types")
+    p.add_argument(
+        "--cpu_kernel",
+        choices=("on", "off", "both"),
+        default="on",
+        help="quantised rows through the CPU decode kernel, the PyTorch path (STORAGE-torch rows), or both (kv)",
+    )
     args = p.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",")]
     for name in ("weights", "storages", "policies", "kv_types"):

@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.quant_int import int_scores, int_weighted_values, integer_parts, integer_path
 
 __all__ = ["CodeSlots", "quant_attend"]
@@ -123,8 +124,9 @@ def _quant_attend_eager(
     softcap: float | None,
     need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op: a decode step on CUDA takes the Triton kernel (`kernels.quant_decode`, while `TRITON_DECODE`),
-    every other call the PyTorch path (`_quant_attend_torch`); shapes as there."""
+    """The op: a decode step on CUDA takes the Triton kernel (`kernels.quant_decode`, while `TRITON_DECODE`), one
+    on the CPU the C kernel (`kernels.cpu_decode`, where it builds), every other call the PyTorch path
+    (`_quant_attend_torch`); shapes as there."""
     if TRITON_DECODE and q.is_cuda and mask.shape[2] == 1:
         from litkv.kvcache.kernels import quant_decode  # imports triton: only on CUDA
 
@@ -132,6 +134,12 @@ def _quant_attend_eager(
             return quant_decode.decode_attend(
                 q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
             )
+    if cpu_decode.supported(q, mask.shape[2]):
+        done = cpu_decode.decode_attend(
+            q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
+        )
+        if done is not None:
+            return done
     return _quant_attend_torch(
         q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
     )

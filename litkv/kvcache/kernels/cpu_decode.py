@@ -1,0 +1,211 @@
+"""A quantised cache's decode step on the CPU: both products of attention read straight from the codes.
+
+The PyTorch path (`litkv.kvcache.quant_attention._quant_attend_torch`) turns every layer's codes into a
+full-size float32 temporary (or, from 2,048 slots, integer products with a dozen passes over the results)
+before two matrix products: it reads and writes more bytes than the float cache it replaces. Here two
+small C functions (`quant_decode_cpu.c`, beside this file) read each slot's codes once per product and
+dequantise them in registers: `litkv_quant_scores` (`q . k` for the queries of a KV head) and
+`litkv_quant_values` (the softmax weights times the values). The mask, the soft-capping, the softmax and
+the weight sums stay PyTorch operators, as on the PyTorch path.
+
+The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV
+head), by the C compiler of
+the machine (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -march=native`, into
+`$LITKV_HOME/kernels/` (default `~/.cache/litkv`): a file named by the hash of the source, the flags, the
+compiler and this CPU, written under a temporary name and renamed into place. Where no compiler is found
+or the build fails, a warning says why once and decode steps take the PyTorch path.
+
+Rounding: the kernel multiplies each group's scale into the sum of its products, as the PyTorch path does,
+but adds in another order (a vector in 8 partial sums, values in blocks of 256 slots), so results agree with
+the PyTorch path and a float64 oracle within `atol=1e-5, rtol=1e-4` (float32;
+`tests/kvcache/test_quant_decode_cpu.py`). Every row is computed alone, in a fixed order: a row's result
+does not depend on the batch it is in. The functions run on the calling thread (one core).
+
+Used where `supported` says so (the CPU, one query per row, float32 queries, no autograd, `CPU_KERNEL`);
+every other call takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from litkv.core.atomic import TMP_PREFIX
+from litkv.core.secret import litkv_home
+
+__all__ = ["CPU_KERNEL", "decode_attend", "library", "supported"]
+
+#: Whether a decode step on the CPU takes this kernel where it applies; False: the PyTorch path everywhere
+#: (`scripts/bench_cpu.py kv --cpu_kernel both` measures the two side by side).
+CPU_KERNEL = True
+
+SOURCE = Path(__file__).with_name("quant_decode_cpu.c")
+FLAGS = ("-O3", "-ffp-contract=fast", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
+NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carries the CPU's identity
+BUILD_SECONDS = 120
+
+_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+_lock = threading.Lock()
+_built: dict[tuple[int, int, int, int], ctypes.CDLL | None] = {}
+
+
+def supported(q: torch.Tensor, t: int) -> bool:
+    """Whether a call of `t` queries per row with queries `q` may take this kernel (before it is built)."""
+    return (
+        CPU_KERNEL
+        and q.device.type == "cpu"
+        and t == 1
+        and q.dtype == torch.float32
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )
+
+
+def decode_attend(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    mask: torch.Tensor,
+    query_valid: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode attention over quantised slots (`quant_attention._quant_attend_eager`'s contract at `T = 1`),
+    or None when the kernel cannot be built here (the caller then takes the PyTorch path).
+
+    Args:
+        q: `(B, G, M, D)` float32 queries, `M` the query heads of a KV head (one query each).
+        codes: `(B, G, S, 2, D * bits / 8)` uint8 (index 0 of the fourth axis: key, 1: value), any strides
+            over the first three axes (a slice of a larger buffer), the last two contiguous (else copied).
+        scales, offsets: `(B, G, S, 2, D / group_size)` float16 or bfloat16.
+        mask: `(B, G or 1, 1, S)` bool, True where attention is allowed.
+        query_valid: `(B, 1)` bool, whether the row's query counts in the weights (default: all).
+        bits: 8 or 4; group_size: numbers per scale; scale: factor of `q . k`; softcap: or `None`.
+        need_weights: also compute the weights summed over the query heads.
+
+    Returns:
+        `y` `(B, G, M, D)` float32 and the weights `(B, G, S)` float32 (a 0-element tensor unless
+        `need_weights`), or None.
+    """
+    b, g, m, d = q.shape
+    s, width = codes.shape[2], codes.shape[-1]
+    lib = library(d, d // group_size, bits, m)
+    if lib is None:
+        return None
+    if codes.stride(-1) != 1 or codes.stride(-2) != width:
+        codes = codes.contiguous()
+    mask = mask.expand(b, mask.shape[1], 1, s)
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    queries = (q * scale).contiguous()
+    factors, shifts = (x.to(torch.float32).contiguous() for x in (scales, offsets))
+    y = torch.empty(b, g, m, d, dtype=torch.float32)
+    scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None
+    stats = torch.empty(b, g, m, 2, dtype=torch.float32) if need_weights else None
+    pointers = (
+        x.data_ptr() if x is not None else None for x in (queries, codes, factors, shifts, mask, y, scores, stats)
+    )
+    mask_g = mask.stride(1) if mask.shape[1] == g else 0
+    sizes = (b, g, s, *codes.stride()[:3], mask.stride(0), mask_g)
+    lib.litkv_quant_attend(*pointers, *sizes, float(softcap or 0.0))
+    if not need_weights:
+        return y, q.new_empty(0)
+    probs = torch.exp(scores - stats[..., :1]) / stats[..., 1:]  # the softmax weights
+    if query_valid is not None:
+        probs = probs * query_valid[:, None, None, :]
+    return y, probs.sum(dim=2)
+
+
+def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | None:
+    """The kernel compiled for vectors of `head` numbers in `groups` groups of `bits`-bit codes and `queries`
+    queries per KV head (built on first use, then loaded from `$LITKV_HOME/kernels/`), or None (with one
+    warning) where it cannot be built."""
+    key = (head, groups, bits, queries)
+    with _lock:
+        if key not in _built:
+            try:
+                lib = ctypes.CDLL(str(_build(*key)))
+                lib.litkv_quant_attend.argtypes = _ARGS
+                lib.litkv_quant_attend.restype = None
+                _built[key] = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                warnings.warn(
+                    f"litkv: the CPU kernel for quantised KV decode ({head} numbers, {groups} groups, {bits} bits, "
+                    f"{queries} queries per KV head) "
+                    f"could not be built: {error}; decode steps take the PyTorch path",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _built[key] = None
+        return _built[key]
+
+
+def _compiler() -> str:
+    """The C compiler: `$CC`, else the first of `cc`, `gcc`, `clang` on the PATH."""
+    found = os.environ.get("CC") or next(
+        (shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None
+    )
+    if not found:
+        raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
+    return found
+
+
+def _cpu_identity() -> str:
+    """What the compiled code depends on: the machine, and on Linux the CPU's model and instruction flags."""
+    parts = [platform.system(), platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+            seen: dict[str, str] = {}
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in wanted and name.strip() not in seen:
+                    seen[name.strip()] = value.strip()
+            parts += [f"{k}={v}" for k, v in sorted(seen.items())]
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def _build(head: int, groups: int, bits: int, queries: int) -> Path:
+    """Compile the source for one (head, groups, bits, queries) into the kernel cache unless it is there."""
+    if head % groups or head % 2 and bits == 4 or bits not in (8, 4) or queries < 1:
+        raise RuntimeError(f"no kernel for {head} numbers in {groups} groups of {bits} bits, {queries} queries")
+    compiler = _compiler()
+    defines = (f"-DHEAD={head}", f"-DGROUPS={groups}", f"-DBITS={bits}", f"-DM={queries}")
+    source = SOURCE.read_bytes()
+    identity = [compiler, _cpu_identity(), *FLAGS, NATIVE, *defines]
+    digest = hashlib.sha256(b"\0".join([source, *(x.encode() for x in identity)]))
+    directory = litkv_home() / "kernels"
+    target = directory / f"quant_decode_cpu_{head}_{groups}_{bits}_{queries}_{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=directory)
+    os.close(handle)
+    try:
+        for native in ((NATIVE,), ()):  # a compiler without -march=native builds for the generic target
+            command = [compiler, *FLAGS, *native, *defines, "-o", temporary, str(SOURCE)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS, check=False)
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target

@@ -1,0 +1,219 @@
+/* A quantised cache's decode step on the CPU: attention read straight from the codes, in one pass.
+
+Built at run time by litkv/kvcache/kernels/cpu_decode.py, once per (HEAD, GROUPS, BITS, M), with
+    HEAD    numbers per key or value vector (the head size D),
+    GROUPS  scales (and offsets) per vector, so that a group holds SIZE = HEAD / GROUPS numbers,
+    BITS    8 or 4,
+    M       queries per KV head (a decode step: the query heads that share a KV head),
+so that every loop inside a slot has constant bounds and the compiler unrolls and vectorises it.
+
+Layout (litkv.kvcache.quantized): slot s of row b and KV head g holds 2 * WIDTH bytes at
+codes + b * stride_b + g * stride_g + s * stride_s, the key's codes first, then the value's. int8 codes
+are stored biased by -128 (the byte XOR 0x80 is the code); int4 element i sits in the low nibble of byte
+i and element i + HEAD / 2 in its high nibble. scales and offsets are float32, contiguous
+(B, G, S, 2, GROUPS); a number is offset + scale * code, so that
+    q . key = sum over the groups j of scale_j * (q_j . code_j) + offset_j * sum(q_j)
+and the weighted values are sums of (p * scale_j) * code_j plus sums of p * offset_j.
+
+litkv_quant_attend walks the slots of each (row, KV head) pair in blocks of BLOCK: it scores the block's
+keys, folds the block into a running softmax (maximum and sum per query, as flash-decoding does), and
+adds the block's values weighted by their softmax numerators, so each slot's codes are read once (the
+value's right after the key's). Sums run in float32 in a fixed order (a key in LANES partial sums, the
+values block by block), so a row's result does not depend on the other rows of the batch. Everything
+runs on the calling thread.
+*/
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(HEAD) || !defined(GROUPS) || !defined(BITS) || !defined(M)
+#error "HEAD, GROUPS, BITS and M must be defined"
+#endif
+#if HEAD % GROUPS != 0 || (BITS != 8 && BITS != 4) || (BITS == 4 && HEAD % 2 != 0)
+#error "HEAD must split into GROUPS groups (and be even for 4 bits); BITS must be 8 or 4"
+#endif
+
+#define WIDTH (HEAD * BITS / 8) /* bytes of one key or value */
+#define SIZE (HEAD / GROUPS)    /* numbers per scale */
+#define LANES 8                 /* partial sums of a dot product (one 256-bit vector) */
+#define TILE 16                 /* slots whose partial sums are added up together */
+#define BLOCK 64                /* slots per step of the running softmax (a multiple of TILE) */
+
+/* The codes of one key or value as numbers 0 .. 2^BITS - 1, in element order. */
+static inline void unpack(const uint8_t *c, float *out) {
+#if BITS == 8
+    for (int i = 0; i < WIDTH; i++) out[i] = (float)(uint8_t)(c[i] ^ 0x80);
+#else
+    for (int i = 0; i < WIDTH; i++) {
+        out[i] = (float)(c[i] & 0x0F);
+        out[i + WIDTH] = (float)(c[i] >> 4);
+    }
+#endif
+}
+
+/* e^x for x <= 0 (and -inf, which gives 0): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
+   polynomial of degree 7 (relative error below 2e-7), times 2^n built in the exponent bits; below
+   -87 (under float32's normal range) 0. Plain arithmetic, so that a loop of it vectorises. */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union {
+        int32_t bits;
+        float value;
+    } two = {.bits = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * two.value;
+}
+
+/* LANES partial sums of the dot product of one group's SIZE numbers. */
+static inline void partial_dot(const float *a, const float *k, float *part) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= SIZE; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * k[i + l];
+    for (int l = 0; l < SIZE % LANES; l++) acc[l] += a[i + l] * k[i + l];
+    memcpy(part, acc, sizeof(acc));
+}
+
+/* Scores of slots [s0, s0 + n) (n <= BLOCK) into out[m][t]: q . key, soft-capped when softcap > 0,
+   -inf where the mask hides the slot. sums[m * GROUPS + j]: the sum of query m's group j. */
+static void block_scores(const float *q, const uint8_t *c, const float *sc, const float *of, const uint8_t *mask,
+                         int64_t s0, int n, int64_t stride_s, const float *sums, float softcap,
+                         float out[M][BLOCK]) {
+    float numbers[HEAD], part[M * GROUPS][TILE][LANES], dots[M * GROUPS][TILE];
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int tile = n - t0 < TILE ? n - t0 : TILE;
+        for (int t = 0; t < tile; t++) {
+            if (mask[s0 + t0 + t]) {
+                unpack(c + (s0 + t0 + t) * stride_s, numbers);
+                for (int mj = 0; mj < M * GROUPS; mj++)
+                    partial_dot(q + mj * SIZE, numbers + (mj % GROUPS) * SIZE, part[mj][t]);
+            } else {
+                for (int mj = 0; mj < M * GROUPS; mj++) memset(part[mj][t], 0, sizeof(part[mj][t]));
+            }
+        }
+        for (int mj = 0; mj < M * GROUPS; mj++) {
+            for (int t = 0; t < TILE; t++) dots[mj][t] = 0.0f;
+            for (int l = 0; l < LANES; l++)
+                for (int t = 0; t < tile; t++) dots[mj][t] += part[mj][t][l];
+        }
+        for (int t = 0; t < tile; t++) {
+            const int64_t s = s0 + t0 + t;
+            for (int m = 0; m < M; m++) {
+                float total = 0.0f;
+                for (int j = 0; j < GROUPS; j++)
+                    total += sc[s * 2 * GROUPS + j] * dots[m * GROUPS + j][t] + of[s * 2 * GROUPS + j] * sums[m * GROUPS + j];
+                if (softcap > 0.0f) total = tanhf(total / softcap) * softcap;
+                out[m][t0 + t] = mask[s] ? total : -INFINITY;
+            }
+        }
+    }
+}
+
+/* Adds slots [s0, s0 + n) weighted by p[m][t] to acc (M, HEAD) and their offsets to shift (M, GROUPS). */
+static void block_values(const uint8_t *c, const float *sc, const float *of, int64_t s0, int n, int64_t stride_s,
+                         float p[M][BLOCK], float *acc, float *shift) {
+    float numbers[HEAD];
+    for (int t = 0; t < n; t++) {
+        int any = 0;
+        for (int m = 0; m < M; m++) any |= p[m][t] != 0.0f;
+        if (!any) continue; /* hidden from every query: its codes are not read */
+        const int64_t s = s0 + t;
+        unpack(c + s * stride_s, numbers);
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < GROUPS; j++) {
+                const float weight = p[m][t] * sc[s * 2 * GROUPS + j];
+                float *a = acc + m * HEAD + j * SIZE;
+                const float *v = numbers + j * SIZE;
+                for (int i = 0; i < SIZE; i++) a[i] += weight * v[i];
+                shift[m * GROUPS + j] += p[m][t] * of[s * 2 * GROUPS + j];
+            }
+    }
+}
+
+/* Folds one block's scores into the running maximum and sum of each query: p[m][t] becomes e^(score -
+   maximum), and alpha[m] the factor that rescales what was summed before the block. */
+static void block_softmax(float scores[M][BLOCK], int n, float *maximum, float *sum, float p[M][BLOCK],
+                          float *alpha) {
+    for (int m = 0; m < M; m++) {
+        float lanes[LANES], top = maximum[m]; /* the maximum and the sum in LANES interleaved parts */
+        for (int l = 0; l < LANES; l++) lanes[l] = top;
+        int t = 0;
+        for (; t + LANES <= n; t += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] = scores[m][t + l] > lanes[l] ? scores[m][t + l] : lanes[l];
+        for (; t < n; t++) top = scores[m][t] > top ? scores[m][t] : top;
+        for (int l = 0; l < LANES; l++) top = lanes[l] > top ? lanes[l] : top;
+        if (top == -INFINITY) { /* nothing seen yet: the block adds nothing */
+            for (t = 0; t < n; t++) p[m][t] = 0.0f;
+            alpha[m] = 1.0f;
+            continue;
+        }
+        alpha[m] = exp_nonpositive(maximum[m] - top);
+        maximum[m] = top;
+        for (t = 0; t < n; t++) p[m][t] = exp_nonpositive(scores[m][t] - top);
+        float total = 0.0f;
+        for (int l = 0; l < LANES; l++) lanes[l] = 0.0f;
+        for (t = 0; t + LANES <= n; t += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += p[m][t + l];
+        for (; t < n; t++) total += p[m][t];
+        for (int l = 0; l < LANES; l++) total += lanes[l];
+        sum[m] = sum[m] * alpha[m] + total;
+    }
+}
+
+/* Decode attention over quantised slots.
+
+   q (B, G, M, HEAD) float32, contiguous, already multiplied by the attention scale; mask: byte s of row b
+   and KV head g at mask + b * mask_b + g * mask_g + s, nonzero where the slot may be attended; softcap: the
+   soft-capping threshold, 0 for none. Writes y (B, G, M, HEAD) float32; where scores is not NULL, the
+   scores (B, G, M, S) (soft-capped, -inf where hidden) and stats (B, G, M, 2): each query's maximum score
+   and the sum of e^(score - maximum), from which the softmax weights follow. */
+void litkv_quant_attend(const float *q, const uint8_t *codes, const float *scales, const float *offsets,
+                        const uint8_t *mask, float *y, float *scores, float *stats, int64_t B, int64_t G, int64_t S,
+                        int64_t stride_b, int64_t stride_g, int64_t stride_s, int64_t mask_b, int64_t mask_g,
+                        float softcap) {
+    float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M];
+    float acc[M * HEAD], shift[M * GROUPS], part[M * HEAD], part_shift[M * GROUPS];
+    for (int64_t bg = 0; bg < B * G; bg++) {
+        const int64_t b = bg / G, g = bg % G;
+        const float *qq = q + bg * M * HEAD;
+        const uint8_t *c = codes + b * stride_b + g * stride_g, *seen = mask + b * mask_b + g * mask_g;
+        const float *sc = scales + bg * S * 2 * GROUPS, *of = offsets + bg * S * 2 * GROUPS;
+        for (int mj = 0; mj < M * GROUPS; mj++) {
+            float total = 0.0f;
+            for (int i = 0; i < SIZE; i++) total += qq[mj * SIZE + i];
+            sums[mj] = total;
+        }
+        for (int m = 0; m < M; m++) maximum[m] = -INFINITY, sum[m] = 0.0f;
+        memset(acc, 0, sizeof(acc));
+        memset(shift, 0, sizeof(shift));
+        for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
+            const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
+            block_scores(qq, c, sc, of, seen, s0, n, stride_s, sums, softcap, block);
+            if (scores != NULL)
+                for (int m = 0; m < M; m++) memcpy(scores + (bg * M + m) * S + s0, block[m], n * sizeof(float));
+            block_softmax(block, n, maximum, sum, p, alpha);
+            memset(part, 0, sizeof(part));
+            memset(part_shift, 0, sizeof(part_shift));
+            block_values(c + WIDTH, sc + GROUPS, of + GROUPS, s0, n, stride_s, p, part, part_shift);
+            for (int m = 0; m < M; m++) {
+                for (int i = 0; i < HEAD; i++) acc[m * HEAD + i] = acc[m * HEAD + i] * alpha[m] + part[m * HEAD + i];
+                for (int j = 0; j < GROUPS; j++)
+                    shift[m * GROUPS + j] = shift[m * GROUPS + j] * alpha[m] + part_shift[m * GROUPS + j];
+            }
+        }
+        float *out = y + bg * M * HEAD;
+        for (int m = 0; m < M; m++) {
+            for (int d = 0; d < HEAD; d++) out[m * HEAD + d] = (acc[m * HEAD + d] + shift[m * GROUPS + d / SIZE]) / sum[m];
+            if (stats != NULL) stats[(bg * M + m) * 2] = maximum[m], stats[(bg * M + m) * 2 + 1] = sum[m];
+        }
+    }
+}

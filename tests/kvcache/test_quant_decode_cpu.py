@@ -1,0 +1,209 @@
+"""The C kernel of a quantised cache's decode step on the CPU (`litkv.kvcache.kernels.cpu_decode`), against the
+PyTorch path (`quant_attention._quant_attend_torch`) and a float64 oracle (the codes dequantised in float64,
+then `attention.attend`).
+
+Bounds: the kernel adds in another order than the PyTorch path (a key in 8 partial sums, a running softmax
+over blocks of 64 slots) and takes its exponentials from a polynomial, so outputs and weight sums agree within
+`atol=1e-5, rtol=1e-4` (float32) with both. A row's result does not depend on its batch: asserted bitwise.
+Skipped where this machine has no C compiler (the kernel then is not used: `test_without_a_compiler...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import litkv.kvcache.quant_attention as qa
+from litkv.kvcache.kernels import cpu_decode
+from litkv.kvcache.quantized import QuantizedSlots, quantize
+from litkv.modeling.attention import attend, build_mask
+
+FLOAT32 = {"atol": 1e-5, "rtol": 1e-4}
+
+needs_compiler = pytest.mark.skipif(
+    not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))), reason="no C compiler"
+)
+
+
+def _case(
+    bits: int, n_head: int, g: int, s: int, d: int, group: int, b: int = 2, seed: int = 0
+) -> tuple[torch.Tensor, QuantizedSlots, torch.Tensor, torch.Tensor]:
+    """A decode step of `b` rows over `s` slots of a larger buffer (as the storage hands them over): empty
+    slots, a KV head with a run of hidden slots longer than a block, a constant vector; queries, the mask
+    from positions, and which rows' queries count."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, g, s + 5, 2, d, generator=gen) * 1.5 + torch.randn(b, g, 1, 2, 1, generator=gen)
+    x[0, 0, 1] = 0.25  # a constant vector: scale 0
+    codes, scales, offsets = (t[:, :, :s] for t in quantize(x, bits, min(group, d), torch.float16))
+    slots = QuantizedSlots(codes, scales, offsets, bits, min(group, d), torch.float32)
+    k_pos = torch.randperm(4 * s, generator=gen)[:s].expand(b, g, s).clone()
+    k_pos[:, :, :3] = -1  # empty slots
+    k_pos[-1, -1, s // 4 : 3 * s // 4] = -1
+    q = torch.randn(b, n_head, 1, d, generator=gen)
+    valid = torch.ones(b, 1, dtype=torch.bool)
+    valid[-1] = False
+    return q, slots, build_mask(torch.full((b, 1), 4 * s), k_pos), valid
+
+
+def _run(kernel: bool, q, slots, mask, valid, need_weights=True, softcap=None):
+    """One decode step through the kernel (`decode_attend`) or the PyTorch path; `y` `(B, 1, n_head * D)`."""
+    b, n_head, _, d = q.shape
+    g = slots.codes.shape[1]
+    folded = q.reshape(b, g, n_head // g, d)
+    args = (folded, slots.codes, slots.scales, slots.offsets, mask, valid, slots.bits, slots.group_size, 0.3)
+    fn = cpu_decode.decode_attend if kernel else qa._quant_attend_torch
+    y, w = fn(*args, softcap, need_weights)
+    return y.reshape(b, n_head, d)[:, :, None].transpose(1, 2).reshape(b, 1, n_head * d), w
+
+
+def _oracle(q, slots, mask, valid, softcap=None):
+    """Dequantised in float64, then the ordinary attention in float64."""
+    keys, values = dataclasses.replace(slots, dtype=torch.float64).unpack()
+    return attend(q.double(), keys, values, mask, 0.3, softcap, True, valid)
+
+
+CASES = [  # (bits, query heads, KV heads, slots, head size, group size)
+    (8, 9, 3, 300, 64, 64),  # SmolLM2-135M's heads; blocks of 64 and a partial one
+    (4, 9, 3, 300, 64, 32),
+    (8, 32, 8, 17, 32, 16),  # Llama-3.2-1B's head ratio; fewer slots than a block; two groups per vector
+    (4, 4, 2, 129, 16, 8),
+    (8, 2, 2, 65, 80, 80),  # a head size that is not a multiple of 8; one query per KV head
+    (4, 6, 1, 4, 8, 8),  # one slot seen (three empty)
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-{c[1]}q{c[2]}kv-{c[3]}slots-d{c[4]}-g{c[5]}")
+def test_kernel_equals_pytorch_path_and_float64(case: tuple) -> None:
+    bits, n_head, g, s, d, group = case
+    q, slots, mask, valid = _case(bits, n_head, g, s, d, group)
+    y, w = _run(True, q, slots, mask, valid)
+    y_torch, w_torch = _run(False, q, slots, mask, valid)
+    y_ref, w_ref = _oracle(q, slots, mask, valid)
+    assert y.dtype == torch.float32 and w.shape == (2, g, s)
+    torch.testing.assert_close(y, y_torch, **FLOAT32)
+    torch.testing.assert_close(w, w_torch, **FLOAT32)
+    torch.testing.assert_close(y.double(), y_ref, **FLOAT32)
+    torch.testing.assert_close(w.double(), w_ref.double(), **FLOAT32)
+    assert bool((w[~mask[:, :, 0].expand(2, g, s)] == 0).all())  # hidden slots get no weight
+    assert bool((w[1] == 0).all())  # the second row's query does not count
+    torch.testing.assert_close(w[0].sum(-1), torch.full((g,), n_head / g))  # each head's weights sum to one
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_softcap_no_weights_and_a_mask_per_kv_head(bits: int) -> None:
+    """Soft-capping (large scores, so that it bites), no weights asked, and a `(B, G, 1, S)` mask."""
+    q, slots, mask, valid = _case(bits, 9, 3, 200, 32, 16, seed=1)
+    q = q * 8
+    per_head = mask.expand(2, 3, 1, 200).clone()
+    per_head[0, 1, 0, 50:] = False
+    y, w = _run(True, q, slots, per_head, valid, need_weights=False, softcap=2.0)
+    y_torch, _ = _run(False, q, slots, per_head, valid, need_weights=False, softcap=2.0)
+    y_ref, _ = _oracle(q, slots, per_head, valid, softcap=2.0)
+    assert w.numel() == 0
+    torch.testing.assert_close(y, y_torch, **FLOAT32)
+    torch.testing.assert_close(y.double(), y_ref, **FLOAT32)
+
+
+@needs_compiler
+def test_a_row_hidden_everywhere_gives_nan_as_the_pytorch_path() -> None:
+    """A row whose every slot is hidden: the softmax of nothing, NaN on both paths, in the same places."""
+    q, slots, mask, valid = _case(8, 9, 3, 100, 32, 32)
+    mask = mask.clone()
+    mask[1] = False
+    y, w = _run(True, q, slots, mask, valid)
+    y_torch, w_torch = _run(False, q, slots, mask, valid)
+    assert bool(y[1].isnan().all()) and not bool(y[0].isnan().any())
+    torch.testing.assert_close(y, y_torch, equal_nan=True, **FLOAT32)
+    torch.testing.assert_close(w, w_torch, equal_nan=True, **FLOAT32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_equals_itself_in_any_batch_bitwise(bits: int) -> None:
+    """Every row is computed alone in a fixed order: a row alone, in a batch of three, and as another row's
+    neighbour give the same bits (on any CPU: the same compiled code runs for each row)."""
+    q, slots, mask, valid = _case(bits, 9, 3, 150, 64, 32, b=3, seed=2)
+    y, w = _run(True, q, slots, mask, valid)
+    for row in range(3):
+        one = QuantizedSlots(
+            *(t[row : row + 1] for t in (slots.codes, slots.scales, slots.offsets)), bits, 32, torch.float32
+        )
+        y_one, w_one = _run(True, q[row : row + 1], one, mask[row : row + 1], valid[row : row + 1])
+        assert torch.equal(y_one, y[row : row + 1]) and torch.equal(w_one, w[row : row + 1])
+
+
+@needs_compiler
+def test_attend_takes_the_kernel_for_a_decode_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `attention.attend`: a float32 decode step goes to the kernel (with the folded heads), a call of
+    several queries, a float64 one and one with `CPU_KERNEL` off to the PyTorch path."""
+    calls = []
+    decode_attend = cpu_decode.decode_attend
+
+    def spy(*args):
+        calls.append(tuple(args[0].shape))
+        return decode_attend(*args)
+
+    monkeypatch.setattr(cpu_decode, "decode_attend", spy)
+    q, slots, mask, valid = _case(8, 9, 3, 40, 32, 32)
+    got = attend(q, slots, slots, mask, 0.3, None, True, valid)
+    assert calls == [(2, 3, 3, 32)]
+    two = torch.cat((q, q), dim=2)
+    attend(two, slots, slots, mask.expand(2, 3, 2, 40), 0.3, None, True)
+    wide = dataclasses.replace(slots, dtype=torch.float64)
+    attend(q.double(), wide, wide, mask, 0.3, None, True)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+    want = attend(q, slots, slots, mask, 0.3, None, True, valid)
+    assert calls == [(2, 3, 3, 32)]
+    torch.testing.assert_close(got, want, **FLOAT32)
+    assert not torch.equal(got[0], want[0])  # another order of sums: the kernel did run
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty kernel cache: `$LITKV_HOME` in `tmp_path`, no library loaded in this process."""
+    monkeypatch.setenv("LITKV_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "_built", {})
+    return tmp_path / "kernels"
+
+
+def test_without_a_compiler_one_warning_then_the_pytorch_path(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler: `library` is None with one RuntimeWarning naming why, and `attend` gives the PyTorch
+    path's numbers bitwise (the build is not tried again)."""
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    q, slots, mask, valid = _case(8, 9, 3, 40, 32, 32)
+    with pytest.warns(RuntimeWarning, match="could not be built.*no-such-compiler.*PyTorch path"):
+        y, w = attend(q, slots, slots, mask, 0.3, None, True, valid)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second build
+        attend(q, slots, slots, mask, 0.3, None, True, valid)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+    y_torch, w_torch = attend(q, slots, slots, mask, 0.3, None, True, valid)
+    assert torch.equal(y, y_torch) and torch.equal(w, w_torch)
+    assert not any(fresh.glob("*.so"))
+
+
+@needs_compiler
+def test_built_once_into_the_cache_then_loaded(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call compiles into `$LITKV_HOME/kernels/` under a temporary name, renamed into place (no
+    temporary left); a new process (here: the loaded libraries forgotten) loads the file without compiling."""
+    lib = cpu_decode.library(32, 2, 4, 3)
+    assert lib is not None
+    files = sorted(p.name for p in fresh.iterdir())
+    assert len(files) == 1 and files[0].startswith("quant_decode_cpu_32_2_4_3_") and files[0].endswith(".so")
+    monkeypatch.setattr(cpu_decode, "_built", {})
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert cpu_decode.library(32, 2, 4, 3) is not None
+    assert sorted(p.name for p in fresh.iterdir()) == files
