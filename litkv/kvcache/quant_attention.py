@@ -166,7 +166,7 @@ def _quant_attend_torch(
     per_kv = m // t
     dtype = torch.promote_types(q.dtype, torch.float32)
     factors, shifts = (x.to(dtype).permute(0, 1, 3, 4, 2) for x in (scales, offsets))  # (B, G, 2, n, S)
-    if integer_path(codes, bits, dtype):
+    if integer_path(codes, bits, dtype, t):
         key_parts, value_parts = integer_parts(codes, bits)
         bias = 128 if bits == 8 else 0  # int8 codes are stored biased by -128
         score_fn = partial(_int_scores, parts=key_parts, bias=bias)

@@ -19,8 +19,11 @@ digits are combined in float32: with three digits the float side keeps about 24 
 precision (the result equals dequantise-then-attend within `atol=1e-5, rtol=1e-4` in float32, as the
 float path). Sums over more than `SLOT_BLOCK` slots are cut into blocks so that int32 cannot overflow.
 
-Only CPU float32 (and narrower, computed in float32) with head sizes that are multiples of 16 take this
-path (`integer_path`); float64 models and other devices use the float path.
+Only decode steps (one query per row) on the CPU in float32 (and narrower, computed in float32) with head
+sizes that are multiples of 16 take this path (`integer_path`), and only where the C kernel of a decode step
+(`litkv.kvcache.kernels.cpu_decode`) cannot be built; float64 models, calls of several queries (prefill
+chunks: there the float path's one conversion serves every query, and a chunk of 512 queries over 4,096
+slots took a fifth of the integer path's time) and other devices use the float path.
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ _NIBBLES = 0x0F0F0F0F
 Part = tuple[torch.Tensor, slice]
 
 
-def integer_path(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> bool:
-    """Whether `codes` `(B, G, S, 2, D * bits / 8)` are attended with integer products: on the CPU, in
-    float32, `D` a multiple of 16 (int4 halves are whole 32-bit words) and at least `MIN_SLOTS` slots
-    (below, the float path's fewer operations cost less than the conversion they do)."""
+def integer_path(codes: torch.Tensor, bits: int, dtype: torch.dtype, queries: int) -> bool:
+    """Whether `codes` `(B, G, S, 2, D * bits / 8)` are attended with integer products by a call of `queries`
+    queries per row: one (a decode step), on the CPU, in float32, `D` a multiple of 16 (int4 halves are whole
+    32-bit words) and at least `MIN_SLOTS` slots (below, the float path's fewer operations cost less than the
+    conversion they do)."""
     d = codes.shape[-1] * 8 // bits
     cpu = codes.device.type == "cpu" and not codes.requires_grad
-    return cpu and dtype == torch.float32 and d % 16 == 0 and codes.shape[2] >= MIN_SLOTS
+    return cpu and queries == 1 and dtype == torch.float32 and d % 16 == 0 and codes.shape[2] >= MIN_SLOTS
 
 
 def integer_parts(codes: torch.Tensor, bits: int) -> tuple[list[Part], list[Part]]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from litkv.core.validation import require_int
+from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.quant_attention import quant_attend
 from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, scatter_slots
 from litkv.kvcache.storage_kinds import register_storage
@@ -90,6 +91,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dty
 def _quantize_eager(
     x: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if scale_dtype == torch.float16:  # on the CPU, one C call gives the same bits (`cpu_decode.quantize`)
+        done = cpu_decode.quantize(x, bits, group_size)
+        if done is not None:
+            return done
     codes, scale, offset = _codes(x.float().unflatten(-1, (-1, group_size)), bits, scale_dtype)
     if bits == 8:  # stored biased: the byte viewed as int8 is `code - 128` (integer products take int8)
         return codes.flatten(-2).sub_(128).to(torch.int8).view(torch.uint8), scale, offset

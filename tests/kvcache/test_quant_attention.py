@@ -12,6 +12,7 @@ import litkv.kvcache.quant_attention as qa
 import litkv.kvcache.quant_int as quant_int
 from litkv import KVCacheConfig
 from litkv.kvcache.base import CacheShape
+from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.quantized import QuantizedSlots, quantize
 from litkv.kvcache.registry import get_kv_cache_class
@@ -155,19 +156,25 @@ def test_a_staged_step_hands_over_codes_and_unpacks_only_on_demand(policy: str) 
         cache.evict_and_store(torch.rand(1, 2, 9) if cache.needs_attn_weights else None)
 
 
-@pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("group", [32, 16])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_integer_products_equal_dequantised_attention(
-    monkeypatch: pytest.MonkeyPatch, bits: int, group: int, need_weights: bool, t: int
+    monkeypatch: pytest.MonkeyPatch, bits: int, group: int, need_weights: bool
 ) -> None:
-    """The CPU integer path (`quant_int`, taken from `MIN_SLOTS` slots: here from 1), one and several
-    groups per head, empty slots and a pad query, within float32's tolerance of dequantise-then-attend."""
+    """The CPU integer path of a decode step without the C kernel (`quant_int`, taken from `MIN_SLOTS` slots:
+    here from 1), one and several groups per head, empty slots and a pad row, within float32's tolerance of
+    dequantise-then-attend; a call of several queries keeps the float path."""
     monkeypatch.setattr(quant_int, "MIN_SLOTS", 1)
-    q, slots, mask, valid = _case(bits, group, torch.float32, t=t)
-    assert quant_int.integer_path(slots.codes, bits, torch.float32)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+    q, slots, mask, valid = _case(bits, group, torch.float32, t=1)
+    assert quant_int.integer_path(slots.codes, bits, torch.float32, 1)
+    assert not quant_int.integer_path(slots.codes, bits, torch.float32, 3)
+    calls = []
+    int_scores = quant_int.int_scores
+    monkeypatch.setattr(qa, "int_scores", lambda *args: calls.append(1) or int_scores(*args))
     y, weights = attend(q, slots, slots, mask, 0.3, None, need_weights, valid)
+    assert calls == [1]
     y_ref, weights_ref = _reference(q, slots, mask, need_weights, valid)
     torch.testing.assert_close(y, y_ref, **TOLERANCE[torch.float32])
     if need_weights:
@@ -177,9 +184,10 @@ def test_integer_products_equal_dequantised_attention(
 @pytest.mark.parametrize("bits", [8, 4])
 def test_integer_products_at_the_threshold_and_over_int32_blocks(monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
     """At `MIN_SLOTS` slots as shipped, and with sums cut into blocks of 8 slots (int32 overflow guard)."""
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
     q, slots, mask, valid = _case(bits, 32, torch.float32, t=1, s=quant_int.MIN_SLOTS + 3)
-    assert quant_int.integer_path(slots.codes, bits, torch.float32)
-    assert not quant_int.integer_path(slots.codes, bits, torch.float64)  # float64 keeps the exact float path
+    assert quant_int.integer_path(slots.codes, bits, torch.float32, 1)
+    assert not quant_int.integer_path(slots.codes, bits, torch.float64, 1)  # float64 keeps the exact float path
     for block in (quant_int.SLOT_BLOCK, 8):
         monkeypatch.setattr(quant_int, "SLOT_BLOCK", block)
         y, weights = attend(q, slots, slots, mask, 0.3, None, True, valid)

@@ -207,3 +207,51 @@ def test_built_once_into_the_cache_then_loaded(fresh: Path, monkeypatch: pytest.
     monkeypatch.setattr(subprocess, "run", no_compiler)
     assert cpu_decode.library(32, 2, 4, 3) is not None
     assert sorted(p.name for p in fresh.iterdir()) == files
+
+
+def _quantize_both(x: torch.Tensor, bits: int, group: int, monkeypatch: pytest.MonkeyPatch):
+    """`quantized.quantize` through the C call and through PyTorch (`CPU_KERNEL` off)."""
+    fast = quantize(x, bits, group, torch.float16)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+    slow = quantize(x, bits, group, torch.float16)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", True)
+    return fast, slow
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", [64, 32, 8])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_gives_the_pytorch_bits(monkeypatch: pytest.MonkeyPatch, bits: int, group: int) -> None:
+    """The C quantisation gives the PyTorch quantisation's codes, scales and offsets bit for bit (so a token
+    stored by a decode step equals the same token stored by a prefill chunk): magnitudes from 1e-9 (float16
+    subnormal scales) to 1e4, constant groups (scale 0), numbers on float16's grid and on quarter steps (ties
+    of the rounding), float16's extremes."""
+    gen = torch.Generator().manual_seed(bits + group)
+    for trial, magnitude in enumerate([1e-9, 1e-6, 1e-3, 1.0, 30.0, 1e4]):
+        x = torch.randn(3, 2, 5, 2, 64, generator=gen) * magnitude
+        x[0, 0, :, :, :group] = 0.25  # constant groups
+        x[1] = x[1].half().float() + 0.0  # on float16's grid (+ 0.0: no -0 beside +0, see below)
+        x[2, 0] = (x[2, 0] * 4).round() / 4 + 0.0  # ties
+        if trial == 5:
+            x[2, 1, 0, 0, :2] = torch.tensor([65504.0, -65504.0])
+        assert cpu_decode.quantize(x, bits, group) is not None  # the C call applies
+        fast, slow = _quantize_both(x, bits, group, monkeypatch)
+        for a, b in zip(fast, slow, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@needs_compiler
+def test_quantize_leaves_what_it_cannot_match_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN, numbers beyond float16's range and both zeros at a group's extreme: no C result, so `quantize`
+    gives the PyTorch path's (the same bits either way)."""
+    x = torch.randn(4, 64)
+    x[0, 5] = float("nan")
+    x[1, 7] = 7e4
+    x[2] = 0.0
+    x[2, 3] = -0.0
+    for row in range(3):
+        assert cpu_decode.quantize(x[row : row + 1], 8, 32) is None
+    assert cpu_decode.quantize(x[3:], 8, 32) is not None
+    fast, slow = _quantize_both(x[1:3], 4, 32, monkeypatch)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

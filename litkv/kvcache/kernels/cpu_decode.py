@@ -43,7 +43,7 @@ import torch
 from litkv.core.atomic import TMP_PREFIX
 from litkv.core.secret import litkv_home
 
-__all__ = ["CPU_KERNEL", "decode_attend", "library", "supported"]
+__all__ = ["CPU_KERNEL", "decode_attend", "library", "quantize", "supported"]
 
 #: Whether a decode step on the CPU takes this kernel where it applies; False: the PyTorch path everywhere
 #: (`scripts/bench_cpu.py kv --cpu_kernel both` measures the two side by side).
@@ -54,7 +54,7 @@ FLAGS = ("-O3", "-ffp-contract=fast", "-fno-trapping-math", "-std=c11", "-shared
 NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carries the CPU's identity
 BUILD_SECONDS = 120
 
-_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float]
 _lock = threading.Lock()
 _built: dict[tuple[int, int, int, int], ctypes.CDLL | None] = {}
 
@@ -90,7 +90,8 @@ def decode_attend(
         q: `(B, G, M, D)` float32 queries, `M` the query heads of a KV head (one query each).
         codes: `(B, G, S, 2, D * bits / 8)` uint8 (index 0 of the fourth axis: key, 1: value), any strides
             over the first three axes (a slice of a larger buffer), the last two contiguous (else copied).
-        scales, offsets: `(B, G, S, 2, D / group_size)` float16 or bfloat16.
+        scales, offsets: `(B, G, S, 2, D / group_size)` float16 (read as they are: any strides over the first
+            three axes, the same for both) or bfloat16 (not taken: None).
         mask: `(B, G or 1, 1, S)` bool, True where attention is allowed.
         query_valid: `(B, 1)` bool, whether the row's query counts in the weights (default: all).
         bits: 8 or 4; group_size: numbers per scale; scale: factor of `q . k`; softcap: or `None`.
@@ -102,31 +103,59 @@ def decode_attend(
     """
     b, g, m, d = q.shape
     s, width = codes.shape[2], codes.shape[-1]
+    if scales.dtype != torch.float16 or offsets.dtype != torch.float16:
+        return None  # bfloat16 scales: a bfloat16 model, whose queries are not float32 either
     lib = library(d, d // group_size, bits, m)
     if lib is None:
         return None
     if codes.stride(-1) != 1 or codes.stride(-2) != width:
         codes = codes.contiguous()
+    if scales.stride() != offsets.stride() or scales.stride(-1) != 1 or scales.stride(-2) != scales.shape[-1]:
+        scales, offsets = scales.contiguous(), offsets.contiguous()
     mask = mask.expand(b, mask.shape[1], 1, s)
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     queries = (q * scale).contiguous()
-    factors, shifts = (x.to(torch.float32).contiguous() for x in (scales, offsets))
     y = torch.empty(b, g, m, d, dtype=torch.float32)
     scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None
     stats = torch.empty(b, g, m, 2, dtype=torch.float32) if need_weights else None
-    pointers = (
-        x.data_ptr() if x is not None else None for x in (queries, codes, factors, shifts, mask, y, scores, stats)
-    )
+    tensors = (queries, codes, scales, offsets, mask, y, scores, stats)
     mask_g = mask.stride(1) if mask.shape[1] == g else 0
-    sizes = (b, g, s, *codes.stride()[:3], mask.stride(0), mask_g)
-    lib.litkv_quant_attend(*pointers, *sizes, float(softcap or 0.0))
+    sizes = (b, g, s, *codes.stride()[:3], *scales.stride()[:3], mask.stride(0), mask_g)
+    lib.litkv_quant_attend(*(None if x is None else x.data_ptr() for x in tensors), *sizes, float(softcap or 0.0))
     if not need_weights:
         return y, q.new_empty(0)
     probs = torch.exp(scores - stats[..., :1]) / stats[..., 1:]  # the softmax weights
     if query_valid is not None:
         probs = probs * query_valid[:, None, None, :]
     return y, probs.sum(dim=2)
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`litkv.kvcache.quantized.quantize` with float16 scales, bit for bit, in one C call (`litkv_quantize`);
+    None where it does not apply (not the CPU, `CPU_KERNEL` off, no kernel, a number that is not finite or
+    beyond float16's range, signed zeros at a group's extreme): the caller then takes the PyTorch path.
+
+    Args:
+        x: `(..., D)` float32 (or narrower), `D` a multiple of `group_size` (and even for 4 bits).
+
+    Returns:
+        codes `(..., D * bits / 8)` uint8, scales and offsets `(..., D / group_size)` float16.
+    """
+    if not CPU_KERNEL or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    d = x.shape[-1]
+    lib = library(d, d // group_size, bits, 1)
+    if lib is None:
+        return None
+    flat = x.to(torch.float32).contiguous()
+    codes = torch.empty(*x.shape[:-1], d * bits // 8, dtype=torch.uint8)
+    scales = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16)
+    offsets = torch.empty_like(scales)
+    tensors = (flat, codes, scales, offsets)
+    if lib.litkv_quantize(tensors[0].data_ptr(), flat.numel() // d, *(t.data_ptr() for t in tensors[1:])):
+        return None
+    return codes, scales, offsets
 
 
 def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | None:
@@ -140,6 +169,8 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 lib = ctypes.CDLL(str(_build(*key)))
                 lib.litkv_quant_attend.argtypes = _ARGS
                 lib.litkv_quant_attend.restype = None
+                lib.litkv_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3]
+                lib.litkv_quantize.restype = ctypes.c_int
                 _built[key] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 warnings.warn(

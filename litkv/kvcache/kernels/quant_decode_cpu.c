@@ -10,8 +10,9 @@ so that every loop inside a slot has constant bounds and the compiler unrolls an
 Layout (litkv.kvcache.quantized): slot s of row b and KV head g holds 2 * WIDTH bytes at
 codes + b * stride_b + g * stride_g + s * stride_s, the key's codes first, then the value's. int8 codes
 are stored biased by -128 (the byte XOR 0x80 is the code); int4 element i sits in the low nibble of byte
-i and element i + HEAD / 2 in its high nibble. scales and offsets are float32, contiguous
-(B, G, S, 2, GROUPS); a number is offset + scale * code, so that
+i and element i + HEAD / 2 in its high nibble. scales and offsets are float16 bits, those of slot s at
+scales + b * scale_b + g * scale_g + s * scale_s (the key's GROUPS, then the value's); a number is
+offset + scale * code, so that
     q . key = sum over the groups j of scale_j * (q_j . code_j) + offset_j * sum(q_j)
 and the weighted values are sums of (p * scale_j) * code_j plus sums of p * offset_j.
 
@@ -51,6 +52,24 @@ static inline void unpack(const uint8_t *c, float *out) {
 #endif
 }
 
+/* A float16 number (its bits) as float32, exactly. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union {
+        uint32_t bits;
+        float value;
+    } out;
+    if (exponent == 0x1F) { /* infinity, NaN */
+        out.bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        out.bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else { /* zero and subnormal numbers: mantissa * 2^-24 */
+        out.value = (float)mantissa * 5.9604644775390625e-8f;
+        out.bits |= sign;
+    }
+    return out.value;
+}
+
 /* e^x for x <= 0 (and -inf, which gives 0): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
    polynomial of degree 7 (relative error below 2e-7), times 2^n built in the exponent bits; below
    -87 (under float32's normal range) 0. Plain arithmetic, so that a loop of it vectorises. */
@@ -85,9 +104,9 @@ static inline void partial_dot(const float *a, const float *k, float *part) {
 
 /* Scores of slots [s0, s0 + n) (n <= BLOCK) into out[m][t]: q . key, soft-capped when softcap > 0,
    -inf where the mask hides the slot. sums[m * GROUPS + j]: the sum of query m's group j. */
-static void block_scores(const float *q, const uint8_t *c, const float *sc, const float *of, const uint8_t *mask,
-                         int64_t s0, int n, int64_t stride_s, const float *sums, float softcap,
-                         float out[M][BLOCK]) {
+static void block_scores(const float *q, const uint8_t *c, const uint16_t *sc, const uint16_t *of,
+                         const uint8_t *mask, int64_t s0, int n, int64_t stride_s, int64_t scale_s, const float *sums,
+                         float softcap, float out[M][BLOCK]) {
     float numbers[HEAD], part[M * GROUPS][TILE][LANES], dots[M * GROUPS][TILE];
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
@@ -110,7 +129,8 @@ static void block_scores(const float *q, const uint8_t *c, const float *sc, cons
             for (int m = 0; m < M; m++) {
                 float total = 0.0f;
                 for (int j = 0; j < GROUPS; j++)
-                    total += sc[s * 2 * GROUPS + j] * dots[m * GROUPS + j][t] + of[s * 2 * GROUPS + j] * sums[m * GROUPS + j];
+                    total += half_to_float(sc[s * scale_s + j]) * dots[m * GROUPS + j][t] +
+                             half_to_float(of[s * scale_s + j]) * sums[m * GROUPS + j];
                 if (softcap > 0.0f) total = tanhf(total / softcap) * softcap;
                 out[m][t0 + t] = mask[s] ? total : -INFINITY;
             }
@@ -119,8 +139,8 @@ static void block_scores(const float *q, const uint8_t *c, const float *sc, cons
 }
 
 /* Adds slots [s0, s0 + n) weighted by p[m][t] to acc (M, HEAD) and their offsets to shift (M, GROUPS). */
-static void block_values(const uint8_t *c, const float *sc, const float *of, int64_t s0, int n, int64_t stride_s,
-                         float p[M][BLOCK], float *acc, float *shift) {
+static void block_values(const uint8_t *c, const uint16_t *sc, const uint16_t *of, int64_t s0, int n,
+                         int64_t stride_s, int64_t scale_s, float p[M][BLOCK], float *acc, float *shift) {
     float numbers[HEAD];
     for (int t = 0; t < n; t++) {
         int any = 0;
@@ -128,13 +148,15 @@ static void block_values(const uint8_t *c, const float *sc, const float *of, int
         if (!any) continue; /* hidden from every query: its codes are not read */
         const int64_t s = s0 + t;
         unpack(c + s * stride_s, numbers);
+        float scale[GROUPS], offset[GROUPS];
+        for (int j = 0; j < GROUPS; j++) scale[j] = half_to_float(sc[s * scale_s + j]), offset[j] = half_to_float(of[s * scale_s + j]);
         for (int m = 0; m < M; m++)
             for (int j = 0; j < GROUPS; j++) {
-                const float weight = p[m][t] * sc[s * 2 * GROUPS + j];
+                const float weight = p[m][t] * scale[j];
                 float *a = acc + m * HEAD + j * SIZE;
                 const float *v = numbers + j * SIZE;
                 for (int i = 0; i < SIZE; i++) a[i] += weight * v[i];
-                shift[m * GROUPS + j] += p[m][t] * of[s * 2 * GROUPS + j];
+                shift[m * GROUPS + j] += p[m][t] * offset[j];
             }
     }
 }
@@ -171,22 +193,23 @@ static void block_softmax(float scores[M][BLOCK], int n, float *maximum, float *
 
 /* Decode attention over quantised slots.
 
-   q (B, G, M, HEAD) float32, contiguous, already multiplied by the attention scale; mask: byte s of row b
+   q (B, G, M, HEAD) float32, contiguous, already multiplied by the attention scale; codes, scales and
+   offsets as above (offsets with the strides of scales); mask: byte s of row b
    and KV head g at mask + b * mask_b + g * mask_g + s, nonzero where the slot may be attended; softcap: the
    soft-capping threshold, 0 for none. Writes y (B, G, M, HEAD) float32; where scores is not NULL, the
    scores (B, G, M, S) (soft-capped, -inf where hidden) and stats (B, G, M, 2): each query's maximum score
    and the sum of e^(score - maximum), from which the softmax weights follow. */
-void litkv_quant_attend(const float *q, const uint8_t *codes, const float *scales, const float *offsets,
+void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *scales, const uint16_t *offsets,
                         const uint8_t *mask, float *y, float *scores, float *stats, int64_t B, int64_t G, int64_t S,
-                        int64_t stride_b, int64_t stride_g, int64_t stride_s, int64_t mask_b, int64_t mask_g,
-                        float softcap) {
+                        int64_t stride_b, int64_t stride_g, int64_t stride_s, int64_t scale_b, int64_t scale_g,
+                        int64_t scale_s, int64_t mask_b, int64_t mask_g, float softcap) {
     float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M];
     float acc[M * HEAD], shift[M * GROUPS], part[M * HEAD], part_shift[M * GROUPS];
     for (int64_t bg = 0; bg < B * G; bg++) {
         const int64_t b = bg / G, g = bg % G;
         const float *qq = q + bg * M * HEAD;
         const uint8_t *c = codes + b * stride_b + g * stride_g, *seen = mask + b * mask_b + g * mask_g;
-        const float *sc = scales + bg * S * 2 * GROUPS, *of = offsets + bg * S * 2 * GROUPS;
+        const uint16_t *sc = scales + b * scale_b + g * scale_g, *of = offsets + b * scale_b + g * scale_g;
         for (int mj = 0; mj < M * GROUPS; mj++) {
             float total = 0.0f;
             for (int i = 0; i < SIZE; i++) total += qq[mj * SIZE + i];
@@ -197,13 +220,13 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const float *scale
         memset(shift, 0, sizeof(shift));
         for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
             const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
-            block_scores(qq, c, sc, of, seen, s0, n, stride_s, sums, softcap, block);
+            block_scores(qq, c, sc, of, seen, s0, n, stride_s, scale_s, sums, softcap, block);
             if (scores != NULL)
                 for (int m = 0; m < M; m++) memcpy(scores + (bg * M + m) * S + s0, block[m], n * sizeof(float));
             block_softmax(block, n, maximum, sum, p, alpha);
             memset(part, 0, sizeof(part));
             memset(part_shift, 0, sizeof(part_shift));
-            block_values(c + WIDTH, sc + GROUPS, of + GROUPS, s0, n, stride_s, p, part, part_shift);
+            block_values(c + WIDTH, sc + GROUPS, of + GROUPS, s0, n, stride_s, scale_s, p, part, part_shift);
             for (int m = 0; m < M; m++) {
                 for (int i = 0; i < HEAD; i++) acc[m * HEAD + i] = acc[m * HEAD + i] * alpha[m] + part[m * HEAD + i];
                 for (int j = 0; j < GROUPS; j++)
@@ -216,4 +239,71 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const float *scale
             if (stats != NULL) stats[(bg * M + m) * 2] = maximum[m], stats[(bg * M + m) * 2 + 1] = sum[m];
         }
     }
+}
+
+/* float32 to float16 bits, rounded to nearest even (beyond float16's range: infinity), as a cast does. */
+static inline uint16_t float_to_half(float f) {
+    union {
+        float value;
+        uint32_t bits;
+    } in = {.value = f};
+    const uint16_t sign = (uint16_t)((in.bits >> 16) & 0x8000);
+    const uint32_t magnitude = in.bits & 0x7FFFFFFF;
+    if (magnitude >= 0x47800000u) return sign | 0x7C00; /* 65536 and above (callers exclude NaN) */
+    if (magnitude < 0x38800000u) return sign | (uint16_t)nearbyintf(fabsf(f) * 16777216.0f); /* below 2^-14 */
+    uint32_t half = ((magnitude >> 23) - 112) << 10 | (magnitude & 0x7FFFFF) >> 13;
+    const uint32_t rest = magnitude & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half += 1; /* a carry may reach infinity: right */
+    return sign | (uint16_t)half;
+}
+
+/* The next float16 toward -infinity (down) or +infinity (up), as nextafter does. */
+static inline uint16_t half_step(uint16_t h, int up) {
+    if ((h & 0x7FFF) == 0) return up ? 0x0001 : 0x8001;
+    return ((h & 0x8000) == 0) == (up != 0) ? h + 1 : h - 1;
+}
+
+/* litkv.kvcache.quantized.quantize for float16 scales, bit for bit: each group of SIZE numbers of each
+   of `rows` rows of HEAD (x float32, contiguous) gets offset = its minimum rounded down to float16,
+   scale = (maximum - offset) / (2^BITS - 1) rounded up to float16, and codes round((x - offset) / scale)
+   (times the reciprocal of the scale, at least 1e-30) clamped to [0, 2^BITS - 1], stored as the storage
+   keeps them (int8: biased by -128; int4: two per byte). Returns 1 without finishing when a number is not
+   finite or beyond float16's range, or a group whose minimum or maximum is zero holds both +0 and -0 (which
+   zero is the extreme is the PyTorch reduction's choice): the caller then takes the PyTorch path; else 0. */
+int litkv_quantize(const float *x, int64_t rows, uint8_t *codes, uint16_t *scales, uint16_t *offsets) {
+    const float levels = (float)((1 << BITS) - 1);
+    for (int64_t i = 0; i < rows * HEAD; i++)
+        if (!(fabsf(x[i]) <= 65504.0f)) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        float numbers[HEAD];
+        for (int j = 0; j < GROUPS; j++) {
+            const float *v = x + r * HEAD + j * SIZE;
+            float low = v[0], high = v[0];
+            int zeros = 0; /* bit 0: a +0 seen, bit 1: a -0 seen */
+            for (int i = 0; i < SIZE; i++) {
+                low = v[i] < low ? v[i] : low, high = v[i] > high ? v[i] : high;
+                if (v[i] == 0.0f) zeros |= signbit(v[i]) ? 2 : 1;
+            }
+            if (zeros == 3 && (low == 0.0f || high == 0.0f)) return 1;
+            uint16_t offset = float_to_half(low);
+            if (half_to_float(offset) > low) offset = half_step(offset, 0);
+            const float base = half_to_float(offset), range = (high - base) / levels;
+            uint16_t scale = float_to_half(range);
+            if (half_to_float(scale) < range) scale = half_step(scale, 1);
+            const float factor = half_to_float(scale), inverse = 1.0f / (factor > 1e-30f ? factor : 1e-30f);
+            for (int i = 0; i < SIZE; i++) {
+                const float code = nearbyintf((v[i] - base) * inverse);
+                numbers[j * SIZE + i] = code < 0.0f ? 0.0f : code > levels ? levels : code;
+            }
+            scales[r * GROUPS + j] = scale;
+            offsets[r * GROUPS + j] = offset;
+        }
+        uint8_t *out = codes + r * WIDTH;
+#if BITS == 8
+        for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] ^ 0x80;
+#else
+        for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] | (uint8_t)((uint8_t)numbers[i + WIDTH] << 4);
+#endif
+    }
+    return 0;
 }
