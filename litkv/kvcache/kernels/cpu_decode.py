@@ -1,28 +1,31 @@
-"""A quantised cache's decode step on the CPU: both products of attention read straight from the codes.
+"""A quantised cache's decode step on the CPU in C: attention read straight from the codes, in one pass, and
+the step's new tokens quantised in one call.
 
 The PyTorch path (`litkv.kvcache.quant_attention._quant_attend_torch`) turns every layer's codes into a
 full-size float32 temporary (or, from 2,048 slots, integer products with a dozen passes over the results)
-before two matrix products: it reads and writes more bytes than the float cache it replaces. Here two
-small C functions (`quant_decode_cpu.c`, beside this file) read each slot's codes once per product and
-dequantise them in registers: `litkv_quant_scores` (`q . k` for the queries of a KV head) and
-`litkv_quant_values` (the softmax weights times the values). The mask, the soft-capping, the softmax and
-the weight sums stay PyTorch operators, as on the PyTorch path.
+before two matrix products, and quantising a token is some twenty small operators per layer. Here
+`quant_decode_cpu.c` (beside this file) does both in C:
 
-The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV
-head), by the C compiler of
-the machine (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -march=native`, into
+- `litkv_quant_attend` (`decode_attend`): per (row, KV head), blocks of 64 slots: the keys scored from their
+  codes, a running softmax, the values added from their codes, so each slot's codes are read once; float16
+  scales and offsets read in place; masks and soft-capping applied there. The weight sums (`need_weights`)
+  follow in PyTorch from the scores and each query's maximum and sum that the kernel writes.
+- `litkv_quantize` (`quantize`): `litkv.kvcache.quantized.quantize` with float16 scales, bit for bit.
+
+The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV head),
+by the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -march=native`, into
 `$LITKV_HOME/kernels/` (default `~/.cache/litkv`): a file named by the hash of the source, the flags, the
-compiler and this CPU, written under a temporary name and renamed into place. Where no compiler is found
-or the build fails, a warning says why once and decode steps take the PyTorch path.
+compiler and this CPU, written under a temporary name and renamed into place. Where no compiler is found or
+the build fails, a warning says why once and the PyTorch path is taken.
 
-Rounding: the kernel multiplies each group's scale into the sum of its products, as the PyTorch path does,
-but adds in another order (a vector in 8 partial sums, values in blocks of 256 slots), so results agree with
+Rounding: attention adds in another order than the PyTorch path (a key in 8 partial sums, the values block
+by block) and takes its exponentials from a polynomial (relative error below 2e-7), so results agree with
 the PyTorch path and a float64 oracle within `atol=1e-5, rtol=1e-4` (float32;
-`tests/kvcache/test_quant_decode_cpu.py`). Every row is computed alone, in a fixed order: a row's result
-does not depend on the batch it is in. The functions run on the calling thread (one core).
+`tests/kvcache/test_quant_decode_cpu.py`). Every row is computed alone, in a fixed order: a row's result does
+not depend on the batch it is in. The functions run on the calling thread (one core).
 
-Used where `supported` says so (the CPU, one query per row, float32 queries, no autograd, `CPU_KERNEL`);
-every other call takes the PyTorch path.
+Attention takes the kernel where `supported` says so (the CPU, one query per row, float32 queries, no
+autograd, `CPU_KERNEL`) and the scales are float16; every other call takes the PyTorch path.
 """
 
 from __future__ import annotations
