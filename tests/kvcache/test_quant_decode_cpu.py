@@ -11,8 +11,6 @@ Skipped where this machine has no C compiler (the kernel then is not used: `test
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 import subprocess
 import warnings
 from pathlib import Path
@@ -27,9 +25,7 @@ from litkv.modeling.attention import attend, build_mask
 
 FLOAT32 = {"atol": 1e-5, "rtol": 1e-4}
 
-needs_compiler = pytest.mark.skipif(
-    not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))), reason="no C compiler"
-)
+needs_compiler = pytest.mark.skipif(cpu_decode.find_compiler() is None, reason="no C compiler")
 
 
 def _case(

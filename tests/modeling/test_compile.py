@@ -7,8 +7,6 @@ dynamo's tracing, whatever the backend; one test runs inductor end to end.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,6 +18,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from litkv import GPT, KVCacheConfig, generate
+from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.storage_kinds import known_storages
 from litkv.modeling import attention
 
@@ -150,7 +149,7 @@ def _prefilled(policy: str, storage: str = "float") -> tuple[GPT, list, torch.Te
 _CACHE_SIZED = {
     "expected-attention": "its score needs k^T C k per slot: an (N, D) product of the keys per query head",
 }
-if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):  # no CPU decode kernel
+if cpu_decode.find_compiler() is None:  # no CPU decode kernel
     _CACHE_SIZED["qh2o"] = "without a C compiler quantised slots are converted whole to floats at every step"
 
 

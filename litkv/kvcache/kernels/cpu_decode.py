@@ -46,7 +46,7 @@ import torch
 from litkv.core.atomic import TMP_PREFIX
 from litkv.core.secret import litkv_home
 
-__all__ = ["CPU_KERNEL", "decode_attend", "library", "quantize", "supported"]
+__all__ = ["CPU_KERNEL", "decode_attend", "find_compiler", "library", "quantize", "supported"]
 
 #: Whether a decode step on the CPU takes this kernel where it applies; False: the PyTorch path everywhere
 #: (`scripts/bench_cpu.py kv --cpu_kernel both` measures the two side by side).
@@ -155,8 +155,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     codes = torch.empty(*x.shape[:-1], d * bits // 8, dtype=torch.uint8)
     scales = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16)
     offsets = torch.empty_like(scales)
-    tensors = (flat, codes, scales, offsets)
-    if lib.litkv_quantize(tensors[0].data_ptr(), flat.numel() // d, *(t.data_ptr() for t in tensors[1:])):
+    if lib.litkv_quantize(flat.data_ptr(), flat.numel() // d, *(t.data_ptr() for t in (codes, scales, offsets))):
         return None
     return codes, scales, offsets
 
@@ -179,7 +178,7 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 warnings.warn(
                     f"litkv: the CPU kernel for quantised KV decode ({head} numbers, {groups} groups, {bits} bits, "
                     f"{queries} queries per KV head) "
-                    f"could not be built: {error}; decode steps take the PyTorch path",
+                    f"could not be built: {error}; its calls take the PyTorch path",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -187,11 +186,15 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
         return _built[key]
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernel is built with: `$CC`, else the first of `cc`, `gcc`, `clang` on the PATH;
+    None where there is none."""
+    return os.environ.get("CC") or next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
+
+
 def _compiler() -> str:
-    """The C compiler: `$CC`, else the first of `cc`, `gcc`, `clang` on the PATH."""
-    found = os.environ.get("CC") or next(
-        (shutil.which(name) for name in ("cc", "gcc", "clang") if shutil.which(name)), None
-    )
+    """`find_compiler`, or RuntimeError saying how to get one."""
+    found = find_compiler()
     if not found:
         raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
     return found
