@@ -2,7 +2,7 @@
 PyTorch path (`quant_attention._quant_attend_torch`) and a float64 oracle (the codes dequantised in float64,
 then `attention.attend`).
 
-Bounds: the kernel adds in another order than the PyTorch path (a key in 8 partial sums, a running softmax
+Bounds: the kernel adds in another order than the PyTorch path (a key in 16, 8 or 4 partial sums, a running softmax
 over blocks of 64 slots) and takes its exponentials from a polynomial, so outputs and weight sums agree within
 `atol=1e-5, rtol=1e-4` (float32) with both. A row's result does not depend on its batch: asserted bitwise.
 Skipped where this machine has no C compiler (the kernel then is not used: `test_without_a_compiler...`).
@@ -70,7 +70,7 @@ CASES = [  # (bits, query heads, KV heads, slots, head size, group size)
     (4, 9, 3, 300, 64, 32),
     (8, 32, 8, 17, 32, 16),  # Llama-3.2-1B's head ratio; fewer slots than a block; two groups per vector
     (4, 4, 2, 129, 16, 8),
-    (8, 2, 2, 65, 80, 80),  # a head size that is not a multiple of 8; one query per KV head
+    (8, 2, 2, 65, 80, 80),  # a head size that is not a multiple of 32; one query per KV head
     (4, 6, 1, 4, 8, 8),  # one slot seen (three empty)
 ]
 
@@ -161,6 +161,20 @@ def test_attend_takes_the_kernel_for_a_decode_step_only(monkeypatch: pytest.Monk
     assert calls == [(2, 3, 3, 32)]
     torch.testing.assert_close(got, want, **FLOAT32)
     assert not torch.equal(got[0], want[0])  # another order of sums: the kernel did run
+
+
+@needs_compiler
+def test_a_group_size_without_vectors_takes_the_pytorch_path() -> None:
+    """Groups of 6 numbers fill no vector of 4, 8 or 16: the library is built (its quantisation serves) but has
+    no attention, `decode_attend` says None and `attend` gives the PyTorch path's bits."""
+    q, slots, mask, valid = _case(8, 4, 2, 30, 12, 6)
+    assert cpu_decode.library(12, 2, 8, 2) is not None
+    assert not hasattr(cpu_decode.library(12, 2, 8, 2), "litkv_quant_attend")
+    args = (q.reshape(2, 2, 2, 12), slots.codes, slots.scales, slots.offsets, mask, valid, 8, 6, 0.3, None, True)
+    assert cpu_decode.decode_attend(*args) is None
+    y, w = attend(q, slots, slots, mask, 0.3, None, True, valid)
+    y_torch, w_torch = _run(False, q, slots, mask, valid)
+    assert torch.equal(y, y_torch) and torch.equal(w, w_torch)
 
 
 @pytest.fixture

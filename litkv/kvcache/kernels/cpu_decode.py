@@ -8,7 +8,9 @@ before two matrix products, and quantising a token is some twenty small operator
 
 - `litkv_quant_attend` (`decode_attend`): per (row, KV head), blocks of 64 slots: the keys scored from their
   codes, a running softmax, the values added from their codes, so each slot's codes are read once; float16
-  scales and offsets read in place; masks and soft-capping applied there. The weight sums (`need_weights`)
+  scales and offsets read in place; masks and soft-capping applied there. Written with GCC / Clang vector
+  extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16; a group size
+  that is not a multiple of 4 has no kernel and takes the PyTorch path). The weight sums (`need_weights`)
   follow in PyTorch from the scores and each query's maximum and sum that the kernel writes.
 - `litkv_quantize` (`quantize`): `litkv.kvcache.quantized.quantize` with float16 scales, bit for bit.
 
@@ -18,8 +20,8 @@ by the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -marc
 compiler and this CPU, written under a temporary name and renamed into place. Where no compiler is found or
 the build fails, a warning says why once and the PyTorch path is taken.
 
-Rounding: attention adds in another order than the PyTorch path (a key in 8 partial sums, the values block
-by block) and takes its exponentials from a polynomial (relative error below 2e-7), so results agree with
+Rounding: attention adds in another order than the PyTorch path (a key in 16, 8 or 4 partial sums, the values
+block by block) and takes its exponentials from a polynomial (relative error below 2e-7), so results agree with
 the PyTorch path and a float64 oracle within `atol=1e-5, rtol=1e-4` (float32;
 `tests/kvcache/test_quant_decode_cpu.py`). Every row is computed alone, in a fixed order: a row's result does
 not depend on the batch it is in. The functions run on the calling thread (one core).
@@ -87,7 +89,8 @@ def decode_attend(
     need_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Decode attention over quantised slots (`quant_attention._quant_attend_eager`'s contract at `T = 1`),
-    or None when the kernel cannot be built here (the caller then takes the PyTorch path).
+    or None when the kernel cannot be built here or has no attention for this shape (`group_size` not a
+    multiple of 4; the caller then takes the PyTorch path).
 
     Args:
         q: `(B, G, M, D)` float32 queries, `M` the query heads of a KV head (one query each).
@@ -109,7 +112,7 @@ def decode_attend(
     if scales.dtype != torch.float16 or offsets.dtype != torch.float16:
         return None  # bfloat16 scales: a bfloat16 model, whose queries are not float32 either
     lib = library(d, d // group_size, bits, m)
-    if lib is None:
+    if lib is None or not hasattr(lib, "litkv_quant_attend"):
         return None
     if codes.stride(-1) != 1 or codes.stride(-2) != width:
         codes = codes.contiguous()
@@ -169,8 +172,9 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
         if key not in _built:
             try:
                 lib = ctypes.CDLL(str(_build(*key)))
-                lib.litkv_quant_attend.argtypes = _ARGS
-                lib.litkv_quant_attend.restype = None
+                if hasattr(lib, "litkv_quant_attend"):  # absent where a group's size is not a multiple of 4
+                    lib.litkv_quant_attend.argtypes = _ARGS
+                    lib.litkv_quant_attend.restype = None
                 lib.litkv_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3]
                 lib.litkv_quantize.restype = ctypes.c_int
                 _built[key] = lib

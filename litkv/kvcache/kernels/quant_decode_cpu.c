@@ -19,9 +19,11 @@ and the weighted values are sums of (p * scale_j) * code_j plus sums of p * offs
 litkv_quant_attend walks the slots of each (row, KV head) pair in blocks of BLOCK: it scores the block's
 keys, folds the block into a running softmax (maximum and sum per query, as flash-decoding does), and
 adds the block's values weighted by their softmax numerators, so each slot's codes are read once (the
-value's right after the key's). Sums run in float32 in a fixed order (a key in LANES partial sums, the
-values block by block), so a row's result does not depend on the other rows of the batch. Everything
-runs on the calling thread.
+value's right after the key's). The arithmetic is on vectors of LANES numbers (GCC / Clang vector
+extensions, which every target lowers to its own instructions): a key's codes become LANES-number pieces,
+each query's dot product is LANES partial sums added up LANES slots at a time, and a value's pieces are
+added into accumulators held over the block. Sums run in float32 in a fixed order, so a row's result
+does not depend on the other rows of the batch. Everything runs on the calling thread.
 */
 #include <math.h>
 #include <stdint.h>
@@ -36,21 +38,8 @@ runs on the calling thread.
 
 #define WIDTH (HEAD * BITS / 8) /* bytes of one key or value */
 #define SIZE (HEAD / GROUPS)    /* numbers per scale */
-#define LANES 8                 /* partial sums of a dot product (one 256-bit vector) */
-#define TILE 16                 /* slots whose partial sums are added up together */
-#define BLOCK 64                /* slots per step of the running softmax (a multiple of TILE) */
-
-/* The codes of one key or value as numbers 0 .. 2^BITS - 1, in element order. */
-static inline void unpack(const uint8_t *c, float *out) {
-#if BITS == 8
-    for (int i = 0; i < WIDTH; i++) out[i] = (float)(uint8_t)(c[i] ^ 0x80);
-#else
-    for (int i = 0; i < WIDTH; i++) {
-        out[i] = (float)(c[i] & 0x0F);
-        out[i + WIDTH] = (float)(c[i] >> 4);
-    }
-#endif
-}
+#define BLOCK 64                /* slots per step of the running softmax (a multiple of LANES) */
+#define AHEAD 64                /* slots ahead whose codes are asked for while a slot is scored */
 
 /* A float16 number (its bits) as float32, exactly. */
 static inline float half_to_float(uint16_t h) {
@@ -92,73 +81,174 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * two.value;
 }
 
-/* LANES partial sums of the dot product of one group's SIZE numbers. */
-static inline void partial_dot(const float *a, const float *k, float *part) {
-    float acc[LANES] = {0};
-    int i = 0;
-    for (; i + LANES <= SIZE; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * k[i + l];
-    for (int l = 0; l < SIZE % LANES; l++) acc[l] += a[i + l] * k[i + l];
-    memcpy(part, acc, sizeof(acc));
+/* LANES numbers per vector: 16 where every group (and for 4 bits, every half of a vector) holds a multiple of
+   16, else 8 or 4; else no attention kernel (the caller takes the PyTorch path). */
+#if HEAD % (16 * GROUPS) == 0 && (BITS == 8 || HEAD % 32 == 0)
+#define LANES 16
+#elif HEAD % (8 * GROUPS) == 0 && (BITS == 8 || HEAD % 16 == 0)
+#define LANES 8
+#elif HEAD % (4 * GROUPS) == 0 && (BITS == 8 || HEAD % 8 == 0)
+#define LANES 4
+#endif
+#ifdef LANES
+#define PIECES (HEAD / LANES)      /* LANES-number pieces of a key or value */
+#define PER_GROUP (SIZE / LANES)   /* pieces per group */
+
+typedef float floats __attribute__((vector_size(4 * LANES)));
+typedef uint8_t bytes __attribute__((vector_size(LANES)));
+typedef int32_t ints __attribute__((vector_size(4 * LANES)));
+
+/* Numbers LANES * i .. LANES * i + LANES - 1 of one key's or value's codes, as 0 .. 2^BITS - 1. */
+static inline floats piece(const uint8_t *codes, int i) {
+    bytes b;
+#if BITS == 8
+    memcpy(&b, codes + LANES * i, LANES);
+    b ^= 0x80;
+#else
+    memcpy(&b, codes + LANES * (i % (PIECES / 2)), LANES);
+    b = i < PIECES / 2 ? b & 0x0F : b >> 4;
+#endif
+    return __builtin_convertvector(__builtin_convertvector(b, ints), floats);
+}
+
+/* The sums of the lanes of r[0], ..., r[LANES - 1], in that order: neighbouring lanes added, then pairs,
+   fours, ... (a fixed order). */
+static inline floats lane_sums(const floats r[LANES]) {
+#define ADD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__) + __builtin_shufflevector(a, b, SECOND))
+    floats a[LANES / 2];
+#if LANES == 4
+#define SECOND 1, 5, 3, 7
+    for (int i = 0; i < 2; i++) a[i] = ADD(r[2 * i], r[2 * i + 1], 0, 4, 2, 6);
+#undef SECOND
+#define SECOND 2, 3, 6, 7
+    return ADD(a[0], a[1], 0, 1, 4, 5);
+#undef SECOND
+#elif LANES == 8
+#define SECOND 1, 9, 3, 11, 5, 13, 7, 15
+    floats b[2];
+    for (int i = 0; i < 4; i++) a[i] = ADD(r[2 * i], r[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14);
+#undef SECOND
+#define SECOND 2, 3, 10, 11, 6, 7, 14, 15
+    for (int i = 0; i < 2; i++) b[i] = ADD(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13);
+#undef SECOND
+#define SECOND 4, 5, 6, 7, 12, 13, 14, 15
+    return ADD(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11);
+#undef SECOND
+#else
+    floats b[4], c[2];
+#define SECOND 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+    for (int i = 0; i < 8; i++) a[i] = ADD(r[2 * i], r[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+#undef SECOND
+#define SECOND 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+    for (int i = 0; i < 4; i++) b[i] = ADD(a[2 * i], a[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+#undef SECOND
+#define SECOND 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+    for (int i = 0; i < 2; i++) c[i] = ADD(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+#undef SECOND
+#define SECOND 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+    return ADD(c[0], c[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+#undef SECOND
+#endif
+#undef ADD
+}
+
+/* LANES float16 numbers (their bits, from h[0], h[stride], ..., the first `count` of them, h[0] for the rest) as float32, exactly: the magnitude's bits
+   moved into float32's places and scaled by 2^112 (normal and subnormal numbers), infinity and NaN made so. */
+static inline floats halves(const uint16_t *h, int64_t stride, int count) {
+    ints bits;
+    for (int t = 0; t < LANES; t++) bits[t] = h[(t < count ? t : 0) * stride];
+    const ints wide = (bits & 0x7FFF) << 13, special = (bits & 0x7C00) == 0x7C00;
+    floats value;
+    memcpy(&value, &wide, sizeof(value));
+    value *= 0x1p112f;
+    ints out;
+    memcpy(&out, &value, sizeof(out));
+    out = (out & ~special) | ((wide | 0x7F800000) & special) | ((bits & 0x8000) << 16);
+    memcpy(&value, &out, sizeof(value));
+    return value;
+}
+
+/* dots[m * GROUPS + j]: query m's group j dotted with the codes of each of the LANES slots at c, c +
+   stride_s, ... (the first `count` of them; the rest 0). */
+static inline void tile_dots(const floats qv[M][PIECES], const uint8_t *c, int64_t stride_s, int count,
+                             floats dots[M * GROUPS]) {
+    floats r[M * GROUPS][LANES];
+    for (int t = 0; t < LANES; t++) {
+        if (t >= count) {
+            for (int mj = 0; mj < M * GROUPS; mj++) r[mj][t] = (floats){0};
+            continue;
+        }
+        floats x[PIECES];
+        for (int at = 0; at < 2 * WIDTH; at += 64) __builtin_prefetch(c + (t + AHEAD) * stride_s + at);
+        for (int i = 0; i < PIECES; i++) x[i] = piece(c + t * stride_s, i);
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < GROUPS; j++) {
+                floats a = qv[m][j * PER_GROUP] * x[j * PER_GROUP];
+                for (int i = 1; i < PER_GROUP; i++) a += qv[m][j * PER_GROUP + i] * x[j * PER_GROUP + i];
+                r[m * GROUPS + j][t] = a;
+            }
+    }
+    for (int mj = 0; mj < M * GROUPS; mj++) dots[mj] = lane_sums(r[mj]);
 }
 
 /* Scores of slots [s0, s0 + n) (n <= BLOCK) into out[m][t]: q . key, soft-capped when softcap > 0,
    -inf where the mask hides the slot. sums[m * GROUPS + j]: the sum of query m's group j. */
-static void block_scores(const float *q, const uint8_t *c, const uint16_t *sc, const uint16_t *of,
-                         const uint8_t *mask, int64_t s0, int n, int64_t stride_s, int64_t scale_s, const float *sums,
-                         float softcap, float out[M][BLOCK]) {
-    float numbers[HEAD], part[M * GROUPS][TILE][LANES], dots[M * GROUPS][TILE];
-    for (int t0 = 0; t0 < n; t0 += TILE) {
-        const int tile = n - t0 < TILE ? n - t0 : TILE;
-        for (int t = 0; t < tile; t++) {
-            if (mask[s0 + t0 + t]) {
-                unpack(c + (s0 + t0 + t) * stride_s, numbers);
-                for (int mj = 0; mj < M * GROUPS; mj++)
-                    partial_dot(q + mj * SIZE, numbers + (mj % GROUPS) * SIZE, part[mj][t]);
-            } else {
-                for (int mj = 0; mj < M * GROUPS; mj++) memset(part[mj][t], 0, sizeof(part[mj][t]));
-            }
+static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, const uint16_t *sc,
+                                const uint16_t *of, const uint8_t *mask, int64_t s0, int n, int64_t stride_s,
+                                int64_t scale_s, const float *sums, float softcap, float out[M][BLOCK]) {
+    for (int t0 = 0; t0 < n; t0 += LANES) {
+        const int count = n - t0 < LANES ? n - t0 : LANES;
+        floats dots[M * GROUPS], scale[GROUPS], base[GROUPS];
+        tile_dots(qv, c + (s0 + t0) * stride_s, stride_s, count, dots);
+        for (int j = 0; j < GROUPS; j++) {
+            scale[j] = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
+            base[j] = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
         }
-        for (int mj = 0; mj < M * GROUPS; mj++) {
-            for (int t = 0; t < TILE; t++) dots[mj][t] = 0.0f;
-            for (int l = 0; l < LANES; l++)
-                for (int t = 0; t < tile; t++) dots[mj][t] += part[mj][t][l];
-        }
-        for (int t = 0; t < tile; t++) {
-            const int64_t s = s0 + t0 + t;
-            for (int m = 0; m < M; m++) {
-                float total = 0.0f;
-                for (int j = 0; j < GROUPS; j++)
-                    total += half_to_float(sc[s * scale_s + j]) * dots[m * GROUPS + j][t] +
-                             half_to_float(of[s * scale_s + j]) * sums[m * GROUPS + j];
-                if (softcap > 0.0f) total = tanhf(total / softcap) * softcap;
-                out[m][t0 + t] = mask[s] ? total : -INFINITY;
-            }
+        ints hidden;
+        for (int t = 0; t < LANES; t++) hidden[t] = t < count ? mask[s0 + t0 + t] == 0 : 0;
+        hidden = -hidden;
+        for (int m = 0; m < M; m++) {
+            floats total = scale[0] * dots[m * GROUPS] + base[0] * sums[m * GROUPS];
+            for (int j = 1; j < GROUPS; j++) total += scale[j] * dots[m * GROUPS + j] + base[j] * sums[m * GROUPS + j];
+            if (softcap > 0.0f)
+                for (int t = 0; t < LANES; t++) total[t] = tanhf(total[t] / softcap) * softcap;
+            ints bits;
+            memcpy(&bits, &total, sizeof(bits));
+            bits = (bits & ~hidden) | (hidden & (ints){0} + (int32_t)0xFF800000);
+            memcpy(out[m] + t0, &bits, sizeof(bits));
         }
     }
 }
 
 /* Adds slots [s0, s0 + n) weighted by p[m][t] to acc (M, HEAD) and their offsets to shift (M, GROUPS). */
-static void block_values(const uint8_t *c, const uint16_t *sc, const uint16_t *of, int64_t s0, int n,
-                         int64_t stride_s, int64_t scale_s, float p[M][BLOCK], float *acc, float *shift) {
-    float numbers[HEAD];
+static inline void block_values(const uint8_t *c, const uint16_t *sc, const uint16_t *of, int64_t s0, int n,
+                                int64_t stride_s, int64_t scale_s, float p[M][BLOCK], floats acc[M][PIECES],
+                                float shift[M][GROUPS]) {
+    float scale[GROUPS][BLOCK], base[GROUPS][BLOCK];
+    for (int t0 = 0; t0 < n; t0 += LANES) {
+        const int count = n - t0 < LANES ? n - t0 : LANES;
+        for (int j = 0; j < GROUPS; j++) {
+            const floats factor = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
+            const floats start = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
+            memcpy(scale[j] + t0, &factor, sizeof(factor));
+            memcpy(base[j] + t0, &start, sizeof(start));
+        }
+    }
+    floats sum[M][PIECES]; /* acc, held in registers over the block */
+    memcpy(sum, acc, sizeof(sum));
     for (int t = 0; t < n; t++) {
         int any = 0;
         for (int m = 0; m < M; m++) any |= p[m][t] != 0.0f;
         if (!any) continue; /* hidden from every query: its codes are not read */
-        const int64_t s = s0 + t;
-        unpack(c + s * stride_s, numbers);
-        float scale[GROUPS], offset[GROUPS];
-        for (int j = 0; j < GROUPS; j++) scale[j] = half_to_float(sc[s * scale_s + j]), offset[j] = half_to_float(of[s * scale_s + j]);
+        float weight[M][GROUPS];
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < GROUPS; j++) {
-                const float weight = p[m][t] * scale[j];
-                float *a = acc + m * HEAD + j * SIZE;
-                const float *v = numbers + j * SIZE;
-                for (int i = 0; i < SIZE; i++) a[i] += weight * v[i];
-                shift[m * GROUPS + j] += p[m][t] * offset[j];
-            }
+            for (int j = 0; j < GROUPS; j++) weight[m][j] = p[m][t] * scale[j][t], shift[m][j] += p[m][t] * base[j][t];
+        for (int i = 0; i < PIECES; i++) {
+            const floats x = piece(c + (s0 + t) * stride_s, i);
+            for (int m = 0; m < M; m++) sum[m][i] += weight[m][i / PER_GROUP] * x;
+        }
     }
+    memcpy(acc, sum, sizeof(sum));
 }
 
 /* Folds one block's scores into the running maximum and sum of each query: p[m][t] becomes e^(score -
@@ -203,43 +293,46 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *sc
                         const uint8_t *mask, float *y, float *scores, float *stats, int64_t B, int64_t G, int64_t S,
                         int64_t stride_b, int64_t stride_g, int64_t stride_s, int64_t scale_b, int64_t scale_g,
                         int64_t scale_s, int64_t mask_b, int64_t mask_g, float softcap) {
-    float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M];
-    float acc[M * HEAD], shift[M * GROUPS], part[M * HEAD], part_shift[M * GROUPS];
     for (int64_t bg = 0; bg < B * G; bg++) {
         const int64_t b = bg / G, g = bg % G;
         const float *qq = q + bg * M * HEAD;
         const uint8_t *c = codes + b * stride_b + g * stride_g, *seen = mask + b * mask_b + g * mask_g;
         const uint16_t *sc = scales + b * scale_b + g * scale_g, *of = offsets + b * scale_b + g * scale_g;
-        for (int mj = 0; mj < M * GROUPS; mj++) {
-            float total = 0.0f;
-            for (int i = 0; i < SIZE; i++) total += qq[mj * SIZE + i];
-            sums[mj] = total;
+        floats qv[M][PIECES], acc[M][PIECES];
+        float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], shift[M][GROUPS];
+        for (int m = 0; m < M; m++) {
+            for (int i = 0; i < PIECES; i++) memcpy(&qv[m][i], qq + m * HEAD + i * LANES, sizeof(floats));
+            for (int j = 0; j < GROUPS; j++) {
+                float total = 0.0f;
+                for (int i = 0; i < SIZE; i++) total += qq[m * HEAD + j * SIZE + i];
+                sums[m * GROUPS + j] = total, shift[m][j] = 0.0f;
+            }
+            for (int i = 0; i < PIECES; i++) acc[m][i] = (floats){0};
+            maximum[m] = -INFINITY, sum[m] = 0.0f;
         }
-        for (int m = 0; m < M; m++) maximum[m] = -INFINITY, sum[m] = 0.0f;
-        memset(acc, 0, sizeof(acc));
-        memset(shift, 0, sizeof(shift));
         for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
             const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
-            block_scores(qq, c, sc, of, seen, s0, n, stride_s, scale_s, sums, softcap, block);
+            block_scores(qv, c, sc, of, seen, s0, n, stride_s, scale_s, sums, softcap, block);
             if (scores != NULL)
                 for (int m = 0; m < M; m++) memcpy(scores + (bg * M + m) * S + s0, block[m], n * sizeof(float));
             block_softmax(block, n, maximum, sum, p, alpha);
-            memset(part, 0, sizeof(part));
-            memset(part_shift, 0, sizeof(part_shift));
-            block_values(c + WIDTH, sc + GROUPS, of + GROUPS, s0, n, stride_s, scale_s, p, part, part_shift);
             for (int m = 0; m < M; m++) {
-                for (int i = 0; i < HEAD; i++) acc[m * HEAD + i] = acc[m * HEAD + i] * alpha[m] + part[m * HEAD + i];
-                for (int j = 0; j < GROUPS; j++)
-                    shift[m * GROUPS + j] = shift[m * GROUPS + j] * alpha[m] + part_shift[m * GROUPS + j];
+                for (int i = 0; i < PIECES; i++) acc[m][i] *= alpha[m];
+                for (int j = 0; j < GROUPS; j++) shift[m][j] *= alpha[m];
             }
+            block_values(c + WIDTH, sc + GROUPS, of + GROUPS, s0, n, stride_s, scale_s, p, acc, shift);
         }
         float *out = y + bg * M * HEAD;
         for (int m = 0; m < M; m++) {
-            for (int d = 0; d < HEAD; d++) out[m * HEAD + d] = (acc[m * HEAD + d] + shift[m * GROUPS + d / SIZE]) / sum[m];
+            for (int i = 0; i < PIECES; i++) {
+                const floats value = (acc[m][i] + shift[m][i / PER_GROUP]) / sum[m];
+                memcpy(out + m * HEAD + i * LANES, &value, sizeof(value));
+            }
             if (stats != NULL) stats[(bg * M + m) * 2] = maximum[m], stats[(bg * M + m) * 2 + 1] = sum[m];
         }
     }
 }
+#endif
 
 /* float32 to float16 bits, rounded to nearest even (beyond float16's range: infinity), as a cast does. */
 static inline uint16_t float_to_half(float f) {
