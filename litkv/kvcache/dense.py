@@ -26,6 +26,9 @@ class DenseKVCache(KVCache):
     def drops_valid_by_construction(self) -> bool:
         return type(self).select_drop is DenseKVCache.select_drop
 
+    def fills_in_order(self) -> bool:
+        return type(self).select_drop is DenseKVCache.select_drop
+
     def select_drop(self, candidates: Candidates) -> torch.Tensor:
         """Drop the `T` lowest-numbered candidates without a token (empty slots, then the call's pads),
         so every new token is kept.

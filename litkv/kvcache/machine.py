@@ -48,7 +48,8 @@ class SlotMachine:
             (`options.one_shot_budget`), else `None`.
         positions: `(B, G, L)` int64, token position held by each slot, `-1` when empty.
         num_filled: Host counter of tokens taken so far, capped at `L`. While the storage is lossless and
-            no eviction has happened, slots `[num_filled, L)` are empty (the fast path relies on it).
+            no eviction has happened, or the policy fills the lowest-numbered empty slots
+            (`Policy.fills_in_order`), slots `[num_filled, L)` are empty (the direct path relies on it).
         needs_attn_weights, needs_queries, needs_rope, needs_gates, needs_hidden: what the policy uses
             (`Policy.inputs`), read by attention and the model.
     """
@@ -212,7 +213,7 @@ class SlotMachine:
         """What the new queries attend to: cached tokens plus the new ones.
 
         Three named paths, by what the call allows, invisible to policies: `_attend_direct` while a
-        lossless cache has empty slots for the whole call (the new tokens go straight into them,
+        cache has empty slots for the whole call and `_goes_direct` (the new tokens go straight into them,
         nothing to choose); `_attend_staged` for a call of at most `ROOM` tokens (a decode step: staged
         in the room after the slots and attended from there, so the step copies nothing of the cache);
         `_attend_concat` for a longer call (a prefill chunk, or any call while autograd records). With
@@ -230,7 +231,7 @@ class SlotMachine:
 
         Returns:
             keys `(B, G, S, key_size)`, values `(B, G, S, value_size)`, positions `(B, G, S)`; a staged
-            call of a storage with `read_staged_packed` (int8/int4) gives its `PackedSlots` as both keys
+            decode step of a storage with `read_packed` (int8/int4) gives its `PackedSlots` as both keys
             and values, which `attention.attend` reads without unpacking.
         """
         self.settle()
@@ -245,7 +246,7 @@ class SlotMachine:
         new_pos = input_pos[:, None, :].expand(b, g, t)
         self.attended_keys_valid = False
         kept_queries = queries if self.needs_queries else None
-        if not self.static_shapes and self.storage.lossless and self.num_filled + t <= self.cache_length:
+        if not self.static_shapes and self.num_filled + t <= self.cache_length and self._goes_direct(t):
             attended = self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
         else:
             self.head_starts = None  # slots are chosen again: the compression's layout is gone
@@ -258,6 +259,15 @@ class SlotMachine:
         if self.needs_hidden and self._call is not None:
             self._call.candidates.hidden = hidden
         return attended
+
+    def _goes_direct(self, t: int) -> bool:
+        """Whether a call of `t` tokens, with room for them, goes straight into slots `[num_filled, num_filled +
+        T)`: always with a lossless storage; with a lossy one (whose new tokens attention must see as stored)
+        only a decode step read packed (`read_packed`) of a policy without state that fills the lowest-numbered
+        empty slots (`Policy.fills_in_order`: dense), for which the staged path would choose the same slot."""
+        if self.storage.lossless:
+            return True
+        return self.storage.reads_packed and t <= ROOM and not self.keeps_state and self.policy.fills_in_order()
 
     def _attend_read_only(
         self, keys: torch.Tensor, values: torch.Tensor, input_pos: torch.Tensor, queries: torch.Tensor | None
@@ -284,13 +294,13 @@ class SlotMachine:
     ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
         """A decode step: the token waits in the room after the slots; attend a view of slots + room.
 
-        A storage whose format attention reads directly (`read_staged_packed`: quantised codes) hands
+        A storage whose format attention reads directly (`read_packed`: quantised codes) hands
         over its packed slots as keys and values; the record unpacks them only if a policy reads them."""
         length, t = self.cache_length, keys.shape[2]
         # the room holds the call's own token: a pad there is seen by its own pad query only
         self.attended_keys_valid = self.slots_known_valid()
         self.storage.stage(keys, values)
-        packed = self.storage.read_staged_packed(t)
+        packed = self.storage.read_packed(length + t)
         all_keys, all_values = self.storage.read_staged(t) if packed is None else (packed, packed)
         self.pos_buffer[:, :, length : length + t] = new_pos
         positions = self.pos_buffer[:, :, : length + t]
@@ -324,8 +334,9 @@ class SlotMachine:
         new_pos: torch.Tensor,
         input_pos: torch.Tensor,
         queries: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The new tokens go into the empty slots `[num_filled, num_filled + T)`; attend the filled prefix."""
+    ) -> tuple[torch.Tensor | PackedSlots, torch.Tensor | PackedSlots, torch.Tensor]:
+        """The new tokens go into the empty slots `[num_filled, num_filled + T)`; attend the filled prefix (packed
+        where the storage reads so: `_goes_direct`)."""
         b, g, t = new_pos.shape
         start = self.num_filled
         # the record is built only for a policy with state
@@ -340,7 +351,8 @@ class SlotMachine:
         self.num_filled = start + t
         candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
         self._call = OpenCall("direct", start, candidates)
-        all_keys, all_values = self.storage.read_prefix(start + t)
+        packed = self.storage.read_packed(start + t)
+        all_keys, all_values = self.storage.read_prefix(start + t) if packed is None else (packed, packed)
         return all_keys, all_values, self.positions[:, :, : start + t]
 
     def evict_and_store(self, attn_weights: torch.Tensor | None) -> None:

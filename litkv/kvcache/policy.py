@@ -191,6 +191,13 @@ class Policy(ABC):
         """Most tokens one sequence may bring through this cache, `None` when unbounded (it evicts)."""
         return None
 
+    def fills_in_order(self) -> bool:
+        """Whether `select_drop` drops, while the cache has empty slots, the lowest-numbered ones (then the call's
+        pads), so that tokens take slots in index order and slots from the count of tokens taken on stay
+        empty; a lossy storage's decode step then goes straight into the next slot (`SlotMachine._goes_direct`).
+        `False` by default."""
+        return False
+
     def drops_valid_by_construction(self) -> bool:
         """Whether `select_drop` returns valid indices by construction, so that their values need not be
         checked (one host sync per call). Leave `False` while the policy is young: a wrong claim corrupts."""

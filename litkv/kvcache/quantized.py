@@ -12,7 +12,7 @@ Scales and offsets are bfloat16 for bfloat16 models, float16 otherwise (values b
 range, about 65,504, need a bfloat16 model).
 
 Reads (`read_prefix`, `read_staged`) dequantise to the model dtype (computed in float32, float64 for
-float64 models). A decode step does not: `read_staged_packed` hands attention the codes, scales and
+float64 models). A decode step does not: `read_packed` hands attention the codes, scales and
 offsets as stored (`QuantizedSlots`, views of the buffers), and `litkv.kvcache.quant_attention` attends them
 directly (the scales and offsets are applied to the products per group, never to every slot);
 `Candidates.keys`/`values` are dequantised from them only when a policy reads them. The new tokens of
@@ -213,6 +213,7 @@ class QuantizedStorage(KVStorage):
     """
 
     lossless = False
+    reads_packed = True
 
     def __init__(
         self, shape: CacheShape, device: torch.device | None, dtype: torch.dtype, bits: int, group_size: int
@@ -246,9 +247,8 @@ class QuantizedStorage(KVStorage):
         both = self._dequantize((self.codes[:, :, :end], self.scales[:, :, :end], self.offsets[:, :, :end]))
         return both[:, :, :, 0], both[:, :, :, 1]
 
-    def read_staged_packed(self, num_new: int) -> QuantizedSlots:
-        """The slots and the `num_new` staged tokens as stored (views, no copy): `(B, G, L + num_new, 2, *)`."""
-        end = self.cache_length + num_new
+    def read_packed(self, end: int) -> QuantizedSlots:
+        """Slots `[0, end)` as stored (views, no copy): `(B, G, end, 2, *)`."""
         parts = (buffer[:, :, :end] for buffer in self._buffers())
         return QuantizedSlots(*parts, bits=self.bits, group_size=self.group, dtype=self.dtype)
 

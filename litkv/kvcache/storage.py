@@ -125,6 +125,7 @@ class KVStorage:
     """
 
     lossless: bool = True
+    reads_packed: bool = False  # `read_packed` gives the slots in a format an attention kernel reads
     cache_length: int = 0
 
     def read_prefix(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +167,9 @@ class KVStorage:
         """The slots then the `num_new` staged tokens, as stored: `(B, G, L + num_new, *)`."""
         return self.read_prefix(self.cache_length + num_new)
 
-    def read_staged_packed(self, num_new: int) -> PackedSlots | None:
-        """What `read_staged` returns, still packed, for a storage whose format an attention kernel reads
-        directly; `None` (the default): attention gets `read_staged`'s tensors."""
+    def read_packed(self, end: int) -> PackedSlots | None:
+        """Slots `[0, end)` still packed (a decode step's view, no copy), for a storage whose format an attention
+        kernel reads directly; `None` (the default): attention gets `read_prefix`'s tensors."""
         return None
 
     def commit_staged(self, target: torch.Tensor) -> None:

@@ -159,3 +159,48 @@ def test_bfloat16_round_trip() -> None:
     err = (keys[:, 0].float() - x.float()).abs().unflatten(-1, (-1, 32)).amax(-1)
     # int8 error plus the bfloat16 rounding of the result
     assert bool((err <= step * 0.51 + x.float().abs().unflatten(-1, (-1, 32)).amax(-1) * 2**-8 + 1e-6).all())
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_dense_quantised_decode_steps_go_straight_into_the_next_slot(
+    tiny_model: Callable[..., GPT], monkeypatch: pytest.MonkeyPatch, storage: str
+) -> None:
+    """A dense quantised cache with room: decode steps take the direct path (the token written into slot
+    `num_filled`, the filled prefix attended from its codes), not the staged one (room, eviction machinery).
+    Against the staged path (forced by a policy that does not claim `fills_in_order`), on a ragged batch
+    (pads in the slots): the same greedy tokens, and every token's stored codes bitwise the same."""
+    model = tiny_model(0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (21,), generator=gen), torch.randint(0, 128, (9,), generator=gen)]
+    config = KVCacheConfig("dense", cache_length=64, chunk_size=8, storage=storage)
+    paths: list[str] = []
+    staged = SlotMachine._attend_staged
+
+    def spy(self, *args):
+        paths.append("staged")
+        return staged(self, *args)
+
+    def keep_last(into: list) -> Callable[[object], None]:
+        def keep(_: object) -> None:
+            into[:] = [{name: t.clone() for name, t in model.kv_caches[0].state_tensors().items()}]
+
+        return keep
+
+    monkeypatch.setattr(SlotMachine, "_attend_staged", spy)
+    held: list[dict] = []
+    direct = generate(model, prompts, 24, config, on_tokens=keep_last(held))
+    assert paths == []  # decode steps went straight into empty slots
+    monkeypatch.setattr(DenseKVCache, "fills_in_order", lambda self: False)
+    other: list[dict] = []
+    via_room = generate(model, prompts, 24, config, on_tokens=keep_last(other))
+    assert paths  # the staged path ran this time
+    assert [t.tolist() for t in direct] == [t.tolist() for t in via_room]
+    held, other = held[0], other[0]
+    for row in range(2):  # the same tokens held, each stored bitwise the same (in other slots: pads' holes)
+        for g in range(held["positions"].shape[1]):
+            mine, theirs = held["positions"][row, g], other["positions"][row, g]
+            assert sorted(mine[mine >= 0].tolist()) == sorted(theirs[theirs >= 0].tolist())
+            for name in ("storage.codes", "storage.scales", "storage.offsets"):
+                a = held[name][row, g][mine >= 0][mine[mine >= 0].argsort()]
+                b = other[name][row, g][theirs >= 0][theirs[theirs >= 0].argsort()]
+                assert torch.equal(a, b), name
