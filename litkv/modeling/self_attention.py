@@ -199,11 +199,11 @@ def call_layout(
     t = input_pos.shape[-1]
     # asked after every call (a call that may hold pads ends the compression's layout)
     starts = cache.direct_head_starts(no_pads) if isinstance(cache, SlotMachine) else None
+    if window is None and t == 1 and getattr(cache, "attended_keys_valid", False):
+        return None  # a decode step: its token is the newest, every slot holds an earlier one (packed slots too)
     if window is None and isinstance(keys, torch.Tensor):
         if t > 1 and no_pads and _suffix_causal(k_pos, input_pos):
             return CAUSAL
-        if t == 1 and getattr(cache, "attended_keys_valid", False):
-            return None  # a decode step: its token is the newest, every slot holds an earlier one
         if t == 1 and starts is not None:  # a decode step after a one-shot compression: each head's run of slots
             return HeadStarts(*starts) if any(map(any, starts[0])) else None
     return build_mask(input_pos, k_pos[:, :1] if cache.heads_share_positions else k_pos, window)
