@@ -254,8 +254,11 @@ class QuantizedStorage(KVStorage):
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         end = start + keys.shape[2]
-        for buffer, part in zip(self._buffers(), self._quantize(keys, values), strict=True):
-            buffer[:, :, start:end] = part
+        targets = [buffer[:, :, start:end] for buffer in self._buffers()]
+        if cpu_decode.quantize_into(torch.stack((keys, values), dim=3).detach(), *targets, self.bits, self.group):
+            return  # quantised in one C call straight into the slots (the same bits)
+        for target, part in zip(targets, self._quantize(keys, values), strict=True):
+            target.copy_(part)
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         new = self._quantize(keys, values)

@@ -20,7 +20,8 @@ import torch
 
 import litkv.kvcache.quant_attention as qa
 from litkv.kvcache.kernels import cpu_decode
-from litkv.kvcache.quantized import QuantizedSlots, quantize
+from litkv.kvcache.quantized import QuantizedSlots, QuantizedStorage, quantize
+from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
 
 FLOAT32 = {"atol": 1e-5, "rtol": 1e-4}
@@ -265,3 +266,34 @@ def test_quantize_leaves_what_it_cannot_match_to_pytorch(monkeypatch: pytest.Mon
     fast, slow = _quantize_both(x[1:3], 4, 32, monkeypatch)
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_storage_write_quantises_into_its_slots_with_the_pytorch_bits(
+    monkeypatch: pytest.MonkeyPatch, bits: int
+) -> None:
+    """`QuantizedStorage.write_range` quantises straight into slots `[start, start + T)` of a batch (the C call:
+    `quantize_into`), and the buffers then hold the bits the PyTorch path writes, the other slots untouched;
+    a token the C call leaves to PyTorch (a -0 beside +0 at a group's minimum) is written by PyTorch, the
+    same bits again."""
+    shape = CacheShape(3, 2, 10, 32, 32)
+    gen = torch.Generator().manual_seed(bits)
+    keys, values = (torch.randn(3, 2, 4, 32, generator=gen) * 3 for _ in range(2))
+    awkward = keys.clone()
+    awkward[1, 1, 2, :16] = 0.0
+    awkward[1, 1, 2, 3] = -0.0
+    calls: list[bool] = []
+    real = cpu_decode.quantize_into
+    monkeypatch.setattr(cpu_decode, "quantize_into", lambda *a: calls.append(real(*a)) or calls[-1])
+    for new_keys in (keys, awkward):
+        stores = [QuantizedStorage(shape, None, torch.float32, bits, 16) for _ in range(2)]
+        calls.clear()
+        stores[0].write_range(5, new_keys, values)
+        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+        stores[1].write_range(5, new_keys, values)
+        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", True)
+        assert calls == [new_keys is keys, False]  # the C call wrote the slots (or left the awkward batch), then not
+        for name, buffer in stores[0].buffers().items():
+            assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name
+            assert bool((buffer[:, :, :5] == 0).all() and (buffer[:, :, 9:] == 0).all())

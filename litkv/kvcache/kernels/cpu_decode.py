@@ -8,10 +8,10 @@ before two matrix products, and quantising a token is some twenty small operator
 
 - `litkv_quant_attend` (`decode_attend`): per (row, KV head), blocks of 64 slots: the keys scored from their
   codes, a running softmax, the values added from their codes, so each slot's codes are read once; float16
-  scales and offsets read in place; masks and soft-capping applied there. Written with GCC / Clang vector
+  scales and offsets read in place; masks and soft-capping applied there; the weight sums (`need_weights`)
+  from the scores it keeps and each query's maximum and sum. Written with GCC / Clang vector
   extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16; a group size
-  that is not a multiple of 4 has no kernel and takes the PyTorch path). The weight sums (`need_weights`)
-  follow in PyTorch from the scores and each query's maximum and sum that the kernel writes.
+  that is not a multiple of 4 has no kernel and takes the PyTorch path).
 - `litkv_quantize` (`quantize`): `litkv.kvcache.quantized.quantize` with float16 scales, bit for bit.
 
 The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV head),
@@ -59,7 +59,7 @@ FLAGS = ("-O3", "-ffp-contract=fast", "-fno-trapping-math", "-std=c11", "-shared
 NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carries the CPU's identity
 BUILD_SECONDS = 120
 
-_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float]
+_ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float]
 _lock = threading.Lock()
 _built: dict[tuple[int, int, int, int], ctypes.CDLL | None] = {}
 
@@ -122,19 +122,15 @@ def decode_attend(
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     queries = (q * scale).contiguous()
+    counted = None if query_valid is None or not need_weights else query_valid[:, 0].contiguous()
     y = torch.empty(b, g, m, d, dtype=torch.float32)
-    scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None
-    stats = torch.empty(b, g, m, 2, dtype=torch.float32) if need_weights else None
-    tensors = (queries, codes, scales, offsets, mask, y, scores, stats)
+    scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None  # the kernel's scratch
+    weights = torch.empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
+    tensors = (queries, codes, scales, offsets, mask, counted, y, scores, weights if need_weights else None)
     mask_g = mask.stride(1) if mask.shape[1] == g else 0
     sizes = (b, g, s, *codes.stride()[:3], *scales.stride()[:3], mask.stride(0), mask_g)
     lib.litkv_quant_attend(*(None if x is None else x.data_ptr() for x in tensors), *sizes, float(softcap or 0.0))
-    if not need_weights:
-        return y, q.new_empty(0)
-    probs = torch.exp(scores - stats[..., :1]) / stats[..., 1:]  # the softmax weights
-    if query_valid is not None:
-        probs = probs * query_valid[:, None, None, :]
-    return y, probs.sum(dim=2)
+    return y, weights
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -158,9 +154,40 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     codes = torch.empty(*x.shape[:-1], d * bits // 8, dtype=torch.uint8)
     scales = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16)
     offsets = torch.empty_like(scales)
-    if lib.litkv_quantize(flat.data_ptr(), flat.numel() // d, *(t.data_ptr() for t in (codes, scales, offsets))):
+    rows = flat.numel() // d
+    if lib.litkv_quantize(flat.data_ptr(), rows, rows, codes.data_ptr(), 0, scales.data_ptr(), offsets.data_ptr(), 0):
         return None
     return codes, scales, offsets
+
+
+def quantize_into(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int
+) -> bool:
+    """`quantize(x)` written straight into a storage's slots (`QuantizedStorage.write_range`), bit for bit; False
+    (nothing to rely on written) where it does not apply (as `quantize`, or slots laid out otherwise, or under
+    `torch.compile`): the caller then writes `quantized.quantize`'s result.
+
+    Args:
+        x: `(B, G, T, 2, D)` float32 keys and values; codes `(B, G, T, 2, D * bits / 8)` uint8 and scales,
+            offsets `(B, G, T, 2, D / group_size)` float16: views of slots `[start, start + T)` of buffers
+            `(B, G, L, 2, *)` whose last three axes are contiguous and whose rows follow each other.
+    """
+    if torch.compiler.is_compiling() or not CPU_KERNEL or x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    b, g, t, _, d = x.shape
+    if scales.dtype != torch.float16 or scales.stride() != offsets.stride():
+        return False
+    for part in (codes, scales):
+        width = part.shape[-1]
+        if part.stride()[2:] != (2 * width, width, 1) or (b > 1 and part.stride(0) != g * part.stride(1)):
+            return False
+    lib = library(d, d // group_size, bits, 1)
+    if lib is None:
+        return False
+    flat = x.contiguous()
+    per = t * 2  # a (row, KV head)'s T slots of key and value, then the next one's
+    pointers = (codes.data_ptr(), codes.stride(1), scales.data_ptr(), offsets.data_ptr(), scales.stride(1))
+    return lib.litkv_quantize(flat.data_ptr(), b * g * per, per, *pointers) == 0
 
 
 def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | None:
@@ -175,7 +202,16 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 if hasattr(lib, "litkv_quant_attend"):  # absent where a group's size is not a multiple of 4
                     lib.litkv_quant_attend.argtypes = _ARGS
                     lib.litkv_quant_attend.restype = None
-                lib.litkv_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3]
+                lib.litkv_quantize.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    ctypes.c_int64,
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                ]
                 lib.litkv_quantize.restype = ctypes.c_int
                 _built[key] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:

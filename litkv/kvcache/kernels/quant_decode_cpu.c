@@ -286,11 +286,13 @@ static void block_softmax(float scores[M][BLOCK], int n, float *maximum, float *
    q (B, G, M, HEAD) float32, contiguous, already multiplied by the attention scale; codes, scales and
    offsets as above (offsets with the strides of scales); mask: byte s of row b
    and KV head g at mask + b * mask_b + g * mask_g + s, nonzero where the slot may be attended; softcap: the
-   soft-capping threshold, 0 for none. Writes y (B, G, M, HEAD) float32; where scores is not NULL, the
-   scores (B, G, M, S) (soft-capped, -inf where hidden) and stats (B, G, M, 2): each query's maximum score
-   and the sum of e^(score - maximum), from which the softmax weights follow. */
+   soft-capping threshold, 0 for none. Writes y (B, G, M, HEAD) float32; where weights is not NULL, the
+   scores (B, G, M, S) (soft-capped, -inf where hidden) and from them the softmax weights summed over each KV
+   head's M queries, weights (B, G, S), counting row b's query only where counted is NULL or counted[b] is
+   nonzero. */
 void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *scales, const uint16_t *offsets,
-                        const uint8_t *mask, float *y, float *scores, float *stats, int64_t B, int64_t G, int64_t S,
+                        const uint8_t *mask, const uint8_t *counted, float *y, float *scores, float *weights,
+                        int64_t B, int64_t G, int64_t S,
                         int64_t stride_b, int64_t stride_g, int64_t stride_s, int64_t scale_b, int64_t scale_g,
                         int64_t scale_s, int64_t mask_b, int64_t mask_g, float softcap) {
     for (int64_t bg = 0; bg < B * G; bg++) {
@@ -313,7 +315,7 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *sc
         for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
             const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
             block_scores(qv, c, sc, of, seen, s0, n, stride_s, scale_s, sums, softcap, block);
-            if (scores != NULL)
+            if (weights != NULL)
                 for (int m = 0; m < M; m++) memcpy(scores + (bg * M + m) * S + s0, block[m], n * sizeof(float));
             block_softmax(block, n, maximum, sum, p, alpha);
             for (int m = 0; m < M; m++) {
@@ -328,7 +330,17 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *sc
                 const floats value = (acc[m][i] + shift[m][i / PER_GROUP]) / sum[m];
                 memcpy(out + m * HEAD + i * LANES, &value, sizeof(value));
             }
-            if (stats != NULL) stats[(bg * M + m) * 2] = maximum[m], stats[(bg * M + m) * 2 + 1] = sum[m];
+        }
+        if (weights != NULL) { /* e^(score - maximum) / sum, added over the queries */
+            float factor[M];
+            for (int m = 0; m < M; m++) factor[m] = (counted == NULL || counted[b] ? 1.0f : 0.0f) / sum[m];
+            const float *score = scores + bg * M * S;
+            float *w = weights + bg * S;
+            for (int64_t s = 0; s < S; s++) {
+                float total = 0.0f;
+                for (int m = 0; m < M; m++) total += exp_nonpositive(score[m * S + s] - maximum[m]) * factor[m];
+                w[s] = total;
+            }
         }
     }
 }
@@ -360,10 +372,13 @@ static inline uint16_t half_step(uint16_t h, int up) {
    of `rows` rows of HEAD (x float32, contiguous) gets offset = its minimum rounded down to float16,
    scale = (maximum - offset) / (2^BITS - 1) rounded up to float16, and codes round((x - offset) / scale)
    (times the reciprocal of the scale, at least 1e-30) clamped to [0, 2^BITS - 1], stored as the storage
-   keeps them (int8: biased by -128; int4: two per byte). Returns 1 without finishing when a number is not
+   keeps them (int8: biased by -128; int4: two per byte): row r's codes at codes + (r / per) * code_stride +
+   (r % per) * WIDTH, its scales and offsets at (r / per) * scale_stride + (r % per) * GROUPS (rows in runs
+   of `per` side by side, e.g. a storage's slots). Returns 1 without finishing when a number is not
    finite or beyond float16's range, or a group whose minimum or maximum is zero holds both +0 and -0 (which
    zero is the extreme is the PyTorch reduction's choice): the caller then takes the PyTorch path; else 0. */
-int litkv_quantize(const float *x, int64_t rows, uint8_t *codes, uint16_t *scales, uint16_t *offsets) {
+int litkv_quantize(const float *x, int64_t rows, int64_t per, uint8_t *codes, int64_t code_stride, uint16_t *scales,
+                   uint16_t *offsets, int64_t scale_stride) {
     const float levels = (float)((1 << BITS) - 1);
     for (int64_t i = 0; i < rows * HEAD; i++)
         if (!(fabsf(x[i]) <= 65504.0f)) return 1;
@@ -388,10 +403,10 @@ int litkv_quantize(const float *x, int64_t rows, uint8_t *codes, uint16_t *scale
                 const float code = nearbyintf((v[i] - base) * inverse);
                 numbers[j * SIZE + i] = code < 0.0f ? 0.0f : code > levels ? levels : code;
             }
-            scales[r * GROUPS + j] = scale;
-            offsets[r * GROUPS + j] = offset;
+            scales[r / per * scale_stride + r % per * GROUPS + j] = scale;
+            offsets[r / per * scale_stride + r % per * GROUPS + j] = offset;
         }
-        uint8_t *out = codes + r * WIDTH;
+        uint8_t *out = codes + r / per * code_stride + r % per * WIDTH;
 #if BITS == 8
         for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] ^ 0x80;
 #else
