@@ -20,7 +20,7 @@ import torch
 
 import litkv.kvcache.quant_attention as qa
 from litkv.kvcache.kernels import cpu_decode
-from litkv.kvcache.quantized import QuantizedSlots, QuantizedStorage, quantize
+from litkv.kvcache.quantized import QuantizedSlots, QuantizedStorage, quantize, round_trip_error
 from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import attend, build_mask
 
@@ -297,3 +297,21 @@ def test_a_storage_write_quantises_into_its_slots_with_the_pytorch_bits(
         for name, buffer in stores[0].buffers().items():
             assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name
             assert bool((buffer[:, :, :5] == 0).all() and (buffer[:, :, 9:] == 0).all())
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", [64, 16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_trip_errors_equal_the_pytorch_ones(bits: int, group: int) -> None:
+    """The C quantisation error (what `qh2o` reads, `QuantizedStorage.token_errors`) against PyTorch's
+    `round_trip_error`: the same codes, the squares summed in another order (float32 rounding); a NaN row
+    leaves the call to PyTorch."""
+    gen = torch.Generator().manual_seed(bits * group)
+    x = torch.randn(5, 3, 64, generator=gen) * torch.logspace(-3, 3, 5)[:, None, None]
+    x[0, 0, :group] = 0.5  # a constant group: no error
+    errors = cpu_decode.round_trip_errors(x, bits, group)
+    assert errors is not None and errors.shape == (5, 3)
+    torch.testing.assert_close(errors, round_trip_error(x, bits, group, torch.float16), rtol=1e-5, atol=0.0)
+    assert float(errors[1:].min()) > 0.0
+    x[2, 1, 7] = float("nan")
+    assert cpu_decode.round_trip_errors(x, bits, group) is None

@@ -12,7 +12,8 @@ before two matrix products, and quantising a token is some twenty small operator
   from the scores it keeps and each query's maximum and sum. Written with GCC / Clang vector
   extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16; a group size
   that is not a multiple of 4 has no kernel and takes the PyTorch path).
-- `litkv_quantize` (`quantize`): `litkv.kvcache.quantized.quantize` with float16 scales, bit for bit.
+- `litkv_quantize` (`quantize`, `quantize_into`): `litkv.kvcache.quantized.quantize` with float16 scales, bit
+  for bit; `litkv_round_trip_errors` (`round_trip_errors`): the quantisation error `qh2o` reads.
 
 The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV head),
 by the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -march=native`, into
@@ -160,6 +161,30 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     return codes, scales, offsets
 
 
+def round_trip_errors(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor | None:
+    """`litkv.kvcache.quantized.round_trip_error` with float16 scales in one C call (`litkv_round_trip_errors`:
+    the same codes, the squares summed in another order, so equal within float32 rounding); None where
+    `quantize` is (the caller then takes the PyTorch path).
+
+    Args:
+        x: `(..., D)` float32.
+
+    Returns:
+        `(...)` float32 mean squared errors.
+    """
+    if torch.compiler.is_compiling() or not CPU_KERNEL or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    d = x.shape[-1]
+    lib = library(d, d // group_size, bits, 1)
+    if lib is None:
+        return None
+    flat = x.detach().contiguous()
+    errors = torch.empty(x.shape[:-1], dtype=torch.float32)
+    if lib.litkv_round_trip_errors(flat.data_ptr(), flat.numel() // d, errors.data_ptr()):
+        return None
+    return errors
+
+
 def quantize_into(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int
 ) -> bool:
@@ -213,6 +238,8 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                     ctypes.c_int64,
                 ]
                 lib.litkv_quantize.restype = ctypes.c_int
+                lib.litkv_round_trip_errors.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                lib.litkv_round_trip_errors.restype = ctypes.c_int
                 _built[key] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 warnings.warn(

@@ -214,7 +214,7 @@ static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, co
                 for (int t = 0; t < LANES; t++) total[t] = tanhf(total[t] / softcap) * softcap;
             ints bits;
             memcpy(&bits, &total, sizeof(bits));
-            bits = (bits & ~hidden) | (hidden & (ints){0} + (int32_t)0xFF800000);
+            bits = (bits & ~hidden) | (hidden & ((ints){0} + (int32_t)0xFF800000));
             memcpy(out[m] + t0, &bits, sizeof(bits));
         }
     }
@@ -368,6 +368,39 @@ static inline uint16_t half_step(uint16_t h, int up) {
     return ((h & 0x8000) == 0) == (up != 0) ? h + 1 : h - 1;
 }
 
+/* Whether each of the n numbers at x is finite and within float16's range (else the PyTorch path). */
+static int all_in_range(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabsf(x[i]) <= 65504.0f)) return 0;
+    return 1;
+}
+
+/* One group of SIZE numbers at v: its offset (the minimum rounded down to float16) and scale (the range over
+   2^BITS - 1 rounded up), as float16 bits, and its codes (as numbers) into numbers; 1 where both zeros sit at
+   an extreme (the caller takes the PyTorch path), else 0. */
+static int quantize_group(const float *v, uint16_t *scale_bits, uint16_t *offset_bits, float *numbers) {
+    const float levels = (float)((1 << BITS) - 1);
+    float low = v[0], high = v[0];
+    int zeros = 0; /* bit 0: a +0 seen, bit 1: a -0 seen */
+    for (int i = 0; i < SIZE; i++) {
+        low = v[i] < low ? v[i] : low, high = v[i] > high ? v[i] : high;
+        if (v[i] == 0.0f) zeros |= signbit(v[i]) ? 2 : 1;
+    }
+    if (zeros == 3 && (low == 0.0f || high == 0.0f)) return 1;
+    uint16_t offset = float_to_half(low);
+    if (half_to_float(offset) > low) offset = half_step(offset, 0);
+    const float base = half_to_float(offset), range = (high - base) / levels;
+    uint16_t scale = float_to_half(range);
+    if (half_to_float(scale) < range) scale = half_step(scale, 1);
+    const float factor = half_to_float(scale), inverse = 1.0f / (factor > 1e-30f ? factor : 1e-30f);
+    for (int i = 0; i < SIZE; i++) {
+        const float code = nearbyintf((v[i] - base) * inverse);
+        numbers[i] = code < 0.0f ? 0.0f : code > levels ? levels : code;
+    }
+    *scale_bits = scale, *offset_bits = offset;
+    return 0;
+}
+
 /* litkv.kvcache.quantized.quantize for float16 scales, bit for bit: each group of SIZE numbers of each
    of `rows` rows of HEAD (x float32, contiguous) gets offset = its minimum rounded down to float16,
    scale = (maximum - offset) / (2^BITS - 1) rounded up to float16, and codes round((x - offset) / scale)
@@ -379,32 +412,12 @@ static inline uint16_t half_step(uint16_t h, int up) {
    zero is the extreme is the PyTorch reduction's choice): the caller then takes the PyTorch path; else 0. */
 int litkv_quantize(const float *x, int64_t rows, int64_t per, uint8_t *codes, int64_t code_stride, uint16_t *scales,
                    uint16_t *offsets, int64_t scale_stride) {
-    const float levels = (float)((1 << BITS) - 1);
-    for (int64_t i = 0; i < rows * HEAD; i++)
-        if (!(fabsf(x[i]) <= 65504.0f)) return 1;
+    if (!all_in_range(x, rows * HEAD)) return 1;
     for (int64_t r = 0; r < rows; r++) {
         float numbers[HEAD];
         for (int j = 0; j < GROUPS; j++) {
-            const float *v = x + r * HEAD + j * SIZE;
-            float low = v[0], high = v[0];
-            int zeros = 0; /* bit 0: a +0 seen, bit 1: a -0 seen */
-            for (int i = 0; i < SIZE; i++) {
-                low = v[i] < low ? v[i] : low, high = v[i] > high ? v[i] : high;
-                if (v[i] == 0.0f) zeros |= signbit(v[i]) ? 2 : 1;
-            }
-            if (zeros == 3 && (low == 0.0f || high == 0.0f)) return 1;
-            uint16_t offset = float_to_half(low);
-            if (half_to_float(offset) > low) offset = half_step(offset, 0);
-            const float base = half_to_float(offset), range = (high - base) / levels;
-            uint16_t scale = float_to_half(range);
-            if (half_to_float(scale) < range) scale = half_step(scale, 1);
-            const float factor = half_to_float(scale), inverse = 1.0f / (factor > 1e-30f ? factor : 1e-30f);
-            for (int i = 0; i < SIZE; i++) {
-                const float code = nearbyintf((v[i] - base) * inverse);
-                numbers[j * SIZE + i] = code < 0.0f ? 0.0f : code > levels ? levels : code;
-            }
-            scales[r / per * scale_stride + r % per * GROUPS + j] = scale;
-            offsets[r / per * scale_stride + r % per * GROUPS + j] = offset;
+            uint16_t *scale = scales + r / per * scale_stride + r % per * GROUPS + j;
+            if (quantize_group(x + r * HEAD + j * SIZE, scale, offsets + (scale - scales), numbers + j * SIZE)) return 1;
         }
         uint8_t *out = codes + r / per * code_stride + r % per * WIDTH;
 #if BITS == 8
@@ -412,6 +425,30 @@ int litkv_quantize(const float *x, int64_t rows, int64_t per, uint8_t *codes, in
 #else
         for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] | (uint8_t)((uint8_t)numbers[i + WIDTH] << 4);
 #endif
+    }
+    return 0;
+}
+
+/* errors[r]: the mean squared difference between row r of x (rows of HEAD numbers, as litkv_quantize takes
+   them) and its quantised form read back (offset + scale * code, float32), the quantisation error
+   `quantized.round_trip_error` measures (summed in another order: equal within float32 rounding). Returns 1
+   where litkv_quantize would (errors then unreliable), else 0. */
+int litkv_round_trip_errors(const float *x, int64_t rows, float *errors) {
+    if (!all_in_range(x, rows * HEAD)) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        float total = 0.0f;
+        for (int j = 0; j < GROUPS; j++) {
+            const float *v = x + r * HEAD + j * SIZE;
+            float numbers[SIZE];
+            uint16_t scale, offset;
+            if (quantize_group(v, &scale, &offset, numbers)) return 1;
+            const float factor = half_to_float(scale), base = half_to_float(offset);
+            for (int i = 0; i < SIZE; i++) {
+                const float miss = v[i] - (numbers[i] * factor + base);
+                total += miss * miss;
+            }
+        }
+        errors[r] = total / HEAD;
     }
     return 0;
 }
