@@ -290,9 +290,9 @@ class QuantizedStorage(KVStorage):
             `(B, G, T)` float32: mean squared round-trip error of the key plus that of the value.
         """
         both = torch.stack((keys, values), dim=3)
-        errors = (
-            cpu_decode.round_trip_errors(both, self.bits, self.group) if self.scale_dtype == torch.float16 else None
-        )
+        errors = None
+        if self.scale_dtype == torch.float16:  # on the CPU, one C call (`cpu_decode.round_trip_errors`)
+            errors = cpu_decode.round_trip_errors(both, self.bits, self.group)
         if errors is None:
             errors = round_trip_error(both, self.bits, self.group, self.scale_dtype)
         return errors.sum(dim=-1)
