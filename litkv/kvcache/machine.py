@@ -264,7 +264,8 @@ class SlotMachine:
         """Whether a call of `t` tokens, with room for them, goes straight into slots `[num_filled, num_filled +
         T)`: always with a lossless storage; with a lossy one (whose new tokens attention must see as stored)
         only a decode step read packed (`read_packed`) of a policy without state that fills the lowest-numbered
-        empty slots (`Policy.fills_in_order`: dense), for which the staged path would choose the same slot."""
+        empty slots (`Policy.fills_in_order`: dense), whose staged path would store the same bits in an empty
+        slot too (perhaps a pad's, which the direct path leaves empty)."""
         if self.storage.lossless:
             return True
         return self.storage.reads_packed and t <= ROOM and not self.keeps_state and self.policy.fills_in_order()

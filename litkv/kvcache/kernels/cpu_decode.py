@@ -61,6 +61,8 @@ NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carr
 BUILD_SECONDS = 120
 
 _ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float]
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_QUANTIZE_ARGS = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT]  # litkv_quantize's
 _lock = threading.Lock()
 _built: dict[tuple[int, int, int, int], ctypes.CDLL | None] = {}
 
@@ -227,16 +229,7 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 if hasattr(lib, "litkv_quant_attend"):  # absent where a group's size is not a multiple of 4
                     lib.litkv_quant_attend.argtypes = _ARGS
                     lib.litkv_quant_attend.restype = None
-                lib.litkv_quantize.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_int64,
-                    ctypes.c_int64,
-                    ctypes.c_void_p,
-                    ctypes.c_int64,
-                    ctypes.c_void_p,
-                    ctypes.c_void_p,
-                    ctypes.c_int64,
-                ]
+                lib.litkv_quantize.argtypes = _QUANTIZE_ARGS
                 lib.litkv_quantize.restype = ctypes.c_int
                 lib.litkv_round_trip_errors.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                 lib.litkv_round_trip_errors.restype = ctypes.c_int
