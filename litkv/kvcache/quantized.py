@@ -269,6 +269,10 @@ class QuantizedStorage(KVStorage):
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scales": self.scales, "offsets": self.offsets}
 
+    def commit_staged(self, target: torch.Tensor) -> None:
+        if not cpu_decode.commit(*self._buffers(), target, self.bits, self.group):  # on the CPU: one C call
+            super().commit_staged(target)
+
     def as_stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantise and dequantise `(B, G, T, D)` keys and values; gradients pass straight through."""
         both = self._dequantize(self._quantize(keys, values))

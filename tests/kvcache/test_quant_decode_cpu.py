@@ -315,3 +315,29 @@ def test_round_trip_errors_equal_the_pytorch_ones(bits: int, group: int) -> None
     assert float(errors[1:].min()) > 0.0
     x[2, 1, 7] = float("nan")
     assert cpu_decode.round_trip_errors(x, bits, group) is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_staged_token_moves_into_its_slot_as_pytorch_moves_it(monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+    """`QuantizedStorage.commit_staged` through the C call (`cpu_decode.commit`) leaves the buffers bitwise as
+    the PyTorch move does: each (row, KV head)'s staged slot copied into its target, or nothing where the
+    target is the room (the staged token dropped)."""
+    shape = CacheShape(2, 3, 6, 32, 32)
+    gen = torch.Generator().manual_seed(bits)
+    stores = [QuantizedStorage(shape, None, torch.float32, bits, 16) for _ in range(2)]
+    target = torch.tensor([[[0], [5], [6]], [[3], [6], [2]]])  # 6: the room
+    moved = []
+    for on, store in zip((True, False), stores, strict=True):
+        store.write_range(0, torch.randn(2, 3, 6, 32, generator=gen), torch.randn(2, 3, 6, 32, generator=gen))
+        store.stage(torch.randn(2, 3, 1, 32, generator=gen), torch.randn(2, 3, 1, 32, generator=gen))
+        gen.manual_seed(bits)  # both stores hold the same tokens
+        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", on)
+        before = {name: buffer.clone() for name, buffer in store.buffers().items()}
+        if on:  # the C call applies to these buffers
+            assert cpu_decode.commit(*(buffer.clone() for buffer in store._buffers()), target, bits, 16)
+        store.commit_staged(target)
+        moved.append(not any(torch.equal(buffer, before[name]) for name, buffer in store.buffers().items()))
+    assert moved == [True, True]  # every buffer changed
+    for name, buffer in stores[0].buffers().items():
+        assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name

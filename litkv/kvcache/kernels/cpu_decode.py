@@ -63,6 +63,7 @@ BUILD_SECONDS = 120
 _ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float]
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _QUANTIZE_ARGS = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT]  # litkv_quantize's
+_COMMIT_ARGS = [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT]  # litkv_commit's
 _lock = threading.Lock()
 _built: dict[tuple[int, int, int, int], ctypes.CDLL | None] = {}
 
@@ -217,6 +218,36 @@ def quantize_into(
     return lib.litkv_quantize(flat.data_ptr(), b * g * per, per, *pointers) == 0
 
 
+def commit(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, bits: int, group_size: int
+) -> bool:
+    """`KVStorage.commit_staged` for a quantised storage's buffers in one C call (`litkv_commit`): the staged slot
+    (the last) copied into slot `target` of each (row, KV head); False where it does not apply (as
+    `quantize_into`'s layout conditions, or under `torch.compile`): the caller then moves it with PyTorch.
+
+    Args:
+        codes: `(B, G, L + 1, 2, D * bits / 8)` uint8, scales and offsets `(B, G, L + 1, 2, D / group_size)` float16:
+            the storage's buffers; target: `(B, G, 1)` int64 slots, `L` where the staged token is dropped.
+    """
+    if torch.compiler.is_compiling() or not CPU_KERNEL or codes.device.type != "cpu":
+        return False
+    b, g, room = codes.shape[0], codes.shape[1], codes.shape[2] - 1
+    if scales.dtype != torch.float16 or scales.stride() != offsets.stride() or target.dtype != torch.int64:
+        return False
+    for part in (codes, scales):
+        width = part.shape[-1]
+        if part.stride()[2:] != (2 * width, width, 1) or (b > 1 and part.stride(0) != g * part.stride(1)):
+            return False
+    d = codes.shape[-1] * 8 // bits
+    lib = library(d, d // group_size, bits, 1)
+    if lib is None:
+        return False
+    slots = target.contiguous()
+    pointers = (codes.data_ptr(), codes.stride(1), scales.data_ptr(), offsets.data_ptr(), scales.stride(1))
+    lib.litkv_commit(*pointers, slots.data_ptr(), b * g, room)
+    return True
+
+
 def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | None:
     """The kernel compiled for vectors of `head` numbers in `groups` groups of `bits`-bit codes and `queries`
     queries per KV head (built on first use, then loaded from `$LITKV_HOME/kernels/`), or None (with one
@@ -233,6 +264,8 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 lib.litkv_quantize.restype = ctypes.c_int
                 lib.litkv_round_trip_errors.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                 lib.litkv_round_trip_errors.restype = ctypes.c_int
+                lib.litkv_commit.argtypes = _COMMIT_ARGS
+                lib.litkv_commit.restype = None
                 _built[key] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 warnings.warn(

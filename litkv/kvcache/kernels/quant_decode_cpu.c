@@ -452,3 +452,20 @@ int litkv_round_trip_errors(const float *x, int64_t rows, float *errors) {
     }
     return 0;
 }
+
+/* A staged slot moved into place (`KVStorage.commit_staged`): for each of the `rows` (row, KV head) pairs r,
+   the 2 * WIDTH code bytes and 2 * GROUPS scales and offsets of slot `room` copied into slot target[r] (nothing
+   where target[r] is `room`: the staged token is the one dropped). Row r's slot s of codes at codes + r *
+   code_stride + s * 2 * WIDTH, of scales and offsets at r * scale_stride + s * 2 * GROUPS. */
+void litkv_commit(uint8_t *codes, int64_t code_stride, uint16_t *scales, uint16_t *offsets, int64_t scale_stride,
+                  const int64_t *target, int64_t rows, int64_t room) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t to = target[r];
+        if (to == room) continue;
+        uint8_t *c = codes + r * code_stride;
+        uint16_t *s = scales + r * scale_stride, *o = offsets + r * scale_stride;
+        memcpy(c + to * 2 * WIDTH, c + room * 2 * WIDTH, 2 * WIDTH);
+        memcpy(s + to * 2 * GROUPS, s + room * 2 * GROUPS, 2 * GROUPS * sizeof(uint16_t));
+        memcpy(o + to * 2 * GROUPS, o + room * 2 * GROUPS, 2 * GROUPS * sizeof(uint16_t));
+    }
+}
