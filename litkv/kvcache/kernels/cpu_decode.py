@@ -203,12 +203,8 @@ def quantize_into(
     if torch.compiler.is_compiling() or not CPU_KERNEL or x.device.type != "cpu" or x.dtype != torch.float32:
         return False
     b, g, t, _, d = x.shape
-    if scales.dtype != torch.float16 or scales.stride() != offsets.stride():
+    if not _slots_in_rows(codes, scales, offsets):
         return False
-    for part in (codes, scales):
-        width = part.shape[-1]
-        if part.stride()[2:] != (2 * width, width, 1) or (b > 1 and part.stride(0) != g * part.stride(1)):
-            return False
     lib = library(d, d // group_size, bits, 1)
     if lib is None:
         return False
@@ -232,12 +228,8 @@ def commit(
     if torch.compiler.is_compiling() or not CPU_KERNEL or codes.device.type != "cpu":
         return False
     b, g, room = codes.shape[0], codes.shape[1], codes.shape[2] - 1
-    if scales.dtype != torch.float16 or scales.stride() != offsets.stride() or target.dtype != torch.int64:
+    if target.dtype != torch.int64 or not _slots_in_rows(codes, scales, offsets):
         return False
-    for part in (codes, scales):
-        width = part.shape[-1]
-        if part.stride()[2:] != (2 * width, width, 1) or (b > 1 and part.stride(0) != g * part.stride(1)):
-            return False
     d = codes.shape[-1] * 8 // bits
     lib = library(d, d // group_size, bits, 1)
     if lib is None:
@@ -245,6 +237,20 @@ def commit(
     slots = target.contiguous()
     pointers = (codes.data_ptr(), codes.stride(1), scales.data_ptr(), offsets.data_ptr(), scales.stride(1))
     lib.litkv_commit(*pointers, slots.data_ptr(), b * g, room)
+    return True
+
+
+def _slots_in_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether `(B, G, S, 2, *)` codes and float16 scales and offsets (the same strides) keep each slot's key and
+    value side by side, slots one after the other, and the `(row, KV head)` pairs at one stride apart (the
+    layout `litkv_quantize` and `litkv_commit` address)."""
+    if scales.dtype != torch.float16 or scales.stride() != offsets.stride():
+        return False
+    b, g = codes.shape[:2]
+    for part in (codes, scales):
+        width = part.shape[-1]
+        if part.stride()[2:] != (2 * width, width, 1) or (b > 1 and part.stride(0) != g * part.stride(1)):
+            return False
     return True
 
 
