@@ -255,9 +255,10 @@ class QuantizedStorage(KVStorage):
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         end = start + keys.shape[2]
         targets = [buffer[:, :, start:end] for buffer in self._buffers()]
-        if cpu_decode.quantize_into(torch.stack((keys, values), dim=3).detach(), *targets, self.bits, self.group):
+        both = torch.stack((keys, values), dim=3).detach()
+        if cpu_decode.quantize_into(both, *targets, self.bits, self.group):
             return  # quantised in one C call straight into the slots (the same bits)
-        for target, part in zip(targets, self._quantize(keys, values), strict=True):
+        for target, part in zip(targets, quantize(both, self.bits, self.group, self.scale_dtype), strict=True):
             target.copy_(part)
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:

@@ -196,6 +196,7 @@ def test_dense_quantised_decode_steps_go_straight_into_the_next_slot(
     assert paths  # the staged path ran this time
     assert [t.tolist() for t in direct] == [t.tolist() for t in via_room]
     held, other = held[0], other[0]
+    # layer 0: its keys and values come from the tokens alone, so equal tokens give equal bits on any CPU
     for row in range(2):  # the same tokens held, each stored bitwise the same (in other slots: pads' holes)
         for g in range(held["positions"].shape[1]):
             mine, theirs = held["positions"][row, g], other["positions"][row, g]

@@ -148,7 +148,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     Returns:
         codes `(..., D * bits / 8)` uint8, scales and offsets `(..., D / group_size)` float16.
     """
-    if not CPU_KERNEL or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if not _applies(x) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
     d = x.shape[-1]
     lib = library(d, d // group_size, bits, 1)
@@ -175,7 +175,7 @@ def round_trip_errors(x: torch.Tensor, bits: int, group_size: int) -> torch.Tens
     Returns:
         `(...)` float32 mean squared errors.
     """
-    if torch.compiler.is_compiling() or not CPU_KERNEL or x.device.type != "cpu" or x.dtype != torch.float32:
+    if not _applies(x) or x.dtype != torch.float32:
         return None
     d = x.shape[-1]
     lib = library(d, d // group_size, bits, 1)
@@ -200,7 +200,7 @@ def quantize_into(
             offsets `(B, G, T, 2, D / group_size)` float16: views of slots `[start, start + T)` of buffers
             `(B, G, L, 2, *)` whose last three axes are contiguous and whose rows follow each other.
     """
-    if torch.compiler.is_compiling() or not CPU_KERNEL or x.device.type != "cpu" or x.dtype != torch.float32:
+    if not _applies(x) or x.dtype != torch.float32:
         return False
     b, g, t, _, d = x.shape
     if not _slots_in_rows(codes, scales, offsets):
@@ -225,7 +225,7 @@ def commit(
         codes: `(B, G, L + 1, 2, D * bits / 8)` uint8, scales and offsets `(B, G, L + 1, 2, D / group_size)` float16:
             the storage's buffers; target: `(B, G, 1)` int64 slots, `L` where the staged token is dropped.
     """
-    if torch.compiler.is_compiling() or not CPU_KERNEL or codes.device.type != "cpu":
+    if not _applies(codes):
         return False
     b, g, room = codes.shape[0], codes.shape[1], codes.shape[2] - 1
     if target.dtype != torch.int64 or not _slots_in_rows(codes, scales, offsets):
@@ -238,6 +238,12 @@ def commit(
     pointers = (codes.data_ptr(), codes.stride(1), scales.data_ptr(), offsets.data_ptr(), scales.stride(1))
     lib.litkv_commit(*pointers, slots.data_ptr(), b * g, room)
     return True
+
+
+def _applies(x: torch.Tensor) -> bool:
+    """Whether a C call may serve `x` at all: on the CPU, `CPU_KERNEL` on, and not inside `torch.compile`'s
+    tracing (which cannot follow a ctypes call)."""
+    return CPU_KERNEL and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _slots_in_rows(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> bool:

@@ -152,8 +152,9 @@ static inline floats lane_sums(const floats r[LANES]) {
 #undef ADD
 }
 
-/* LANES float16 numbers (their bits, from h[0], h[stride], ..., the first `count` of them, h[0] for the rest) as float32, exactly: the magnitude's bits
-   moved into float32's places and scaled by 2^112 (normal and subnormal numbers), infinity and NaN made so. */
+/* LANES float16 numbers (their bits, from h[0], h[stride], ..., the first `count` of them, h[0] for the rest)
+   as float32, exactly: the magnitude's bits moved into float32's places and scaled by 2^112 (normal and
+   subnormal numbers), infinity and NaN made so. */
 static inline floats halves(const uint16_t *h, int64_t stride, int count) {
     ints bits;
     for (int t = 0; t < LANES; t++) bits[t] = h[(t < count ? t : 0) * stride];
