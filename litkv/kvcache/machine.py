@@ -86,6 +86,9 @@ class SlotMachine:
         self.static_slots_valid = False
         # The keys the last `attend_inputs` returned all hold a token, known on the host (attention needs no mask)
         self.attended_keys_valid = False
+        # Host-known: slots `[0, n)` hold the tokens of direct calls without pads (`direct_prefix_valid`); `None`:
+        # not known (a call that may hold a pad, another path, or slots written from outside)
+        self._valid_prefix: int | None = 0
         # After a one-shot compression (`compact_slots`): per (row, KV head) the first filled slot, every slot from
         # there on holding a token, on the host and as a `(B, G)` tensor (`direct_head_starts`); `None` when not known
         self.head_starts: tuple[list[list[int]], torch.Tensor] | None = None
@@ -189,6 +192,7 @@ class SlotMachine:
         self._slots_valid = None
         self.static_slots_valid = False
         self.head_starts = None
+        self._valid_prefix = None
 
     def direct_head_starts(self, no_pads: bool) -> tuple[list[list[int]], torch.Tensor] | None:
         """For the call just attended: per (row, KV head) the first of the attended slots, every one from there to
@@ -199,6 +203,20 @@ class SlotMachine:
         if self._call is None or self._call.path != "direct" or not no_pads:
             self.head_starts = None
         return self.head_starts
+
+    def direct_prefix_valid(self, no_pads: bool) -> bool:
+        """For the call just attended: whether every attended slot holds a token, known on the host without reading
+        the device. True for a direct call without pads (`no_pads`) when every call since the cache was empty was
+        one too: slots `[0, num_filled)` then hold their tokens in order. A call that may hold a pad, one of another
+        path, or slots written from outside (`forget_valid_slots`) end it until the cache is empty again, so
+        attention asks after every call (asking again for the same call gives the same answer)."""
+        call = self._call
+        direct = call is not None and call.path == "direct"
+        if direct and no_pads and self._valid_prefix in (call.start, self.num_filled):
+            self._valid_prefix = self.num_filled
+            return True
+        self._valid_prefix = None
+        return False
 
     # -- contract -------------------------------------------------------------------------------
 
@@ -250,6 +268,7 @@ class SlotMachine:
             attended = self._attend_direct(keys, values, new_pos, input_pos, kept_queries)
         else:
             self.head_starts = None  # slots are chosen again: the compression's layout is gone
+            self._valid_prefix = None
             if not self.static_shapes:
                 self.check_room(input_pos)
             if t <= ROOM and not needs_functional(keys, values):
@@ -346,9 +365,11 @@ class SlotMachine:
             self.journal(self, torch.arange(start, start + t, device=keys.device).expand(b, g, t))
         self.storage.write_range(start, keys, values)
         self.positions[:, :, start : start + t] = new_pos
-        starts = self.head_starts
+        starts, prefix = self.head_starts, self._valid_prefix
         self.forget_valid_slots()  # the new tokens may be pads
-        self.head_starts = starts  # appended after every head's slots (a pad ends them: `direct_head_starts`)
+        # appended after every head's slots, and after the known prefix (a pad ends them: `direct_head_starts`,
+        # `direct_prefix_valid`)
+        self.head_starts, self._valid_prefix = starts, prefix
         self.num_filled = start + t
         candidates = Candidates(positions, None, None, keys, values, input_pos, queries=queries)
         self._call = OpenCall("direct", start, candidates)

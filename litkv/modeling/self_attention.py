@@ -154,6 +154,8 @@ class CausalSelfAttention(nn.Module):
         c = self.config
         b, t, _ = qkv.shape
         kv_size = c.n_query_groups * c.head_size
+        if not c.norm_qk:  # queries and keys rotated together (half the operators of a decode step's RoPE)
+            return self._rotated_together(qkv, cos, sin)
         q, k, v = qkv.split((c.n_head * c.head_size, kv_size, kv_size), dim=-1)
         if c.norm_qk and c.norm_qk_type == "olmo2":
             q, k = self.norm_q(q), self.norm_k(k)
@@ -162,10 +164,26 @@ class CausalSelfAttention(nn.Module):
         v = v.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
         if c.norm_qk and c.norm_qk_type == "default":
             q, k = self.norm_q(q), self.norm_k(k)
-        n = c.rope_n_elem
-        q = torch.cat((apply_rope(q[..., :n], cos, sin, c.rope_interleave), q[..., n:]), dim=-1)
-        k = torch.cat((apply_rope(k[..., :n], cos, sin, c.rope_interleave), k[..., n:]), dim=-1)
-        return q, k, v
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _rotated_together(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`heads` without q/k norms: RoPE over the query and key heads in one pass (the same elementwise
+        operators per element, so the same bits as rotating each apart); queries and keys contiguous, as apart
+        (no copy for a decode step of one row)."""
+        c = self.config
+        b, t, _ = qkv.shape
+        heads = qkv.view(b, t, c.n_head + 2 * c.n_query_groups, c.head_size).transpose(1, 2)
+        qk = self._rope(heads[:, : c.n_head + c.n_query_groups], cos, sin)
+        return qk[:, : c.n_head].contiguous(), qk[:, c.n_head :].contiguous(), heads[:, c.n_head + c.n_query_groups :]
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first `rope_n_elem` features of heads `x` `(B, H, T, hs)` (the rest unchanged)."""
+        n = self.config.rope_n_elem
+        if n == x.shape[-1]:
+            return apply_rope(x, cos, sin, self.config.rope_interleave)
+        return torch.cat((apply_rope(x[..., :n], cos, sin, self.config.rope_interleave), x[..., n:]), dim=-1)
 
     def _layout(
         self, cache: SlotMachine, keys: object, k_pos: torch.Tensor, input_pos: torch.Tensor, no_pads: bool
@@ -187,9 +205,10 @@ def call_layout(
 ) -> Layout:
     """Which keys each of a call's queries sees (`attend`'s `mask`): `CAUSAL` for a call without pads whose keys
     end with its own after filled earlier slots (no mask), `None` for a decode step over slots the cache knows all
-    hold a token (no mask), `HeadStarts` for a decode step without pads over a compressed one-shot cache whose heads
-    keep different counts (each head's run of slots), else a mask built from positions (pads, empty slots, a
-    sliding window, spliced positions). Shared by `CausalSelfAttention` and `litkv.hf`'s attention function.
+    hold a token (a full cache's, or a prefix filled by calls without pads: no mask), `HeadStarts` for a decode step
+    without pads over a compressed one-shot cache whose heads keep different counts (each head's run of slots),
+    else a mask built from positions (pads, empty slots, a sliding window, spliced positions). Shared by
+    `CausalSelfAttention` and `litkv.hf`'s attention function.
 
     Args:
         cache: the layer's cache; keys: the keys `attend_inputs` returned (a tensor, or packed slots); k_pos: their
@@ -197,9 +216,11 @@ def call_layout(
             no `-1`; window: the layer's sliding window, or `None`.
     """
     t = input_pos.shape[-1]
-    # asked after every call (a call that may hold pads ends the compression's layout)
-    starts = cache.direct_head_starts(no_pads) if isinstance(cache, SlotMachine) else None
-    if window is None and t == 1 and getattr(cache, "attended_keys_valid", False):
+    # asked after every call (a call that may hold pads ends the compression's layout and the known prefix)
+    machine = isinstance(cache, SlotMachine)
+    starts = cache.direct_head_starts(no_pads) if machine else None
+    filled = cache.direct_prefix_valid(no_pads) if machine else False
+    if window is None and t == 1 and (filled or getattr(cache, "attended_keys_valid", False)):
         return None  # a decode step: its token is the newest, every slot holds an earlier one (packed slots too)
     if window is None and isinstance(keys, torch.Tensor):
         if t > 1 and no_pads and _suffix_causal(k_pos, input_pos):

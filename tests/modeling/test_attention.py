@@ -214,3 +214,43 @@ def test_decode_over_full_slots_builds_no_mask(policy: str, monkeypatch) -> None
 def _masked_layout(self, cache, keys, k_pos, input_pos, no_pads):  # noqa: ANN001, ANN202
     """The layout with a mask built from positions for every call (the reference of the mask-free paths)."""
     return self_attention.build_mask(input_pos, k_pos, self.window)
+
+
+def test_dense_decode_with_room_builds_no_mask(monkeypatch) -> None:  # noqa: ANN001
+    """A dense cache with room: after a prefill without pads every decode step attends its filled slots without a
+    mask (their prefix is known on the host) and gives the masked path's tokens; a ragged batch, whose slots hold
+    pads, and a cache whose slots were handed out (`state_tensors`) keep the mask."""
+    from litkv import generate
+
+    model = _model()
+    prompt = random_tokens(1, 70, seed=9)[0]
+    cfg = KVCacheConfig("dense", cache_length=96, chunk_size=32)
+    built = []
+    real = self_attention.build_mask
+
+    def spy(q_pos, k_pos, window=None):  # noqa: ANN001, ANN202
+        built.append(q_pos.shape[-1])
+        return real(q_pos, k_pos, window)
+
+    monkeypatch.setattr(self_attention, "build_mask", spy)
+    with torch.inference_mode():
+        fast = generate(model, [prompt, prompt.flip(0)], max_new_tokens=8, kv_cache=cfg)
+    assert built == [], built
+    monkeypatch.setattr(self_attention.CausalSelfAttention, "_layout", _masked_layout)
+    with torch.inference_mode():
+        masked = generate(model, [prompt, prompt.flip(0)], max_new_tokens=8, kv_cache=cfg)
+    assert [f.tolist() for f in fast] == [m.tolist() for m in masked]
+    monkeypatch.undo()
+    monkeypatch.setattr(self_attention, "build_mask", spy)
+    with torch.inference_mode():
+        generate(model, [prompt, prompt[:30]], max_new_tokens=3, kv_cache=cfg)
+    assert 1 in built  # the short row's pads sit among the slots: masked
+    built.clear()
+    with torch.inference_mode(), model.kv_caches_attached(cfg, 1) as caches, model.trusted_inputs(40, no_pads=True):
+        model(prompt[None, :32], torch.arange(32)[None])
+        model(prompt[None, 32:33], torch.tensor([[32]]))
+        assert built == []
+        for cache in caches.policy_caches:
+            cache.state_tensors()  # the caller may write the slots
+        model(prompt[None, 33:34], torch.tensor([[33]]))
+        assert built == [1] * model.config.n_layer
