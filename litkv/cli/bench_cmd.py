@@ -41,14 +41,13 @@ def _run_subprocess(args: dict) -> BenchResult:
     return BenchResult(**json.loads(lines[-1][len("RESULT ") :]))
 
 
-def _best_of(results: list[BenchResult]) -> list[BenchResult]:
-    """Per (prompt length, peer), the run with the fastest decode, in first-seen order."""
-    best: dict[tuple[int, str], BenchResult] = {}
+def _median_of(results: list[BenchResult]) -> list[BenchResult]:
+    """Per (prompt length, peer), the round of median decode speed (the slower middle one of an even count), in
+    first-seen order; a round's figures stay together."""
+    rounds: dict[tuple[int, str], list[BenchResult]] = {}
     for r in results:
-        key = (r.prompt_len, r.peer)
-        if key not in best or r.decode_tok_s > best[key].decode_tok_s:
-            best[key] = r
-    return list(best.values())
+        rounds.setdefault((r.prompt_len, r.peer), []).append(r)
+    return [sorted(runs, key=lambda r: r.decode_tok_s)[(len(runs) - 1) // 2] for runs in rounds.values()]
 
 
 def _ratio(num: float, den: float, digits: int = 2) -> str:
@@ -58,7 +57,7 @@ def _ratio(num: float, den: float, digits: int = 2) -> str:
 def _row(r: BenchResult, ours: BenchResult | None) -> str:
     """One table row; ratios against `ours` (litkv eager at the same prompt length), `-` where unknown."""
     if not r.available:
-        return f"| {r.prompt_len} | {r.peer} | {r.note} |" + " - |" * 11
+        return f"| {r.prompt_len} | {r.peer} | {r.note} |" + " - |" * 13
     ref = ours if ours is not None and ours.available else None
     bound = r.bound_tok_s
     peer = r.peer if r.quantize == "none" else f"{r.peer} ({r.quantize} weights)"
@@ -74,6 +73,8 @@ def _row(r: BenchResult, ours: BenchResult | None) -> str:
         _ratio(ref.decode_tok_s, r.decode_tok_s) if ref else "-",
         _ratio(ref.peak_mb, r.peak_mb) if ref else "-",
         _ratio(ref.generation_mb, max(r.generation_mb, 1.0)) if ref else "-",
+        f"{r.end_to_end_s:.2f}",
+        _ratio(r.end_to_end_s, ref.end_to_end_s) if ref else "-",
         ("yes" if r.tokens == ref.tokens else "no") if ref else "-",
     ]
     return f"| {r.prompt_len} | {peer} | " + " | ".join(cells) + " |"
@@ -88,14 +89,16 @@ def format_table(results: list[BenchResult]) -> str:
     `peak MB` is the process's peak resident set during generation (weights and libraries included);
     `gen MB` is that peak minus the resident set just before generation (what generating needs); for
     compiled peers both include the warm-up call and its compilation.
+    `end to end s`: the prefill and every decode step (the call to its last token); `litkv/peer end to end`: the
+    peer's over litkv's (higher: litkv is faster).
     `same tokens`: the greedy tokens equal litkv's (eager) at the same prompt length.
     litkv's rows name their weight quantisation when it is not `none` (`--quantize`); the peers' weights
     are float, so their `same tokens` then compares against the quantised litkv row.
     """
     rows = [
         "| prompt | peer | prefill s | compile s | decode tok/s | MB/step | bound tok/s | of bound | peak MB | gen MB "
-        "| litkv/peer tok/s | litkv/peer peak | litkv/peer gen | same tokens |",
-        "|" + "---|" * 14,
+        "| litkv/peer tok/s | litkv/peer peak | litkv/peer gen | end to end s | litkv/peer end to end | same tokens |",
+        "|" + "---|" * 16,
     ]
     for r in results:
         ours = next((x for x in results if x.peer == "litkv" and x.prompt_len == r.prompt_len), None)
@@ -219,7 +222,7 @@ def bench(
         json_out: also write the results as JSON here.
         weights_dir: keep the random weights here and reuse them on the next run (default: a temporary
             directory).
-        repeats: rounds over all (length, peer) runs; each keeps its fastest decode of the rounds
+        repeats: rounds over all (length, peer) runs; each row is the round of its median decode speed
             (rounds interleave the peers, so a busy moment of the machine hits them alike).
         quick: a smoke test: prompt 32, 8 new tokens, no compiled peer unless `peers` names one
             (explicit `prompt_lengths` still apply).
@@ -241,7 +244,7 @@ def bench(
     bandwidth = max(bandwidth, measure_bandwidth(gib, threads=threads))  # best of before and after
     used = threads or torch.get_num_threads()
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s (sum of {gib // 2**20} MiB, {used} threads)")
-    results = _best_of(results)
+    results = _median_of(results)
     for r in results:
         if r.available:
             r.step_bytes, r.bandwidth = _step_bytes(model, r.prompt_len, r.new_tokens, r.quantize), bandwidth

@@ -77,6 +77,14 @@ class BenchResult:
         return not self.note
 
     @property
+    def end_to_end_s(self) -> float:
+        """Seconds from the call to the last token: the prefill and `new_tokens - 1` decode steps (0 when the peer
+        did not run)."""
+        if not self.available or self.decode_tok_s <= 0:
+            return 0.0
+        return self.prefill_s + (self.new_tokens - 1) / self.decode_tok_s
+
+    @property
     def bound_tok_s(self) -> float:
         """Decode tokens/s if a step only read `step_bytes` at `bandwidth` (0 when either is unknown)."""
         if self.step_bytes <= 0 or self.bandwidth <= 0:

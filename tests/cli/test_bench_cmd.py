@@ -90,11 +90,22 @@ def test_table_shows_bound_fraction_and_unavailable_peer() -> None:
         _result("hf", 10.0, [1, 3], step_bytes=5e8, bandwidth=2e10, compile_s=12.5),
     ]
     lines = format_table(rows).splitlines()
-    assert len(lines) == 5 and all(line.count("|") == 15 for line in lines)
+    assert len(lines) == 5 and all(line.count("|") == 17 for line in lines)
     ours, missing, peer = (line.split(" | ") for line in lines[2:])
     assert ours[5:8] == ["500", "40.0", "50%"]  # MB/step, bound tok/s, of bound
     assert "not available: no compile option" in missing[2] and "20" not in "".join(missing[3:])
     assert peer[3] == "12.5" and peer[10] == "2.00" and peer[-1] == "no |"  # compile s, litkv/peer, same tokens
+    # end to end: prefill 1 s + 7 steps; the peer's over litkv's
+    assert ours[13:15] == ["1.35", "1.00"] and peer[13:15] == ["1.70", "1.26"]
+
+
+def test_each_row_is_its_median_round() -> None:
+    """Rounds of one (prompt, peer) reduce to the round of median decode speed, with that round's other figures;
+    an even count takes the slower middle round."""
+    rounds = [_result("litkv", speed, [i]) for i, speed in enumerate((10.0, 30.0, 20.0))]
+    rounds += [_result("hf", speed, [i]) for i, speed in enumerate((12.0, 8.0))]
+    ours, theirs = bench_cmd._median_of(rounds)
+    assert (ours.decode_tok_s, ours.tokens) == (20.0, [2]) and (theirs.decode_tok_s, theirs.tokens) == (8.0, [1])
 
 
 def test_litkv_compile_reports_not_available(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
