@@ -17,6 +17,8 @@ back as `(B, G, S)` float32, computed blockwise over the queries.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -249,7 +251,8 @@ def attend_causal_suffix(
     On CUDA the keys and values are expanded over each group's query heads (a copy of the `S` keys, small
     against the `T x S` products) and SDPA takes a lower-right causal bias (`causal_lower_right`), which its
     flash and memory-efficient kernels take without a mask. On the CPU, SDPA's flash kernel takes grouped
-    queries with a `(T, S)` boolean mask.
+    queries with a `(T, S)` additive mask (`_suffix_mask`: 0 or `-inf`, what SDPA would make of a boolean one,
+    built once for the layers of a chunk).
 
     Args:
         q: `(B, n_head, T, hs)`; `k`: `(B, G, S, hs)`; `v`: `(B, G, S, hv)`; `scale`: factor of `q @ k^T`.
@@ -263,14 +266,37 @@ def attend_causal_suffix(
     if t > s:
         raise ValueError(f"attend_causal_suffix: {t} queries over {s} keys (the queries are the last keys)")
     if not (q.device.type != "cpu" if expand is None else expand):
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=_suffix_mask(t, s, q), scale=scale, enable_gqa=True)
     else:
         per = n_head // g
         k = k[:, :, None].expand(b, g, per, s, k.shape[-1]).reshape(b, n_head, s, k.shape[-1])
         v = v[:, :, None].expand(b, g, per, s, v.shape[-1]).reshape(b, n_head, s, v.shape[-1])
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t, s), scale=scale)
     return y.transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
+
+
+# The largest `(T, S)` additive mask `_suffix_mask` keeps for the next layers (elements).
+SUFFIX_MASK_KEPT_ELEMENTS = 1 << 24
+
+
+def _suffix_mask(t: int, s: int, q: torch.Tensor) -> torch.Tensor:
+    """`attend_causal_suffix`'s `(T, S)` mask in `q`'s dtype: 0 where query `i` sees key `j <= S - T + i`, else
+    `-inf` (what SDPA makes of the boolean mask, so the same bits). The last one is kept (up to
+    `SUFFIX_MASK_KEPT_ELEMENTS`) for the other layers of the chunk, which ask for the same."""
+    if t * s > SUFFIX_MASK_KEPT_ELEMENTS or torch.compiler.is_compiling():
+        return _new_suffix_mask(t, s, q.dtype, q.device)
+    return _kept_suffix_mask(t, s, q.dtype, q.device)
+
+
+def _new_suffix_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(diagonal=s - t)
+    return torch.zeros(t, s, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+@functools.lru_cache(maxsize=1)
+def _kept_suffix_mask(t: int, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a plain tensor: calls with gradients may save it
+        return _new_suffix_mask(t, s, dtype, device)
 
 
 @torch.library.custom_op("litkv::masked_sdpa", mutates_args=())

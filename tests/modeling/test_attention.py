@@ -45,6 +45,23 @@ def test_causal_suffix_matches_float64(expand: bool, t: int, s: int) -> None:
     assert max_diff(got, ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
+def test_causal_suffix_kept_mask_gives_the_boolean_masks_bits(dtype: torch.dtype) -> None:
+    """The CPU way's additive mask, kept from one layer to the next, gives SDPA's bits with the boolean mask; kept
+    from an inference-mode call, it still serves a call with gradients."""
+    gen = torch.Generator().manual_seed(5)
+    t, s, hs = 24, 90, 16
+    q, k, v = (torch.randn(2, n, m, hs, generator=gen).to(dtype) for n, m in ((9, t), (3, s), (3, s)))
+    allowed = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    expected = expected.transpose(1, 2).reshape(2, t, 9 * hs)
+    with torch.inference_mode():
+        assert torch.equal(attend_causal_suffix(q, k, v, 1 / hs**0.5), expected)
+    leaf = q.detach().requires_grad_()
+    attend_causal_suffix(leaf, k, v, 1 / hs**0.5).sum().backward()
+    assert leaf.grad is not None and bool(leaf.grad.isfinite().all())
+
+
 def test_causal_suffix_refuses_more_queries_than_keys() -> None:
     q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 3, 8)
     with pytest.raises(ValueError, match="4 queries over 3 keys"):
