@@ -150,7 +150,7 @@ class CausalSelfAttention(nn.Module):
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The `qkv` projection's output `(B, T, (n_head + 2 G) * hs)` as queries `(B, n_head, T, hs)`, keys and
-        values `(B, G, T, hs)`, q/k norms and RoPE applied."""
+        values `(B, G, T, hs)`, q/k norms and RoPE applied; queries and keys contiguous."""
         c = self.config
         b, t, _ = qkv.shape
         kv_size = c.n_query_groups * c.head_size
@@ -164,7 +164,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(b, t, c.n_query_groups, c.head_size).transpose(1, 2)
         if c.norm_qk and c.norm_qk_type == "default":
             q, k = self.norm_q(q), self.norm_k(k)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        return self._rope(q, cos, sin).contiguous(), self._rope(k, cos, sin).contiguous(), v
 
     def _rotated_together(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
