@@ -204,13 +204,7 @@ def test_decode_over_full_slots_builds_no_mask(policy: str, monkeypatch) -> None
     model = _model()
     prompt = random_tokens(1, 96, seed=7)
     cfg = KVCacheConfig(policy, cache_length=48, chunk_size=32)
-    built = []
-    real = self_attention.build_mask
-
-    def spy(q_pos, k_pos, window=None):  # noqa: ANN001, ANN202
-        built.append(q_pos.shape[-1])
-        return real(q_pos, k_pos, window)
-
+    built, spy = _mask_spy()
     monkeypatch.setattr(self_attention, "build_mask", spy)
     with torch.inference_mode():
         fast = generate(model, [prompt[0]], max_new_tokens=6, kv_cache=cfg)
@@ -228,6 +222,18 @@ def test_decode_over_full_slots_builds_no_mask(policy: str, monkeypatch) -> None
     assert 1 in built  # the short row's slots are not all filled: masked
 
 
+def _mask_spy() -> tuple[list[int], object]:
+    """`build_mask` that records each call's query count, and the list it records into."""
+    built: list[int] = []
+    real = self_attention.build_mask
+
+    def spy(q_pos, k_pos, window=None):  # noqa: ANN001, ANN202
+        built.append(q_pos.shape[-1])
+        return real(q_pos, k_pos, window)
+
+    return built, spy
+
+
 def _masked_layout(self, cache, keys, k_pos, input_pos, no_pads):  # noqa: ANN001, ANN202
     """The layout with a mask built from positions for every call (the reference of the mask-free paths)."""
     return self_attention.build_mask(input_pos, k_pos, self.window)
@@ -242,13 +248,7 @@ def test_dense_decode_with_room_builds_no_mask(monkeypatch) -> None:  # noqa: AN
     model = _model()
     prompt = random_tokens(1, 70, seed=9)[0]
     cfg = KVCacheConfig("dense", cache_length=96, chunk_size=32)
-    built = []
-    real = self_attention.build_mask
-
-    def spy(q_pos, k_pos, window=None):  # noqa: ANN001, ANN202
-        built.append(q_pos.shape[-1])
-        return real(q_pos, k_pos, window)
-
+    built, spy = _mask_spy()
     monkeypatch.setattr(self_attention, "build_mask", spy)
     with torch.inference_mode():
         fast = generate(model, [prompt, prompt.flip(0)], max_new_tokens=8, kv_cache=cfg)
