@@ -35,6 +35,7 @@ from litkv.checkpoints.checkpoint import load_model
 from litkv.checkpoints.convert import convert_hf_checkpoint
 from litkv.kvcache.config import ChunkPlan
 from litkv.modeling.runner import run_chunks
+from litkv.modeling.weight_layout import columns_contiguous
 
 RUNNERS = ("hf-dynamic", "hf-litkv", "litkv")
 
@@ -86,7 +87,7 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[torch.nn.Module, GPT]:
         (tmp / "hf" / "tokenizer.json").write_text("{}")
         convert_hf_checkpoint(tmp / "hf", tmp / "litkv")
     model = load_model(tmp / "litkv")
-    return hf.to(args.device, dtype).eval(), model.to(args.device, dtype).eval()
+    return hf.to(args.device, dtype).eval(), columns_contiguous(model.to(args.device, dtype).eval())
 
 
 def _sync(device: str) -> None:

@@ -43,6 +43,7 @@ from litkv.cli.common import resolve_checkpoint_dir
 from litkv.eval.bandwidth import measure_bandwidth
 from litkv.inference.generate import generate
 from litkv.kvcache.config import KVCacheConfig
+from litkv.modeling.weight_layout import columns_contiguous
 
 # Runs inside the llama.cpp environment: argv[1] is a JSON job; prints one JSON line with the timings.
 LLAMACPP_WORKER = r"""
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     args.checkpoint_dir = resolve_checkpoint_dir(args.checkpoint_dir)  # a known model's name works too
-    model = load_model(args.checkpoint_dir, device=torch.device("cpu"), dtype=torch.float32)
+    model = columns_contiguous(load_model(args.checkpoint_dir, device=torch.device("cpu"), dtype=torch.float32))
     bandwidth = measure_bandwidth(threads=args.threads)
     text = (Path(__file__).resolve().parents[1] / "litkv" / "assets" / "default" / "heldout.txt").read_text()
     text_ids = load_tokenizer(args.checkpoint_dir).encode(text).tolist()

@@ -63,6 +63,7 @@ from litkv import GPT, Config, KVCacheConfig, generate
 from litkv.eval.bandwidth import bound_tokens_per_s, bytes_per_step, measure_bandwidth, weight_bytes
 from litkv.eval.peers import hf_generate, load_hf, load_lit, prepare_weights
 from litkv.gates import EvictionGates
+from litkv.modeling.weight_layout import columns_contiguous
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside its report module
 from policy_report import HF, MODES, PolicyRun, e2e_lines, evaluate_targets, format_table, format_targets  # noqa: E402
@@ -309,7 +310,7 @@ def build_model(config: Config, seed: int) -> GPT:
     model = GPT(config).eval()
     if model.lm_head.weight.shape == model.transformer.wte.weight.shape:
         model.lm_head.weight = model.transformer.wte.weight
-    return with_gates(model, seed)
+    return with_gates(columns_contiguous(model), seed)
 
 
 def load_models(args: argparse.Namespace, workdir: Path) -> tuple[GPT, torch.nn.Module | None, str]:
@@ -323,7 +324,7 @@ def load_models(args: argparse.Namespace, workdir: Path) -> tuple[GPT, torch.nn.
         return build_model(config, args.seed), None, str(exc)
     model = load_lit(config, lit_dir, GPT)
     assert isinstance(model, GPT)
-    return with_gates(model, args.seed), load_hf(hf_dir), ""
+    return with_gates(columns_contiguous(model), args.seed), load_hf(hf_dir), ""
 
 
 class _OnTokens:

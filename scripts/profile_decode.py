@@ -29,6 +29,7 @@ from litkv.gates.gate import EvictionGates
 from litkv.inference.generate import decode_greedy
 from litkv.kvcache.config import ChunkPlan
 from litkv.modeling.runner import run_chunks
+from litkv.modeling.weight_layout import columns_contiguous
 
 Ops = dict[str, tuple[float, float]]  # operator -> (self CPU ms per step, calls per step)
 Run = tuple[float, float, Ops]  # (median ms per step, the profiled run's ms per step, its operators)
@@ -43,7 +44,7 @@ def build_model(args: argparse.Namespace) -> GPT:
     gen = torch.Generator().manual_seed(args.seed)
     weight = torch.randn(config.n_layer, config.n_query_groups, config.head_size, generator=gen)
     model.eviction_gates = EvictionGates(weight, torch.randn(weight.shape[:2], generator=gen), 32, 4)
-    return model
+    return columns_contiguous(model)
 
 
 def cache_config(policy: str, args: argparse.Namespace) -> KVCacheConfig:

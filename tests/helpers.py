@@ -16,6 +16,7 @@ from litgpt.model import RMSNorm
 
 from litkv import GPT, Config
 from litkv.gates.gate import EvictionGates
+from litkv.modeling.weight_layout import columns_contiguous
 
 __all__ = [
     "MaskFn",
@@ -182,6 +183,9 @@ def tiny_gpt(
     - `weights`: a state dict loaded (in `dtype`) in place of the random weights (`seed` unused): a parity
       test's reference weights (e.g. a transformers model's, converted).
 
+    On the CPU the linear weights are stored column-major (`columns_contiguous`), as `load_for_inference` and
+    `litkv chat` store them, so the suite runs the layout users decode with.
+
     Every call builds a new model, so a module-scoped fixture may mutate its own.
     """
     if dtype not in (torch.float32, torch.float64):
@@ -206,6 +210,7 @@ def tiny_gpt(
     if dtype == torch.float64:
         float64_model(model)
     model.to(device)  # before the gates: `attach_random_gates` puts them on the model's device
+    columns_contiguous(model)  # the linear weights' layout the loaders give a model on the CPU
     if gates:
         attach_random_gates(model, seed if gate_seed is None else gate_seed, window, sinks)
     return model

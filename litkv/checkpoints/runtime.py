@@ -14,6 +14,7 @@ from litkv.checkpoints.download import MODELS, cache_dir, download_model, model_
 from litkv.core.validation import require_int
 from litkv.modeling.model import GPT
 from litkv.modeling.quant_weights import parse_quantize, quantize_model
+from litkv.modeling.weight_layout import columns_contiguous
 
 if TYPE_CHECKING:
     from litgpt.tokenizer import Tokenizer
@@ -101,8 +102,8 @@ def load_for_inference(
     quantize: str = "none",
 ) -> tuple[GPT, torch.device]:
     """Set the CPU threads, then load `checkpoint_dir`'s model (eval mode, with its eviction gates if any)
-    on the resolved device in the resolved dtype, its linear weights quantised as `quantize` says;
-    returns the model and that device.
+    on the resolved device in the resolved dtype, its linear weights quantised as `quantize` says and the
+    float ones left column-major on the CPU (`litkv.modeling.weight_layout`); returns the model and that device.
 
     Args:
         checkpoint_dir: a checked checkpoint directory (`litkv.checkpoints.checkpoint.check_checkpoint_dir`).
@@ -117,7 +118,7 @@ def load_for_inference(
     if quant.mode != "none" and dev.type != "cpu":
         raise ValueError(f"--quantize {quant.name} runs on the CPU only (PyTorch's packed CPU kernels), got {dev}")
     model = load_model(checkpoint_dir, device=dev, dtype=resolve_dtype(precision, dev))
-    return quantize_model(model, quant), dev
+    return columns_contiguous(quantize_model(model, quant)), dev
 
 
 def load(

@@ -43,6 +43,7 @@ from litkv.inference.conversation import refuse_one_shot
 from litkv.inference.sampling import Sampling, check_sampling
 from litkv.kvcache.config import KVCacheConfig
 from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
+from litkv.modeling.weight_layout import columns_contiguous
 
 __all__ = ["ChatSession", "chat"]
 
@@ -277,7 +278,7 @@ def _start(
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
     dev = resolve_device(device)
-    model = quantize_model(load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev)), quant)
+    model = columns_contiguous(quantize_model(load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev)), quant))
     state = ChatSession(model, tokenizer, kv_cache, undo_depth, fmt)
     if session is not None and session.is_file():
         print(state.load(session), file=sys.stderr)

@@ -207,10 +207,11 @@ def _time_litkv(
     from litkv.kvcache.config import KVCacheConfig
     from litkv.modeling.model import GPT
     from litkv.modeling.quant_weights import parse_quantize, quantize_model
+    from litkv.modeling.weight_layout import columns_contiguous
 
     if compile and not _litkv_compile_available():
         raise PeerUnavailable("not available: litkv.generate has no compile option in this version")
-    model = quantize_model(load_lit(model_name, lit_dir, GPT), parse_quantize(quantize))
+    model = columns_contiguous(quantize_model(load_lit(model_name, lit_dir, GPT), parse_quantize(quantize)))
     cfg = KVCacheConfig(cache_length=prompt.numel() + new, chunk_size=min(chunk, prompt.numel() + new))
     options = {"compile": True} if compile else {}
     _reset_peak_rss()  # compiled: before the warm-up, so that the peak includes compilation

@@ -254,7 +254,7 @@ class Int4Linear(nn.Module):
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-channel int8 codes of `weight` `(N, K)`: `scale = max|w| / 127` rounded to bfloat16,
     codes `round(w / scale)`; returns codes `(N, K)` int8 and scales `(N,)` bfloat16."""
-    w = weight.detach().float()
+    w = weight.detach().float().contiguous()  # codes row-major, as the kernel takes them, from any layout
     scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
     return (w / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
 

@@ -10,6 +10,7 @@ from tiny_checkpoint import make_tiny_checkpoint
 
 from litkv.checkpoints.runtime import PRECISIONS, load_for_inference, precision_dtype, resolve_dtype
 from litkv.gates.gate import GATES_FILE
+from litkv.modeling.weight_layout import columns_contiguous
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,11 @@ def test_load_for_inference_is_the_saved_model_in_the_asked_dtype_and_threads(ck
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     assert model.eviction_gates is not None  # the checkpoint's gates come along (`GATES_FILE`)
     assert (ckpt / GATES_FILE).is_file()
+    weight = model.transformer.h[0].attn.qkv.weight  # column-major on the CPU (`columns_contiguous`)
+    assert weight.stride() == (1, weight.shape[0]) and model.lm_head.weight.t().is_contiguous()
     idx = torch.arange(5, 40)[None]
-    with torch.no_grad():
-        torch.testing.assert_close(model(idx), saved.eval()(idx), rtol=0, atol=0)
+    with torch.no_grad():  # the same layout on both sides: the same kernels, the same bits on any CPU
+        torch.testing.assert_close(model(idx), columns_contiguous(saved.eval())(idx), rtol=0, atol=0)
 
 
 def test_precisions_are_named_once_and_refused_with_the_allowed_ones() -> None:

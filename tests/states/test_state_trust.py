@@ -277,10 +277,10 @@ PARAMS = [
 def _nudge(model: GPT, name: str, where: int | str) -> None:
     """Multiply one element of parameter `name` by 1 + 1e-3, in place (with a version bump)."""
     p = dict(model.named_parameters())[name]
-    flat = p.data.view(-1)
-    i = {"middle": flat.numel() // 2, "last": flat.numel() - 1}.get(where, where)  # type: ignore[call-overload]
+    i = {"middle": p.numel() // 2, "last": p.numel() - 1}.get(where, where)  # type: ignore[call-overload]
+    index = torch.unravel_index(torch.tensor(i), p.shape)  # in row-major order, whatever the layout
     with torch.no_grad():
-        p.view(-1)[i] *= 1 + 1e-3
+        p[index] *= 1 + 1e-3
 
 
 @pytest.mark.parametrize(("name", "where"), PARAMS)
