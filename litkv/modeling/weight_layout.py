@@ -20,18 +20,28 @@ __all__ = ["columns_contiguous"]
 def columns_contiguous(model: nn.Module) -> nn.Module:
     """Store every floating-point `nn.Linear` weight of `model` that lives on the CPU column-major (in place;
     a weight shared by several layers, such as a tied embedding, is moved once and stays shared); returns
-    `model`. Other weights (quantised layers, other devices) are left as they are.
+    `model`. Other weights (quantised layers, other devices) keep their layout.
 
-    The parameters keep their identity, values, shapes and `requires_grad`; their strides become `(1, out)`.
-    Writers that need contiguous tensors (safetensors) copy them first, as `save_state_dict` does.
+    The parameters keep their identity, values, shapes and `requires_grad`; the linear weights' strides become
+    `(1, out)`. The model's other CPU parameters are copied as they are, so that no parameter is left in the
+    memory the weights were loaded into (a safetensors file maps the whole file, which stays mapped while any
+    one of its tensors lives). Writers that need contiguous tensors (safetensors) copy them first, as
+    `save_state_dict_atomic` does.
     """
-    seen: set[int] = set()
+    moved: set[int] = set()
     for module in model.modules():
         weight = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
-        if not isinstance(weight, nn.Parameter) or id(weight) in seen:
-            continue
-        seen.add(id(weight))
-        if weight.device.type == "cpu" and weight.dtype.is_floating_point and weight.dim() == 2:
+        if isinstance(weight, nn.Parameter) and id(weight) not in moved and _movable(weight):
+            moved.add(id(weight))
             with torch.no_grad():
                 weight.data = weight.data.t().contiguous().t()
+    for param in model.parameters():
+        if id(param) not in moved and param.device.type == "cpu":
+            moved.add(id(param))
+            with torch.no_grad():
+                param.data = param.data.clone()
     return model
+
+
+def _movable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype.is_floating_point and weight.dim() == 2

@@ -39,7 +39,21 @@ def test_weights_keep_values_identity_and_sharing(tiny_model: Callable[..., GPT]
     for w in _linear_weights(model):
         assert w.stride() == (1, w.shape[0]) and w.t().is_contiguous()
     norms = [p for n, p in model.named_parameters() if p.dim() == 1]
-    assert norms and all(p.is_contiguous() for p in norms)  # only the linear layers' weights move
+    assert norms and all(p.is_contiguous() for p in norms)  # only the linear layers' weights change layout
+
+
+def test_no_parameter_is_left_in_the_loaded_file(tiny_model: Callable[..., GPT], tmp_path: Path) -> None:
+    """A model loaded from safetensors (tensors in the file's one mapping) keeps none of the loaded storages,
+    so the mapping can go once the loader's dict is dropped."""
+    path = save_state_dict_atomic(tmp_path / "model.safetensors", tiny_model(8).state_dict())
+    model = GPT(tiny_model(8).config)
+    loaded = load_state_dict(path)
+    model.load_state_dict(loaded, assign=True)
+    storages = {t.untyped_storage().data_ptr() for t in loaded.values()}
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= storages  # assign: the file's memory
+    columns_contiguous(model)
+    assert not {p.untyped_storage().data_ptr() for p in model.parameters()} & storages
+    assert all(torch.equal(p, loaded[n]) for n, p in model.named_parameters())
 
 
 def test_quantised_layers_are_left_alone(tiny_model: Callable[..., GPT]) -> None:
