@@ -1,0 +1,77 @@
+"""One-row products of a model's linear weights, row-major (as `nn.Linear` stores them) against column-major
+(as `litkv.modeling.weight_layout.columns_contiguous` stores them for inference on the CPU), in one run.
+
+For each distinct linear shape of the preset (random float32 weights, as many copies as fill `--mbytes`, so
+that every call reads its weight from memory, as a decode step does), the layouts are timed in turn over
+`--repeats` rounds; printed: the median GB/s of each, their ratio, and the machine's memory bandwidth measured
+in the same run with the same threads (the physical limit of a weight-streaming product). Then the same at
+`--rows` rows (a prefill chunk), where the BLAS packs the weight either way.
+
+    python scripts/bench_weight_layout.py --model SmolLM2-135M --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from litgpt import Config
+
+from litkv.eval.bandwidth import measure_bandwidth
+from litkv.modeling.model import GPT
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="SmolLM2-135M", help="a LitGPT preset name (its linear shapes)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=7, help="alternated rounds per layout (median)")
+    p.add_argument("--mbytes", type=int, default=256, help="weights streamed per timed round (MB)")
+    p.add_argument("--rows", type=int, default=512, help="rows of the second table (a prefill chunk)")
+    return p.parse_args(argv)
+
+
+def linear_shapes(name: str) -> list[tuple[int, int]]:
+    """The distinct `(out, in)` shapes of the linear layers of preset `name` (built on the meta device)."""
+    with torch.device("meta"):
+        model = GPT(Config.from_name(name))
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(shapes)  # type: ignore[arg-type]
+
+
+def time_layouts(shape: tuple[int, int], rows: int, mbytes: int, repeats: int) -> tuple[float, float]:
+    """Median GB/s of `rows`-row products over copies of a `shape` weight: (row-major, column-major)."""
+    out, inp = shape
+    copies = max(1, mbytes * 2**20 // (out * inp * 4))
+    row_major = [torch.randn(out, inp) for _ in range(copies)]
+    col_major = [w.t().contiguous().t() for w in row_major]
+    x = torch.randn(rows, inp)
+    seconds: dict[str, list[float]] = {"row": [], "col": []}
+    for _ in range(repeats):
+        for name, weights in (("row", row_major), ("col", col_major)):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(x, w)
+            seconds[name].append(time.perf_counter() - start)
+    gb = copies * out * inp * 4 / 1e9
+    return gb / statistics.median(seconds["row"]), gb / statistics.median(seconds["col"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bandwidth = measure_bandwidth(threads=args.threads) / 1e9
+    print(f"memory bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads); {args.model}'s linear shapes")
+    for rows in (1, args.rows):
+        print("\n| rows | weight (out, in) | row-major GB/s | column-major GB/s | column/row | column-major of bound |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for shape in linear_shapes(args.model):
+            row, col = time_layouts(shape, rows, args.mbytes, args.repeats)
+            print(f"| {rows} | {shape} | {row:.1f} | {col:.1f} | {col / row:.2f}x | {col / bandwidth:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

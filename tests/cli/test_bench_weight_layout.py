@@ -1,0 +1,33 @@
+"""scripts/bench_weight_layout.py: one table row per distinct linear shape of the preset at each row count, the
+ratio printed as the two speeds' quotient."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_weight_layout", ROOT / "scripts" / "bench_weight_layout.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_weight_layout"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_linear_shape_at_both_row_counts(capsys: pytest.CaptureFixture) -> None:
+    bench = _load()
+    shapes = bench.linear_shapes("SmolLM2-135M")  # qkv, attention proj, MLP in and out, LM head
+    assert shapes == [(576, 576), (576, 1536), (960, 576), (1536, 576), (49152, 576)]
+    bench.main(["--model", "SmolLM2-135M", "--repeats", "1", "--mbytes", "1", "--rows", "8"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"\| (\d+) \| \((\d+), (\d+)\) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", out)
+    assert [(int(r[0]), (int(r[1]), int(r[2]))) for r in rows] == [(n, s) for n in (1, 8) for s in shapes]
+    for row in rows:
+        assert float(row[5]) == pytest.approx(float(row[4]) / float(row[3]), abs=0.06)  # speeds rounded to 0.1
