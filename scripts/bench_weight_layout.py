@@ -3,9 +3,10 @@
 
 For each distinct linear shape of the preset (random float32 weights, as many copies as fill `--mbytes`, so
 that every call reads its weight from memory, as a decode step does), the layouts are timed in turn over
-`--repeats` rounds; printed: the median GB/s of each, their ratio, and the machine's memory bandwidth measured
-in the same run with the same threads (the physical limit of a weight-streaming product). Then the same at
-`--rows` rows (a prefill chunk), where the BLAS packs the weight either way.
+`--repeats` rounds; printed: the median time of one product in each layout, the speed ratio, and for one row
+the weight bytes read per second against the machine's memory bandwidth measured in the same run with the
+same threads (the physical limit of a weight-streaming product). Then the same at `--rows` rows (a prefill
+chunk: compute-bound, the BLAS packs the weight either way).
 
     python scripts/bench_weight_layout.py --model SmolLM2-135M --threads 1
 """
@@ -43,7 +44,8 @@ def linear_shapes(name: str) -> list[tuple[int, int]]:
 
 
 def time_layouts(shape: tuple[int, int], rows: int, mbytes: int, repeats: int) -> tuple[float, float]:
-    """Median GB/s of `rows`-row products over copies of a `shape` weight: (row-major, column-major)."""
+    """Median seconds of one `rows`-row product with a `shape` weight, read from memory: (row-major,
+    column-major)."""
     out, inp = shape
     copies = max(1, mbytes * 2**20 // (out * inp * 4))
     row_major = [torch.randn(out, inp) for _ in range(copies)]
@@ -55,9 +57,8 @@ def time_layouts(shape: tuple[int, int], rows: int, mbytes: int, repeats: int) -
             start = time.perf_counter()
             for w in weights:
                 F.linear(x, w)
-            seconds[name].append(time.perf_counter() - start)
-    gb = copies * out * inp * 4 / 1e9
-    return gb / statistics.median(seconds["row"]), gb / statistics.median(seconds["col"])
+            seconds[name].append((time.perf_counter() - start) / copies)
+    return statistics.median(seconds["row"]), statistics.median(seconds["col"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,11 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = measure_bandwidth(threads=args.threads) / 1e9
     print(f"memory bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads); {args.model}'s linear shapes")
     for rows in (1, args.rows):
-        print("\n| rows | weight (out, in) | row-major GB/s | column-major GB/s | column/row | column-major of bound |")
+        print("\n| rows | weight (out, in) | row-major us | column-major us | column/row speed | column-major GB/s |")
         print("|---:|---|---:|---:|---:|---:|")
         for shape in linear_shapes(args.model):
             row, col = time_layouts(shape, rows, args.mbytes, args.repeats)
-            print(f"| {rows} | {shape} | {row:.1f} | {col:.1f} | {col / row:.2f}x | {col / bandwidth:.0%} |")
+            gbps = shape[0] * shape[1] * 4 / col / 1e9
+            read = f"{gbps:.1f} ({gbps / bandwidth:.0%})" if rows == 1 else "-"
+            print(f"| {rows} | {shape} | {row * 1e6:.1f} | {col * 1e6:.1f} | {row / col:.2f}x | {read} |")
 
 
 if __name__ == "__main__":
