@@ -1,14 +1,15 @@
 """One-row products of a model's linear weights, row-major (as `nn.Linear` stores them) against column-major
 (as `litkv.modeling.weight_layout.columns_contiguous` stores them for inference on the CPU), in one run.
 
-For each distinct linear shape of the preset (random float32 weights, as many copies as fill `--mbytes`, so
-that every call reads its weight from memory, as a decode step does), the layouts are timed in turn over
-`--repeats` rounds; printed: the median time of one product in each layout, the speed ratio, and for one row
-the weight bytes read per second against the machine's memory bandwidth measured in the same run with the
-same threads (the physical limit of a weight-streaming product). Then the same at `--rows` rows (a prefill
-chunk: compute-bound, the BLAS packs the weight either way).
+For each distinct linear shape of the preset (random weights in `--dtype`, float32 by default, as many copies
+as fill `--mbytes`, so that every call reads its weight from memory, as a decode step does), the layouts are
+timed in turn over `--repeats` rounds; printed: the median time of one product in each layout, the speed ratio,
+and for one row the weight bytes read per second against the machine's memory bandwidth measured in the same
+run with the same threads (the physical limit of a weight-streaming product). Then the same at `--rows` rows
+(a prefill chunk: compute-bound, the BLAS packs the weight either way).
 
     python scripts/bench_weight_layout.py --model SmolLM2-135M --threads 1
+    python scripts/bench_weight_layout.py --model SmolLM2-135M --threads 1 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from litgpt import Config
 from litkv.eval.bandwidth import measure_bandwidth
 from litkv.modeling.model import GPT
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="alternated rounds per layout (median)")
     p.add_argument("--mbytes", type=int, default=256, help="weights streamed per timed round (MB)")
     p.add_argument("--rows", type=int, default=512, help="rows of the second table (a prefill chunk)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     return p.parse_args(argv)
 
 
@@ -43,14 +47,17 @@ def linear_shapes(name: str) -> list[tuple[int, int]]:
     return sorted(shapes)  # type: ignore[arg-type]
 
 
-def time_layouts(shape: tuple[int, int], rows: int, mbytes: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of one `rows`-row product with a `shape` weight, read from memory: (row-major,
+def time_layouts(
+    shape: tuple[int, int], rows: int, mbytes: int, repeats: int, dtype: torch.dtype = torch.float32
+) -> tuple[float, float]:
+    """Median seconds of one `rows`-row product with a `shape` weight in `dtype`, read from memory: (row-major,
     column-major)."""
     out, inp = shape
-    copies = max(1, mbytes * 2**20 // (out * inp * 4))
-    row_major = [torch.randn(out, inp) for _ in range(copies)]
+    size = torch.finfo(dtype).bits // 8
+    copies = max(1, mbytes * 2**20 // (out * inp * size))
+    row_major = [torch.randn(out, inp, dtype=dtype) for _ in range(copies)]
     col_major = [w.t().contiguous().t() for w in row_major]
-    x = torch.randn(rows, inp)
+    x = torch.randn(rows, inp, dtype=dtype)
     seconds: dict[str, list[float]] = {"row": [], "col": []}
     for _ in range(repeats):
         for name, weights in (("row", row_major), ("col", col_major)):
@@ -65,13 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     bandwidth = measure_bandwidth(threads=args.threads) / 1e9
-    print(f"memory bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads); {args.model}'s linear shapes")
+    dtype = getattr(torch, args.dtype)
+    print(
+        f"memory bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads); {args.model}'s linear shapes, {args.dtype}"
+    )
     for rows in (1, args.rows):
         print("\n| rows | weight (out, in) | row-major us | column-major us | column/row speed | column-major GB/s |")
         print("|---:|---|---:|---:|---:|---:|")
         for shape in linear_shapes(args.model):
-            row, col = time_layouts(shape, rows, args.mbytes, args.repeats)
-            gbps = shape[0] * shape[1] * 4 / col / 1e9
+            row, col = time_layouts(shape, rows, args.mbytes, args.repeats, dtype)
+            gbps = shape[0] * shape[1] * torch.finfo(dtype).bits / 8 / col / 1e9
             read = f"{gbps:.1f} ({gbps / bandwidth:.0%})" if rows == 1 else "-"
             print(f"| {rows} | {shape} | {row * 1e6:.1f} | {col * 1e6:.1f} | {row / col:.2f}x | {read} |")
 

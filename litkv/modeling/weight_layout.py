@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["columns_contiguous"]
+__all__ = ["COLUMN_MAJOR_DTYPES", "columns_contiguous"]
 
 
 def columns_contiguous(model: nn.Module) -> nn.Module:
-    """Store every floating-point `nn.Linear` weight of `model` that lives on the CPU column-major (in place;
+    """Store every float32 / float64 `nn.Linear` weight of `model` that lives on the CPU column-major (in place;
     a weight shared by several layers, such as a tied embedding, is moved once and stays shared); returns
-    `model`. Other weights (quantised layers, other devices) keep their layout.
+    `model`. Other weights (16-bit, quantised layers, other devices) keep their layout.
 
     The parameters keep their identity, values, shapes and `requires_grad`; the linear weights' strides become
     `(1, out)`. The model's other CPU parameters are copied as they are, so that no parameter is left in the
@@ -43,5 +43,10 @@ def columns_contiguous(model: nn.Module) -> nn.Module:
     return model
 
 
+#: The dtypes whose one-row products the layout serves; PyTorch's 16-bit CPU products ran slower column-major
+#: (`scripts/bench_weight_layout.py --dtype bfloat16`), so 16-bit weights stay row-major.
+COLUMN_MAJOR_DTYPES = (torch.float32, torch.float64)
+
+
 def _movable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype.is_floating_point and weight.dim() == 2
+    return weight.device.type == "cpu" and weight.dtype in COLUMN_MAJOR_DTYPES and weight.dim() == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import forward_depth, max_diff, random_tokens, rounding_bound
 from torch import nn
@@ -13,7 +14,7 @@ from torch import nn
 from litkv import GPT, KVCacheConfig, generate
 from litkv.checkpoints.checkpoint import load_state_dict, save_state_dict_atomic
 from litkv.modeling.quant_weights import parse_quantize, quantize_model
-from litkv.modeling.weight_layout import columns_contiguous
+from litkv.modeling.weight_layout import COLUMN_MAJOR_DTYPES, columns_contiguous
 
 
 def _row_major(model: GPT) -> GPT:
@@ -40,6 +41,15 @@ def test_weights_keep_values_identity_and_sharing(tiny_model: Callable[..., GPT]
         assert w.stride() == (1, w.shape[0]) and w.t().is_contiguous()
     norms = [p for n, p in model.named_parameters() if p.dim() == 1]
     assert norms and all(p.is_contiguous() for p in norms)  # only the linear layers' weights change layout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_stay_row_major(tiny_model: Callable[..., GPT], dtype: torch.dtype) -> None:
+    """PyTorch's 16-bit one-row CPU products ran slower column-major: those weights keep their layout."""
+    model = _row_major(tiny_model(9)).to(dtype)
+    columns_contiguous(model)
+    assert all(w.is_contiguous() for w in _linear_weights(model))
+    assert torch.float32 in COLUMN_MAJOR_DTYPES and dtype not in COLUMN_MAJOR_DTYPES
 
 
 def test_no_parameter_is_left_in_the_loaded_file(tiny_model: Callable[..., GPT], tmp_path: Path) -> None:
