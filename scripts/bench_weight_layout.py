@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     bandwidth = measure_bandwidth(threads=args.threads) / 1e9
-    dtype = getattr(torch, args.dtype)
+    dtype = DTYPES[args.dtype]
     print(
         f"memory bandwidth: {bandwidth:.1f} GB/s ({args.threads} threads); {args.model}'s linear shapes, {args.dtype}"
     )

@@ -16,6 +16,10 @@ from torch import nn
 
 __all__ = ["COLUMN_MAJOR_DTYPES", "columns_contiguous"]
 
+#: The dtypes whose one-row products the layout serves; PyTorch's 16-bit CPU products ran slower column-major
+#: (`scripts/bench_weight_layout.py --dtype bfloat16`), so 16-bit weights stay row-major.
+COLUMN_MAJOR_DTYPES = (torch.float32, torch.float64)
+
 
 def columns_contiguous(model: nn.Module) -> nn.Module:
     """Store every float32 / float64 `nn.Linear` weight of `model` that lives on the CPU column-major (in place;
@@ -41,11 +45,6 @@ def columns_contiguous(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 param.data = param.data.clone()
     return model
-
-
-#: The dtypes whose one-row products the layout serves; PyTorch's 16-bit CPU products ran slower column-major
-#: (`scripts/bench_weight_layout.py --dtype bfloat16`), so 16-bit weights stay row-major.
-COLUMN_MAJOR_DTYPES = (torch.float32, torch.float64)
 
 
 def _movable(weight: torch.Tensor) -> bool:
