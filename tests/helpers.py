@@ -6,9 +6,13 @@ Import from tests as ``from helpers import ...`` (pytest puts ``tests/`` on ``sy
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn as nn
@@ -438,3 +442,16 @@ def evicts_alone(policy: str) -> bool:
     from litkv.kvcache.registry import get_kv_cache_class
 
     return getattr(get_kv_cache_class(policy).Options(), "mode", "continuous") == "continuous"
+
+
+def load_script(name: str) -> ModuleType:
+    """`scripts/<name>.py` imported as module `name` (and registered in `sys.modules`, so that a script importing
+    a sibling, and a test reading that sibling back, find it)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 from litkv.cli import bench_cmd
 from litkv.cli.bench_cmd import format_table
@@ -17,15 +17,9 @@ from litkv.eval import peers
 from litkv.eval.bandwidth import bound_tokens_per_s, bytes_per_step, kv_bytes_per_token, measure_bandwidth, weight_bytes
 from litkv.eval.peers import BenchResult
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _load_bench_policies():
-    spec = importlib.util.spec_from_file_location("bench_policies", ROOT / "scripts" / "bench_policies.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_policies"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_policies")
 
 
 def _load_report():

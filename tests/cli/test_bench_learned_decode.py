@@ -4,23 +4,16 @@ without gates gets random ones."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 from tiny_checkpoint import make_tiny_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_learned_decode", ROOT / "scripts" / "bench_learned_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_learned_decode"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_learned_decode")
 
 
 @pytest.mark.parametrize("gates", [True, False])

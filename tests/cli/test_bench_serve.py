@@ -5,24 +5,17 @@ finds every reply equal."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 from servers import free_port
 from tiny_checkpoint import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "scripts" / "bench_serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_serve")
 
 
 def test_user_messages_come_from_the_seed_alone() -> None:

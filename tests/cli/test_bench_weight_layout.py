@@ -3,22 +3,14 @@ ratio printed as the two speeds' quotient."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_weight_layout", ROOT / "scripts" / "bench_weight_layout.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_weight_layout"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_weight_layout")
 
 
 def test_every_linear_shape_at_both_row_counts(capsys: pytest.CaptureFixture) -> None:

@@ -3,29 +3,23 @@ rank in the policy's scores, and the share of attention dense's last queries giv
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
+from helpers import load_script
 
 from litkv.eval.evaluate import cache_config
 from litkv.inference.kvzip_reconstruction import RepeatPrompt
 from litkv.kvcache.config import ChunkPlan, KVCacheConfig
 from litkv.modeling.runner import run_chunks
 
-ROOT = Path(__file__).resolve().parents[2]
 REPEAT = RepeatPrompt(first=(5, 6, 7), later=(8, 9), suffix=(10, 11), prefix_length=2, overlap=4)
 TEMPLATE = KVCacheConfig(chunk_size=9)
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("needle_layers", ROOT / "scripts" / "needle_layers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["needle_layers"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("needle_layers")
 
 
 def _brute_reads(model, ids: torch.Tensor, start: int, needle: list[int]) -> list[list[float]]:

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ruler_slice", ROOT / "scripts" / "ruler_slice.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ruler_slice"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ruler_slice")
 
 
 def _write(path: Path, rows: list[tuple[str, int, str, int, float, float]]) -> None:
