@@ -27,9 +27,9 @@ def columns_contiguous(model: nn.Module) -> nn.Module:
     `model`. Other weights (16-bit, quantised layers, other devices) keep their layout.
 
     The parameters keep their identity, values, shapes and `requires_grad`; the linear weights' strides become
-    `(1, out)`. The model's other CPU parameters are copied as they are, so that no parameter is left in the
-    memory the weights were loaded into (a safetensors file maps the whole file, which stays mapped while any
-    one of its tensors lives). Writers that need contiguous tensors (safetensors) copy them first, as
+    `(1, out)`. When any moved, the model's other CPU parameters are copied as they are, so that no parameter is
+    left in the memory the weights were loaded into (a safetensors file maps the whole file, which stays mapped
+    while any one of its tensors lives). Writers that need contiguous tensors (safetensors) copy them first, as
     `save_state_dict_atomic` does.
     """
     moved: set[int] = set()
@@ -37,13 +37,12 @@ def columns_contiguous(model: nn.Module) -> nn.Module:
         weight = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
         if isinstance(weight, nn.Parameter) and id(weight) not in moved and _movable(weight):
             moved.add(id(weight))
-            with torch.no_grad():
-                weight.data = weight.data.t().contiguous().t()
-    for param in model.parameters():
+            weight.data = weight.data.t().contiguous().t()
+    if not moved:  # nothing changed layout: the model keeps its memory as it is
+        return model
+    for param in model.parameters():  # each parameter once (shared ones included)
         if id(param) not in moved and param.device.type == "cpu":
-            moved.add(id(param))
-            with torch.no_grad():
-                param.data = param.data.clone()
+            param.data = param.data.clone()
     return model
 
 

@@ -9,12 +9,8 @@ import pytest
 from helpers import load_script
 
 
-def _load():
-    return load_script("bench_weight_layout")
-
-
 def test_every_linear_shape_at_both_row_counts(capsys: pytest.CaptureFixture) -> None:
-    bench = _load()
+    bench = load_script("bench_weight_layout")
     shapes = bench.linear_shapes("SmolLM2-135M")  # qkv, attention proj, MLP in and out, LM head
     assert shapes == [(576, 576), (576, 1536), (960, 576), (1536, 576), (49152, 576)]
     bench.main(["--model", "SmolLM2-135M", "--repeats", "1", "--mbytes", "1", "--rows", "8"])

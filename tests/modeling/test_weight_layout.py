@@ -47,8 +47,10 @@ def test_weights_keep_values_identity_and_sharing(tiny_model: Callable[..., GPT]
 def test_16_bit_weights_stay_row_major(tiny_model: Callable[..., GPT], dtype: torch.dtype) -> None:
     """PyTorch's 16-bit one-row CPU products ran slower column-major: those weights keep their layout."""
     model = _row_major(tiny_model(9)).to(dtype)
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
     columns_contiguous(model)
     assert all(w.is_contiguous() for w in _linear_weights(model))
+    assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages  # nothing moved, nothing copied
     assert torch.float32 in COLUMN_MAJOR_DTYPES and dtype not in COLUMN_MAJOR_DTYPES
 
 
