@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_model, load_tokenizer
-from litkv.checkpoints.runtime import apply_num_threads, resolve_device, resolve_dtype
+from litkv.checkpoints.checkpoint import check_checkpoint_dir, load_tokenizer
+from litkv.checkpoints.runtime import load_for_inference
 from litkv.cli.common import resolve_checkpoint_dir
 from litkv.core.atomic import remove_stale_temp_files
 from litkv.inference.blocks import check_recompute
@@ -42,8 +42,7 @@ from litkv.inference.chat_template import load_format
 from litkv.inference.conversation import refuse_one_shot
 from litkv.inference.sampling import Sampling, check_sampling
 from litkv.kvcache.config import KVCacheConfig
-from litkv.modeling.quant_weights import WeightQuant, parse_quantize, quantize_model
-from litkv.modeling.weight_layout import columns_contiguous
+from litkv.modeling.quant_weights import WeightQuant, parse_quantize
 
 __all__ = ["ChatSession", "chat"]
 
@@ -270,15 +269,14 @@ def _start(
     runtime: tuple[str | None, str | None, int | None],
     quant: WeightQuant,
 ) -> ChatSession:
-    """Load the model (`runtime`: precision, device, threads; weights quantised as `quant`), the tokenizer,
-    its chat format and the session file."""
+    """Load the tokenizer and its chat format, then the model as every inference command does
+    (`load_for_inference`; `runtime`: precision, device, threads; weights quantised as `quant`), and the session
+    file."""
     precision, device, num_threads = runtime
     ckpt = check_checkpoint_dir(resolve_checkpoint_dir(checkpoint_dir))
-    apply_num_threads(num_threads)
     tokenizer = load_tokenizer(ckpt)
     fmt = load_format(ckpt, tokenizer, chat_template)
-    dev = resolve_device(device)
-    model = columns_contiguous(quantize_model(load_model(ckpt, device=dev, dtype=resolve_dtype(precision, dev)), quant))
+    model, _ = load_for_inference(ckpt, precision, device, num_threads, quant.name)
     state = ChatSession(model, tokenizer, kv_cache, undo_depth, fmt)
     if session is not None and session.is_file():
         print(state.load(session), file=sys.stderr)

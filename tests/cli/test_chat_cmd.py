@@ -296,11 +296,11 @@ def _saved_turns(session: Path) -> int:
 _INTERRUPTED_START = (
     "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
     "import litkv.cli.chat_cmd as c; from litkv.__main__ import main\n"
-    "load = c.load_model\n"
+    "load = c.load_for_inference\n"
     "def slow(*a, **k):\n"
     "    os.kill(os.getpid(), signal.SIGINT)\n"
     "    return load(*a, **k)\n"
-    "c.load_model = slow\n"
+    "c.load_for_inference = slow\n"
     "main(sys.argv[1:])\n"
 )
 
