@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import litkv.checkpoints.runtime as runtime
 from litkv.__main__ import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -329,6 +331,19 @@ def test_ctrl_c_during_a_reply_keeps_and_saves_the_turn_and_says_so(chats: dict[
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert "[reply stopped] the turn so far is kept and saved" in err and "turns: 1" in out
     assert _saved_turns(session) == 1
+
+
+def test_quantized_weights_on_a_gpu_are_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`litkv chat --quantize int8` on a GPU is refused as `litkv generate` refuses it (the chat loads through
+    `load_for_inference`), before a weight is read. The device is faked: no GPU needed."""
+    monkeypatch.setattr(runtime, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: pytest.fail("the weights were read"))
+    with pytest.raises(SystemExit) as exc:
+        main(["chat", "--quantize", "int8", "--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1 and "--quantize int8 runs on the CPU only" in err[0], err
 
 
 def test_session_with_other_cache_settings_says_so_and_goes_on_with_the_files(
