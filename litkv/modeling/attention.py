@@ -8,6 +8,8 @@ valid: a prefill chunk without pads, no mask built), `None` (every key visible: 
 all hold a token, no mask built) or `HeadStarts` (a decode step over a compressed one-shot cache: each (row, KV
 head) attends its own run of slots). Packed slots (`PackedSlots`: a storage's own format, e.g. an int8/int4
 cache's codes on a decode step) are attended by their own kernel (`PackedSlots.attend`), never converted here.
+A decode step over float32 slots on the CPU takes one C pass over the keys and values (`_one_query_kernel`:
+`litkv.kvcache.kernels.cpu_decode.float_attend`, the quantised caches' kernel on float numbers), where it builds.
 
 Grouped-query attention never materialises expanded keys/values on the CPU: the query heads of each KV group
 are folded into the query axis, `(B, G, q_per_kv * T, hs)`, or SDPA takes them grouped (`enable_gqa`). When a
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.storage import PackedSlots
 
 __all__ = [
@@ -150,6 +153,23 @@ def attend(
             raise ValueError(f"packed slots hold keys and values together: v must be k, got {type(v).__name__}")
         return k.attend(q, full_mask(mask, b, k.shape[1], t, k.shape[2], q.device), scale, softcap, need_weights,
                         query_valid)  # fmt: skip
+    if t == 1 and _kernel_applies(q, k, v):
+        return _one_query_kernel(q, k, v, mask, scale, softcap, need_weights, query_valid)
+    return _attend_torch(q, k, v, mask, scale, softcap, need_weights, query_valid)
+
+
+def _attend_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Layout,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+    query_valid: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attend` on key and value tensors through PyTorch's operators (SDPA, or the blockwise weights pass)."""
+    b, n_head, t, hs = q.shape
     g, s = k.shape[1], k.shape[2]
     if isinstance(mask, _Causal) and t > s:
         raise ValueError(f"attend: {t} causal queries over {s} keys (the queries are the last keys)")
@@ -167,6 +187,77 @@ def attend(
         if y is None:
             y = eager_y.view(b, n_head, t, v.shape[-1]).transpose(1, 2).reshape(b, t, n_head * v.shape[-1])
     return y, weights
+
+
+def _kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a one-query call may take the C pass: float32 queries, keys and values on the CPU, one head size,
+    no autograd (`cpu_decode.supported`)."""
+    return (
+        cpu_decode.supported(q, 1)
+        and k.dtype == torch.float32
+        and v.dtype == torch.float32
+        and k.shape[-1] == v.shape[-1] == q.shape[-1]
+        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+    )
+
+
+def _one_query_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Layout,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+    query_valid: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attend` of one query per head over float32 slots in one C pass (inside `torch.compile`: the same pass as
+    one opaque op, so compiled and eager steps give the same bits); `_attend_torch` where it cannot be built."""
+    b, n_head, _, hs = q.shape
+    g, s = k.shape[1], k.shape[2]
+    dense = None if mask is None or isinstance(mask, _Causal) else full_mask(mask, b, g, 1, s, q.device)
+    op = _float_decode_op if torch.compiler.is_compiling() else _float_decode
+    y, weights = op(q.view(b, g, n_head // g, hs), k, v, dense, query_valid, scale, softcap, need_weights)
+    return y.view(b, 1, n_head * hs), weights if need_weights else None
+
+
+def _float_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    query_valid: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cpu_decode.float_attend` of queries `(B, G, M, D)` (`y` `(B, G, M, D)`, the weights `(B, G, S)` or empty),
+    or the same through `_attend_torch` where the kernel cannot be built."""
+    done = cpu_decode.float_attend(q, k, v, mask, query_valid, scale, softcap, need_weights)
+    if done is not None:
+        return done
+    b, g, m, d = q.shape
+    y, weights = _attend_torch(q.reshape(b, g * m, 1, d), k, v, mask, scale, softcap, need_weights, query_valid)
+    return y.view(b, g, m, d), weights if weights is not None else q.new_empty(0)
+
+
+_float_decode_op = torch.library.custom_op("litkv::float_decode", _float_decode, mutates_args=())
+
+
+@_float_decode_op.register_fake
+def _float_decode_shape(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    query_valid: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, g, s = k.shape[:3]
+    weights = q.new_empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
+    return torch.empty_like(q), weights
 
 
 def weights_in_one_pass(device: torch.device) -> bool:

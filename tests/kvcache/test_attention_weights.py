@@ -162,8 +162,9 @@ def test_fast_path_pays_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_query_weights_equal_the_blockwise_pass_and_the_oracle(dtype: torch.dtype) -> None:
-    """A decode step's weights on the CPU (`_one_query_pass`): bitwise the blockwise pass's output and sums (so
-    eager, compiled and batched steps stay as exact as before) and, in float32, the float64 oracle's; keys a view
+    """A decode step's weights on the CPU's PyTorch path (`_one_query_pass`; float32 steps take the C pass where it
+    builds, `test_float_decode_kernel.py`): bitwise the blockwise pass's output and sums (so eager, compiled and
+    batched steps stay as exact as before) and, in float32, the float64 oracle's; keys a view
     of larger slots, a mask by positions (empty slots, a pad query), no mask, and `CAUSAL` (every key seen)."""
     gen = torch.Generator().manual_seed(5)
     s = 37
@@ -175,7 +176,7 @@ def test_one_query_weights_equal_the_blockwise_pass_and_the_oracle(dtype: torch.
     valid = q_pos >= 0
     every = torch.zeros(B, G, s, dtype=torch.long)
     for mask, positions in ((build_mask(q_pos, k_pos), k_pos), (None, every), (attention.CAUSAL, every)):
-        y, sums = attend(q, k, v, mask, 0.25, need_weights=True, query_valid=valid)
+        y, sums = attention._attend_torch(q, k, v, mask, 0.25, None, True, valid)  # the PyTorch path
         qg = q.view(B, G, N_HEAD // G, 1, HS)
         ref_y, ref_sums = attention._scores_pass(qg, k, v, mask, 0.25, None, True, valid)
         assert torch.equal(y, ref_y.view(B, N_HEAD, 1, HS).transpose(1, 2).reshape(B, 1, N_HEAD * HS))

@@ -1,6 +1,7 @@
 """A one-shot cache compressed to different counts per head (AdaKV, ranking across layers) holds each head's kept
 tokens right-aligned before `num_filled` (`compact_slots`), so that with the tokens decode steps append they are
-one run of slots per (row, KV head): a decode step attends each run with its own SDPA call (`HeadStarts`), no mask.
+one run of slots per (row, KV head): a decode step on the PyTorch path attends each run with its own SDPA call
+(`HeadStarts`), no mask (the C pass of a float32 step on the CPU masks the slots before each start).
 Checked against a float64 oracle (attention over each head's run alone), against the masked call of the same
 layout, and end to end: a model's decode steps give the logits of the steps that build their masks from positions.
 """
@@ -51,9 +52,11 @@ def test_head_ranges_attend_each_heads_run_as_the_float64_oracle(
     monkeypatch.setattr(attention, "_attend_head_ranges", lambda *a: calls.append(1) or per_head(*a))
     if skip_all:  # the masked call of the same layout
         monkeypatch.setattr(attention, "HEAD_RANGES_MIN_SKIPPED", 2.0)
-    y, _ = attend(q, k, v, layout, 0.25)
+    y, _ = attention._attend_torch(q, k, v, layout, 0.25, None, False, None)  # the PyTorch path
     torch.testing.assert_close(y.double(), _oracle(q, k, v, host, 0.25), atol=1e-5, rtol=1e-5)
     assert len(calls) == (0 if skip_all else 1)
+    y, _ = attend(q, k, v, layout, 0.25)  # where it builds, the C pass (its mask: the starts)
+    torch.testing.assert_close(y.double(), _oracle(q, k, v, host, 0.25), atol=1e-5, rtol=1e-5)
     _, weights = attend(q, k, v, layout, 0.25, need_weights=True)  # the weights path: the mask of the starts
     for r in range(b):
         for h in range(g):

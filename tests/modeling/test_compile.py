@@ -269,7 +269,7 @@ def test_compiled_decode_attends_without_a_mask_when_every_slot_holds_a_token(mo
     (layout `None`, fixed when the steps begin: `KVCache.static_slots_valid`), eager's tokens. A cache whose slots
     are written otherwise forgets it; a cache not full (dense, most tests above) keeps the mask."""
     layouts = []
-    for name in ("_sdpa", "_scores_pass", "_one_query_pass"):
+    for name in ("_sdpa", "_scores_pass", "_one_query_pass", "_one_query_kernel"):
         real = getattr(attention, name)
 
         def spy(q, k, v, mask, *rest, real=real):  # noqa: ANN001, ANN202

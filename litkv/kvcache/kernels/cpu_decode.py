@@ -49,7 +49,7 @@ import torch
 from litkv.core.atomic import TMP_PREFIX
 from litkv.core.secret import litkv_home
 
-__all__ = ["CPU_KERNEL", "decode_attend", "find_compiler", "library", "quantize", "supported"]
+__all__ = ["CPU_KERNEL", "decode_attend", "find_compiler", "float_attend", "library", "quantize", "supported"]
 
 #: Whether a decode step on the CPU takes this kernel where it applies; False: the PyTorch path everywhere
 #: (`scripts/bench_cpu.py kv --cpu_kernel both` measures the two side by side).
@@ -61,6 +61,7 @@ NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carr
 BUILD_SECONDS = 120
 
 _ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float]
+_FLOAT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float]  # litkv_float_attend's
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _QUANTIZE_ARGS = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT]  # litkv_quantize's
 _COMMIT_ARGS = [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT]  # litkv_commit's
@@ -134,6 +135,51 @@ def decode_attend(
     mask_g = mask.stride(1) if mask.shape[1] == g else 0
     sizes = (b, g, s, *codes.stride()[:3], *scales.stride()[:3], mask.stride(0), mask_g)
     lib.litkv_quant_attend(*(None if x is None else x.data_ptr() for x in tensors), *sizes, float(softcap or 0.0))
+    return y, weights
+
+
+def float_attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    query_valid: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode attention over float32 slots in one pass (`decode_attend`'s contract on float keys and values), or
+    None when the kernel cannot be built here or has none for this head size (not a multiple of 4; the caller then
+    takes its PyTorch path).
+
+    Args:
+        q: `(B, G, M, D)` float32 queries, `M` the query heads of a KV head (one query each).
+        keys, values: `(B, G, S, D)` float32, any strides over the first three axes, the last contiguous (else
+            copied).
+        mask: `(B, G or 1, 1, S)` bool, True where attention is allowed, or None (every slot).
+        query_valid, scale, softcap, need_weights: as `decode_attend`'s.
+    """
+    b, g, m, d = q.shape
+    s = keys.shape[2]
+    lib = library(d, 1, 32, m)
+    if lib is None or not hasattr(lib, "litkv_float_attend"):
+        return None
+    keys, values = (x if x.stride(-1) == 1 else x.contiguous() for x in (keys, values))
+    if mask is None:
+        mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
+    mask = mask.expand(b, mask.shape[1], 1, s)
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    queries = (q * scale).contiguous()
+    counted = None if query_valid is None or not need_weights else query_valid[:, 0].contiguous()
+    y = torch.empty(b, g, m, d, dtype=torch.float32)
+    scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None  # the kernel's scratch
+    weights = torch.empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
+    tensors = (queries, keys, values, mask, counted, y, scores, weights if need_weights else None)
+    mask_g = mask.stride(1) if mask.shape[1] == g else 0
+    strides = (*keys.stride()[:3], *values.stride()[:3], mask.stride(0) if mask.shape[0] == b else 0, mask_g)
+    lib.litkv_float_attend(*(None if x is None else x.data_ptr() for x in tensors), b, g, s, *strides,
+                           float(softcap or 0.0))  # fmt: skip
     return y, weights
 
 
@@ -269,6 +315,12 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
         if key not in _built:
             try:
                 lib = ctypes.CDLL(str(_build(*key)))
+                if bits == 32:  # float32 slots: attention only (none where `head` is not a multiple of 4)
+                    if hasattr(lib, "litkv_float_attend"):
+                        lib.litkv_float_attend.argtypes = _FLOAT_ARGS
+                        lib.litkv_float_attend.restype = None
+                    _built[key] = lib
+                    return lib
                 if hasattr(lib, "litkv_quant_attend"):  # absent where a group's size is not a multiple of 4
                     lib.litkv_quant_attend.argtypes = _ARGS
                     lib.litkv_quant_attend.restype = None
@@ -281,7 +333,7 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 _built[key] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 warnings.warn(
-                    f"litkv: the CPU kernel for quantised KV decode ({head} numbers, {groups} groups, {bits} bits, "
+                    f"litkv: the CPU kernel for KV decode ({head} numbers, {groups} groups, {bits} bits, "
                     f"{queries} queries per KV head) "
                     f"could not be built: {error}; its calls take the PyTorch path",
                     RuntimeWarning,
@@ -324,7 +376,7 @@ def _cpu_identity() -> str:
 
 def _build(head: int, groups: int, bits: int, queries: int) -> Path:
     """Compile the source for one (head, groups, bits, queries) into the kernel cache unless it is there."""
-    if head % groups or head % 2 and bits == 4 or bits not in (8, 4) or queries < 1:
+    if head % groups or head % 2 and bits == 4 or bits not in (8, 4, 32) or bits == 32 and groups != 1 or queries < 1:
         raise RuntimeError(f"no kernel for {head} numbers in {groups} groups of {bits} bits, {queries} queries")
     compiler = _compiler()
     defines = (f"-DHEAD={head}", f"-DGROUPS={groups}", f"-DBITS={bits}", f"-DM={queries}")

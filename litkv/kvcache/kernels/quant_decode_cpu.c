@@ -1,9 +1,10 @@
-/* A quantised cache's decode step on the CPU: attention read straight from the codes, in one pass.
+/* A cache's decode step on the CPU: attention read straight from the codes (or the float32 numbers), in one pass.
 
 Built at run time by litkv/kvcache/kernels/cpu_decode.py, once per (HEAD, GROUPS, BITS, M), with
     HEAD    numbers per key or value vector (the head size D),
     GROUPS  scales (and offsets) per vector, so that a group holds SIZE = HEAD / GROUPS numbers,
-    BITS    8 or 4,
+    BITS    8 or 4, or 32: float32 numbers, no scales (GROUPS 1), keys and values in tensors of their own
+            (litkv_float_attend; the quantising functions are not built),
     M       queries per KV head (a decode step: the query heads that share a KV head),
 so that every loop inside a slot has constant bounds and the compiler unrolls and vectorises it.
 
@@ -32,8 +33,9 @@ does not depend on the other rows of the batch. Everything runs on the calling t
 #if !defined(HEAD) || !defined(GROUPS) || !defined(BITS) || !defined(M)
 #error "HEAD, GROUPS, BITS and M must be defined"
 #endif
-#if HEAD % GROUPS != 0 || (BITS != 8 && BITS != 4) || (BITS == 4 && HEAD % 2 != 0)
-#error "HEAD must split into GROUPS groups (and be even for 4 bits); BITS must be 8 or 4"
+#if HEAD % GROUPS != 0 || (BITS != 8 && BITS != 4 && BITS != 32) || (BITS == 4 && HEAD % 2 != 0) || \
+    (BITS == 32 && GROUPS != 1)
+#error "HEAD must split into GROUPS groups (and be even for 4 bits); BITS must be 8, 4 or 32 (one group)"
 #endif
 
 #define WIDTH (HEAD * BITS / 8) /* bytes of one key or value */
@@ -83,11 +85,11 @@ static inline float exp_nonpositive(float x) {
 
 /* LANES numbers per vector: 16 where every group (and for 4 bits, every half of a vector) holds a multiple of
    16, else 8 or 4; else no attention kernel (the caller takes the PyTorch path). */
-#if HEAD % (16 * GROUPS) == 0 && (BITS == 8 || HEAD % 32 == 0)
+#if HEAD % (16 * GROUPS) == 0 && (BITS != 4 || HEAD % 32 == 0)
 #define LANES 16
-#elif HEAD % (8 * GROUPS) == 0 && (BITS == 8 || HEAD % 16 == 0)
+#elif HEAD % (8 * GROUPS) == 0 && (BITS != 4 || HEAD % 16 == 0)
 #define LANES 8
-#elif HEAD % (4 * GROUPS) == 0 && (BITS == 8 || HEAD % 8 == 0)
+#elif HEAD % (4 * GROUPS) == 0 && (BITS != 4 || HEAD % 8 == 0)
 #define LANES 4
 #endif
 #ifdef LANES
@@ -98,8 +100,14 @@ typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef uint8_t bytes __attribute__((vector_size(LANES)));
 typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 
-/* Numbers LANES * i .. LANES * i + LANES - 1 of one key's or value's codes, as 0 .. 2^BITS - 1. */
+/* Numbers LANES * i .. LANES * i + LANES - 1 of one key's or value's codes, as 0 .. 2^BITS - 1 (float32:
+   the numbers). */
 static inline floats piece(const uint8_t *codes, int i) {
+#if BITS == 32
+    floats x;
+    memcpy(&x, codes + sizeof(floats) * i, sizeof(x));
+    return x;
+#else
     bytes b;
 #if BITS == 8
     memcpy(&b, codes + LANES * i, LANES);
@@ -109,6 +117,7 @@ static inline floats piece(const uint8_t *codes, int i) {
     b = i < PIECES / 2 ? b & 0x0F : b >> 4;
 #endif
     return __builtin_convertvector(__builtin_convertvector(b, ints), floats);
+#endif
 }
 
 /* The sums of the lanes of r[0], ..., r[LANES - 1], in that order: neighbouring lanes added, then pairs,
@@ -202,8 +211,12 @@ static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, co
         floats dots[M * GROUPS], scale[GROUPS], base[GROUPS];
         tile_dots(qv, c + (s0 + t0) * stride_s, stride_s, count, dots);
         for (int j = 0; j < GROUPS; j++) {
+#if BITS == 32
+            scale[j] = (floats){0} + 1.0f, base[j] = (floats){0}; /* the numbers themselves: q . key exactly */
+#else
             scale[j] = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
             base[j] = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
+#endif
         }
         ints hidden;
         for (int t = 0; t < LANES; t++) hidden[t] = t < count ? mask[s0 + t0 + t] == 0 : 0;
@@ -229,8 +242,13 @@ static inline void block_values(const uint8_t *c, const uint16_t *sc, const uint
     for (int t0 = 0; t0 < n; t0 += LANES) {
         const int count = n - t0 < LANES ? n - t0 : LANES;
         for (int j = 0; j < GROUPS; j++) {
+#if BITS == 32
+            const floats factor = (floats){0} + 1.0f, start = (floats){0};
+            (void)count;
+#else
             const floats factor = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
             const floats start = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
+#endif
             memcpy(scale[j] + t0, &factor, sizeof(factor));
             memcpy(base[j] + t0, &start, sizeof(start));
         }
@@ -282,6 +300,71 @@ static void block_softmax(float scores[M][BLOCK], int n, float *maximum, float *
     }
 }
 
+/* One (row, KV head) pair's decode attention: its M queries qq (M, HEAD), already scaled, over S slots whose
+   keys start at k and values at v (slot s at k + s * key_s, v + s * value_s bytes); scales and offsets at sc
+   and of (the key's first, then the value's; unused for float32); seen: a byte per slot, nonzero where it may
+   be attended. Writes out (M, HEAD); where w is not NULL, the scores (M, S) into score and the softmax weights
+   summed over the M queries, times `factor`, into w (S). */
+static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int64_t key_s, int64_t value_s,
+                        const uint16_t *sc, const uint16_t *of, int64_t scale_s, const uint8_t *seen, int64_t S,
+                        float softcap, float *out, float *score, float *w, float factor) {
+    floats qv[M][PIECES], acc[M][PIECES];
+    float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], shift[M][GROUPS];
+    for (int m = 0; m < M; m++) {
+        for (int i = 0; i < PIECES; i++) memcpy(&qv[m][i], qq + m * HEAD + i * LANES, sizeof(floats));
+        for (int j = 0; j < GROUPS; j++) {
+            float total = 0.0f;
+            for (int i = 0; i < SIZE; i++) total += qq[m * HEAD + j * SIZE + i];
+            sums[m * GROUPS + j] = total, shift[m][j] = 0.0f;
+        }
+        for (int i = 0; i < PIECES; i++) acc[m][i] = (floats){0};
+        maximum[m] = -INFINITY, sum[m] = 0.0f;
+    }
+    for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
+        const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
+        block_scores(qv, k, sc, of, seen, s0, n, key_s, scale_s, sums, softcap, block);
+        if (w != NULL)
+            for (int m = 0; m < M; m++) memcpy(score + m * S + s0, block[m], n * sizeof(float));
+        block_softmax(block, n, maximum, sum, p, alpha);
+        for (int m = 0; m < M; m++) {
+            for (int i = 0; i < PIECES; i++) acc[m][i] *= alpha[m];
+            for (int j = 0; j < GROUPS; j++) shift[m][j] *= alpha[m];
+        }
+        block_values(v, sc == NULL ? NULL : sc + GROUPS, of == NULL ? NULL : of + GROUPS, s0, n, value_s, scale_s, p,
+                     acc, shift);
+    }
+    for (int m = 0; m < M; m++) {
+        for (int i = 0; i < PIECES; i++) {
+            const floats value = (acc[m][i] + shift[m][i / PER_GROUP]) / sum[m];
+            memcpy(out + m * HEAD + i * LANES, &value, sizeof(value));
+        }
+    }
+    if (w != NULL) { /* e^(score - maximum) / sum, added over the queries */
+        for (int64_t s = 0; s < S; s++) {
+            float total = 0.0f;
+            for (int m = 0; m < M; m++) total += exp_nonpositive(score[m * S + s] - maximum[m]) * (factor / sum[m]);
+            w[s] = total;
+        }
+    }
+}
+
+#if BITS == 32
+/* Decode attention over float32 slots: keys and values (B, G, S, HEAD) float32 with element strides key_b,
+   key_g, key_s and value_b, value_g, value_s (each vector contiguous); the rest as litkv_quant_attend's. */
+void litkv_float_attend(const float *q, const float *keys, const float *values, const uint8_t *mask,
+                        const uint8_t *counted, float *y, float *scores, float *weights, int64_t B, int64_t G,
+                        int64_t S, int64_t key_b, int64_t key_g, int64_t key_s, int64_t value_b, int64_t value_g,
+                        int64_t value_s, int64_t mask_b, int64_t mask_g, float softcap) {
+    for (int64_t bg = 0; bg < B * G; bg++) {
+        const int64_t b = bg / G, g = bg % G;
+        const uint8_t *k = (const uint8_t *)(keys + b * key_b + g * key_g);
+        const uint8_t *v = (const uint8_t *)(values + b * value_b + g * value_g);
+        attend_pair(q + bg * M * HEAD, k, v, key_s * 4, value_s * 4, NULL, NULL, 0, mask + b * mask_b + g * mask_g,
+                    S, softcap, y + bg * M * HEAD, weights == NULL ? NULL : scores + bg * M * S,
+                    weights == NULL ? NULL : weights + bg * S, counted == NULL || counted[b] ? 1.0f : 0.0f);
+    }
+}
+#else
 /* Decode attention over quantised slots.
 
    q (B, G, M, HEAD) float32, contiguous, already multiplied by the attention scale; codes, scales and
@@ -298,55 +381,17 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *sc
                         int64_t scale_s, int64_t mask_b, int64_t mask_g, float softcap) {
     for (int64_t bg = 0; bg < B * G; bg++) {
         const int64_t b = bg / G, g = bg % G;
-        const float *qq = q + bg * M * HEAD;
-        const uint8_t *c = codes + b * stride_b + g * stride_g, *seen = mask + b * mask_b + g * mask_g;
-        const uint16_t *sc = scales + b * scale_b + g * scale_g, *of = offsets + b * scale_b + g * scale_g;
-        floats qv[M][PIECES], acc[M][PIECES];
-        float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], shift[M][GROUPS];
-        for (int m = 0; m < M; m++) {
-            for (int i = 0; i < PIECES; i++) memcpy(&qv[m][i], qq + m * HEAD + i * LANES, sizeof(floats));
-            for (int j = 0; j < GROUPS; j++) {
-                float total = 0.0f;
-                for (int i = 0; i < SIZE; i++) total += qq[m * HEAD + j * SIZE + i];
-                sums[m * GROUPS + j] = total, shift[m][j] = 0.0f;
-            }
-            for (int i = 0; i < PIECES; i++) acc[m][i] = (floats){0};
-            maximum[m] = -INFINITY, sum[m] = 0.0f;
-        }
-        for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
-            const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
-            block_scores(qv, c, sc, of, seen, s0, n, stride_s, scale_s, sums, softcap, block);
-            if (weights != NULL)
-                for (int m = 0; m < M; m++) memcpy(scores + (bg * M + m) * S + s0, block[m], n * sizeof(float));
-            block_softmax(block, n, maximum, sum, p, alpha);
-            for (int m = 0; m < M; m++) {
-                for (int i = 0; i < PIECES; i++) acc[m][i] *= alpha[m];
-                for (int j = 0; j < GROUPS; j++) shift[m][j] *= alpha[m];
-            }
-            block_values(c + WIDTH, sc + GROUPS, of + GROUPS, s0, n, stride_s, scale_s, p, acc, shift);
-        }
-        float *out = y + bg * M * HEAD;
-        for (int m = 0; m < M; m++) {
-            for (int i = 0; i < PIECES; i++) {
-                const floats value = (acc[m][i] + shift[m][i / PER_GROUP]) / sum[m];
-                memcpy(out + m * HEAD + i * LANES, &value, sizeof(value));
-            }
-        }
-        if (weights != NULL) { /* e^(score - maximum) / sum, added over the queries */
-            float factor[M];
-            for (int m = 0; m < M; m++) factor[m] = (counted == NULL || counted[b] ? 1.0f : 0.0f) / sum[m];
-            const float *score = scores + bg * M * S;
-            float *w = weights + bg * S;
-            for (int64_t s = 0; s < S; s++) {
-                float total = 0.0f;
-                for (int m = 0; m < M; m++) total += exp_nonpositive(score[m * S + s] - maximum[m]) * factor[m];
-                w[s] = total;
-            }
-        }
+        const uint8_t *c = codes + b * stride_b + g * stride_g;
+        attend_pair(q + bg * M * HEAD, c, c + WIDTH, stride_s, stride_s, scales + b * scale_b + g * scale_g,
+                    offsets + b * scale_b + g * scale_g, scale_s, mask + b * mask_b + g * mask_g, S, softcap,
+                    y + bg * M * HEAD, weights == NULL ? NULL : scores + bg * M * S,
+                    weights == NULL ? NULL : weights + bg * S, counted == NULL || counted[b] ? 1.0f : 0.0f);
     }
 }
 #endif
+#endif
 
+#if BITS != 32 /* the quantising functions: quantised caches only */
 /* float32 to float16 bits, rounded to nearest even (beyond float16's range: infinity), as a cast does. */
 static inline uint16_t float_to_half(float f) {
     union {
@@ -470,3 +515,4 @@ void litkv_commit(uint8_t *codes, int64_t code_stride, uint16_t *scales, uint16_
         memcpy(o + to * 2 * GROUPS, o + room * 2 * GROUPS, 2 * GROUPS * sizeof(uint16_t));
     }
 }
+#endif
