@@ -120,7 +120,8 @@ def attend(
     need_weights: bool = False,
     query_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with grouped queries: two paths, one for calls that need no weights, one for calls that do.
+    """Attention with grouped queries: two paths, one for calls that need no weights, one for calls that do; a
+    decode step over float32 slots on the CPU takes neither but one C pass (`_one_query_kernel`) where it builds.
 
     A call without weights gets its output from SDPA (`_sdpa`: its flash kernel on the CPU, flash /
     memory-efficient on CUDA where the layout allows). A call with weights gets them from a blockwise pass over
@@ -217,7 +218,7 @@ def _one_query_kernel(
     g, s = k.shape[1], k.shape[2]
     dense = None if mask is None or isinstance(mask, _Causal) else full_mask(mask, b, g, 1, s, q.device)
     op = _float_decode_op if torch.compiler.is_compiling() else _float_decode
-    y, weights = op(q.view(b, g, n_head // g, hs), k, v, dense, query_valid, scale, softcap, need_weights)
+    y, weights = op(q.reshape(b, g, n_head // g, hs), k, v, dense, query_valid, scale, softcap, need_weights)
     return y.view(b, 1, n_head * hs), weights if need_weights else None
 
 
