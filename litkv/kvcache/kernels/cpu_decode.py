@@ -43,6 +43,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -123,19 +124,10 @@ def decode_attend(
         codes = codes.contiguous()
     if scales.stride() != offsets.stride() or scales.stride(-1) != 1 or scales.stride(-2) != scales.shape[-1]:
         scales, offsets = scales.contiguous(), offsets.contiguous()
-    mask = mask.expand(b, mask.shape[1], 1, s)
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    queries = (q * scale).contiguous()
-    counted = None if query_valid is None or not need_weights else query_valid[:, 0].contiguous()
-    y = torch.empty(b, g, m, d, dtype=torch.float32)
-    scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None  # the kernel's scratch
-    weights = torch.empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
-    tensors = (queries, codes, scales, offsets, mask, counted, y, scores, weights if need_weights else None)
-    mask_g = mask.stride(1) if mask.shape[1] == g else 0
-    sizes = (b, g, s, *codes.stride()[:3], *scales.stride()[:3], mask.stride(0), mask_g)
-    lib.litkv_quant_attend(*(None if x is None else x.data_ptr() for x in tensors), *sizes, float(softcap or 0.0))
-    return y, weights
+    call = _Call.of(q, mask, query_valid, scale, need_weights, s)
+    sizes = (b, g, s, *codes.stride()[:3], *scales.stride()[:3], *call.mask_strides)
+    lib.litkv_quant_attend(*call.pointers(codes, scales, offsets), *sizes, float(softcap or 0.0))
+    return call.y, call.weights
 
 
 def float_attend(
@@ -165,22 +157,49 @@ def float_attend(
     if lib is None or not hasattr(lib, "litkv_float_attend"):
         return None
     keys, values = (x if x.stride(-1) == 1 else x.contiguous() for x in (keys, values))
-    if mask is None:
-        mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
-    mask = mask.expand(b, mask.shape[1], 1, s)
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    queries = (q * scale).contiguous()
-    counted = None if query_valid is None or not need_weights else query_valid[:, 0].contiguous()
-    y = torch.empty(b, g, m, d, dtype=torch.float32)
-    scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None  # the kernel's scratch
-    weights = torch.empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
-    tensors = (queries, keys, values, mask, counted, y, scores, weights if need_weights else None)
-    mask_g = mask.stride(1) if mask.shape[1] == g else 0
-    strides = (*keys.stride()[:3], *values.stride()[:3], mask.stride(0) if mask.shape[0] == b else 0, mask_g)
-    lib.litkv_float_attend(*(None if x is None else x.data_ptr() for x in tensors), b, g, s, *strides,
-                           float(softcap or 0.0))  # fmt: skip
-    return y, weights
+    every = torch.ones(1, 1, 1, s, dtype=torch.bool) if mask is None else mask
+    call = _Call.of(q, every, query_valid, scale, need_weights, s)
+    sizes = (b, g, s, *keys.stride()[:3], *values.stride()[:3], *call.mask_strides)
+    lib.litkv_float_attend(*call.pointers(keys, values), *sizes, float(softcap or 0.0))
+    return call.y, call.weights
+
+
+class _Call(NamedTuple):
+    """What an attention call hands the C code beside its slots: the scaled queries, the mask as bytes per slot
+    `(B, G or 1, 1, S)` and its (row, KV head) strides, which rows count in the weights, the output `y`, and with
+    `need_weights` the scores' scratch and the weights (else `None` and an empty tensor)."""
+
+    queries: torch.Tensor
+    mask: torch.Tensor
+    mask_strides: tuple[int, int]
+    counted: torch.Tensor | None
+    y: torch.Tensor
+    scores: torch.Tensor | None
+    weights: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, q: torch.Tensor, mask: torch.Tensor, query_valid: torch.Tensor | None, scale: float, need_weights: bool,
+        s: int,
+    ) -> _Call:  # fmt: skip
+        """The buffers of a call with queries `q` `(B, G, M, D)` over `s` slots."""
+        b, g, m, d = q.shape
+        mask = mask.expand(b, mask.shape[1], 1, s)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        counted = None if query_valid is None or not need_weights else query_valid[:, 0].contiguous()
+        scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None
+        weights = torch.empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
+        mask_strides = (mask.stride(0), mask.stride(1) if mask.shape[1] == g else 0)
+        y = torch.empty(b, g, m, d, dtype=torch.float32)
+        return cls((q * scale).contiguous(), mask, mask_strides, counted, y, scores, weights)
+
+    def pointers(self, *slots: torch.Tensor) -> list[int | None]:
+        """The C function's pointer arguments: the queries, the `slots` tensors, then the mask, counted rows, `y`,
+        the scores and the weights (`None` for those absent)."""
+        weights = self.weights if self.scores is not None else None
+        tensors = (self.queries, *slots, self.mask, self.counted, self.y, self.scores, weights)
+        return [None if x is None else x.data_ptr() for x in tensors]
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
