@@ -208,22 +208,25 @@ static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, co
                                 int64_t scale_s, const float *sums, float softcap, float out[M][BLOCK]) {
     for (int t0 = 0; t0 < n; t0 += LANES) {
         const int count = n - t0 < LANES ? n - t0 : LANES;
-        floats dots[M * GROUPS], scale[GROUPS], base[GROUPS];
+        floats dots[M * GROUPS];
         tile_dots(qv, c + (s0 + t0) * stride_s, stride_s, count, dots);
+#if BITS != 32
+        floats scale[GROUPS], base[GROUPS];
         for (int j = 0; j < GROUPS; j++) {
-#if BITS == 32
-            scale[j] = (floats){0} + 1.0f, base[j] = (floats){0}; /* the numbers themselves: q . key exactly */
-#else
             scale[j] = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
             base[j] = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
-#endif
         }
+#endif
         ints hidden;
         for (int t = 0; t < LANES; t++) hidden[t] = t < count ? mask[s0 + t0 + t] == 0 : 0;
         hidden = -hidden;
         for (int m = 0; m < M; m++) {
+#if BITS == 32
+            floats total = dots[m]; /* the numbers themselves: q . key */
+#else
             floats total = scale[0] * dots[m * GROUPS] + base[0] * sums[m * GROUPS];
             for (int j = 1; j < GROUPS; j++) total += scale[j] * dots[m * GROUPS + j] + base[j] * sums[m * GROUPS + j];
+#endif
             if (softcap > 0.0f)
                 for (int t = 0; t < LANES; t++) total[t] = tanhf(total[t] / softcap) * softcap;
             ints bits;
@@ -238,21 +241,18 @@ static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, co
 static inline void block_values(const uint8_t *c, const uint16_t *sc, const uint16_t *of, int64_t s0, int n,
                                 int64_t stride_s, int64_t scale_s, float p[M][BLOCK], floats acc[M][PIECES],
                                 float shift[M][GROUPS]) {
+#if BITS != 32
     float scale[GROUPS][BLOCK], base[GROUPS][BLOCK];
     for (int t0 = 0; t0 < n; t0 += LANES) {
         const int count = n - t0 < LANES ? n - t0 : LANES;
         for (int j = 0; j < GROUPS; j++) {
-#if BITS == 32
-            const floats factor = (floats){0} + 1.0f, start = (floats){0};
-            (void)count;
-#else
             const floats factor = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
             const floats start = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
-#endif
             memcpy(scale[j] + t0, &factor, sizeof(factor));
             memcpy(base[j] + t0, &start, sizeof(start));
         }
     }
+#endif
     floats sum[M][PIECES]; /* acc, held in registers over the block */
     memcpy(sum, acc, sizeof(sum));
     for (int t = 0; t < n; t++) {
@@ -261,7 +261,12 @@ static inline void block_values(const uint8_t *c, const uint16_t *sc, const uint
         if (!any) continue; /* hidden from every query: its codes are not read */
         float weight[M][GROUPS];
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < GROUPS; j++) weight[m][j] = p[m][t] * scale[j][t], shift[m][j] += p[m][t] * base[j][t];
+            for (int j = 0; j < GROUPS; j++)
+#if BITS == 32
+                weight[m][j] = p[m][t]; /* no scales, no offsets: shift stays 0 */
+#else
+                weight[m][j] = p[m][t] * scale[j][t], shift[m][j] += p[m][t] * base[j][t];
+#endif
         for (int i = 0; i < PIECES; i++) {
             const floats x = piece(c + (s0 + t) * stride_s, i);
             for (int m = 0; m < M; m++) sum[m][i] += weight[m][i / PER_GROUP] * x;
@@ -340,9 +345,11 @@ static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int
         }
     }
     if (w != NULL) { /* e^(score - maximum) / sum, added over the queries */
+        float per_query[M];
+        for (int m = 0; m < M; m++) per_query[m] = factor / sum[m];
         for (int64_t s = 0; s < S; s++) {
             float total = 0.0f;
-            for (int m = 0; m < M; m++) total += exp_nonpositive(score[m * S + s] - maximum[m]) * (factor / sum[m]);
+            for (int m = 0; m < M; m++) total += exp_nonpositive(score[m * S + s] - maximum[m]) * per_query[m];
             w[s] = total;
         }
     }
