@@ -13,9 +13,9 @@ codes + b * stride_b + g * stride_g + s * stride_s, the key's codes first, then 
 are stored biased by -128 (the byte XOR 0x80 is the code); int4 element i sits in the low nibble of byte
 i and element i + HEAD / 2 in its high nibble. scales and offsets are float16 bits, those of slot s at
 scales + b * scale_b + g * scale_g + s * scale_s (the key's GROUPS, then the value's); a number is
-offset + scale * code, so that
-    q . key = sum over the groups j of scale_j * (q_j . code_j) + offset_j * sum(q_j)
-and the weighted values are sums of (p * scale_j) * code_j plus sums of p * offset_j.
+offset + scale * code. A block's scales and offsets are turned into float32 once, and each piece of a key
+or value is read back as offset + scale * code (one fused multiply-add per LANES numbers) before its
+products with the queries, so the quantised and the float32 slots share every loop after `piece`.
 
 litkv_quant_attend walks the slots of each (row, KV head) pair in blocks of BLOCK: it scores the block's
 keys, folds the block into a running softmax (maximum and sum per query, as flash-decoding does), and
@@ -43,22 +43,20 @@ does not depend on the other rows of the batch. Everything runs on the calling t
 #define BLOCK 64                /* slots per step of the running softmax (a multiple of LANES) */
 #define AHEAD 64                /* slots ahead whose codes are asked for while a slot is scored */
 
-/* A float16 number (its bits) as float32, exactly. */
+/* A float16 number (its bits) as float32, exactly: the magnitude's bits moved into float32's places and scaled
+   by 2^112 (normal and subnormal numbers), infinity and NaN made so; no branch, so that a loop of it
+   vectorises. */
 static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    union {
-        uint32_t bits;
-        float value;
-    } out;
-    if (exponent == 0x1F) { /* infinity, NaN */
-        out.bits = sign | 0x7F800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        out.bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else { /* zero and subnormal numbers: mantissa * 2^-24 */
-        out.value = (float)mantissa * 5.9604644775390625e-8f;
-        out.bits |= sign;
-    }
-    return out.value;
+    const uint32_t wide = (uint32_t)(h & 0x7FFF) << 13;
+    float value;
+    memcpy(&value, &wide, sizeof(value));
+    value *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof(bits));
+    bits = (h & 0x7C00) == 0x7C00 ? wide | 0x7F800000u : bits;
+    bits |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
 }
 
 /* e^x for x <= 0 (and -inf, which gives 0): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
@@ -100,10 +98,11 @@ typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef uint8_t bytes __attribute__((vector_size(LANES)));
 typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 
-/* Numbers LANES * i .. LANES * i + LANES - 1 of one key's or value's codes, as 0 .. 2^BITS - 1 (float32:
-   the numbers). */
-static inline floats piece(const uint8_t *codes, int i) {
+/* Numbers LANES * i .. LANES * i + LANES - 1 of one key or value: offset + scale * code, with its groups'
+   scales and offsets (float32) at scale and base (float32 slots: the numbers themselves). */
+static inline floats piece(const uint8_t *codes, int i, const float *scale, const float *base) {
 #if BITS == 32
+    (void)scale, (void)base;
     floats x;
     memcpy(&x, codes + sizeof(floats) * i, sizeof(x));
     return x;
@@ -116,7 +115,7 @@ static inline floats piece(const uint8_t *codes, int i) {
     memcpy(&b, codes + LANES * (i % (PIECES / 2)), LANES);
     b = i < PIECES / 2 ? b & 0x0F : b >> 4;
 #endif
-    return __builtin_convertvector(__builtin_convertvector(b, ints), floats);
+    return __builtin_convertvector(__builtin_convertvector(b, ints), floats) * scale[i / PER_GROUP] + base[i / PER_GROUP];
 #endif
 }
 
@@ -161,72 +160,65 @@ static inline floats lane_sums(const floats r[LANES]) {
 #undef ADD
 }
 
-/* LANES float16 numbers (their bits, from h[0], h[stride], ..., the first `count` of them, h[0] for the rest)
-   as float32, exactly: the magnitude's bits moved into float32's places and scaled by 2^112 (normal and
-   subnormal numbers), infinity and NaN made so. */
-static inline floats halves(const uint16_t *h, int64_t stride, int count) {
-    ints bits;
-    for (int t = 0; t < LANES; t++) bits[t] = h[(t < count ? t : 0) * stride];
-    const ints wide = (bits & 0x7FFF) << 13, special = (bits & 0x7C00) == 0x7C00;
-    floats value;
-    memcpy(&value, &wide, sizeof(value));
-    value *= 0x1p112f;
-    ints out;
-    memcpy(&out, &value, sizeof(out));
-    out = (out & ~special) | ((wide | 0x7F800000) & special) | ((bits & 0x8000) << 16);
-    memcpy(&value, &out, sizeof(value));
-    return value;
+/* Slots [s0, s0 + n)'s float16 scales and offsets (slot s's at sc + s * scale_s and of + s * scale_s: the key's
+   GROUPS, then the value's) as float32 into scale[t] and base[t]; nothing for float32 slots. */
+static inline void block_scales(const uint16_t *sc, const uint16_t *of, int64_t s0, int n, int64_t scale_s,
+                                float scale[BLOCK][2 * GROUPS], float base[BLOCK][2 * GROUPS]) {
+#if BITS != 32
+    if (scale_s == 2 * GROUPS) { /* the block's slots side by side: one run of numbers */
+        const uint16_t *from = sc + s0 * scale_s, *start = of + s0 * scale_s;
+        float *to = scale[0], *begin = base[0];
+        for (int i = 0; i < n * 2 * GROUPS; i++) to[i] = half_to_float(from[i]), begin[i] = half_to_float(start[i]);
+        return;
+    }
+    for (int t = 0; t < n; t++)
+        for (int e = 0; e < 2 * GROUPS; e++) {
+            scale[t][e] = half_to_float(sc[(s0 + t) * scale_s + e]);
+            base[t][e] = half_to_float(of[(s0 + t) * scale_s + e]);
+        }
+#else
+    (void)sc, (void)of, (void)s0, (void)n, (void)scale_s, (void)scale, (void)base;
+#endif
 }
 
-/* dots[m * GROUPS + j]: query m's group j dotted with the codes of each of the LANES slots at c, c +
-   stride_s, ... (the first `count` of them; the rest 0). */
+/* dots[m]: query m dotted with the keys of each of the LANES slots at c, c + stride_s, ... (the first `count` of
+   them, whose scales and offsets are scale[t], base[t]; the rest 0). */
 static inline void tile_dots(const floats qv[M][PIECES], const uint8_t *c, int64_t stride_s, int count,
-                             floats dots[M * GROUPS]) {
-    floats r[M * GROUPS][LANES];
+                             const float scale[][2 * GROUPS], const float base[][2 * GROUPS], floats dots[M]) {
+    floats r[M][LANES];
     for (int t = 0; t < LANES; t++) {
         if (t >= count) {
-            for (int mj = 0; mj < M * GROUPS; mj++) r[mj][t] = (floats){0};
+            for (int m = 0; m < M; m++) r[m][t] = (floats){0};
             continue;
         }
         floats x[PIECES];
         for (int at = 0; at < 2 * WIDTH; at += 64) __builtin_prefetch(c + (t + AHEAD) * stride_s + at);
-        for (int i = 0; i < PIECES; i++) x[i] = piece(c + t * stride_s, i);
-        for (int m = 0; m < M; m++)
-            for (int j = 0; j < GROUPS; j++) {
-                floats a = qv[m][j * PER_GROUP] * x[j * PER_GROUP];
-                for (int i = 1; i < PER_GROUP; i++) a += qv[m][j * PER_GROUP + i] * x[j * PER_GROUP + i];
-                r[m * GROUPS + j][t] = a;
-            }
+        for (int i = 0; i < PIECES; i++) x[i] = piece(c + t * stride_s, i, scale[t], base[t]);
+        for (int m = 0; m < M; m++) {
+            floats a = qv[m][0] * x[0];
+            for (int i = 1; i < PIECES; i++) a += qv[m][i] * x[i];
+            r[m][t] = a;
+        }
     }
-    for (int mj = 0; mj < M * GROUPS; mj++) dots[mj] = lane_sums(r[mj]);
+    for (int m = 0; m < M; m++) dots[m] = lane_sums(r[m]);
 }
 
-/* Scores of slots [s0, s0 + n) (n <= BLOCK) into out[m][t]: q . key, soft-capped when softcap > 0,
-   -inf where the mask hides the slot. sums[m * GROUPS + j]: the sum of query m's group j. */
-static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, const uint16_t *sc,
-                                const uint16_t *of, const uint8_t *mask, int64_t s0, int n, int64_t stride_s,
-                                int64_t scale_s, const float *sums, float softcap, float out[M][BLOCK]) {
+/* Scores of slots [s0, s0 + n) (n <= BLOCK; their scales and offsets in scale, base) into out[m][t]: q . key,
+   soft-capped when softcap > 0, -inf where the mask hides the slot. Returns nonzero where it hides one. */
+static inline int block_scores(const floats qv[M][PIECES], const uint8_t *c, const uint8_t *mask, int64_t s0,
+                               int n, int64_t stride_s, const float scale[BLOCK][2 * GROUPS],
+                               const float base[BLOCK][2 * GROUPS], float softcap, float out[M][BLOCK]) {
+    ints any = {0};
     for (int t0 = 0; t0 < n; t0 += LANES) {
         const int count = n - t0 < LANES ? n - t0 : LANES;
-        floats dots[M * GROUPS];
-        tile_dots(qv, c + (s0 + t0) * stride_s, stride_s, count, dots);
-#if BITS != 32
-        floats scale[GROUPS], base[GROUPS];
-        for (int j = 0; j < GROUPS; j++) {
-            scale[j] = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
-            base[j] = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
-        }
-#endif
+        floats dots[M];
+        tile_dots(qv, c + (s0 + t0) * stride_s, stride_s, count, scale + t0, base + t0, dots);
         ints hidden;
         for (int t = 0; t < LANES; t++) hidden[t] = t < count ? mask[s0 + t0 + t] == 0 : 0;
         hidden = -hidden;
+        any |= hidden;
         for (int m = 0; m < M; m++) {
-#if BITS == 32
-            floats total = dots[m]; /* the numbers themselves: q . key */
-#else
-            floats total = scale[0] * dots[m * GROUPS] + base[0] * sums[m * GROUPS];
-            for (int j = 1; j < GROUPS; j++) total += scale[j] * dots[m * GROUPS + j] + base[j] * sums[m * GROUPS + j];
-#endif
+            floats total = dots[m];
             if (softcap > 0.0f)
                 for (int t = 0; t < LANES; t++) total[t] = tanhf(total[t] / softcap) * softcap;
             ints bits;
@@ -235,41 +227,28 @@ static inline void block_scores(const floats qv[M][PIECES], const uint8_t *c, co
             memcpy(out[m] + t0, &bits, sizeof(bits));
         }
     }
+    int hides = 0;
+    for (int t = 0; t < LANES; t++) hides |= any[t];
+    return hides;
 }
 
-/* Adds slots [s0, s0 + n) weighted by p[m][t] to acc (M, HEAD) and their offsets to shift (M, GROUPS). */
-static inline void block_values(const uint8_t *c, const uint16_t *sc, const uint16_t *of, int64_t s0, int n,
-                                int64_t stride_s, int64_t scale_s, float p[M][BLOCK], floats acc[M][PIECES],
-                                float shift[M][GROUPS]) {
-#if BITS != 32
-    float scale[GROUPS][BLOCK], base[GROUPS][BLOCK];
-    for (int t0 = 0; t0 < n; t0 += LANES) {
-        const int count = n - t0 < LANES ? n - t0 : LANES;
-        for (int j = 0; j < GROUPS; j++) {
-            const floats factor = halves(sc + (s0 + t0) * scale_s + j, scale_s, count);
-            const floats start = halves(of + (s0 + t0) * scale_s + j, scale_s, count);
-            memcpy(scale[j] + t0, &factor, sizeof(factor));
-            memcpy(base[j] + t0, &start, sizeof(start));
-        }
-    }
-#endif
+/* Adds slots [s0, s0 + n) (their values' scales and offsets at scale[t] + GROUPS, base[t] + GROUPS) weighted by
+   p[m][t] to acc (M, HEAD); where `hides` (the mask hides a slot of the block), a slot whose weights are all 0
+   is skipped, so that what a hidden slot holds is never read. */
+static inline void block_values(const uint8_t *c, int64_t s0, int n, int64_t stride_s,
+                                const float scale[BLOCK][2 * GROUPS], const float base[BLOCK][2 * GROUPS],
+                                float p[M][BLOCK], int hides, floats acc[M][PIECES]) {
     floats sum[M][PIECES]; /* acc, held in registers over the block */
     memcpy(sum, acc, sizeof(sum));
     for (int t = 0; t < n; t++) {
-        int any = 0;
-        for (int m = 0; m < M; m++) any |= p[m][t] != 0.0f;
-        if (!any) continue; /* hidden from every query: its codes are not read */
-        float weight[M][GROUPS];
-        for (int m = 0; m < M; m++)
-            for (int j = 0; j < GROUPS; j++)
-#if BITS == 32
-                weight[m][j] = p[m][t]; /* no scales, no offsets: shift stays 0 */
-#else
-                weight[m][j] = p[m][t] * scale[j][t], shift[m][j] += p[m][t] * base[j][t];
-#endif
+        if (hides) {
+            int any = 0;
+            for (int m = 0; m < M; m++) any |= p[m][t] != 0.0f;
+            if (!any) continue; /* hidden from every query: its codes are not read */
+        }
         for (int i = 0; i < PIECES; i++) {
-            const floats x = piece(c + (s0 + t) * stride_s, i);
-            for (int m = 0; m < M; m++) sum[m][i] += weight[m][i / PER_GROUP] * x;
+            const floats x = piece(c + (s0 + t) * stride_s, i, scale[t] + GROUPS, base[t] + GROUPS);
+            for (int m = 0; m < M; m++) sum[m][i] += p[m][t] * x;
         }
     }
     memcpy(acc, sum, sizeof(sum));
@@ -314,33 +293,26 @@ static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int
                         const uint16_t *sc, const uint16_t *of, int64_t scale_s, const uint8_t *seen, int64_t S,
                         float softcap, float *out, float *score, float *w, float factor) {
     floats qv[M][PIECES], acc[M][PIECES];
-    float sums[M * GROUPS], block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], shift[M][GROUPS];
+    float block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], scale[BLOCK][2 * GROUPS], base[BLOCK][2 * GROUPS];
     for (int m = 0; m < M; m++) {
         for (int i = 0; i < PIECES; i++) memcpy(&qv[m][i], qq + m * HEAD + i * LANES, sizeof(floats));
-        for (int j = 0; j < GROUPS; j++) {
-            float total = 0.0f;
-            for (int i = 0; i < SIZE; i++) total += qq[m * HEAD + j * SIZE + i];
-            sums[m * GROUPS + j] = total, shift[m][j] = 0.0f;
-        }
         for (int i = 0; i < PIECES; i++) acc[m][i] = (floats){0};
         maximum[m] = -INFINITY, sum[m] = 0.0f;
     }
     for (int64_t s0 = 0; s0 < S; s0 += BLOCK) {
         const int n = S - s0 < BLOCK ? (int)(S - s0) : BLOCK;
-        block_scores(qv, k, sc, of, seen, s0, n, key_s, scale_s, sums, softcap, block);
+        block_scales(sc, of, s0, n, scale_s, scale, base);
+        const int hides = block_scores(qv, k, seen, s0, n, key_s, scale, base, softcap, block);
         if (w != NULL)
             for (int m = 0; m < M; m++) memcpy(score + m * S + s0, block[m], n * sizeof(float));
         block_softmax(block, n, maximum, sum, p, alpha);
-        for (int m = 0; m < M; m++) {
+        for (int m = 0; m < M; m++)
             for (int i = 0; i < PIECES; i++) acc[m][i] *= alpha[m];
-            for (int j = 0; j < GROUPS; j++) shift[m][j] *= alpha[m];
-        }
-        block_values(v, sc == NULL ? NULL : sc + GROUPS, of == NULL ? NULL : of + GROUPS, s0, n, value_s, scale_s, p,
-                     acc, shift);
+        block_values(v, s0, n, value_s, scale, base, p, hides, acc);
     }
     for (int m = 0; m < M; m++) {
         for (int i = 0; i < PIECES; i++) {
-            const floats value = (acc[m][i] + shift[m][i / PER_GROUP]) / sum[m];
+            const floats value = acc[m][i] / sum[m];
             memcpy(out + m * HEAD + i * LANES, &value, sizeof(value));
         }
     }
