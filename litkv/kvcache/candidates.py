@@ -22,6 +22,7 @@ __all__ = [
     "Placement",
     "drop_lowest",
     "keep_highest",
+    "newest",
     "pair_drops",
     "placement_of",
     "staged_placement",
@@ -193,6 +194,16 @@ def drop_lowest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.
         top = torch.iinfo(torch.long).max
         return torch.where(lowest, positions, top).argmin(dim=-1, keepdim=True)
     return torch.topk(_order_key(scores, positions), k, dim=-1, largest=False, sorted=False).indices
+
+
+def newest(positions: torch.Tensor, count: int) -> torch.Tensor:
+    """`(..., N)` bool: each row's `count` newest candidates, those whose position is at least the row's
+    `count`-th largest (more where positions tie there; `1 <= count <= N`; positions `(..., N)` int64).
+
+    A `topk`, not `torch.kthvalue`: the CPU's quickselect behind the latter takes quadratic time on positions in
+    (nearly) increasing order, which is how a cache filled by a prompt holds them."""
+    kth = torch.topk(positions, count, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    return positions >= kth
 
 
 def keep_highest(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from typing import ClassVar
 import torch
 
 from litkv.kvcache.base import Candidates, KVCache, Placement, SlotState, drop_lowest
+from litkv.kvcache.candidates import newest
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.one_shot import OneShot, compress_layers, keep_across_layers
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
@@ -236,8 +237,7 @@ class KVzipKVCache(KVCache):
         scores = self.score(candidates)
         protected = (pos >= 0) & (pos < self.sinks)
         if self.recent > 0:
-            kth = torch.kthvalue(pos, pos.shape[-1] - self.recent + 1, dim=-1, keepdim=True).values
-            protected = protected | (pos >= kth)
+            protected = protected | newest(pos, self.recent)
         scores = scores.masked_fill(protected, float("inf")).masked_fill(pos < 0, float("-inf"))
         return drop_lowest(scores, pos, candidates.num_new)
 

@@ -32,6 +32,7 @@ import torch
 
 from litkv.kvcache.base import Candidates, KVCache, drop_lowest
 from litkv.kvcache.call_checks import check_no_nan
+from litkv.kvcache.candidates import newest
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 
@@ -175,9 +176,7 @@ class ScoreKVCache(KVCache):
         recent, sinks = self.recent, self.sinks
         protected = None
         if recent > 0:
-            n = positions.shape[-1]
-            kth = torch.kthvalue(positions, n - recent + 1, dim=-1, keepdim=True).values
-            protected = positions >= kth
+            protected = newest(positions, recent)
         if sinks > 0:
             is_sink = (positions >= 0) & (positions < sinks)
             protected = is_sink if protected is None else protected | is_sink

@@ -8,8 +8,9 @@ before two matrix products, and quantising a token is some twenty small operator
 
 - `litkv_quant_attend` (`decode_attend`): per (row, KV head), blocks of 64 slots: the keys scored from their
   codes, a running softmax, the values added from their codes, so each slot's codes are read once (read back
-  in registers as `offset + scale * code`, a block's float16 scales turned into float32 once); masks and soft-capping applied there; the weight sums (`need_weights`)
-  from the scores it keeps and each query's maximum and sum. Written with GCC / Clang vector
+  in registers as `offset + scale * code`, a block's float16 scales turned into float32 once); masks and
+  soft-capping applied there; the weight sums (`need_weights`) from the scores it keeps and each query's
+  maximum and sum. Written with GCC / Clang vector
   extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16; a group size
   that is not a multiple of 4 has no kernel and takes the PyTorch path).
 - `litkv_quantize` (`quantize`, `quantize_into`): `litkv.kvcache.quantized.quantize` with float16 scales, bit
