@@ -111,6 +111,26 @@ def test_softcap_no_weights_and_a_mask_per_kv_head(bits: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_slots_a_step_apart_read_their_own_scales(bits: int) -> None:
+    """Every other slot of a buffer (codes, scales and offsets two slots apart, a layout the kernel reads its
+    scales from one slot at a time, not as one run): the same as the PyTorch path and the float64 oracle."""
+    q, slots, mask, valid = _case(bits, 9, 3, 260, 64, 32, seed=3)
+    every_other = QuantizedSlots(
+        *(t[:, :, ::2] for t in (slots.codes, slots.scales, slots.offsets)), bits, 32, torch.float32
+    )
+    assert every_other.scales.stride(2) == 2 * every_other.scales.shape[-2] * every_other.scales.shape[-1]
+    mask = mask[..., ::2]
+    y, w = _run(True, q, every_other, mask, valid)
+    y_torch, w_torch = _run(False, q, every_other, mask, valid)
+    y_ref, w_ref = _oracle(q, every_other, mask, valid)
+    torch.testing.assert_close(y, y_torch, **FLOAT32)
+    torch.testing.assert_close(w, w_torch, **FLOAT32)
+    torch.testing.assert_close(y.double(), y_ref, **FLOAT32)
+    torch.testing.assert_close(w.double(), w_ref.double(), **FLOAT32)
+
+
+@needs_compiler
 def test_a_row_hidden_everywhere_gives_nan_as_the_pytorch_path() -> None:
     """A row whose every slot is hidden: the softmax of nothing, NaN on both paths, in the same places."""
     q, slots, mask, valid = _case(8, 9, 3, 100, 32, 32)
