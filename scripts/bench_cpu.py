@@ -15,6 +15,8 @@ state; on a shared machine, say how loaded it was):
   quantised row to the float row of its policy and length. Every row is timed once per round and the
   rounds alternate (`--repeats`, the median round); `--cpu_kernel both` adds each quantised storage
   through the PyTorch path (`int8-torch`: `litkv.kvcache.kernels.cpu_decode` off), the kernel's reference.
+  Under the table, per quantised storage, the ceiling of its dense ratio at `--cached` tokens: the float step
+  over the rest of a step (the dense float step at `--slots` slots) plus its KV bytes at the bandwidth.
 - `kl`: quality of the quantised weights: KL to the float32 model per token and top-1 agreement,
   teacher-forced on windows of the shipped held-out text.
 
@@ -181,6 +183,25 @@ def kv(args: argparse.Namespace, bandwidth: float) -> None:
         bound = bandwidth / nbytes
         print(f"| {cached} | {policy} | {storage} | {tok_s:.1f} | {ratio} | {nbytes / 1e6:.0f} | {bound:.1f} "
               f"| {tok_s / bound:.0%} |", flush=True)  # fmt: skip
+    print_ceilings(args, model, times, bandwidth)
+
+
+def print_ceilings(
+    args: argparse.Namespace, model: GPT, times: dict[tuple[int, str, str], list[float]], bandwidth: float
+) -> None:
+    """Per quantised storage, the most its dense step at `--cached` tokens could gain on float's with its KV pass at
+    the memory's pace: the float step over (the rest of a step, taken as the dense float step at `--slots` slots,
+    plus the storage's KV bytes at `--cached` at the bandwidth). An estimate: the quantised step's own extra work
+    (quantising the new token) is left out."""
+    short, long = (args.slots, "dense", "float"), (args.cached, "dense", "float")
+    if short not in times or long not in times:
+        return
+    rest, float_step = statistics.median(times[short]), statistics.median(times[long])
+    for storage in (s for s in args.storages if s != "float"):
+        kv_bytes = step_bytes(model, storage, args.cached) - weights_read(model)
+        ceiling = float_step / (rest + kv_bytes / bandwidth)
+        print(f"ceiling: dense {storage} at {args.cached} cached tokens, its KV pass at the memory's pace: "
+              f"{ceiling:.2f}x float (rest of the step {rest * 1e3:.1f} ms, KV {kv_bytes / 1e6:.0f} MB)")  # fmt: skip
 
 
 def kl(args: argparse.Namespace, _bandwidth: float) -> None:
