@@ -18,9 +18,9 @@ before two matrix products, and quantising a token is some twenty small operator
 
 The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV head),
 by the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -march=native`, into
-`$LITKV_HOME/kernels/` (default `~/.cache/litkv`): a file named by the hash of the source, the flags, the
-compiler and this CPU, written under a temporary name and renamed into place. Where no compiler is found or
-the build fails, a warning says why once and the PyTorch path is taken.
+`$LITKV_HOME/kernels/` (default `~/.cache/litkv`; `litkv.core.c_build`): a file named by the hash of the source,
+the flags, the compiler and this CPU, written under a temporary name and renamed into place. Where no compiler
+is found or the build fails, a warning says why once and the PyTorch path is taken.
 
 Rounding: attention adds in another order than the PyTorch path (a key in 16, 8 or 4 partial sums, the values
 block by block) and takes its exponentials from a polynomial (relative error below 2e-7), so results agree with
@@ -35,12 +35,7 @@ autograd, `CPU_KERNEL`) and the scales are float16; every other call takes the P
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -48,8 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from litkv.core.atomic import TMP_PREFIX
-from litkv.core.secret import litkv_home
+from litkv.core.c_build import build, find_compiler
 
 __all__ = ["CPU_KERNEL", "decode_attend", "find_compiler", "float_attend", "library", "quantize", "supported"]
 
@@ -58,9 +52,6 @@ __all__ = ["CPU_KERNEL", "decode_attend", "find_compiler", "float_attend", "libr
 CPU_KERNEL = True
 
 SOURCE = Path(__file__).with_name("quant_decode_cpu.c")
-FLAGS = ("-O3", "-ffp-contract=fast", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
-NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carries the CPU's identity
-BUILD_SECONDS = 120
 
 _ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float]
 _FLOAT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float]  # litkv_float_attend's
@@ -363,63 +354,9 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
         return _built[key]
 
 
-def find_compiler() -> str | None:
-    """The C compiler the kernel is built with: `$CC`, else the first of `cc`, `gcc`, `clang` on the PATH;
-    None where there is none."""
-    return os.environ.get("CC") or next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
-
-
-def _compiler() -> str:
-    """`find_compiler`, or RuntimeError saying how to get one."""
-    found = find_compiler()
-    if not found:
-        raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
-    return found
-
-
-def _cpu_identity() -> str:
-    """What the compiled code depends on: the machine, and on Linux the CPU's model and instruction flags."""
-    parts = [platform.system(), platform.machine()]
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-            seen: dict[str, str] = {}
-            for line in f:
-                name, _, value = line.partition(":")
-                if name.strip() in wanted and name.strip() not in seen:
-                    seen[name.strip()] = value.strip()
-            parts += [f"{k}={v}" for k, v in sorted(seen.items())]
-    except OSError:
-        parts.append(platform.processor())
-    return "\n".join(parts)
-
-
 def _build(head: int, groups: int, bits: int, queries: int) -> Path:
     """Compile the source for one (head, groups, bits, queries) into the kernel cache unless it is there."""
     if head % groups or head % 2 and bits == 4 or bits not in (8, 4, 32) or bits == 32 and groups != 1 or queries < 1:
         raise RuntimeError(f"no kernel for {head} numbers in {groups} groups of {bits} bits, {queries} queries")
-    compiler = _compiler()
     defines = (f"-DHEAD={head}", f"-DGROUPS={groups}", f"-DBITS={bits}", f"-DM={queries}")
-    source = SOURCE.read_bytes()
-    identity = [compiler, _cpu_identity(), *FLAGS, NATIVE, *defines]
-    digest = hashlib.sha256(b"\0".join([source, *(x.encode() for x in identity)]))
-    directory = litkv_home() / "kernels"
-    target = directory / f"quant_decode_cpu_{head}_{groups}_{bits}_{queries}_{digest.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=directory)
-    os.close(handle)
-    try:
-        for native in ((NATIVE,), ()):  # a compiler without -march=native builds for the generic target
-            command = [compiler, *FLAGS, *native, *defines, "-o", temporary, str(SOURCE)]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS, check=False)
-            if done.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return target
+    return build(SOURCE, defines, f"quant_decode_cpu_{head}_{groups}_{bits}_{queries}")
