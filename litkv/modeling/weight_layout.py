@@ -7,12 +7,18 @@ under the memory's bandwidth; stored column-major (strides `(1, out)`, the memor
 the BLAS's plain product, which streams the weight. The values, the module and every caller stay the same;
 only the one-row product's summation order may change (products of more rows are packed by the BLAS either
 way). `litkv.checkpoints.runtime.load_for_inference` applies it to a model loaded onto the CPU.
+
+The moved float32 layers become `litkv.modeling.row_linear.RowLinear` (an `nn.Linear` whose decode-step calls
+take a C product that reads a column-major weight at the memory's pace; `RowLinear.fits`): the same parameters
+and state dict.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from litkv.modeling.row_linear import RowLinear
 
 __all__ = ["COLUMN_MAJOR_DTYPES", "columns_contiguous"]
 
@@ -27,9 +33,10 @@ def columns_contiguous(model: nn.Module) -> nn.Module:
     `model`. Other weights (16-bit, quantised layers, other devices) keep their layout.
 
     The parameters keep their identity, values, shapes and `requires_grad`; the linear weights' strides become
-    `(1, out)`. When any moved, the model's other CPU parameters are copied as they are, so that no parameter is
-    left in the memory the weights were loaded into (a safetensors file maps the whole file, which stays mapped
-    while any one of its tensors lives). Writers that need contiguous tensors (safetensors) copy them first, as
+    `(1, out)`, and the plain `nn.Linear` layers whose weight `RowLinear` takes become that class. When any
+    moved, the model's other CPU parameters are copied as they are, so that no parameter is left in the memory
+    the weights were loaded into (a safetensors file maps the whole file, which stays mapped while any one of its
+    tensors lives). Writers that need contiguous tensors (safetensors) copy them first, as
     `save_state_dict_atomic` does.
     """
     moved: set[int] = set()
@@ -38,6 +45,8 @@ def columns_contiguous(model: nn.Module) -> nn.Module:
         if isinstance(weight, nn.Parameter) and id(weight) not in moved and _movable(weight):
             moved.add(id(weight))
             weight.data = weight.data.t().contiguous().t()
+        if RowLinear.fits(module):
+            module.__class__ = RowLinear
     if not moved:  # nothing changed layout: the model keeps its memory as it is
         return model
     for param in model.parameters():  # each parameter once (shared ones included)
