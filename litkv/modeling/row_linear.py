@@ -74,7 +74,8 @@ class RowLinear(nn.Linear):
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `x` `(..., 1, in)` times `weight` `(out, in)` may take the C product: `CPU_KERNEL`, float32 on the
-    CPU, one position per row and at most `MAX_ROWS` rows, a column-major weight, no autograd."""
+    CPU, one position per row and at most `MAX_ROWS` rows, the weight's input size, a column-major weight, no
+    autograd (anything else, a wrong size included, is `F.linear`'s to take or refuse)."""
     return (
         CPU_KERNEL
         and x.device.type == "cpu"
@@ -82,6 +83,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and x.dim() >= 2
         and x.shape[-2] == 1
+        and x.shape[-1] == weight.shape[1]
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and _column_major(weight)
         and weight.shape[0] % _LANES == 0

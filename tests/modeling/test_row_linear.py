@@ -72,6 +72,7 @@ def test_which_calls_take_the_product() -> None:
     assert applies(one, w)
     assert not applies(torch.randn(3, 2, 32), w)  # two positions per row: a prefill chunk
     assert not applies(torch.randn(MAX_ROWS + 1, 1, 32), w)
+    assert not applies(torch.randn(3, 1, 31), w)  # another input size: F.linear's error
     assert not applies(one.double(), w.double())
     assert not applies(one, w.contiguous())  # row-major
     assert not applies(one.requires_grad_(), w)
@@ -101,6 +102,8 @@ def test_a_row_linear_layer_gives_f_linear_where_the_product_does_not_apply(monk
         assert len(calls) == 1
         chunk = torch.randn(2, 5, 48)
         assert torch.equal(layer(chunk), F.linear(chunk, layer.weight, layer.bias))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        layer(torch.randn(2, 1, 47))
     x = torch.randn(1, 1, 48, requires_grad=True)
     y = layer(x)
     assert torch.equal(y, F.linear(x, layer.weight, layer.bias)) and y.requires_grad
