@@ -4,13 +4,13 @@ A linear layer's weight `(out, in)` is stored row-major: `F.linear(x, W)` hands 
 weight transposed. For one row (a decode step of one sequence) the BLAS then runs its transposed
 matrix-vector product, which on some CPUs (an AMD EPYC with MKL: docs/cpu_speed.md) reads the weight at well
 under the memory's bandwidth; stored column-major (strides `(1, out)`, the memory of `W^T`), the same call is
-the BLAS's plain product, which streams the weight. The values, the module and every caller stay the same;
-only the one-row product's summation order may change (products of more rows are packed by the BLAS either
+the BLAS's plain product, which streams the weight. The values, the parameters and every caller stay the
+same; only the one-row product's summation order may change (products of more rows are packed by the BLAS either
 way). `litkv.checkpoints.runtime.load_for_inference` applies it to a model loaded onto the CPU.
 
 The moved float32 layers become `litkv.modeling.row_linear.RowLinear` (an `nn.Linear` whose decode-step calls
-take a C product that reads a column-major weight at the memory's pace; `RowLinear.fits`): the same parameters
-and state dict.
+take a C product that reads a column-major weight once, in order; `RowLinear.fits`): the same parameters and
+state dict.
 """
 
 from __future__ import annotations
