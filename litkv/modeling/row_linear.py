@@ -2,7 +2,8 @@
 
 A decode step multiplies one row per sequence by every weight of the model. With the weight column-major (the
 memory of `W^T`, as `litkv.modeling.weight_layout.columns_contiguous` stores a CPU model's float32 weights), the
-BLAS's one-row product still reads it well under the memory's pace on the CPUs measured (docs/cpu_speed.md);
+BLAS's one-row product still read it well under the memory's pace on the AMD EPYC measured (docs/cpu_speed.md;
+`scripts/bench_weight_layout.py` compares the two on any CPU);
 `row_linear_cpu.c` (beside this file) reads each weight once, in order, into sums held in the first level of
 cache (`litkv_row_linear`). `RowLinear` is the `nn.Linear` that takes it: `columns_contiguous` gives a CPU model's
 column-major float32 linears that class (same parameters, same state dict), and its `forward` sends a call of at
