@@ -101,7 +101,8 @@ def generate(
             at most, least recently used dropped): a prompt that starts like an earlier one restores the
             state after their common blocks of chunk_size tokens instead of computing it again.
         compile: Run the decode steps through torch.compile (static shapes; the first call compiles,
-            a minute or more for a 30-layer model on a CPU; worth it for long generations).
+            a minute or more for a 30-layer model on a CPU; worth it for long generations on a GPU; on a
+            CPU a float32 model's eager steps are about as fast: docs/cpu_speed.md).
         chat_template: Send each prompt as a user message in the checkpoint's chat template (with the
             generation prompt; the reply ends at the template's end-of-turn token or EOS): true, false
             (raw text: base models, the shipped model), or unset: when the checkpoint has one.
