@@ -33,6 +33,7 @@ import torch
 from litkv.kvcache.base import Candidates, KVCache, drop_lowest
 from litkv.kvcache.call_checks import check_no_nan
 from litkv.kvcache.candidates import newest
+from litkv.kvcache.kernels.cpu_select import lowest_one
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 
@@ -133,7 +134,12 @@ class ScoreKVCache(KVCache):
 
     def lowest(self, scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
         """`(..., k)` indices of the `k` lowest-ranked candidates of `scores`, `positions` `(..., N)`:
-        pads and empty slots first, then the lowest scores outside the sinks and the recent window."""
+        pads and empty slots first, then the lowest scores outside the sinks and the recent window (a decode step's
+        one drop on the CPU: the C pass `cpu_select.lowest_one`, the same answer)."""
+        if k == 1 and type(self)._protected is ScoreKVCache._protected:
+            drop = lowest_one(scores, positions, self.recent, self.sinks)
+            if drop is not None:
+                return drop
         protected = self._protected(positions)
         if protected is not None:
             scores = scores.masked_fill(protected, float("inf"))
