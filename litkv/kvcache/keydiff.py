@@ -16,6 +16,8 @@ from typing import ClassVar
 import torch
 
 from litkv.kvcache.base import Candidates
+from litkv.kvcache.kernels import cpu_scores
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions
 from litkv.kvcache.registry import register_kv_cache
 from litkv.kvcache.score import ScoreKVCache
@@ -37,13 +39,21 @@ class KeyDiffKVCache(ScoreKVCache):
 
     Options: ClassVar[type[PolicyOptions]] = KeyDiffOptions
 
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
+        # asked once, outside any compiled step
+        self.c_scores = cpu_scores.available(self.positions.device, self.shape.key_size)
+
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` minus the cosine similarity of each key to the anchor.
 
         Two products with the keys (no normalised copy of them): the anchor is the weighted sum of the
-        keys with weights `1 / |k|` over the real candidates, the similarity `k . anchor / (|k| |anchor|)`.
+        keys with weights `1 / |k|` over the real candidates, the similarity `k . anchor / (|k| |anchor|)`;
+        float32 keys on the CPU take the C pass (`cpu_scores.keydiff_scores`) instead.
         """
         keys = _float_keys(candidates)
+        if self.c_scores and cpu_scores.applies(keys):
+            return cpu_scores.keydiff_scores(keys, candidates.positions)
         norms = torch.linalg.vector_norm(keys, dim=-1).clamp(min=1e-12)  # (B, G, N)
         weights = _anchor_weights(norms, candidates.positions)
         return _minus_cosine(*_anchor_dots(keys, weights), norms)
@@ -56,6 +66,11 @@ class KeyDiffKVCache(ScoreKVCache):
         if any(type(c) is not KeyDiffKVCache for c in policies) or any(r.keys is None for r in records):
             return super().stacked_scores(policies, records)
         keys = [_float_keys(r) for r in records]
+        if all(c.c_scores for c in policies) and all(cpu_scores.applies(k) for k in keys):  # type: ignore[attr-defined]
+            pairs = zip(keys, records, strict=True)
+            scores = torch.stack([cpu_scores.keydiff_scores(k, r.positions) for k, r in pairs])
+            cls.check_stacked(policies, records, scores)
+            return scores
         norms = torch.stack([torch.linalg.vector_norm(k, dim=-1) for k in keys]).clamp(min=1e-12)  # (n, B, G, N)
         weights = _anchor_weights(norms, torch.stack([r.positions for r in records]))
         dots, anchor_norms = zip(*(_anchor_dots(k, w) for k, w in zip(keys, weights, strict=True)), strict=True)

@@ -1,0 +1,77 @@
+"""`cpu_scores.keydiff_scores`, KeyDiff's cosines in C, against a float64 oracle of the rule, alone and in a batch,
+on strided keys; and `keydiff` taking it on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from litkv import KVCacheConfig
+from litkv.kvcache.base import CacheShape, Candidates
+from litkv.kvcache.kernels import cpu_scores
+from litkv.kvcache.machine import SlotMachine
+from litkv.kvcache.registry import get_kv_cache_class
+
+pytestmark = pytest.mark.skipif(cpu_scores.library(64) is None, reason="no C compiler")
+
+
+def _oracle(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """KeyDiff's rule in float64, key by key: the mean of the real candidates' unit keys, minus each key's cosine."""
+    out = torch.empty(positions.shape, dtype=torch.float64)
+    for b in range(keys.shape[0]):
+        for g in range(keys.shape[1]):
+            k = keys[b, g].double()
+            real = [i for i in range(k.shape[0]) if positions[b, g, i] >= 0]
+            anchor = sum((k[i] / k[i].norm() for i in real), torch.zeros(k.shape[1], dtype=torch.float64))
+            anchor = anchor / max(len(real), 1)
+            for i in range(k.shape[0]):
+                out[b, g, i] = -(k[i] @ anchor) / (k[i].norm() * anchor.norm())
+    return out
+
+
+def _keys(d: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys `(2, 3, n, d)` as views of slots one longer (strided, as a decode step's are) and positions with empty
+    slots in one row and head."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randn(2, 3, n + 1, d, generator=gen) * torch.rand(2, 3, n + 1, 1, generator=gen) * 4
+    positions = torch.randperm(2 * 3 * n, generator=gen).view(2, 3, n)
+    positions[1, 2, : n // 3] = -1
+    return slots[:, :, :n], positions
+
+
+@pytest.mark.parametrize("d", [64, 20, 4])
+@pytest.mark.parametrize("n", [1, 17, 513])
+def test_keydiff_scores_match_the_oracle(d: int, n: int) -> None:
+    keys, positions = _keys(d, n, d + n)
+    assert keys.stride(-1) == 1 and not keys.is_contiguous()
+    got = cpu_scores.keydiff_scores(keys, positions)
+    want = _oracle(keys, positions)
+    assert got.dtype == torch.float32 and got.shape == positions.shape
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=4 * d * 2**-24)
+
+
+def test_a_row_and_head_gets_the_same_bits_alone_and_in_a_batch() -> None:
+    keys, positions = _keys(64, 200, 3)
+    batch = cpu_scores.keydiff_scores(keys, positions)
+    for b in range(2):
+        for g in range(3):
+            alone = cpu_scores.keydiff_scores(keys[b : b + 1, g : g + 1].clone(), positions[b : b + 1, g : g + 1])
+            assert torch.equal(alone[0, 0], batch[b, g])
+
+
+def test_keydiff_takes_it_on_the_cpu_and_the_pytorch_path_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 CPU cache's `keydiff` scores are the C pass's; with `CPU_KERNEL` off, the PyTorch path's, within
+    float32 rounding of the same oracle."""
+    keys, positions = _keys(16, 40, 5)
+    scores = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(cpu_scores, "CPU_KERNEL", kernel)
+        config = KVCacheConfig("keydiff", cache_length=40)
+        cache = SlotMachine(get_kv_cache_class("keydiff"), config, CacheShape(2, 3, 40, 16, 16), None, torch.float32)
+        assert cache.policy.c_scores is kernel
+        new = keys[:, :, :0]
+        candidates = Candidates(positions, keys, keys, new, new, torch.zeros(2, 0, dtype=torch.long))
+        scores[kernel] = cache.policy.score(candidates)
+    assert torch.equal(scores[True], cpu_scores.keydiff_scores(keys, positions))
+    for got in scores.values():
+        torch.testing.assert_close(got.double(), _oracle(keys, positions), rtol=0, atol=4 * 16 * 2**-24)
