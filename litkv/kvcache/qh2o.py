@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState
 from litkv.kvcache.h2o import H2OKVCache, H2OOptions
@@ -34,6 +35,7 @@ from litkv.kvcache.options import PolicyOptions, check_float
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.quantized import QuantizedStorage
 from litkv.kvcache.registry import register_kv_cache
+from litkv.kvcache.score import ScoreKVCache
 
 __all__ = ["QuantizedH2OKVCache", "QH2OOptions"]
 
@@ -89,6 +91,27 @@ class QuantizedH2OKVCache(H2OKVCache):
         weight = self.options.quant_error_weight
         return _share_of_max(attention) - weight * _share_of_max(self._candidate_errors(candidates))
 
+    @classmethod
+    def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """Every layer's decode-step scores `(n_layers, B, G, L + 1)`: per layer only its new token's round-trip
+        error (a storage call), the rest once over the stacked layers (each layer's accumulated attention and
+        errors kept in its record for `update_state`, as `score` would compute them)."""
+        if not all(type(c) is QuantizedH2OKVCache and not c.normalize for c in policies):
+            return super().stacked_scores(policies, records)
+        accumulated = F.pad(torch.stack([c.attn_sums for c in policies]), (0, 1))  # type: ignore[attr-defined]
+        accumulated = accumulated + torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
+        pairs = zip(policies, records, strict=True)
+        new = torch.stack([c.cache.storage.token_errors(r.new_keys, r.new_values) for c, r in pairs])  # type: ignore[attr-defined]
+        new = new.masked_fill(records[0].query_pos[:, None, :] < 0, 0.0)
+        errors = torch.cat((torch.stack([c.quant_errors for c in policies]), new), dim=-1)  # type: ignore[attr-defined]
+        for record, attention, error in zip(records, accumulated, errors, strict=True):
+            record.remember(H2OKVCache._accumulate, attention)
+            record.remember(QuantizedH2OKVCache._errors, error)
+        weight = policies[0].options.quant_error_weight  # type: ignore[attr-defined]
+        scores = _share_of_max(accumulated) - weight * _share_of_max(errors)
+        cls.check_stacked(policies, records, scores)
+        return scores
+
     def update_state(self, placement: Placement, candidates: Candidates) -> StateUpdate:
         """Carry the candidates' errors into the slots, with the H2O state."""
         errors = placement.carry(self._candidate_errors(candidates))
@@ -108,5 +131,6 @@ class QuantizedH2OKVCache(H2OKVCache):
 
 
 def _share_of_max(x: torch.Tensor) -> torch.Tensor:
-    """`x / max(x)` along the last axis (0 where the maximum is 0). `x`: `(B, G, N)`, non-negative."""
-    return x / x.amax(dim=2, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
+    """`x / max(x)` along the last axis (0 where the maximum is 0). `x`: `(B, G, N)` (or `(n_layers, B, G, N)`),
+    non-negative."""
+    return x / x.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from litkv.kvcache.base import Candidates, Placement, SlotState
+from litkv.kvcache.kernels import cpu_scores
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_int
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
@@ -178,6 +180,11 @@ class SnapKVKVCache(ScoreKVCache):
     # one-shot: the prompt's last `window` queries and their positions (None until the first call)
     window: tuple[torch.Tensor, torch.Tensor] | None
 
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
+        # asked once, outside any compiled step
+        self.c_scores = cpu_scores.available(self.positions.device, self.shape.key_size)
+
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""
         return candidates.once(self._scores)
@@ -193,8 +200,15 @@ class SnapKVKVCache(ScoreKVCache):
     def call_scores(self, candidates: Candidates, keys: torch.Tensor) -> torch.Tensor:
         """`(B, G, L + T)` this call's pooled window attention over `keys`, maxed with the past if asked."""
         o, pos = self.options, candidates.positions
-        weights = window_attention(candidates.queries, keys, candidates.query_pos, pos, o.window)
+        if self._in_c(candidates, keys):  # a decode step's query on the CPU
+            weights = cpu_scores.snapkv_weights(candidates.queries.float(), keys, candidates.query_pos, pos)
+        else:
+            weights = window_attention(candidates.queries, keys, candidates.query_pos, pos, o.window)
         return _kept_scores(o, weights, pos, self.best if o.keep_max else None)
+
+    def _in_c(self, candidates: Candidates, keys: torch.Tensor) -> bool:
+        """Whether a call's weights come from `cpu_scores.snapkv_weights`: one query, float32 keys on the CPU."""
+        return candidates.queries.shape[2] == 1 and self.c_scores and cpu_scores.applies(keys)
 
     @classmethod
     def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
@@ -207,8 +221,12 @@ class SnapKVKVCache(ScoreKVCache):
             return super().stacked_scores(policies, records)
         o = policies[0].options
         pos = torch.stack([r.positions for r in records])
-        logits = torch.stack([_one_query_logits(r.queries, r.keys) for r in records])  # type: ignore[arg-type]
-        weights = _one_query_weights(logits, records[0].query_pos, pos)
+        if all(c._in_c(r, r.keys) for c, r in zip(policies, records, strict=True)):  # type: ignore[attr-defined]
+            each = (cpu_scores.snapkv_weights(r.queries.float(), r.keys, r.query_pos, r.positions) for r in records)  # type: ignore[arg-type]
+            weights = torch.stack(list(each))
+        else:
+            logits = torch.stack([_one_query_logits(r.queries, r.keys) for r in records])  # type: ignore[arg-type]
+            weights = _one_query_weights(logits, records[0].query_pos, pos)
         best = torch.stack([c.best for c in policies]) if o.keep_max else None  # type: ignore[attr-defined]
         scores = _kept_scores(o, weights, pos, best)  # type: ignore[arg-type]
         for record, part in zip(records, scores, strict=True):

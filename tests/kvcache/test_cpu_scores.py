@@ -75,3 +75,36 @@ def test_keydiff_takes_it_on_the_cpu_and_the_pytorch_path_elsewhere(monkeypatch:
     assert torch.equal(scores[True], cpu_scores.keydiff_scores(keys, positions))
     for got in scores.values():
         torch.testing.assert_close(got.double(), _oracle(keys, positions), rtol=0, atol=4 * 16 * 2**-24)
+
+
+def _window_oracle(queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+    """SnapKV's decode-step weights in float64, head by head: each query's softmax of `q . k / sqrt(D)` over the keys
+    at positions `0..` its own, summed over the KV head's query heads; 0 for a pad query."""
+    b, h, _, d = queries.shape
+    g = keys.shape[1]
+    out = torch.zeros(key_pos.shape, dtype=torch.float64)
+    for r in range(b):
+        for kv in range(g):
+            seen = (key_pos[r, kv] >= 0) & (key_pos[r, kv] <= query_pos[r, 0])
+            if query_pos[r, 0] < 0 or not bool(seen.any()):
+                continue
+            for head in range(kv * h // g, (kv + 1) * h // g):
+                logits = keys[r, kv].double() @ queries[r, head, 0].double() / d**0.5
+                out[r, kv] += torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=0)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 20])
+@pytest.mark.parametrize("n", [1, 17, 513])
+def test_snapkv_weights_match_the_oracle(d: int, n: int) -> None:
+    """Strided keys, empty slots, keys after the query's position (not seen), a pad query (row 1 of three)."""
+    keys, positions = _keys(d, n, 2 * d + n)
+    queries = torch.randn(3, 6, 1, d, generator=torch.Generator().manual_seed(n)) * 2
+    keys, positions = torch.cat((keys, keys[:1])), torch.cat((positions, positions[:1]))
+    query_pos = torch.tensor([[int(positions.max())], [-1], [int(positions[2].float().median())]])
+    got = cpu_scores.snapkv_weights(queries, keys, query_pos, positions)
+    want = _window_oracle(queries, keys, query_pos, positions)
+    assert got.dtype == torch.float32 and got.shape == positions.shape and bool((got[1] == 0).all())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    alone = cpu_scores.snapkv_weights(queries[2:, 2:4], keys[2:, 1:2].clone(), query_pos[2:], positions[2:, 1:2])
+    assert torch.equal(alone[0, 0], got[2, 1])

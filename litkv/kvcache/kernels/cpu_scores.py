@@ -1,13 +1,15 @@
-"""A score policy's per-candidate arithmetic on the CPU in C: KeyDiff's cosines.
+"""Score policies' per-candidate arithmetic on the CPU in C: KeyDiff's cosines, SnapKV's one-query attention.
 
-`keydiff` scores every candidate by minus the cosine of its key to the anchor (the mean of the unit keys). Through
-PyTorch's operators that is a norm and two batched products of a few hundred keys per layer, each far slower than
-its arithmetic on the CPU; `scores_cpu.c` (beside this file) reads a layer's keys twice (the norms and the anchor,
-then the products), per (row, KV head) (`keydiff_scores`). Inside `torch.compile` the same pass is the opaque op
-`litkv::keydiff_scores`, so a compiled step keeps the eager step's bits.
+`keydiff` scores every candidate by minus the cosine of its key to the anchor (the mean of the unit keys); `snapkv`'s
+decode step scores it by the new query's softmax weights. Through PyTorch's operators each is a few batched products
+of a few hundred keys per layer, each far slower than its arithmetic on the CPU; `scores_cpu.c` (beside this file)
+does them per (row, KV head): `keydiff_scores` reads a layer's keys twice (the norms and the anchor, then the
+products), `snapkv_weights` once (the logits, then each query head's softmax). Inside `torch.compile` each is an
+opaque op (`litkv::keydiff_scores`, `litkv::snapkv_weights`), so a compiled step keeps the eager step's bits.
 
-Rounding: each product is 16 partial sums in a fixed order, not the BLAS's order: within float32 rounding of a
-float64 oracle (`tests/kvcache/test_cpu_scores.py`), and a (row, head)'s scores the same alone and in a batch.
+Rounding: each product is 16 partial sums in a fixed order, not the BLAS's order, exponentials from the C
+library's `expf`: within float32 rounding of float64 oracles (`tests/kvcache/test_cpu_scores.py`), and a (row,
+head)'s numbers the same alone and in a batch.
 Built on first use by the machine's C compiler (`litkv.core.c_build`); without one, one warning and the PyTorch
 path everywhere.
 """
@@ -24,7 +26,7 @@ import torch
 
 from litkv.core.c_build import build
 
-__all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library"]
+__all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "snapkv_weights"]
 
 #: Whether `keydiff` scores take the C pass where it applies; False: the PyTorch path everywhere.
 CPU_KERNEL = True
@@ -71,7 +73,41 @@ def _keydiff_scores(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return out
 
 
+def snapkv_weights(
+    queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
+) -> torch.Tensor:
+    """`(B, G, N)` float32 softmax weights of one query per head over the keys it may see (positions `0..` its
+    own; none for a pad query), scale `1 / sqrt(D)`, summed over each KV head's query heads (`available` and
+    `applies(keys)` hold): queries `(B, H, 1, D)` float32, keys `(B, G, N, D)` float32 (any strides but the last
+    axis's), query_pos `(B, 1)` int64, key_pos `(B, G, N)` int64."""
+    op = _snapkv_op if torch.compiler.is_compiling() else _snapkv_weights
+    return op(queries, keys, query_pos, key_pos)
+
+
+def _snapkv_weights(
+    queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
+) -> torch.Tensor:
+    b, g, n, d = keys.shape
+    m = queries.shape[1] // g
+    q = queries.reshape(b, g, m, d).contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    key_pos, query_pos = key_pos.contiguous(), query_pos.reshape(b).contiguous()
+    scratch = torch.empty(m * n, dtype=torch.float32)
+    out = torch.empty(b, g, n, dtype=torch.float32)
+    pointers = (x.data_ptr() for x in (q, keys, key_pos, query_pos, scratch, out))
+    library(d).litkv_snapkv_weights(*pointers, b, g, m, n, *keys.stride()[:3], d**-0.5)
+    return out
+
+
 _keydiff_op = torch.library.custom_op("litkv::keydiff_scores", _keydiff_scores, mutates_args=())
+_snapkv_op = torch.library.custom_op("litkv::snapkv_weights", _snapkv_weights, mutates_args=())
+
+
+@_snapkv_op.register_fake
+def _snapkv_weights_shape(
+    queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
+) -> torch.Tensor:
+    return keys.new_empty(keys.shape[:3])
 
 
 @_keydiff_op.register_fake
@@ -88,6 +124,8 @@ def library(head: int) -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(build(SOURCE, (f"-DHEAD={int(head)}",), f"scores_cpu_{int(head)}")))
                 lib.litkv_keydiff_scores.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6
                 lib.litkv_keydiff_scores.restype = ctypes.c_int
+                lib.litkv_snapkv_weights.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+                lib.litkv_snapkv_weights.restype = None
                 _built[head] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 warnings.warn(

@@ -1,16 +1,23 @@
-/* A score policy's per-candidate arithmetic on the CPU: KeyDiff's cosine of each key to the anchor.
+/* Score policies' per-candidate arithmetic on the CPU: KeyDiff's cosines, and SnapKV's one-query attention.
 
 Built at run time by litkv/kvcache/kernels/cpu_scores.py (litkv.core.c_build), once per head size HEAD (a -D
-define). litkv_keydiff_scores reads keys (B, G, N, HEAD) float32 (strides sb, sg, sn in numbers, the last axis
-contiguous) and positions (B, G, N) int64 contiguous, and writes out (B, G, N) float32 contiguous: per (row, KV
-head), with |k| = max(sqrt(k . k), 1e-12),
+define). Keys are (B, G, N, HEAD) float32 with strides sb, sg, sn in numbers (the last axis contiguous); positions
+(B, G, N) int64 and out (B, G, N) float32 are contiguous. Per (row, KV head):
+
+litkv_keydiff_scores (litkv.kvcache.keydiff's rule), with |k| = max(sqrt(k . k), 1e-12):
 
     anchor  = sum over the candidates with a position >= 0 of (1 / |k|) / count * k   (count: how many, at least 1)
     out[i]  = -(k_i . anchor) / (|k_i| * max(|anchor|, 1e-12)),
 
-litkv.kvcache.keydiff's rule. Each product is 16 partial sums over the vector, added in a fixed order, and the
-rest one by one; the anchor is held in registers; the keys are read twice (the anchor, then the products). A (row, head)'s numbers do not depend on
-the others. Everything runs on the calling thread.
+the anchor held in registers, the keys read twice (the anchor, then the products).
+
+litkv_snapkv_weights (litkv.kvcache.snapkv's decode step): queries q (B, G, M, HEAD) contiguous, one per query
+head, and the row's query position qpos[b]; each query's softmax of scale * (q . k_i) over the candidates at
+positions 0..qpos[b], summed over the M query heads in order; 0 everywhere for a pad query (qpos < 0). `scratch`
+holds M * N floats (the logits; the keys are read once).
+
+Each product is 16 partial sums over the vector, added in a fixed order, and the rest one by one; exponentials
+from expf. A (row, head)'s numbers do not depend on the others. Everything runs on the calling thread.
 */
 #include <math.h>
 #include <stdint.h>
@@ -78,4 +85,39 @@ int litkv_keydiff_scores(const float *keys, const int64_t *positions, float *out
         for (int64_t h = 0; h < g; h++)
             head(keys + r * sb + h * sg, sn, positions + (r * g + h) * n, out + (r * g + h) * n, n);
     return 0;
+}
+
+/* One (row, KV head) of litkv_snapkv_weights: queries q (M, HEAD), keys k (n, HEAD) sn apart, positions p. */
+static void window_head(const float *q, int64_t m, const float *k, int64_t sn, const int64_t *p, int64_t qpos,
+                        float scale, float *logits, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = 0.0f;
+        const int seen = p[i] >= 0 && p[i] <= qpos;
+        for (int64_t h = 0; h < m; h++)
+            logits[h * n + i] = seen ? dot(q + h * HEAD, k + i * sn, HEAD) * scale : -INFINITY;
+    }
+    for (int64_t h = 0; h < m; h++) {
+        float *l = logits + h * n, top = -INFINITY, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++)
+            top = l[i] > top ? l[i] : top;
+        if (top == -INFINITY) /* nothing to see: weights 0 (the PyTorch path's NaN turned to 0) */
+            continue;
+        for (int64_t i = 0; i < n; i++) {
+            l[i] = expf(l[i] - top);
+            sum += l[i];
+        }
+        for (int64_t i = 0; i < n; i++)
+            out[i] += l[i] / sum;
+    }
+}
+
+void litkv_snapkv_weights(const float *q, const float *keys, const int64_t *positions, const int64_t *qpos,
+                          float *scratch, float *out, int64_t b, int64_t g, int64_t m, int64_t n, int64_t sb,
+                          int64_t sg, int64_t sn, float scale) {
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t h = 0; h < g; h++) {
+            const int64_t row = r * g + h;
+            window_head(q + row * m * HEAD, m, keys + r * sb + h * sg, sn, positions + row * n, qpos[r], scale,
+                        scratch, out + row * n, n);
+        }
 }
