@@ -1,11 +1,11 @@
 """Compiling litkv's C sources at run time, once per machine, into the kernel cache.
 
-A source (a `.c` file shipped in the package) is compiled by the machine's C compiler (`$CC`, else `cc`, `gcc`
-or `clang`) with `-O3 -march=native` and the caller's `-D` defines into `$LITKV_HOME/kernels/` (default
-`~/.cache/litkv`): a shared library named by the caller's stem and the hash of the source, the flags, the
-compiler and this CPU, written under a temporary name and renamed into place, so that a second process loads it
-without compiling and an interrupted build leaves nothing half written. A compiler without `-march=native`
-builds for its generic target.
+A source (a `.c` file shipped in the package) is compiled by the machine's C compiler (`$CC`, else `cc`, `gcc` or
+`clang`) with `-O3 -march=native` and the caller's `-D` defines into `$LITKV_HOME/kernels/` (default
+`~/.cache/litkv`): a shared library named by the caller's stem and the hash of the source (with the headers beside
+it, which it may include), the flags, the compiler and this CPU, written under a temporary name and renamed into
+place, so that a second process loads it without compiling and an interrupted build leaves nothing half written. A
+compiler without `-march=native` builds for its generic target.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def build(source: Path, defines: Sequence[str], stem: str) -> Path:
     if not compiler:
         raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
     identity = [compiler, _cpu_identity(), *FLAGS, NATIVE, *defines]
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *(x.encode() for x in identity)]))
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, *(x.encode() for x in identity)]))
     directory = litkv_home() / "kernels"
     target = directory / f"{stem}_{digest.hexdigest()[:16]}.so"
     if target.is_file():

@@ -7,11 +7,10 @@ does them per (row, KV head): `keydiff_scores` reads a layer's keys twice (the n
 products), `snapkv_weights` once (the logits, then each query head's softmax). Inside `torch.compile` each is an
 opaque op (`litkv::keydiff_scores`, `litkv::snapkv_weights`), so a compiled step keeps the eager step's bits.
 
-Rounding: each product is 16 partial sums in a fixed order, not the BLAS's order, exponentials from the C
-library's `expf`: within float32 rounding of float64 oracles (`tests/kvcache/test_cpu_scores.py`), and a (row,
-head)'s numbers the same alone and in a batch.
-Built on first use by the machine's C compiler (`litkv.core.c_build`); without one, one warning and the PyTorch
-path everywhere.
+Rounding: each product is 16 partial sums in a fixed order, not the BLAS's order, exponentials from a polynomial
+(`exp_cpu.h`, relative error below 2e-7): within float32 rounding of float64 oracles
+(`tests/kvcache/test_cpu_scores.py`), and a (row, head)'s numbers the same alone and in a batch. Built on first use
+by the machine's C compiler (`litkv.core.c_build`); without one, one warning and the PyTorch path everywhere.
 """
 
 from __future__ import annotations

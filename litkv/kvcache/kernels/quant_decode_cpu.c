@@ -30,6 +30,8 @@ does not depend on the other rows of the batch. Everything runs on the calling t
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_cpu.h"
+
 #if !defined(HEAD) || !defined(GROUPS) || !defined(BITS) || !defined(M)
 #error "HEAD, GROUPS, BITS and M must be defined"
 #endif
@@ -57,28 +59,6 @@ static inline float half_to_float(uint16_t h) {
     bits |= (uint32_t)(h & 0x8000) << 16;
     memcpy(&value, &bits, sizeof(value));
     return value;
-}
-
-/* e^x for x <= 0 (and -inf, which gives 0): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
-   polynomial of degree 7 (relative error below 2e-7), times 2^n built in the exponent bits; below
-   -87 (under float32's normal range) 0. Plain arithmetic, so that a loop of it vectorises. */
-static inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
-    const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union {
-        int32_t bits;
-        float value;
-    } two = {.bits = ((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : p * two.value;
 }
 
 /* LANES numbers per vector: 16 where every group (and for 4 bits, every half of a vector) holds a multiple of

@@ -1,0 +1,31 @@
+/* e^x on the CPU for litkv's C sources beside this file (included; litkv.core.c_build hashes this header with each
+   source that includes it). */
+#ifndef LITKV_EXP_CPU_H
+#define LITKV_EXP_CPU_H
+
+#include <math.h>
+#include <stdint.h>
+
+/* e^x for x <= 0 (and -inf, which gives 0): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
+   polynomial of degree 7 (relative error below 2e-7), times 2^n built in the exponent bits; below
+   -87 (under float32's normal range) 0. Plain arithmetic, so that a loop of it vectorises. */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union {
+        int32_t bits;
+        float value;
+    } two = {.bits = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * two.value;
+}
+
+#endif
