@@ -214,7 +214,9 @@ class SnapKVKVCache(ScoreKVCache):
     def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """The layers' decode-step scores `(n_layers, B, G, L + 1)`: per layer only its logits (one product with
         its keys), then the mask, softmax, pool and running maximum once over the stacked layers, row by row (so
-        each layer's part is what `score` gives it alone); each part is kept in its record for `update_state`."""
+        each layer's part is what `score` gives it alone); each part is kept in its record for `update_state`.
+        float32 keys on the CPU: per layer its weights from the C pass (`cpu_scores.snapkv_weights`, as `score`
+        takes them), then the pool and running maximum stacked."""
         if any(type(c) is not SnapKVKVCache for c in policies) or any(
             r.keys is None or r.num_new != 1 for r in records
         ):
