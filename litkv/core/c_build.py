@@ -10,19 +10,23 @@ compiler without `-march=native` builds for its generic target.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from litkv.core.atomic import TMP_PREFIX
 from litkv.core.secret import litkv_home
 
-__all__ = ["BUILD_SECONDS", "FLAGS", "NATIVE", "build", "find_compiler"]
+__all__ = ["BUILD_SECONDS", "FLAGS", "NATIVE", "Signature", "build", "find_compiler", "load"]
 
 FLAGS = ("-O3", "-ffp-contract=fast", "-fno-trapping-math", "-std=c11", "-shared", "-fPIC")
 NATIVE = "-march=native"  # this CPU's vector instructions; the file's name carries the CPU's identity
@@ -65,6 +69,39 @@ def build(source: Path, defines: Sequence[str], stem: str) -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return target
+
+
+#: A C function's ctypes argument types and result type (None: void).
+Signature = tuple[list[Any], Any]
+
+_lock = threading.Lock()
+_loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
+
+
+def load(
+    source: Path, defines: Sequence[str], stem: str, signatures: Mapping[str, Signature], fallback: str
+) -> ctypes.CDLL | None:
+    """`source` built with `defines` (`build`) and loaded once per process, its functions given `signatures`; None
+    where it cannot be built, with one RuntimeWarning naming the source, why, and `fallback` (what its calls take
+    instead). Safe to call from several threads."""
+    key = (source, tuple(defines))
+    with _lock:
+        if key not in _loaded:
+            try:
+                lib = ctypes.CDLL(str(build(source, defines, stem)))
+                for name, (arguments, result) in signatures.items():
+                    function = getattr(lib, name)
+                    function.argtypes, function.restype = arguments, result
+                _loaded[key] = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
+                shown = " ".join((source.name, *defines))
+                warnings.warn(
+                    f"litkv: the CPU kernel {shown} could not be built: {error}; {fallback}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                _loaded[key] = None
+        return _loaded[key]
 
 
 def _cpu_identity() -> str:

@@ -20,16 +20,13 @@ compiler (`litkv.core.c_build`); without one, one warning and `F.linear` everywh
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from litkv.core.c_build import build
+from litkv.core.c_build import load
 
 __all__ = ["CPU_KERNEL", "MAX_OUT", "MAX_ROWS", "RowLinear", "applies", "library", "row_linear"]
 
@@ -42,8 +39,7 @@ MAX_OUT = 8192
 _LANES = 16  # the C product's vectors: the outputs a multiple of it
 
 SOURCE = Path(__file__).with_name("row_linear_cpu.c")
-_lock = threading.Lock()
-_built: dict[str, ctypes.CDLL | None] = {}
+_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int)
 
 
 class RowLinear(nn.Linear):
@@ -119,22 +115,7 @@ def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def library() -> ctypes.CDLL | None:
     """The compiled product (built on first use, then loaded from the kernel cache), or None (one warning)
     where it cannot be built."""
-    with _lock:
-        if "lib" not in _built:
-            try:
-                lib = ctypes.CDLL(str(build(SOURCE, (), "row_linear_cpu")))
-                lib.litkv_row_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-                lib.litkv_row_linear.restype = ctypes.c_int
-                _built["lib"] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                warnings.warn(
-                    f"litkv: the CPU kernel for one-row linear products could not be built: {error}; "
-                    "they take F.linear",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _built["lib"] = None
-        return _built["lib"]
+    return load(SOURCE, (), "row_linear_cpu", {"litkv_row_linear": _SIGNATURE}, "one-row linear products take F.linear")
 
 
 def _column_major(weight: torch.Tensor) -> bool:

@@ -16,14 +16,11 @@ by the machine's C compiler (`litkv.core.c_build`); without one, one warning and
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from litkv.core.c_build import build
+from litkv.core.c_build import load
 
 __all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "snapkv_weights"]
 
@@ -31,8 +28,10 @@ __all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "s
 CPU_KERNEL = True
 
 SOURCE = Path(__file__).with_name("scores_cpu.c")
-_lock = threading.Lock()
-_built: dict[int, ctypes.CDLL | None] = {}
+_SIGNATURES = {
+    "litkv_keydiff_scores": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6, ctypes.c_int),
+    "litkv_snapkv_weights": ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float], None),
+}
 
 
 def available(device: torch.device, head: int) -> bool:
@@ -115,23 +114,7 @@ def _keydiff_scores_shape(keys: torch.Tensor, positions: torch.Tensor) -> torch.
 
 
 def library(head: int) -> ctypes.CDLL | None:
-    """The pass compiled for keys of `head` numbers (built on first use, then loaded from the kernel cache), or None
-    (one warning) where it cannot be built."""
-    with _lock:
-        if head not in _built:
-            try:
-                lib = ctypes.CDLL(str(build(SOURCE, (f"-DHEAD={int(head)}",), f"scores_cpu_{int(head)}")))
-                lib.litkv_keydiff_scores.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6
-                lib.litkv_keydiff_scores.restype = ctypes.c_int
-                lib.litkv_snapkv_weights.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-                lib.litkv_snapkv_weights.restype = None
-                _built[head] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                warnings.warn(
-                    f"litkv: the CPU kernel for policy scores ({head} numbers per key) could not be built: {error}; "
-                    "they take the PyTorch path",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _built[head] = None
-        return _built[head]
+    """The passes compiled for keys of `head` numbers (built on first use, then loaded from the kernel cache), or
+    None (one warning) where they cannot be built."""
+    defines = (f"-DHEAD={int(head)}",)
+    return load(SOURCE, defines, f"scores_cpu_{int(head)}", _SIGNATURES, "policy scores take the PyTorch path")

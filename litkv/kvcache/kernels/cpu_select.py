@@ -12,14 +12,11 @@ score) it says so and the caller takes the PyTorch path. Built on first use by t
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from litkv.core.c_build import build
+from litkv.core.c_build import load
 
 __all__ = ["CPU_KERNEL", "library", "lowest_one"]
 
@@ -27,8 +24,7 @@ __all__ = ["CPU_KERNEL", "library", "lowest_one"]
 CPU_KERNEL = True
 
 SOURCE = Path(__file__).with_name("select_cpu.c")
-_lock = threading.Lock()
-_built: dict[str, ctypes.CDLL | None] = {}
+_SIGNATURE = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4, ctypes.c_int)
 
 
 def lowest_one(scores: torch.Tensor, positions: torch.Tensor, recent: int, sinks: int) -> torch.Tensor | None:
@@ -69,19 +65,4 @@ def lowest_one(scores: torch.Tensor, positions: torch.Tensor, recent: int, sinks
 def library() -> ctypes.CDLL | None:
     """The compiled pass (built on first use, then loaded from the kernel cache), or None (one warning) where it
     cannot be built."""
-    with _lock:
-        if "lib" not in _built:
-            try:
-                lib = ctypes.CDLL(str(build(SOURCE, (), "select_cpu")))
-                lib.litkv_lowest_one.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                lib.litkv_lowest_one.restype = ctypes.c_int
-                _built["lib"] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                warnings.warn(
-                    f"litkv: the CPU kernel for a decode step's drop could not be built: {error}; it takes the "
-                    "PyTorch path",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                _built["lib"] = None
-        return _built["lib"]
+    return load(SOURCE, (), "select_cpu", {"litkv_lowest_one": _SIGNATURE}, "a decode step's drop takes PyTorch")
