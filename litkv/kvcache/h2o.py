@@ -97,6 +97,13 @@ class H2OKVCache(ScoreKVCache):
         sums and weights (each layer's part kept in its record, as `accumulated` would compute it)."""
         if not all(type(c) is H2OKVCache and not c.normalize for c in policies):
             return super().stacked_scores(policies, records)
+        return H2OKVCache.stacked_accumulated(policies, records)
+
+    @staticmethod
+    def stacked_accumulated(policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
+        """`(n_layers, B, G, L + 1)` every layer's `accumulated` of its decode step (policies of `H2OKVCache` or a
+        subclass without `normalize_scores`): two operations over the stacked sums and weights, each layer's part
+        kept in its record."""
         sums = torch.stack([c.attn_sums for c in policies])  # type: ignore[attr-defined]
         weights = torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
         accumulated = F.pad(sums, (0, 1)) + weights

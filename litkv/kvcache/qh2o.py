@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from litkv.kvcache.base import CacheSettings, Candidates, Placement, SlotState
 from litkv.kvcache.h2o import H2OKVCache, H2OOptions
@@ -98,14 +97,12 @@ class QuantizedH2OKVCache(H2OKVCache):
         errors kept in its record for `update_state`, as `score` would compute them)."""
         if not all(type(c) is QuantizedH2OKVCache and not c.normalize for c in policies):
             return super().stacked_scores(policies, records)
-        accumulated = F.pad(torch.stack([c.attn_sums for c in policies]), (0, 1))  # type: ignore[attr-defined]
-        accumulated = accumulated + torch.stack([r.attn_weights for r in records])  # type: ignore[misc]
+        accumulated = H2OKVCache.stacked_accumulated(policies, records)
         pairs = zip(policies, records, strict=True)
         new = torch.stack([c.cache.storage.token_errors(r.new_keys, r.new_values) for c, r in pairs])  # type: ignore[attr-defined]
-        new = new.masked_fill(records[0].query_pos[:, None, :] < 0, 0.0)
-        errors = torch.cat((torch.stack([c.quant_errors for c in policies]), new), dim=-1)  # type: ignore[attr-defined]
-        for record, attention, error in zip(records, accumulated, errors, strict=True):
-            record.remember(H2OKVCache._accumulate, attention)
+        slots = torch.stack([c.quant_errors for c in policies])  # type: ignore[attr-defined]
+        errors = _with_new(slots, new, records[0].query_pos)
+        for record, error in zip(records, errors, strict=True):
             record.remember(QuantizedH2OKVCache._errors, error)
         weight = policies[0].options.quant_error_weight  # type: ignore[attr-defined]
         scores = _share_of_max(accumulated) - weight * _share_of_max(errors)
@@ -126,8 +123,13 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def _errors(self, candidates: Candidates) -> torch.Tensor:
         new = self.cache.storage.token_errors(candidates.new_keys, candidates.new_values)  # type: ignore[attr-defined]
-        new = new.masked_fill(candidates.query_pos[:, None, :] < 0, 0.0)
-        return torch.cat((self.quant_errors, new), dim=2)
+        return _with_new(self.quant_errors, new, candidates.query_pos)
+
+
+def _with_new(slots: torch.Tensor, new: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """The slots' errors `(..., B, G, L)` then the new tokens' `(..., B, G, T)` (0 for pads, `query_pos` `(B, T)`
+    negative), along the last axis (leading dims: layers stacked)."""
+    return torch.cat((slots, new.masked_fill(query_pos[:, None, :] < 0, 0.0)), dim=-1)
 
 
 def _share_of_max(x: torch.Tensor) -> torch.Tensor:
