@@ -24,12 +24,12 @@ from litkv.core.c_build import load
 
 __all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "snapkv_weights"]
 
-#: Whether `keydiff` scores take the C pass where it applies; False: the PyTorch path everywhere.
+#: Whether `keydiff` and `snapkv` scores take the C passes where they apply; False: the PyTorch path everywhere.
 CPU_KERNEL = True
 
 SOURCE = Path(__file__).with_name("scores_cpu.c")
 _SIGNATURES = {
-    "litkv_keydiff_scores": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6, ctypes.c_int),
+    "litkv_keydiff_scores": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6, None),
     "litkv_snapkv_weights": ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float], None),
 }
 
@@ -55,9 +55,8 @@ def applies(keys: torch.Tensor) -> bool:
 
 def keydiff_scores(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`(B, G, N)` float32 minus the cosine of each key to its (row, head)'s anchor (`available` and `applies(keys)`
-    hold): keys
-    `(B, G, N, D)` float32, any strides but the last axis's; positions `(B, G, N)` int64, `-1` where no token
-    (left out of the anchor)."""
+    hold): keys `(B, G, N, D)` float32, any strides but the last axis's; positions `(B, G, N)` int64, `-1` where no
+    token (left out of the anchor)."""
     op = _keydiff_op if torch.compiler.is_compiling() else _keydiff_scores
     return op(keys, positions)
 

@@ -82,12 +82,11 @@ static void head(const float *k, int64_t sn, const int64_t *p, float *out, int64
         out[i] = -dot(k + i * sn, anchor, HEAD) / (out[i] * anchor_norm);
 }
 
-int litkv_keydiff_scores(const float *keys, const int64_t *positions, float *out, int64_t b, int64_t g, int64_t n,
-                         int64_t sb, int64_t sg, int64_t sn) {
+void litkv_keydiff_scores(const float *keys, const int64_t *positions, float *out, int64_t b, int64_t g, int64_t n,
+                          int64_t sb, int64_t sg, int64_t sn) {
     for (int64_t r = 0; r < b; r++)
         for (int64_t h = 0; h < g; h++)
             head(keys + r * sb + h * sg, sn, positions + (r * g + h) * n, out + (r * g + h) * n, n);
-    return 0;
 }
 
 /* One (row, KV head) of litkv_snapkv_weights: queries q (M, HEAD), keys k (n, HEAD) sn apart, positions p. */
