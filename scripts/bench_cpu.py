@@ -8,7 +8,8 @@ state; on a shared machine, say how loaded it was):
   the checkpoint converted from that file, with float32 / int8 / int4 weights (`--quantize`) x float /
   int8 / int4 KV storage, dense and h2o, greedy, at each prompt length: prefill tok/s, decode tok/s
   (median over `--repeats`), and each litkv row's bytes per decode step and the tok/s that the memory
-  bandwidth measured in the same run allows (`litkv.eval.bandwidth`).
+  bandwidth measured in the same run allows (`litkv.eval.bandwidth`). `--cpu_kernel both` adds each quantised-weights
+  row through PyTorch's packed kernels (`litkv.modeling.quant_rows` off: "(packed kernels)" rows).
 - `kv`: the KV cache alone at long contexts: decode steps of the real model (float32 weights) with
   every layer's cache filled with `--cached` random tokens (no prefill: the state is written directly),
   dense and h2o, float / int8 / int4 storage, and the same at `--slots` slots; the ratio of each
@@ -32,6 +33,7 @@ import argparse
 import statistics
 import sys
 import time
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -45,6 +47,7 @@ from litkv.inference.generate import generate
 from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.kernels import cpu_decode
+from litkv.modeling import quant_rows
 from litkv.modeling.model import GPT
 
 STORAGE_BYTES = {"float": 4.0, "int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 64}  # per number, 16-bit scale+offset
@@ -69,6 +72,15 @@ def run_litkv(model: GPT, ids: list[int], new: int, config: KVCacheConfig) -> tu
     return len(ids) / (stamps[0] - start), new / (stamps[-1] - stamps[0])
 
 
+def weight_kernels(args: argparse.Namespace, quant: str) -> list[tuple[str, bool]]:
+    """The `peers` variants of a `quant` weights row: (label, `quant_rows.CPU_KERNEL`): the C products, PyTorch's
+    packed kernels (`--cpu_kernel off`), or both; float weights: one row."""
+    variants = {"on": [("", True)], "off": [(" (packed kernels)", False)]}
+    if quant == "none":
+        return variants["on"]
+    return variants.get(args.cpu_kernel, variants["on"] + variants["off"])
+
+
 def peers(args: argparse.Namespace, bandwidth: float) -> None:
     """The `peers` table, one per prompt length."""
     models = {q: load_for_inference(args.checkpoint_dir, "32-true", "cpu", args.threads, q)[0] for q in args.weights}
@@ -86,12 +98,14 @@ def peers(args: argparse.Namespace, bandwidth: float) -> None:
                 )
                 print(f"# llama.cpp {kv}: {rows[f'llama.cpp Q4_1 weights, {kv} KV'][-1]}", flush=True)
             for quant, model in models.items():
-                for policy in args.policies:
+                for (label, kernel), policy in product(weight_kernels(args, quant), args.policies):
                     for storage in args.storages:
                         length = prompt + args.new_tokens + 1 if policy == "dense" else args.slots
                         cfg = KVCacheConfig(policy=policy, cache_length=length, storage=storage)
-                        name = f"litkv {quant} weights, {policy} {storage} KV"
+                        name = f"litkv {quant} weights{label}, {policy} {storage} KV"
+                        quant_rows.CPU_KERNEL = kernel
                         rows.setdefault(name, []).append(run_litkv(model, ids, args.new_tokens, cfg))
+                        quant_rows.CPU_KERNEL = True
                         print(f"# {name}: {rows[name][-1]}", flush=True)
                         attended = prompt + args.new_tokens / 2 if policy == "dense" else args.slots
                         info[name] = step_bytes(model, storage, attended)
@@ -249,7 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu_kernel",
         choices=("on", "off", "both"),
         default="on",
-        help="quantised rows through the CPU decode kernel, the PyTorch path (STORAGE-torch rows), or both (kv)",
+        help="kv: quantised KV through the CPU decode kernel, the PyTorch path (STORAGE-torch rows), or both; "
+        "peers: quantised weights' decode rows through the C products, PyTorch's packed kernels, or both",
     )
     args = p.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",")]

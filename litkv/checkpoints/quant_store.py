@@ -27,7 +27,7 @@ from litkv.modeling.quant_weights import (
     Int4Linear,
     Int8Linear,
     WeightQuant,
-    check_int4_shape,
+    check_layer_shape,
     int4_codes,
     int4_nibbles,
     int8_codes,
@@ -52,18 +52,18 @@ def quantized_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a stored `quant` checkpoint of `state_dict` (float weights, checked
     against `model`, which may live on the meta device): each linear layer's weight replaced by its codes
-    and scales (module docstring), the other tensors kept. ValueError for a layer shape int4 cannot take."""
+    and scales (module docstring), the other tensors kept. ValueError for a layer shape the scheme cannot take."""
     out = dict(state_dict)
     for name, linear in _linears(model):
         scheme = layer_quant(name, quant)
         weight = out.pop(f"{name}.weight")
+        try:
+            check_layer_shape(linear.out_features, linear.in_features, scheme)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
         if scheme.mode == "int8":
             out[f"{name}.codes"], out[f"{name}.scales"] = int8_codes(weight)
             continue
-        try:
-            check_int4_shape(linear.out_features, linear.in_features, scheme.group_size)
-        except ValueError as err:
-            raise ValueError(f"{name}: {err}") from None
         codes, out[f"{name}.scale_zeros"] = int4_codes(weight, scheme.group_size)
         out[f"{name}.codes"] = int4_nibbles(codes)
     return out, {QUANT_KEY: quant.name, FORMAT_KEY: FORMAT_VERSION}
@@ -136,8 +136,7 @@ def attach_quantized(
     layers' own. ValueError naming `source` and the tensor when one is missing or misshapen."""
     for name, linear in _linears(model):
         scheme = layer_quant(name, quant)
-        if scheme.mode == "int4":
-            check_int4_shape(linear.out_features, linear.in_features, scheme.group_size)
+        check_layer_shape(linear.out_features, linear.in_features, scheme)
         first, second = _take(state_dict, name, linear, scheme, source)
         bias = state_dict.pop(f"{name}.bias", None)
         bias = None if bias is None or dtype is None else bias.to(dtype)

@@ -43,12 +43,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from litkv.modeling import quant_rows
+
 __all__ = [
     "INT4_GROUP_SIZES",
     "QuantLinear",
     "dense_product",
     "input_grad",
     "KERNEL_ROWS",
+    "check_int4_shape",
+    "check_layer_shape",
     "LM_HEAD",
     "QUANTIZE_MODES",
     "Int4Linear",
@@ -72,6 +76,7 @@ DEFAULT_INT4_GROUP = 32
 #: Calls with more rows than this dequantise the weight a block at a time (faster for prefill chunks).
 KERNEL_ROWS = 8
 _INT4_N_MULTIPLE = 16
+_INT8_K_MULTIPLE = 16
 _KERNEL_DTYPE = torch.bfloat16
 #: Rows packed per call of `torch._convert_weight_to_int4pack_for_cpu` (a multiple of its 64-row blocks),
 #: so that the int32 codes it takes are never a whole layer's.
@@ -140,7 +145,9 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        """Symmetric per-channel int8 codes of `linear`'s weight (`int8_codes`)."""
+        """Symmetric per-channel int8 codes of `linear`'s weight (`int8_codes`); ValueError for shapes the kernel
+        cannot take."""
+        check_layer_shape(linear.out_features, linear.in_features, WeightQuant("int8"))
         module = cls(*int8_codes(linear.weight), _bias(linear))
         module.weight = torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device)
         return module
@@ -158,8 +165,12 @@ class Int8Linear(nn.Module):
         return _product(self, x)
 
     def kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` `(rows, in_features)` bfloat16 -> `(rows, out_features)` bfloat16 by the packed kernel."""
-        return torch._weight_int8pack_mm(flat, self.codes, self.scales)
+        """`flat` `(rows, in_features)` -> `(rows, out_features)` in `flat`'s dtype: the C product in float32
+        (`quant_rows.int8_rows`) where it applies, else the packed kernel in bfloat16."""
+        if quant_rows.int8_applies(flat, self.codes):
+            op = quant_rows.int8_rows_op if torch.compiler.is_compiling() else quant_rows.int8_rows
+            return op(flat, self.codes, self.scales)
+        return torch._weight_int8pack_mm(flat.to(_KERNEL_DTYPE), self.codes, self.scales).to(flat.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -247,8 +258,14 @@ class Int4Linear(nn.Module):
         return _product(self, x)
 
     def kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` `(rows, in_features)` bfloat16 -> `(rows, out_features)` bfloat16 by the packed kernel."""
-        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_zeros)
+        """`flat` `(rows, in_features)` -> `(rows, out_features)` in `flat`'s dtype: the C product in float32
+        (`quant_rows.int4_rows`, on the packed layout where litkv reads it) where it applies, else the packed
+        kernel in bfloat16."""
+        if quant_rows.int4_applies(flat, self.packed, self.group_size, self.unpackable):
+            op = quant_rows.int4_rows_op if torch.compiler.is_compiling() else quant_rows.int4_rows
+            return op(flat, self.packed, self.scale_zeros, self.group_size)
+        y = torch._weight_int4pack_mm_for_cpu(flat.to(_KERNEL_DTYPE), self.packed, self.group_size, self.scale_zeros)
+        return y.to(flat.dtype)
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +307,8 @@ QuantLinear = Int8Linear | Int4Linear
 
 def _product(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """`x @ w.T + bias` for a quantised layer, `x` `(..., in_features)` -> `(..., out_features)` in `x`'s
-    dtype: up to `KERNEL_ROWS` rows by the packed kernel in bfloat16, more rows (prefill chunks) and every
+    dtype: up to `KERNEL_ROWS` rows by the layer's `kernel` (in C in float32, or the packed kernel in bfloat16),
+    more rows (prefill chunks) and every
     call that needs a gradient by `dense_product` in `x`'s dtype. The gradient flows to `x` only (the
     weights are frozen) and keeps no float copy of the weight (`_FrozenWeightProduct`)."""
     flat = x.reshape(-1, layer.in_features)
@@ -299,7 +317,7 @@ def _product(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     elif flat.shape[0] > KERNEL_ROWS:
         y = dense_product(layer, flat)
     else:
-        y = layer.kernel(flat.to(_KERNEL_DTYPE)).to(x.dtype)
+        y = layer.kernel(flat)
     return _finish(y, layer.bias, x.shape)
 
 
@@ -342,6 +360,16 @@ class _FrozenWeightProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return input_grad(ctx.layer, grad.contiguous()), None
+
+
+def check_layer_shape(out_features: int, in_features: int, quant: WeightQuant) -> None:
+    """ValueError (one line) when a `(out_features, in_features)` weight cannot be stored as `quant` says: int4
+    (`check_int4_shape`), or int8 with `in_features` not a multiple of 16 (PyTorch's int8 CPU kernel crashes on
+    those)."""
+    if quant.mode == "int4":
+        check_int4_shape(out_features, in_features, quant.group_size)
+    elif quant.mode == "int8" and in_features % _INT8_K_MULTIPLE != 0:
+        raise ValueError(f"int8 weights need in_features a multiple of {_INT8_K_MULTIPLE}, got {in_features}")
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
@@ -400,11 +428,10 @@ def quantize_model(model: nn.Module, quant: WeightQuant) -> nn.Module:
     for name, linear in linears:
         if linear.weight.device.type != "cpu":
             raise ValueError(f"--quantize {quant.name} runs on the CPU only, got a model on {linear.weight.device}")
-        if layer_quant(name, quant).mode == "int4":
-            try:
-                check_int4_shape(linear.out_features, linear.in_features, quant.group_size)
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
+        try:
+            check_layer_shape(linear.out_features, linear.in_features, layer_quant(name, quant))
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -1,0 +1,128 @@
+"""A decode step's quantised linear products on the CPU in C: a few float32 rows times int4 or int8 weights.
+
+PyTorch's packed kernels (`torch._weight_int4pack_mm_for_cpu`, `torch._weight_int8pack_mm`) take bfloat16 rows and
+return bfloat16 outputs, and on the AMD EPYC measured read a decode step's weights well under the memory's pace
+(docs/cpu_speed.md). `quant_rows_cpu.c` (beside this file) reads the codes once, in the order they lie, turns them
+into float32 in registers and adds them into float32 sums: `int4_rows` on the int4 kernel's own packed layout (where
+litkv reads it, `Int4Linear.unpackable`) and its bfloat16 scales and zeros, `int8_rows` on the int8 codes and their
+per-output scales. No bfloat16 rounding of the rows or of the outputs: each output is within float32 rounding of the
+float64 product with the dequantised weight (`tests/modeling/test_quant_rows.py`), and its bits are the same for a
+row alone and in any batch of up to `MAX_ROWS`. Inside `torch.compile` each is the same product as one opaque op
+(`litkv::int4_rows`, `litkv::int8_rows`), so a compiled step keeps the eager step's bits. Built on first use by the
+machine's C compiler (`litkv.core.c_build`); without one, one warning and the packed kernels everywhere. Runs on
+the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import torch
+
+from litkv.core.c_build import load
+
+__all__ = [
+    "CPU_KERNEL",
+    "MAX_ROWS",
+    "int4_applies",
+    "int4_rows",
+    "int4_rows_op",
+    "int8_applies",
+    "int8_rows",
+    "int8_rows_op",
+    "library",
+]
+
+#: Whether the quantised layers take the C products where they apply; False: PyTorch's packed kernels.
+CPU_KERNEL = True
+#: Rows a call may have to take the C products (a decode step's sequences).
+MAX_ROWS = 8
+_INT4_BLOCK = 64  # output rows per block of the packed int4 layout
+_LANES = 16  # the int8 product's vectors: the inputs a multiple of it
+
+SOURCE = Path(__file__).with_name("quant_rows_cpu.c")
+_INT4_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4, ctypes.c_int)
+_INT8_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int)
+
+
+def _rows_fit(flat: torch.Tensor) -> bool:
+    """Whether `flat` `(rows, in)` is float32 on the CPU, at most `MAX_ROWS` rows, without autograd."""
+    return (
+        CPU_KERNEL
+        and sys.byteorder == "little"
+        and flat.device.type == "cpu"
+        and flat.dtype == torch.float32
+        and flat.dim() == 2
+        and 1 <= flat.shape[0] <= MAX_ROWS
+        and not (torch.is_grad_enabled() and flat.requires_grad)
+    )
+
+
+def int4_applies(flat: torch.Tensor, packed: torch.Tensor, group_size: int, unpackable: bool) -> bool:
+    """Whether `flat` `(rows, K)` times an int4 layer's `packed` `(N, K / 2)` codes may take `int4_rows`: `_rows_fit`,
+    the layout litkv reads (`unpackable`), `N` a multiple of the layout's 64-row blocks, `K` the layer's."""
+    return (
+        unpackable
+        and _rows_fit(flat)
+        and packed.shape[0] % _INT4_BLOCK == 0
+        and flat.shape[1] == 2 * packed.shape[1]
+        and flat.shape[1] % group_size == 0
+    )
+
+
+def int8_applies(flat: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether `flat` `(rows, K)` times int8 `codes` `(N, K)` may take `int8_rows`: `_rows_fit`, `K` the layer's and
+    a multiple of 16."""
+    return _rows_fit(flat) and flat.shape[1] == codes.shape[1] and codes.shape[1] % _LANES == 0
+
+
+def int4_rows(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`flat @ W^T` for an int4 layer (`int4_applies` holds), `W = (c - 8) * scale + zero` per group of
+    `group_size` inputs: `flat` `(rows, K)` float32, `packed` `(N, K / 2)` uint8, `scale_zeros` `(K / group_size,
+    N, 2)` bfloat16 -> `(rows, N)` float32; by PyTorch's packed kernel (in bfloat16) where the library cannot be
+    built."""
+    lib = library()
+    n, k = packed.shape[0], flat.shape[1]
+    x, codes, sz = flat.contiguous(), packed.contiguous(), scale_zeros.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    pointers = (x.data_ptr(), codes.data_ptr(), sz.data_ptr(), y.data_ptr())
+    if lib is None or lib.litkv_int4_rows(*pointers, *y.shape, k, group_size):
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), codes, group_size, sz).float()
+    return y
+
+
+def int8_rows(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`flat @ (codes * scales[:, None])^T` for an int8 layer (`int8_applies` holds): `flat` `(rows, K)` float32,
+    `codes` `(N, K)` int8, `scales` `(N,)` bfloat16 -> `(rows, N)` float32; by PyTorch's packed kernel (in bfloat16)
+    where the library cannot be built."""
+    lib = library()
+    n, k = codes.shape
+    x, c, s = flat.contiguous(), codes.contiguous(), scales.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    pointers = (x.data_ptr(), c.data_ptr(), s.data_ptr(), y.data_ptr())
+    if lib is None or lib.litkv_int8_rows(*pointers, *y.shape, k):
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), c, s).float()
+    return y
+
+
+int4_rows_op = torch.library.custom_op("litkv::int4_rows", int4_rows, mutates_args=())
+int8_rows_op = torch.library.custom_op("litkv::int8_rows", int8_rows, mutates_args=())
+
+
+@int4_rows_op.register_fake
+def _int4_shape(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    return flat.new_empty(flat.shape[0], packed.shape[0])
+
+
+@int8_rows_op.register_fake
+def _int8_shape(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return flat.new_empty(flat.shape[0], codes.shape[0])
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled products (built on first use, then loaded from the kernel cache), or None (one warning) where
+    they cannot be built."""
+    signatures = {"litkv_int4_rows": _INT4_SIGNATURE, "litkv_int8_rows": _INT8_SIGNATURE}
+    return load(SOURCE, (), "quant_rows_cpu", signatures, "quantised one-row products take PyTorch's packed kernels")
