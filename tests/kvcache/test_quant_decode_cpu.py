@@ -69,6 +69,7 @@ def _oracle(q, slots, mask, valid, softcap=None):
 CASES = [  # (bits, query heads, KV heads, slots, head size, group size)
     (8, 9, 3, 300, 64, 64),  # SmolLM2-135M's heads; blocks of 64 and a partial one
     (4, 9, 3, 300, 64, 32),
+    (4, 9, 3, 300, 64, 64),  # the default group: one scale per vector (its products factor the scale out)
     (8, 32, 8, 17, 32, 16),  # Llama-3.2-1B's head ratio; fewer slots than a block; two groups per vector
     (4, 4, 2, 129, 16, 8),
     (8, 2, 2, 65, 80, 80),  # a head size that is not a multiple of 32; one query per KV head
@@ -92,6 +93,22 @@ def test_kernel_equals_pytorch_path_and_float64(case: tuple) -> None:
     assert bool((w[~mask[:, :, 0].expand(2, g, s)] == 0).all())  # hidden slots get no weight
     assert bool((w[1] == 0).all())  # the second row's query does not count
     torch.testing.assert_close(w[0].sum(-1), torch.full((g,), n_head / g))  # each head's weights sum to one
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", [64, 32])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_what_hidden_slots_hold_is_never_read(bits: int, group: int) -> None:
+    """Hidden slots (empty ones and a long run) whose codes, scales and offsets are NaN or infinite: the same
+    outputs and weights, bit for bit, as with the slots' finite numbers, none NaN."""
+    q, slots, mask, valid = _case(bits, 9, 3, 300, 64, group, seed=4)
+    y, w = _run(True, q, slots, mask, valid)
+    hidden = ~mask[:, :, 0].expand(2, 3, 300)  # (B, G, S)
+    spoiled = dataclasses.replace(slots, scales=slots.scales.clone(), offsets=slots.offsets.clone())
+    spoiled.scales[hidden] = float("nan")
+    spoiled.offsets[hidden] = float("inf")
+    y2, w2 = _run(True, q, spoiled, mask, valid)
+    assert not bool(y[0].isnan().any()) and torch.equal(y2, y) and torch.equal(w2, w)
 
 
 @needs_compiler
