@@ -76,6 +76,7 @@ Signature = tuple[list[Any], Any]
 
 _lock = threading.Lock()
 _loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
+_UNSET = object()
 
 
 def load(
@@ -85,6 +86,9 @@ def load(
     where it cannot be built, with one RuntimeWarning naming the source, why, and `fallback` (what its calls take
     instead). Safe to call from several threads."""
     key = (source, tuple(defines))
+    done = _loaded.get(key, _UNSET)  # a library loaded (or refused) before: no lock on the hot path
+    if done is not _UNSET:
+        return done
     with _lock:
         if key not in _loaded:
             try:

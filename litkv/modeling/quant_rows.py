@@ -41,6 +41,7 @@ CPU_KERNEL = True
 MAX_ROWS = 8
 _INT4_BLOCK = 64  # output rows per block of the packed int4 layout
 _LANES = 16  # the int8 product's vectors: the inputs a multiple of it
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the scale and zero of a bfloat16 pair read as one 32-bit word
 
 SOURCE = Path(__file__).with_name("quant_rows_cpu.c")
 _INT4_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4, ctypes.c_int)
@@ -51,9 +52,9 @@ def _rows_fit(flat: torch.Tensor) -> bool:
     """Whether `flat` `(rows, in)` is float32 on the CPU, at most `MAX_ROWS` rows, without autograd."""
     return (
         CPU_KERNEL
-        and sys.byteorder == "little"
-        and flat.device.type == "cpu"
-        and flat.dtype == torch.float32
+        and _LITTLE_ENDIAN
+        and flat.is_cpu
+        and flat.dtype is torch.float32
         and flat.dim() == 2
         and 1 <= flat.shape[0] <= MAX_ROWS
         and not (torch.is_grad_enabled() and flat.requires_grad)

@@ -73,15 +73,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `x` `(..., 1, in)` times `weight` `(out, in)` may take the C product: `CPU_KERNEL`, float32 on the
     CPU, one position per row and at most `MAX_ROWS` rows, the weight's input size, a column-major weight, no
     autograd (anything else, a wrong size included, is `F.linear`'s to take or refuse)."""
+    shape = x.shape
     return (
         CPU_KERNEL
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() >= 2
-        and x.shape[-2] == 1
-        and x.shape[-1] == weight.shape[1]
-        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and x.is_cpu
+        and x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and len(shape) >= 2
+        and shape[-2] == 1
+        and shape[-1] == weight.shape[1]
+        and x.numel() <= MAX_ROWS * shape[-1]
         and _column_major(weight)
         and weight.shape[0] % _LANES == 0
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -96,12 +97,12 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     n, k = weight.shape
     if lib is None:
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, k).contiguous()
-    y = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    x = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-    if lib.litkv_row_linear(flat.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), flat.shape[0], n, k):
+    if lib.litkv_row_linear(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), x.numel() // k, n, k):
         return F.linear(x, weight, bias)
-    return y.view(*x.shape[:-1], n)
+    return y
 
 
 _row_linear_op = torch.library.custom_op("litkv::row_linear", row_linear, mutates_args=())

@@ -3,9 +3,9 @@
 Tolerances: the packed kernels take bfloat16 activations and return bfloat16 outputs, so a product
 differs from the float32 product with the same (dequantised) weight by at most the bfloat16 rounding
 of each input and of the output: `|y - ref| <= 2^-7 * (|x| @ |w|.T + |bias|) + 1e-6` (two roundings of
-relative 2^-9 each, with margin); a decode step's rows take the C products instead where they apply, which meet
-a far tighter bound (test_quant_rows.py) and so this one too. The dequantised weights differ from the float ones by at most half
-a quantisation step (plus the bfloat16 rounding of the scales and zeros).
+relative 2^-9 each, with margin); a decode step's rows take the C products instead where they apply, which
+meet a far tighter bound (test_quant_rows.py) and so this one too. The dequantised weights differ from the float
+ones by at most half a quantisation step (plus the bfloat16 rounding of the scales and zeros).
 """
 
 from __future__ import annotations
