@@ -9,8 +9,9 @@ per-output scales. No bfloat16 rounding of the rows or of the outputs: each outp
 float64 product with the dequantised weight (`tests/modeling/test_quant_rows.py`), and its bits are the same for a
 row alone and in any batch of up to `MAX_ROWS`. Inside `torch.compile` each is the same product as one opaque op
 (`litkv::int4_rows`, `litkv::int8_rows`), so a compiled step keeps the eager step's bits. Built on first use by the
-machine's C compiler (`litkv.core.c_build`); without one, one warning and the packed kernels everywhere. Runs on
-the calling thread.
+machine's C compiler (`litkv.core.c_build`); without one, one warning and the packed kernels everywhere. They run on
+the calling thread, so they are taken where PyTorch runs on one thread; on more, the packed kernels (which split a
+product over the threads) as before.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def int4_rows(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tenso
     """`flat @ W^T` for an int4 layer (`int4_applies` holds), `W = (c - 8) * scale + zero` per group of
     `group_size` inputs: `flat` `(rows, K)` float32, `packed` `(N, K / 2)` uint8, `scale_zeros` `(K / group_size,
     N, 2)` bfloat16 -> `(rows, N)` float32; by PyTorch's packed kernel (in bfloat16) where the library cannot be
-    built."""
-    lib = library()
+    built or PyTorch runs on more than one thread (`_one_thread`)."""
+    lib = library() if _one_thread() else None
     n, k = packed.shape[0], flat.shape[1]
     x, codes, sz = flat.contiguous(), packed.contiguous(), scale_zeros.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
@@ -97,8 +98,8 @@ def int4_rows(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tenso
 def int8_rows(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`flat @ (codes * scales[:, None])^T` for an int8 layer (`int8_applies` holds): `flat` `(rows, K)` float32,
     `codes` `(N, K)` int8, `scales` `(N,)` bfloat16 -> `(rows, N)` float32; by PyTorch's packed kernel (in bfloat16)
-    where the library cannot be built."""
-    lib = library()
+    where the library cannot be built or PyTorch runs on more than one thread (`_one_thread`)."""
+    lib = library() if _one_thread() else None
     n, k = codes.shape
     x, c, s = flat.contiguous(), codes.contiguous(), scales.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
@@ -120,6 +121,13 @@ def _int4_shape(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Ten
 @int8_rows_op.register_fake
 def _int8_shape(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return flat.new_empty(flat.shape[0], codes.shape[0])
+
+
+def _one_thread() -> bool:
+    """Whether PyTorch runs on one thread: the C products run on the calling thread only, and the packed kernels,
+    which split a product over PyTorch's threads, measured faster on two (docs/results/cpu_speed.md). Read when a
+    product runs (inside a compiled step too: the ops' bodies run eagerly), so eager and compiled steps agree."""
+    return torch.get_num_threads() == 1
 
 
 def library() -> ctypes.CDLL | None:

@@ -39,6 +39,8 @@ def _int4_oracle(layer: nn.Linear, group: int) -> tuple[torch.Tensor, torch.Tens
 def _needs_kernel() -> None:
     if quant_rows.library() is None:
         pytest.skip("no C compiler: the quantised layers take PyTorch's packed kernels")
+    if torch.get_num_threads() != 1:
+        pytest.skip("PyTorch runs on more than one thread: the quantised layers take the packed kernels")
 
 
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (960, 576, 32), (128, 512, 64), (192, 256, 128)])
@@ -117,6 +119,18 @@ def test_switched_off_the_layers_take_the_packed_kernels(monkeypatch: pytest.Mon
     monkeypatch.setattr(quant_rows, "CPU_KERNEL", False)
     want = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), q.packed, 32, q.scale_zeros).float()
     assert torch.equal(q(x), want)
+
+
+def test_on_more_threads_the_layers_take_the_packed_kernels() -> None:
+    q = Int8Linear.from_linear(_linear(64, 64))
+    x = torch.randn(1, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = q(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, torch._weight_int8pack_mm(x.bfloat16(), q.codes, q.scales).float())
 
 
 def test_compiled_calls_take_the_same_product_as_an_op() -> None:
