@@ -14,7 +14,9 @@ int8 or int4 codes cuts those bytes by 4x or ~6x. The products use PyTorch's own
 Both kernels are fast on CPU only with bfloat16 activations (in float32 they fall back to a scalar
 loop, slower than a float32 matmul; docs/results/cpu_speed.md), so the layers take bfloat16 scales and compute
 `x.to(bfloat16) @ w` then cast back to the input's dtype: the activations are rounded to bfloat16
-(8 significant bits) on the way in, the outputs on the way out. Calls with more than `KERNEL_ROWS`
+(8 significant bits) on the way in, the outputs on the way out. Where PyTorch runs on one thread, calls of
+up to `KERNEL_ROWS` float32 rows take C products over the same codes instead, in float32 (`litkv.modeling.quant_rows`:
+the int4 codes in the packed layout where litkv reads it, `unpackable`). Calls with more than `KERNEL_ROWS`
 rows (prefill chunks) dequantise the weight to the input's dtype `_PACK_ROWS` output rows at a time
 and multiply in that dtype, which is faster there (`dense_product`: no temporary of a whole layer's
 weight). A call that needs a gradient (LoRA on a quantised base, `litkv finetune --quantize`) always
