@@ -1,17 +1,17 @@
 """A decode step's quantised linear products on the CPU in C: a few float32 rows times int4 or int8 weights.
 
 PyTorch's packed kernels (`torch._weight_int4pack_mm_for_cpu`, `torch._weight_int8pack_mm`) take bfloat16 rows and
-return bfloat16 outputs, and on the AMD EPYC measured read a decode step's weights well under the memory's pace
-(docs/cpu_speed.md). `quant_rows_cpu.c` (beside this file) reads the codes once, in the order they lie, turns them
-into float32 in registers and adds them into float32 sums: `int4_rows` on the int4 kernel's own packed layout (where
-litkv reads it, `Int4Linear.unpackable`) and its bfloat16 scales and zeros, `int8_rows` on the int8 codes and their
-per-output scales. No bfloat16 rounding of the rows or of the outputs: each output is within float32 rounding of the
-float64 product with the dequantised weight (`tests/modeling/test_quant_rows.py`), and its bits are the same for a
-row alone and in any batch of up to `MAX_ROWS`. Inside `torch.compile` each is the same product as one opaque op
-(`litkv::int4_rows`, `litkv::int8_rows`), so a compiled step keeps the eager step's bits. Built on first use by the
-machine's C compiler (`litkv.core.c_build`); without one, one warning and the packed kernels everywhere. They run on
-the calling thread, so they are taken where PyTorch runs on one thread; on more, the packed kernels (which split a
-product over the threads) as before.
+return bfloat16 outputs (fast on the CPU only so). `quant_rows_cpu.c` (beside this file) reads the codes once, in the
+order they lie, turns them into float32 in registers and adds them into float32 sums: `int4_rows` on the int4
+kernel's own packed layout (where litkv reads it, `Int4Linear.unpackable`) and its bfloat16 scales and zeros,
+`int8_rows` on the int8 codes and their per-output scales. No bfloat16 rounding of the rows or of the outputs: each
+output is within float32 rounding of the float64 product with the dequantised weight
+(`tests/modeling/test_quant_rows.py`), and its bits are the same for a row alone and in any batch of up to
+`MAX_ROWS`. Inside `torch.compile` each is the same product as one opaque op (`litkv::int4_rows`,
+`litkv::int8_rows`), so a compiled step keeps the eager step's bits. Built on first use by the machine's C compiler
+(`litkv.core.c_build`); without one, one warning and the packed kernels everywhere. They run on the calling thread,
+so they are taken where PyTorch runs on one thread; on more, the packed kernels (which split a product over the
+threads) as before.
 """
 
 from __future__ import annotations
