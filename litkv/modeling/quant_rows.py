@@ -28,9 +28,11 @@ __all__ = [
     "CPU_KERNEL",
     "MAX_ROWS",
     "int4_applies",
+    "int4_packed",
     "int4_rows",
     "int4_rows_op",
     "int8_applies",
+    "int8_packed",
     "int8_rows",
     "int8_rows_op",
     "library",
@@ -91,7 +93,7 @@ def int4_rows(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tenso
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     pointers = (x.data_ptr(), codes.data_ptr(), sz.data_ptr(), y.data_ptr())
     if lib is None or lib.litkv_int4_rows(*pointers, *y.shape, k, group_size):
-        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), codes, group_size, sz).float()
+        return int4_packed(x, codes, sz, group_size)
     return y
 
 
@@ -105,8 +107,20 @@ def int8_rows(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     pointers = (x.data_ptr(), c.data_ptr(), s.data_ptr(), y.data_ptr())
     if lib is None or lib.litkv_int8_rows(*pointers, *y.shape, k):
-        return torch._weight_int8pack_mm(x.to(torch.bfloat16), c, s).float()
+        return int8_packed(x, c, s)
     return y
+
+
+def int4_packed(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`int4_rows`'s product by PyTorch's packed kernel: `flat` `(rows, K)` rounded to bfloat16 on the way in, the
+    output on the way out, returned in `flat`'s dtype."""
+    y = torch._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), packed, group_size, scale_zeros)
+    return y.to(flat.dtype)
+
+
+def int8_packed(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`int8_rows`'s product by PyTorch's packed kernel, in bfloat16 as `int4_packed`'s, in `flat`'s dtype."""
+    return torch._weight_int8pack_mm(flat.to(torch.bfloat16), codes, scales).to(flat.dtype)
 
 
 int4_rows_op = torch.library.custom_op("litkv::int4_rows", int4_rows, mutates_args=())

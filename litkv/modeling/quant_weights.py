@@ -172,7 +172,7 @@ class Int8Linear(nn.Module):
         if quant_rows.int8_applies(flat, self.codes):
             op = quant_rows.int8_rows_op if torch.compiler.is_compiling() else quant_rows.int8_rows
             return op(flat, self.codes, self.scales)
-        return torch._weight_int8pack_mm(flat.to(_KERNEL_DTYPE), self.codes, self.scales).to(flat.dtype)
+        return quant_rows.int8_packed(flat, self.codes, self.scales)
 
 
 class Int4Linear(nn.Module):
@@ -266,8 +266,7 @@ class Int4Linear(nn.Module):
         if quant_rows.int4_applies(flat, self.packed, self.group_size, self.unpackable):
             op = quant_rows.int4_rows_op if torch.compiler.is_compiling() else quant_rows.int4_rows
             return op(flat, self.packed, self.scale_zeros, self.group_size)
-        y = torch._weight_int4pack_mm_for_cpu(flat.to(_KERNEL_DTYPE), self.packed, self.group_size, self.scale_zeros)
-        return y.to(flat.dtype)
+        return quant_rows.int4_packed(flat, self.packed, self.scale_zeros, self.group_size)
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,9 +309,9 @@ QuantLinear = Int8Linear | Int4Linear
 def _product(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """`x @ w.T + bias` for a quantised layer, `x` `(..., in_features)` -> `(..., out_features)` in `x`'s
     dtype: up to `KERNEL_ROWS` rows by the layer's `kernel` (in C in float32, or the packed kernel in bfloat16),
-    more rows (prefill chunks) and every
-    call that needs a gradient by `dense_product` in `x`'s dtype. The gradient flows to `x` only (the
-    weights are frozen) and keeps no float copy of the weight (`_FrozenWeightProduct`)."""
+    more rows (prefill chunks) and every call that needs a gradient by `dense_product` in `x`'s dtype. The
+    gradient flows to `x` only (the weights are frozen) and keeps no float copy of the weight
+    (`_FrozenWeightProduct`)."""
     flat = x.reshape(-1, layer.in_features)
     if torch.is_grad_enabled() and flat.requires_grad:
         y = _FrozenWeightProduct.apply(flat, layer)
