@@ -38,7 +38,7 @@ static inline floats from_words(words w) {
     return f;
 }
 
-/* Rows 64 b .. 64 b + 63 of row r's outputs: blk the block's K * 32 bytes of codes. */
+/* Outputs n0 .. n0 + 63 of one row x into y: blk the K * 32 bytes of codes of their block. */
 static void int4_block(const float *x, const uint8_t *blk, const uint32_t *sz, float *y, int64_t N, int64_t K,
                        int64_t G, int64_t n0) {
     const bytes low = (bytes){0} + 15;
