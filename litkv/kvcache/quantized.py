@@ -31,7 +31,7 @@ import torch
 from litkv.core.validation import require_int
 from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.quant_attention import quant_attend
-from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, scatter_slots
+from litkv.kvcache.storage import ROOM, CacheShape, KVStorage, PackedSlots, copy_ranges, scatter_slots
 from litkv.kvcache.storage_kinds import register_storage
 
 __all__ = [
@@ -258,8 +258,7 @@ class QuantizedStorage(KVStorage):
         both = torch.stack((keys, values), dim=3).detach()
         if cpu_decode.quantize_into(both, *targets, self.bits, self.group):
             return  # quantised in one C call straight into the slots (the same bits)
-        for target, part in zip(targets, quantize(both, self.bits, self.group, self.scale_dtype), strict=True):
-            target.copy_(part)
+        copy_ranges(list(self._buffers()), start, list(quantize(both, self.bits, self.group, self.scale_dtype)))
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         new = self._quantize(keys, values)

@@ -18,7 +18,9 @@ __all__ = [
     "FloatStorage",
     "KVStorage",
     "PackedSlots",
+    "copy_ranges",
     "load_into",
+    "move_staged",
     "needs_functional",
     "scatter_slots",
 ]
@@ -79,6 +81,37 @@ def scatter_slots(buffer: torch.Tensor, dest: torch.Tensor, source: torch.Tensor
     if needs_functional(buffer, source):
         return buffer.scatter(2, index, new)
     return buffer.scatter_(2, index, new)
+
+
+def _copy_ranges(buffers: list[torch.Tensor], start: int, sources: list[torch.Tensor]) -> None:
+    for buffer, source in zip(buffers, sources, strict=True):
+        buffer[:, :, start : start + source.shape[2]] = source
+
+
+def _move_staged(buffers: list[torch.Tensor], length: int, target: torch.Tensor) -> None:
+    for buffer in buffers:
+        staged = buffer[:, :, length : length + 1].clone()
+        index = target.view(*target.shape, *([1] * (buffer.dim() - 3))).expand(staged.shape)
+        buffer.scatter_(2, index, staged)
+
+
+# Under `torch.compile` a decode step writes its cache through these ops, which say they mutate `buffers`: inductor
+# then writes them in place. Written as slice and scatter writes, the step's two writes of a buffer with an opaque
+# attention op reading it in between were made functional, each buffer copied whole about three times per layer.
+_copy_ranges_op = torch.library.custom_op("litkv::copy_ranges", _copy_ranges, mutates_args=("buffers",))
+_move_staged_op = torch.library.custom_op("litkv::move_staged", _move_staged, mutates_args=("buffers",))
+
+
+def copy_ranges(buffers: list[torch.Tensor], start: int, sources: list[torch.Tensor]) -> None:
+    """`buffer[:, :, start : start + T] = source` in place for each pair: `buffer` `(B, G, N, *)`, `source`
+    `(B, G, T, *)`."""
+    (_copy_ranges_op if torch.compiler.is_compiling() else _copy_ranges)(buffers, start, sources)
+
+
+def move_staged(buffers: list[torch.Tensor], length: int, target: torch.Tensor) -> None:
+    """Copy slot `length` of each buffer `(B, G, N, *)` (the staged token) into slot `target` `(B, G, 1)` of each
+    (row, head), in place; `target == length` leaves it where it is."""
+    (_move_staged_op if torch.compiler.is_compiling() else _move_staged)(buffers, length, target)
 
 
 # Slots after the `cache_length` ones where a decode step's new token waits while it is attended
@@ -175,11 +208,7 @@ class KVStorage:
     def commit_staged(self, target: torch.Tensor) -> None:
         """Move the staged token (room slot `L`) into slot `target` `(B, G, 1)` of each (row, head), in
         place; `target == L` leaves it in the room (dropped). Only that token is copied, as stored."""
-        length = self.cache_length
-        for buffer in self.buffers().values():
-            staged = buffer[:, :, length : length + 1].clone()
-            index = target.view(*target.shape, *([1] * (buffer.dim() - 3))).expand(staged.shape)
-            buffer.scatter_(2, index, staged)
+        move_staged(list(self.buffers().values()), self.cache_length, target)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy tensors shaped as `state_tensors()` returns them into this storage's slots."""
@@ -216,8 +245,7 @@ class FloatStorage(KVStorage):
             self.keys = torch.cat((self.keys[:, :, :start], keys, self.keys[:, :, end:]), dim=2)
             self.values = torch.cat((self.values[:, :, :start], values, self.values[:, :, end:]), dim=2)
         else:
-            self.keys[:, :, start:end] = keys
-            self.values[:, :, start:end] = values
+            copy_ranges([self.keys, self.values], start, [keys, values])
 
     def write(self, dest: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
         self.keys = scatter_slots(self.keys, dest, keys, valid)

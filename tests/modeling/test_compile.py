@@ -7,6 +7,8 @@ dynamo's tracing, whatever the backend; one test runs inductor end to end.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,6 +17,7 @@ import torch
 import torch._dynamo
 from helpers import tiny_gpt
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from litkv import GPT, KVCacheConfig, generate
@@ -98,17 +101,26 @@ def test_compiled_decode_is_one_graph_with_static_addresses(policy: str, storage
 
 
 @pytest.mark.slow
-def test_compiled_inductor_matches_eager() -> None:
-    """The real compiler (inductor, C++ on the CPU) gives eager's greedy tokens for an evicting policy."""
+@pytest.mark.parametrize("storage", ["float", "int4"])
+def test_compiled_inductor_matches_eager_and_writes_the_cache_in_place(storage: str) -> None:
+    """The real compiler (inductor, C++ on the CPU) gives eager's greedy tokens for an evicting policy, and its
+    step allocates nothing as large as a layer's cache buffer (the step's writes of the slots stay in place, not
+    made functional: a copy of every buffer per layer)."""
     model = _model()
-    kv = KVCacheConfig("h2o", cache_length=32, chunk_size=16)
+    kv = KVCacheConfig("h2o", cache_length=200, chunk_size=16, storage=storage)
     eager = generate(model, _prompts(), 60, kv)
     with _fresh_dynamo():
         model.compiled_decode_step(backend="inductor")
-        compiled = generate(model, _prompts(), 60, kv, compile=True)
+        compiled, sources = run_and_get_code(generate, model, _prompts(), 60, kv, compile=True)
         assert dict(counters["graph_break"]) == {}
     for ref, out in zip(eager, compiled, strict=True):
         assert torch.equal(ref, out)
+    buffers = model.build_kv_caches(kv, 2)[0].storage.buffers().values()
+    smallest = min(t.numel() for t in buffers)
+    shapes = [m for code in sources for m in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)]
+    assert shapes, "no allocation found in inductor's code: the pattern no longer matches it"
+    sizes = [math.prod(int(x) for x in shape.split(",") if x.strip()) for shape in shapes]
+    assert max(sizes) < smallest, f"the compiled step allocates {max(sizes)} elements (cache buffer {smallest})"
 
 
 class _Recorder(TorchDispatchMode):
