@@ -9,7 +9,8 @@ state; on a shared machine, say how loaded it was):
   int8 / int4 KV storage, dense and h2o, greedy, at each prompt length: prefill tok/s, decode tok/s
   (median over `--repeats`), and each litkv row's bytes per decode step and the tok/s that the memory
   bandwidth measured in the same run allows (`litkv.eval.bandwidth`). `--cpu_kernel both` adds each quantised-weights
-  row through PyTorch's packed kernels (`litkv.modeling.quant_rows` off: "(packed kernels)" rows).
+  row through PyTorch's packed kernels (`litkv.modeling.quant_rows` off: "(packed kernels)" rows); `--compile
+  both` each row also through `torch.compile` ("(compiled)" rows, compiled before the timed runs).
 - `kv`: the KV cache alone at long contexts: decode steps of the real model (float32 weights) with
   every layer's cache filled with `--cached` random tokens (no prefill: the state is written directly),
   dense and h2o, float / int8 / int4 storage, and the same at `--slots` slots; the ratio of each
@@ -64,21 +65,24 @@ def step_bytes(model: GPT, storage: str, attended: float) -> float:
     return weights_read(model) + 2 * c.n_layer * c.n_query_groups * c.head_size * attended * STORAGE_BYTES[storage]
 
 
-def run_litkv(model: GPT, ids: list[int], new: int, config: KVCacheConfig) -> tuple[float, float]:
+def run_litkv(model: GPT, ids: list[int], new: int, config: KVCacheConfig, compile: bool) -> tuple[float, float]:
     """Prefill tok/s and decode tok/s of one greedy generation (`on_tokens` stamps each token)."""
     stamps: list[float] = []
     start = time.perf_counter()
-    generate(model, [torch.tensor(ids)], new + 1, config, on_tokens=lambda _t: stamps.append(time.perf_counter()))
+    stamp = lambda _t: stamps.append(time.perf_counter())  # noqa: E731
+    generate(model, [torch.tensor(ids)], new + 1, config, on_tokens=stamp, compile=compile)
     return len(ids) / (stamps[0] - start), new / (stamps[-1] - stamps[0])
 
 
-def weight_kernels(args: argparse.Namespace, quant: str) -> list[tuple[str, bool]]:
-    """The `peers` variants of a `quant` weights row: (label, `quant_rows.CPU_KERNEL`): the C products, PyTorch's
-    packed kernels (`--cpu_kernel off`), or both; float weights: one row."""
-    variants = {"on": [("", True)], "off": [(" (packed kernels)", False)]}
-    if quant == "none":
-        return variants["on"]
-    return variants.get(args.cpu_kernel, variants["on"] + variants["off"])
+def variants(args: argparse.Namespace, quant: str) -> list[tuple[str, bool, bool]]:
+    """The `peers` variants of a `quant` weights row: (label, `quant_rows.CPU_KERNEL`, compiled): the C products,
+    PyTorch's packed kernels (`--cpu_kernel off`), or both (float weights: the first only), each eager, compiled
+    (`--compile on`: `generate(..., compile=True)`) or both."""
+    kernels = {"on": [("", True)], "off": [(" (packed kernels)", False)]}
+    chosen = kernels["on"] if quant == "none" else kernels.get(args.cpu_kernel, kernels["on"] + kernels["off"])
+    modes = {"off": [("", False)], "on": [(" (compiled)", True)]}
+    modes["both"] = modes["off"] + modes["on"]
+    return [(k + m, kernel, compiled) for (k, kernel), (m, compiled) in product(chosen, modes[args.compile])]
 
 
 def peers(args: argparse.Namespace, bandwidth: float) -> None:
@@ -98,13 +102,15 @@ def peers(args: argparse.Namespace, bandwidth: float) -> None:
                 )
                 print(f"# llama.cpp {kv}: {rows[f'llama.cpp Q4_1 weights, {kv} KV'][-1]}", flush=True)
             for quant, model in models.items():
-                for (label, kernel), policy in product(weight_kernels(args, quant), args.policies):
+                for (label, kernel, compiled), policy in product(variants(args, quant), args.policies):
                     for storage in args.storages:
                         length = prompt + args.new_tokens + 1 if policy == "dense" else args.slots
                         cfg = KVCacheConfig(policy=policy, cache_length=length, storage=storage)
                         name = f"litkv {quant} weights{label}, {policy} {storage} KV"
                         quant_rows.CPU_KERNEL = kernel
-                        rows.setdefault(name, []).append(run_litkv(model, ids, args.new_tokens, cfg))
+                        if compiled and name not in rows:  # the first call compiles: untimed
+                            run_litkv(model, ids, 2, cfg, True)
+                        rows.setdefault(name, []).append(run_litkv(model, ids, args.new_tokens, cfg, compiled))
                         quant_rows.CPU_KERNEL = True
                         print(f"# {name}: {rows[name][-1]}", flush=True)
                         attended = prompt + args.new_tokens / 2 if policy == "dense" else args.slots
@@ -265,6 +271,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="kv: quantised KV through the CPU decode kernel, the PyTorch path (STORAGE-torch rows), or both; "
         "peers: quantised weights' decode rows through the C products, PyTorch's packed kernels, or both",
+    )
+    p.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default="off",
+        help="peers: litkv's decode steps eager, through torch.compile ('(compiled)' rows, compiled before the "
+        "timed runs), or both",
     )
     args = p.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",")]
