@@ -68,8 +68,11 @@ def step_bytes(model: GPT, storage: str, attended: float) -> float:
 def run_litkv(model: GPT, ids: list[int], new: int, config: KVCacheConfig, compile: bool) -> tuple[float, float]:
     """Prefill tok/s and decode tok/s of one greedy generation (`on_tokens` stamps each token)."""
     stamps: list[float] = []
+
+    def stamp(_tokens: torch.Tensor) -> None:
+        stamps.append(time.perf_counter())
+
     start = time.perf_counter()
-    stamp = lambda _t: stamps.append(time.perf_counter())  # noqa: E731
     generate(model, [torch.tensor(ids)], new + 1, config, on_tokens=stamp, compile=compile)
     return len(ids) / (stamps[0] - start), new / (stamps[-1] - stamps[0])
 
