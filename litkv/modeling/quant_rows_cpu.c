@@ -18,6 +18,9 @@ An output's bits do not depend on R, on the other rows or on the other outputs.
 */
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define ROWS 16 /* int8 outputs computed together */
@@ -98,12 +101,17 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-/* LANES int8 codes as floats, exactly: read as unsigned bytes with the sign bit flipped, widened, less 128 (GCC 12
-   widens a signed byte vector loaded from memory one byte at a time). */
+/* LANES int8 codes as floats, exactly. With AVX-512 one sign-extending load and a conversion; elsewhere read as
+   unsigned bytes with the sign bit flipped, widened, less 128 (GCC 12 widens a signed byte vector loaded from memory
+   one byte at a time). The same numbers either way. */
 static inline floats code_row(const int8_t *row) {
+#ifdef __AVX512F__
+    return (floats)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)row)));
+#else
     bytes c;
     memcpy(&c, row, sizeof(c));
     return __builtin_convertvector(__builtin_convertvector(c ^ 0x80, ints) - 128, floats);
+#endif
 }
 
 /* Outputs n0 .. n0 + M - 1 of row x (M = ROWS, or 1 for the last ones): each one sum of LANES partial sums. ROWS
