@@ -25,6 +25,7 @@ from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.modeling.config import RECURRENT_KINDS, Config, layer_kinds
+from litkv.modeling.decode_mlp import mlp_step
 from litkv.modeling.gated_deltanet import GatedDeltaNet
 from litkv.modeling.mamba2 import Mamba2Mixer
 from litkv.modeling.memory import cache_bytes, check_cache_memory
@@ -441,6 +442,10 @@ class Block(nn.Module):
             x = attn_out + x
         else:
             x = attn_out + x
+            if isinstance(self.post_mlp_norm, nn.Identity):  # a decode step's MLP half in one C call where it applies
+                fused = mlp_step(self.norm_2, self.mlp, x)
+                if fused is not None:
+                    return fused
             x_normed = self.norm_2(x)
         return self.post_mlp_norm(self.mlp(x_normed)) + x
 

@@ -2,16 +2,24 @@
 
 PyTorch's packed kernels (`torch._weight_int4pack_mm_for_cpu`, `torch._weight_int8pack_mm`) take bfloat16 rows and
 return bfloat16 outputs (fast on the CPU only so). `quant_rows_cpu.c` (beside this file) reads the codes once, in the
-order they lie, turns them into float32 in registers and adds them into float32 sums: `int4_rows` on the int4
-kernel's own packed layout (where litkv reads it, `Int4Linear.unpackable`) and its bfloat16 scales and zeros,
-`int8_rows` on the int8 codes and their per-output scales. No bfloat16 rounding of the rows or of the outputs: each
-output is within float32 rounding of the float64 product with the dequantised weight
-(`tests/modeling/test_quant_rows.py`), and its bits are the same for a row alone and in any batch of up to
-`MAX_ROWS`. Inside `torch.compile` each is the same product as one opaque op (`litkv::int4_rows`,
-`litkv::int8_rows`), so a compiled step keeps the eager step's bits. Built on first use by the machine's C compiler
-(`litkv.core.c_build`); without one, one warning and the packed kernels everywhere. They run on the calling thread,
-so they are taken where PyTorch runs on one thread; on more, the packed kernels (which split a product over the
-threads) as before.
+order they lie: `int4_rows` on the int4 kernel's own packed layout (where litkv reads it, `Int4Linear.unpackable`) and
+its bfloat16 scales and zeros, `int8_rows` on the int8 codes and their per-output scales. Two ways, by the CPU:
+
+- where it has AVX-512 VNNI and VBMI (and `INT8_ACTIVATIONS`), each row is first quantised to int8 per block of 32
+  inputs (`d = max |x| / 127`, codes `round(x / d)`, as llama.cpp's `Q8_0`) and the codes multiplied in integer
+  dot products (exact), then scaled in float32: each output is within float32 rounding of the float64 product of
+  the dequantised weight with the dequantised row `quantized_rows(x)` (int8 weights: where `K` is a multiple of 64;
+  else the other way), and within `sum |w| d / 2` of the product with `x` itself;
+- elsewhere the codes are turned into float32 in registers and added into float32 sums: each output within float32
+  rounding of the float64 product with `x`.
+
+No bfloat16 rounding of the rows or of the outputs (`tests/modeling/test_quant_rows.py`); an output's bits are the
+same for a row alone and in any batch of up to `MAX_ROWS`. The library also holds `litkv_int4_mlp`, a decode step's
+RMSNorm, SwiGLU MLP and residual in one call (`litkv.modeling.decode_mlp`). Inside `torch.compile` each product is
+the same computation as one opaque op (`litkv::int4_rows`, `litkv::int8_rows`), so a compiled step keeps the eager
+step's bits. Built on first use by the machine's C compiler (`litkv.core.c_build`); without one, one warning and the
+packed kernels everywhere. They run on the calling thread, so they are taken where PyTorch runs on one thread; on
+more, the packed kernels (which split a product over the threads) as before.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from litkv.core.c_build import load
 __all__ = [
     "CPU_KERNEL",
     "MAX_ROWS",
+    "INT8_ACTIVATIONS",
     "int4_applies",
     "int4_packed",
     "int4_rows",
@@ -36,10 +45,16 @@ __all__ = [
     "int8_rows",
     "int8_rows_op",
     "library",
+    "one_thread",
+    "quantized_rows",
+    "rows_quantized",
 ]
 
 #: Whether the quantised layers take the C products where they apply; False: PyTorch's packed kernels.
 CPU_KERNEL = True
+#: Whether the C products quantise their rows to int8 where the CPU has AVX-512 VNNI and VBMI (faster; the outputs
+#: differ from float32 rows' by the rows' rounding); False: float32 rows on every CPU (a library built apart).
+INT8_ACTIVATIONS = True
 #: Rows a call may have to take the C products (a decode step's sequences).
 MAX_ROWS = 8
 _INT4_BLOCK = 64  # output rows per block of the packed int4 layout
@@ -49,6 +64,8 @@ _LITTLE_ENDIAN = sys.byteorder == "little"  # the scale and zero of a bfloat16 p
 SOURCE = Path(__file__).with_name("quant_rows_cpu.c")
 _INT4_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4, ctypes.c_int)
 _INT8_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int)
+_MLP_SIGNATURE = ([ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4, ctypes.c_int)
+_QBLOCK = 32  # inputs per int8 block of a quantised row
 
 
 def _rows_fit(flat: torch.Tensor) -> bool:
@@ -86,8 +103,8 @@ def int4_rows(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tenso
     """`flat @ W^T` for an int4 layer (`int4_applies` holds), `W = (c - 8) * scale + zero` per group of
     `group_size` inputs: `flat` `(rows, K)` float32, `packed` `(N, K / 2)` uint8, `scale_zeros` `(K / group_size,
     N, 2)` bfloat16 -> `(rows, N)` float32; by PyTorch's packed kernel (in bfloat16) where the library cannot be
-    built or PyTorch runs on more than one thread (`_one_thread`)."""
-    lib = library() if _one_thread() else None
+    built or PyTorch runs on more than one thread (`one_thread`)."""
+    lib = library() if one_thread() else None
     n, k = packed.shape[0], flat.shape[1]
     x, codes, sz = flat.contiguous(), packed.contiguous(), scale_zeros.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
@@ -100,8 +117,8 @@ def int4_rows(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tenso
 def int8_rows(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`flat @ (codes * scales[:, None])^T` for an int8 layer (`int8_applies` holds): `flat` `(rows, K)` float32,
     `codes` `(N, K)` int8, `scales` `(N,)` bfloat16 -> `(rows, N)` float32; by PyTorch's packed kernel (in bfloat16)
-    where the library cannot be built or PyTorch runs on more than one thread (`_one_thread`)."""
-    lib = library() if _one_thread() else None
+    where the library cannot be built or PyTorch runs on more than one thread (`one_thread`)."""
+    lib = library() if one_thread() else None
     n, k = codes.shape
     x, c, s = flat.contiguous(), codes.contiguous(), scales.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
@@ -109,6 +126,22 @@ def int8_rows(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     if lib is None or lib.litkv_int8_rows(*pointers, *y.shape, k):
         return int8_packed(x, c, s)
     return y
+
+
+def quantized_rows(flat: torch.Tensor) -> torch.Tensor:
+    """`flat` `(rows, K)` float32 as the C products see it where they quantise rows (`rows_quantized`): per block of
+    32 inputs `d = max |x| / 127` and `round(x * (127 / max |x|)) * d` (ties to even; 0 where the block is 0)."""
+    blocks = flat.reshape(flat.shape[0], -1, _QBLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).reshape(flat.shape)
+
+
+def rows_quantized() -> bool:
+    """Whether the C products quantise their rows to int8 on this CPU (`INT8_ACTIVATIONS` and the CPU's vector
+    instructions; int8 weights only where `K` is a multiple of 64); False where there is no library."""
+    lib = library()
+    return lib is not None and bool(lib.litkv_int8_activations())
 
 
 def int4_packed(flat: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -137,7 +170,7 @@ def _int8_shape(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -
     return flat.new_empty(flat.shape[0], codes.shape[0])
 
 
-def _one_thread() -> bool:
+def one_thread() -> bool:
     """Whether PyTorch runs on one thread: the C products run on the calling thread only, and the packed kernels,
     which split a product over PyTorch's threads, measured faster on two (docs/results/cpu_speed.md). Read when a
     product runs (inside a compiled step too: the ops' bodies run eagerly), so eager and compiled steps agree."""
@@ -147,5 +180,12 @@ def _one_thread() -> bool:
 def library() -> ctypes.CDLL | None:
     """The compiled products (built on first use, then loaded from the kernel cache), or None (one warning) where
     they cannot be built."""
-    signatures = {"litkv_int4_rows": _INT4_SIGNATURE, "litkv_int8_rows": _INT8_SIGNATURE}
-    return load(SOURCE, (), "quant_rows_cpu", signatures, "quantised one-row products take PyTorch's packed kernels")
+    signatures = {
+        "litkv_int4_rows": _INT4_SIGNATURE,
+        "litkv_int8_rows": _INT8_SIGNATURE,
+        "litkv_int4_mlp": _MLP_SIGNATURE,
+        "litkv_int8_activations": ([], ctypes.c_int),
+    }
+    defines = () if INT8_ACTIVATIONS else ("-DLITKV_FLOAT_ACTIVATIONS",)
+    fallback = "quantised one-row products take PyTorch's packed kernels"
+    return load(SOURCE, defines, "quant_rows_cpu", signatures, fallback)

@@ -1,10 +1,16 @@
 """The C products of a few rows by int4 / int8 weights (`litkv.modeling.quant_rows`) against float64 oracles.
 
 The oracle of an int4 layer is built from `int4_codes` of the float weight (the codes, scales and zeros before any
-packing), so it does not read the packed layout the kernel reads. Error bound of the C product, per output: each group
-of G inputs is one running sum of codes times inputs and one of inputs (G roundings each), then a few roundings per
-group into the output, so `|y - oracle| <= (G + K / G + 4) * 2^-23 * m` with `m = |x| @ ((|c| + 8) |s| + |z|)^T`; the
-int8 product: `K` roundings of `|x| @ |W|^T`. Both are far inside the bfloat16 bound the packed kernels meet
+packing), so it does not read the packed layout the kernel reads. Each test runs both ways the library is built
+(`INT8_ACTIVATIONS` on and off), and asks the library which one this CPU takes (`rows_quantized`): where the rows are
+quantised to int8, the oracle's input is the dequantised row `quantized_rows(x)` (computed here in PyTorch), and the
+output must also be within `|x - x_q| @ |W|^T` (plus the rounding bound) of the product with `x` itself.
+
+Error bounds of the C products, per output, with `m = |x| @ ((|c| + 8) |s| + |z|)^T` (int4) or `|x| @ |W|^T`
+(int8): float32 rows, int4: each group of G inputs one running sum of codes times inputs and one of inputs (G
+roundings each), then a few roundings per group, so `(G + K / G + 4) * 2^-23 * m`; int8: `K` roundings. Int8 rows:
+the integer sums are exact, then two roundings per block of 32 (int4) or 64 (int8) inputs and a few per group, so
+`(K / 16 + 4 K / G + 8) * 2^-23 * m`. All far inside the bfloat16 bound the packed kernels meet
 (test_quant_weights.py), which the tests check too, so they fail if a call silently took the packed kernels.
 """
 
@@ -36,6 +42,18 @@ def _int4_oracle(layer: nn.Linear, group: int) -> tuple[torch.Tensor, torch.Tens
     return (c - 8) * scale + zero, (c + 8) * scale.abs() + zero.abs()
 
 
+@pytest.fixture(params=[True, False], ids=["int8-activations", "float-activations"])
+def activations(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both builds of the library; True where this CPU then quantises the rows."""
+    monkeypatch.setattr(quant_rows, "INT8_ACTIVATIONS", request.param)
+    return quant_rows.rows_quantized()
+
+
+def _input(x: torch.Tensor, quantized: bool) -> torch.Tensor:
+    """The row the product multiplies: `x`, or where the library quantises rows, `x` dequantised from int8."""
+    return quant_rows.quantized_rows(x) if quantized else x
+
+
 def _needs_kernel() -> None:
     if quant_rows.library() is None:
         pytest.skip("no C compiler: the quantised layers take PyTorch's packed kernels")
@@ -45,7 +63,9 @@ def _needs_kernel() -> None:
 
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (960, 576, 32), (128, 512, 64), (192, 256, 128)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_int4_rows_are_the_dequantised_product_within_float32_rounding(n: int, k: int, group: int, rows: int) -> None:
+def test_int4_rows_are_the_dequantised_product_within_float32_rounding(
+    n: int, k: int, group: int, rows: int, activations: bool
+) -> None:
     _needs_kernel()
     layer = _linear(n, k)
     q = Int4Linear.from_linear(layer, group)
@@ -55,28 +75,37 @@ def test_int4_rows_are_the_dequantised_product_within_float32_rounding(n: int, k
     x = torch.randn(rows, k) * torch.linspace(0.1, 3, k)
     assert quant_rows.int4_applies(x, q.packed, group, q.unpackable)
     y = q(x)
-    oracle = x.double() @ w.T
-    error = (y.double() - oracle).abs()
+    row = _input(x, activations).double()
+    error = (y.double() - row @ w.T).abs()
+    roundings = k // 16 + 4 * (k // group) + 8 if activations else group + k // group + 4
+    bound = roundings * EPS * (row.abs() @ magnitude.T)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
-    assert (error <= (group + k // group + 4) * EPS * (x.double().abs() @ magnitude.T)).all()
-    assert error.max() < 2**-12 * (x.double().abs() @ w.abs().T).max()  # not the bfloat16 kernel's rounding
+    assert (error <= bound).all()
+    assert error.max() < 2**-12 * (row.abs() @ w.abs().T).max()  # not the bfloat16 kernel's rounding
+    assert ((y.double() - x.double() @ w.T).abs() <= (row - x.double()).abs() @ w.abs().T + bound).all()
 
 
-@pytest.mark.parametrize(("n", "k"), [(16, 16), (1000, 576), (35, 80)])
+@pytest.mark.parametrize(("n", "k"), [(16, 16), (1000, 576), (35, 80), (40, 128)])
 @pytest.mark.parametrize("rows", [1, 2, 8])
-def test_int8_rows_are_the_dequantised_product_within_float32_rounding(n: int, k: int, rows: int) -> None:
+def test_int8_rows_are_the_dequantised_product_within_float32_rounding(
+    n: int, k: int, rows: int, activations: bool
+) -> None:
     _needs_kernel()
     q = Int8Linear.from_linear(_linear(n, k))
     w = q.codes.double() * q.scales.double()[:, None]  # not `dequantized`: the codes and scales themselves
     x = torch.randn(rows, k)
     assert quant_rows.int8_applies(x, q.codes)
     y = q(x)
-    error = (y.double() - x.double() @ w.T).abs()
-    assert (error <= (k + 4) * EPS * (x.double().abs() @ w.abs().T)).all()
-    assert error.max() < 2**-12 * (x.double().abs() @ w.abs().T).max()
+    quantized = activations and k % 64 == 0  # int8 weights quantise rows of whole 64-input pieces only
+    row = _input(x, quantized).double()
+    error = (y.double() - row @ w.T).abs()
+    bound = ((k // 16 + 8) if quantized else (k + 4)) * EPS * (row.abs() @ w.abs().T)
+    assert (error <= bound).all()
+    assert error.max() < 2**-12 * (row.abs() @ w.abs().T).max()
+    assert ((y.double() - x.double() @ w.T).abs() <= (row - x.double()).abs() @ w.abs().T + bound).all()
 
 
-def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(activations: bool) -> None:
     _needs_kernel()
     layers = (Int4Linear.from_linear(_linear(192, 128), 32), Int8Linear.from_linear(_linear(1000, 576)))
     for q in layers:
@@ -142,3 +171,15 @@ def test_compiled_calls_take_the_same_product_as_an_op() -> None:
         eager = int8(int4(x))
         compiled = torch.compile(lambda t: int8(int4(t)), backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(compiled, eager)
+
+
+def test_quantized_rows_are_within_half_a_step_of_the_row() -> None:
+    x = torch.randn(3, 128) * torch.linspace(0.01, 5, 128)
+    x[1, 32:64] = 0  # a block of zeros stays zeros
+    x[2, 5] = 2.5 * (x[2, :32].abs().max() / 127) * 127 / 2.5  # ties and the block's largest value alike
+    q = quant_rows.quantized_rows(x)
+    step = x.reshape(3, -1, 32).abs().amax(-1, keepdim=True) / 127
+    codes = q.reshape(3, -1, 32) / torch.where(step > 0, step, torch.ones_like(step))
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 127 + 1e-4
+    assert ((q - x).reshape(3, -1, 32).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert torch.equal(q[1, 32:64], torch.zeros(32))
