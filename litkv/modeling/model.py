@@ -25,7 +25,7 @@ from litkv.kvcache.config import KVCacheConfig
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.recurrent import RecurrentCache, check_recurrent_entries
 from litkv.modeling.config import RECURRENT_KINDS, Config, layer_kinds
-from litkv.modeling.decode_mlp import mlp_step
+from litkv.modeling.fused_decode import mlp_step, qkv_step
 from litkv.modeling.gated_deltanet import GatedDeltaNet
 from litkv.modeling.mamba2 import Mamba2Mixer
 from litkv.modeling.memory import cache_bytes, check_cache_memory
@@ -430,10 +430,16 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """`x`: `(B, T, n_embd)`; `cos`/`sin`: `(B or 1, T, rope_n_elem)`; `no_pads`: `input_pos` has no `-1`;
         `evict_later`: the cache's eviction waits for `KVCaches.evict_waiting` (`CausalSelfAttention`)."""
-        x_normed = self.norm_1(x)
-        if self.attn.reads_rope:
+        # a decode step's norm and attention inputs in one C call where they apply (`fused_decode`)
+        step = qkv_step(self.norm_1, self.attn.qkv, self.config, x, cos, sin) if self.attn.reads_rope else None
+        if step is not None:
+            x_normed, q, k, v = step
+            mixed = self.attn.attend_qkv(x_normed, q, k, v, cos, sin, input_pos, no_pads, evict_later)
+        elif self.attn.reads_rope:
+            x_normed = self.norm_1(x)
             mixed = self.attn(x_normed, cos, sin, input_pos, no_pads, evict_later)
         else:  # a recurrent mixer: positions only
+            x_normed = self.norm_1(x)
             mixed = self.attn(x_normed, input_pos)
         attn_out = self.post_attention_norm(mixed)
         if self.config.parallel_residual:

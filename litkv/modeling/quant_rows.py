@@ -14,12 +14,12 @@ its bfloat16 scales and zeros, `int8_rows` on the int8 codes and their per-outpu
   rounding of the float64 product with `x`.
 
 No bfloat16 rounding of the rows or of the outputs (`tests/modeling/test_quant_rows.py`); an output's bits are the
-same for a row alone and in any batch of up to `MAX_ROWS`. The library also holds `litkv_int4_mlp`, a decode step's
-RMSNorm, SwiGLU MLP and residual in one call (`litkv.modeling.decode_mlp`). Inside `torch.compile` each product is
-the same computation as one opaque op (`litkv::int4_rows`, `litkv::int8_rows`), so a compiled step keeps the eager
-step's bits. Built on first use by the machine's C compiler (`litkv.core.c_build`); without one, one warning and the
-packed kernels everywhere. They run on the calling thread, so they are taken where PyTorch runs on one thread; on
-more, the packed kernels (which split a product over the threads) as before.
+same for a row alone and in any batch of up to `MAX_ROWS`. The library also holds `litkv_int4_mlp` and
+`litkv_int4_qkv`, a decode step's two halves of a block each in one call (`litkv.modeling.fused_decode`). Inside
+`torch.compile` each product is the same computation as one opaque op (`litkv::int4_rows`, `litkv::int8_rows`), so
+a compiled step keeps the eager step's bits. Built on first use by the machine's C compiler (`litkv.core.c_build`);
+without one, one warning and the packed kernels everywhere. They run on the calling thread, so they are taken where
+PyTorch runs on one thread; on more, the packed kernels (which split a product over the threads) as before.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ SOURCE = Path(__file__).with_name("quant_rows_cpu.c")
 _INT4_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4, ctypes.c_int)
 _INT8_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int)
 _MLP_SIGNATURE = ([ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4, ctypes.c_int)
+_QKV_SIGNATURE = ([ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8, ctypes.c_int)
 _QBLOCK = 32  # inputs per int8 block of a quantised row
 
 
@@ -184,6 +185,7 @@ def library() -> ctypes.CDLL | None:
         "litkv_int4_rows": _INT4_SIGNATURE,
         "litkv_int8_rows": _INT8_SIGNATURE,
         "litkv_int4_mlp": _MLP_SIGNATURE,
+        "litkv_int4_qkv": _QKV_SIGNATURE,
         "litkv_int8_activations": ([], ctypes.c_int),
     }
     defines = () if INT8_ACTIVATIONS else ("-DLITKV_FLOAT_ACTIVATIONS",)

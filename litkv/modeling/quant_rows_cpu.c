@@ -1,5 +1,6 @@
 /* A quantised linear layer's product for a few rows on the CPU: int4 and int8 weights, float32 rows; and a decode
-step's RMSNorm + SwiGLU MLP + residual over int4 layers in one call.
+step's two halves of a block over int4 layers, each in one call: RMSNorm + SwiGLU MLP + residual, and RMSNorm + the
+attention's projection + RoPE.
 
 Built at run time by litkv/modeling/quant_rows.py (litkv.core.c_build). The products read the codes once, in the
 order they lie, no float copy of the weight, no bfloat16 rounding of the rows or of the outputs. Two ways, by the CPU:
@@ -20,6 +21,7 @@ scales (N) bfloat16: per output LANES partial sums over k added up in a fixed tr
 a multiple of 64, else float rows).
 
 litkv_int4_mlp: y = x + proj(silu(fc1(m)) * fc2(m)), m = RMSNorm(x) * w, the products as litkv_int4_rows's.
+litkv_int4_qkv: a decode step's attention inputs, m = RMSNorm(x) * w, then queries and keys with RoPE and values.
 
 An output's bits do not depend on R, on the other rows or on the other outputs.
 */
@@ -235,16 +237,8 @@ static inline floats exp_lanes(floats v) {
     return (p * r * r + r + 1.0f) * (floats)bits;
 }
 
-/* y (R, C) = x + proj(silu(fc1(m)) * fc2(m)), m = x / sqrt(mean(x^2) + eps) * w: a decode step's RMSNorm and
-   SwiGLU MLP with its residual, fc1 and fc2 (H, C) and proj (C, H) int4 layers as litkv_int4_rows takes them.
-   Returns 1 (nothing written) where a product would, or memory is short, else 0. */
-int litkv_int4_mlp(const float *x, const float *w, float eps, const uint8_t *p1, const uint32_t *s1,
-                   const uint8_t *p2, const uint32_t *s2, const uint8_t *p3, const uint32_t *s3, float *y, int64_t R,
-                   int64_t C, int64_t H, int64_t G) {
-    if (C % 64 != 0 || H % 64 != 0 || G < 32 || G % 32 != 0 || C % G != 0 || H % G != 0 || R < 1 || R > 8)
-        return 1;
-    float *m = malloc((R * C + 2 * R * H) * sizeof(float)), *a = m + R * C, *b = a + R * H;
-    if (!m) return 1;
+/* m (R, C) = x / sqrt(mean(x^2) + eps) * w, row by row (C a multiple of LANES). */
+static void rms_norm(const float *x, const float *w, float eps, float *m, int64_t R, int64_t C) {
     for (int64_t r = 0; r < R; r++) {
         const float *xr = x + r * C;
         floats ss = {0};
@@ -256,6 +250,19 @@ int litkv_int4_mlp(const float *x, const float *w, float eps, const uint8_t *p1,
         const float norm = 1.0f / sqrtf(total(ss) / (float)C + eps);
         for (int64_t i = 0; i < C; i++) m[r * C + i] = xr[i] * norm * w[i];
     }
+}
+
+/* y (R, C) = x + proj(silu(fc1(m)) * fc2(m)), m = x / sqrt(mean(x^2) + eps) * w: a decode step's RMSNorm and
+   SwiGLU MLP with its residual, fc1 and fc2 (H, C) and proj (C, H) int4 layers as litkv_int4_rows takes them.
+   Returns 1 (nothing written) where a product would, or memory is short, else 0. */
+int litkv_int4_mlp(const float *x, const float *w, float eps, const uint8_t *p1, const uint32_t *s1,
+                   const uint8_t *p2, const uint32_t *s2, const uint8_t *p3, const uint32_t *s3, float *y, int64_t R,
+                   int64_t C, int64_t H, int64_t G) {
+    if (C % 64 != 0 || H % 64 != 0 || G < 32 || G % 32 != 0 || C % G != 0 || H % G != 0 || R < 1 || R > 8)
+        return 1;
+    float *m = malloc((R * C + 2 * R * H) * sizeof(float)), *a = m + R * C, *b = a + R * H;
+    if (!m) return 1;
+    rms_norm(x, w, eps, m, R, C);
     int failed = litkv_int4_rows(m, p1, s1, a, R, H, C, G) || litkv_int4_rows(m, p2, s2, b, R, H, C, G);
     if (!failed) {
         for (int64_t i = 0; i < R * H; i += LANES) { /* silu(a) * b */
@@ -376,5 +383,47 @@ int litkv_int8_rows(const float *x, const int8_t *codes, const uint16_t *scales,
         for (int64_t r = 0; r < R; r++) int8_outputs(x + r * K, codes, scales, y + r * N, K, n0, ROWS);
     for (; n0 < N; n0++)
         for (int64_t r = 0; r < R; r++) int8_outputs(x + r * K, codes, scales, y + r * N, K, n0, 1);
+    return 0;
+}
+
+/* Head `src` (HS) rotated into `dst` by RoPE over half-split pairs: dst[i] = src[i] c[i] - src[i + h] s[i],
+   dst[i + h] = src[i + h] c[i + h] + src[i] s[i + h], h = HS / 2. */
+static void rope_head(const float *src, const float *c, const float *s, float *dst, int64_t HS) {
+    const int64_t h = HS / 2;
+    for (int64_t i = 0; i < h; i++) {
+        dst[i] = src[i] * c[i] - src[i + h] * s[i];
+        dst[i + h] = src[i + h] * c[i + h] + src[i] * s[i + h];
+    }
+}
+
+/* A decode step's attention inputs: m (B * T, C) = RMSNorm(x) * w as litkv_int4_mlp's, qkv = m @ W^T by
+   litkv_int4_rows (N = (NH + 2 NG) * HS outputs: NH query heads, NG key heads, NG value heads), then the queries q
+   (B, NH, T, HS) and keys k (B, NG, T, HS) rotated by RoPE (rope_head; cos and sin (CB, T, HS), CB 1 or B) and the
+   values v (B, NG, T, HS). Returns 1 (nothing written) where the product would, HS is odd, or memory is short, else
+   0. */
+int litkv_int4_qkv(const float *x, const float *w, float eps, const uint8_t *packed, const uint32_t *sz,
+                   const float *cos, const float *sin, float *m, float *q, float *k, float *v, int64_t B, int64_t T,
+                   int64_t CB, int64_t C, int64_t NH, int64_t NG, int64_t HS, int64_t G) {
+    const int64_t R = B * T, N = (NH + 2 * NG) * HS;
+    if (C % LANES != 0 || HS % 2 != 0 || (CB != 1 && CB != B) || R < 1 || R > 8) return 1;
+    float *normed = malloc((R * C + R * N) * sizeof(float)), *qkv = normed + R * C;
+    if (!normed) return 1;
+    rms_norm(x, w, eps, normed, R, C);
+    if (litkv_int4_rows(normed, packed, sz, qkv, R, N, C, G)) {
+        free(normed);
+        return 1;
+    }
+    memcpy(m, normed, R * C * sizeof(float));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = qkv + (b * T + t) * N;
+            const float *c = cos + ((CB == 1 ? 0 : b) * T + t) * HS, *s = sin + ((CB == 1 ? 0 : b) * T + t) * HS;
+            for (int64_t h = 0; h < NH; h++) rope_head(row + h * HS, c, s, q + ((b * NH + h) * T + t) * HS, HS);
+            for (int64_t g = 0; g < NG; g++) {
+                rope_head(row + (NH + g) * HS, c, s, k + ((b * NG + g) * T + t) * HS, HS);
+                memcpy(v + ((b * NG + g) * T + t) * HS, row + (NH + NG + g) * HS, HS * sizeof(float));
+            }
+        }
+    free(normed);
     return 0;
 }

@@ -89,6 +89,23 @@ class CausalSelfAttention(nn.Module):
         `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
         loop (`SlotMachine.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
         q, k, v = self._qkv(x, cos, sin)
+        return self.attend_qkv(x, q, k, v, cos, sin, input_pos, no_pads, evict_later)
+
+    def attend_qkv(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        no_pads: bool = False,
+        evict_later: bool = False,
+    ) -> torch.Tensor:
+        """`forward` after the projections: the layer's input `x` `(B, T, n_embd)`, its queries `(B, n_head, T,
+        hs)`, keys and values `(B, G, T, hs)` (`heads`, RoPE applied; a block may have made them in one call,
+        `fused_decode.qkv_step`) -> `(B, T, n_embd)`."""
         if input_pos is None and self.soft_eviction is not None:
             y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
         elif input_pos is None:
