@@ -20,12 +20,14 @@ state; on a shared machine, say how loaded it was):
   Under the table, per quantised storage, the ceiling of its dense ratio at `--cached` tokens: the float step
   over the rest of a step (the dense float step at `--slots` slots) plus its KV bytes at the bandwidth.
 - `kl`: quality of the quantised weights: KL to the float32 model per token and top-1 agreement,
-  teacher-forced on windows of the shipped held-out text.
+  teacher-forced on windows of the shipped held-out text; `--decode`: through decode steps (the C products' path,
+  each quantised row also with float32 rows), not one forward per window.
 
     python scripts/bench_cpu.py peers --checkpoint_dir smollm2-135m-instruct \\
         --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --llamacpp_python ../venv-llamacpp/bin/python
     python scripts/bench_cpu.py kv --checkpoint_dir smollm2-135m-instruct --cached 16384 --repeats 3 --cpu_kernel both
     python scripts/bench_cpu.py kl --checkpoint_dir smollm2-135m-instruct --weights int8,int4,int4-g64
+    python scripts/bench_cpu.py kl --checkpoint_dir smollm2-135m-instruct --weights int8,int4 --decode
 """
 
 from __future__ import annotations
@@ -229,17 +231,28 @@ def print_ceilings(
 
 def kl(args: argparse.Namespace, _bandwidth: float) -> None:
     """The `kl` table: mean KL(float || quantised) per token and top-1 agreement with the float model,
-    teacher-forced over `--windows` windows of `--window` tokens of the shipped held-out text."""
+    teacher-forced over `--windows` windows of `--window` tokens of the shipped held-out text: one forward per
+    window (the prefill's path), or with `--decode` one decode step per token after a `--prefix`-token prefill (the
+    decode path: the C products, each quantised row also with float32 rows, `quant_rows.INT8_ACTIVATIONS` off)."""
     text = (Path(__file__).resolve().parents[1] / "litkv" / "assets" / "default" / "heldout.txt").read_text()
     ids = torch.tensor(load_tokenizer(args.checkpoint_dir).encode(text).tolist())
     starts = torch.linspace(0, len(ids) - args.window, args.windows).long().tolist()
     batch = torch.stack([ids[s : s + args.window] for s in starts])
+    runs = [("none", True)] + [(w, True) for w in args.weights if w != "none"]
+    if args.decode:
+        runs += [(w, False) for w in args.weights if w != "none"]
     logp = {}
-    for quant in ["none", *[w for w in args.weights if w != "none"]]:
+    for quant, int8_rows in runs:
+        quant_rows.INT8_ACTIVATIONS = int8_rows
         model, _ = load_for_inference(args.checkpoint_dir, "32-true", "cpu", args.threads, quant)
+        label = quant if int8_rows or quant == "none" else f"{quant} (float32 rows)"
         with torch.no_grad():
-            logp[quant] = torch.log_softmax(model(batch).double(), dim=-1)
-    print(f"\nKL to the float32 model: {args.windows} windows of {args.window} tokens, teacher-forced")
+            logits = _decode_logits(model, batch, args.prefix) if args.decode else model(batch)
+        logp[label] = torch.log_softmax(logits.double(), dim=-1)
+    quant_rows.INT8_ACTIVATIONS = True
+    how = f"decode steps after a {args.prefix}-token prefill" if args.decode else "one forward per window"
+    print(f"\nKL to the float32 model: {args.windows} windows of {args.window} tokens, teacher-forced, {how}")
+    print(f"(the decode steps' rows quantised to int8 on this CPU: {quant_rows.rows_quantized()})")
     print("| weights | KL(float || quantised) nats/token | top-1 agreement |")
     print("|---|---|---|")
     ref = logp["none"]
@@ -247,6 +260,18 @@ def kl(args: argparse.Namespace, _bandwidth: float) -> None:
         kl_tok = (ref.exp() * (ref - lp)).sum(dim=-1).mean().item()
         agree = (ref.argmax(-1) == lp.argmax(-1)).double().mean().item()
         print(f"| {quant} | {kl_tok:.5f} | {agree:.1%} |")
+
+
+def _decode_logits(model: GPT, batch: torch.Tensor, prefix: int) -> torch.Tensor:
+    """`(B, W - prefix, vocab)` logits: a dense cache, the first `prefix` tokens of each row as one prefill, then
+    every next token of `batch` `(B, W)` as one decode step (teacher-forced)."""
+    rows, width = batch.shape
+    positions = torch.arange(width).expand(rows, width)
+    with model.kv_caches_attached(KVCacheConfig("dense", cache_length=width), rows):
+        out = [model(batch[:, :prefix], positions[:, :prefix])[:, -1:]]
+        for t in range(prefix, width - 1):
+            out.append(model(batch[:, t : t + 1], positions[:, t : t + 1]))
+    return torch.cat(out, dim=1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -262,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per row (kv)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (kl)")
     p.add_argument("--windows", type=int, default=4, help="windows (kl)")
+    p.add_argument("--decode", action="store_true", help="kl: teacher-forced decode steps, not one forward")
+    p.add_argument("--prefix", type=int, default=64, help="kl --decode: tokens prefilled before the decode steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--weights", default="none,int8,int4", help="litkv --quantize values (kv: the first)")
