@@ -31,19 +31,32 @@ from litkv.modeling.quant_weights import Int4Linear
 __all__ = ["mlp_rows", "mlp_rows_op", "mlp_step", "qkv_rows", "qkv_rows_op", "qkv_step"]
 
 
-def mlp_step(norm: nn.Module | None, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def mlp_step(
+    norm: nn.Module | None,
+    mlp: nn.Module,
+    x: torch.Tensor,
+    heads: torch.Tensor | None,
+    attn_proj: nn.Module | None,
+) -> torch.Tensor | None:
     """`x + mlp(norm(x))` for `x` `(B, T, C)` by `mlp_rows` where the block and the call fit (the module
-    docstring), else None (the caller runs its modules)."""
+    docstring), else None (the caller runs its modules). With the attention's output `heads` `(B, T, A)` and its
+    projection `attn_proj` (an int4 layer of the MLP's group size, no bias): `h + mlp(norm(h))` with `h = x +
+    attn_proj(heads)`, the projection in the same call."""
     if not (quant_rows.CPU_KERNEL and type(mlp) is LLaMAMLP):
         return None
     layers = (mlp.fc_1, mlp.fc_2, mlp.proj)
     if not (_layers_fit(layers, x.shape[-1]) and _plain_norm(norm) and _rows(x)):
         return None
-    flat = x.reshape(-1, x.shape[-1])
-    weights = [[layer.packed, layer.scale_zeros] for layer in layers]
     group = layers[0].group_size
+    flat = x.reshape(-1, x.shape[-1])
+    attention: list[torch.Tensor] = []
+    if heads is not None:
+        if not _projection_fits(attn_proj, heads, x, group):
+            return None
+        attention = [heads.reshape(flat.shape[0], -1), attn_proj.packed, attn_proj.scale_zeros]
+    weights = [[layer.packed, layer.scale_zeros] for layer in layers]
     rows = mlp_rows_op if torch.compiler.is_compiling() else mlp_rows
-    return rows(flat, norm.weight, norm.eps, *weights, group).view(x.shape)
+    return rows(flat, norm.weight, norm.eps, *weights, group, attention).view(x.shape)
 
 
 def mlp_rows(
@@ -54,24 +67,27 @@ def mlp_rows(
     fc_2: list[torch.Tensor],
     proj: list[torch.Tensor],
     group_size: int,
+    attention: list[torch.Tensor],
 ) -> torch.Tensor:
-    """`x + proj(silu(fc_1(m)) * fc_2(m))` with `m = x / sqrt(mean(x^2) + eps) * norm_weight`: `x` `(rows, C)`
-    float32 (1 to `MAX_ROWS` rows), `norm_weight` `(C,)` float32, each layer `[packed, scale_zeros]` as
-    `quant_rows.int4_rows` takes them (`fc_1`, `fc_2` `(H, C)`, `proj` `(C, H)`) -> `(rows, C)` float32. By one C
-    call (`litkv_int4_mlp`: each product as `int4_rows`'s, silu's exponential by a polynomial within a few units in
-    the last place) where PyTorch runs on one thread and the library is there; else the blocks' own operators
-    (`_composed`: the bits the modules give)."""
+    """`h + proj(silu(fc_1(m)) * fc_2(m))` with `m = h / sqrt(mean(h^2) + eps) * norm_weight`, `h = x` `(rows, C)`
+    float32 (1 to `MAX_ROWS` rows), or where `attention` is `[heads (rows, A), packed, scale_zeros]` (not empty)
+    `h = x + heads @ W_attn^T`; `norm_weight` `(C,)` float32, each layer `[packed, scale_zeros]` as
+    `quant_rows.int4_rows` takes them (`fc_1`, `fc_2` `(H, C)`, `proj` `(C, H)`, the attention's `(C, A)`, all of
+    `group_size`) -> `(rows, C)` float32. By one C call (`litkv_int4_mlp`: each product as `int4_rows`'s, silu's
+    exponential by a polynomial within a few units in the last place) where PyTorch runs on one thread and the
+    library is there; else the blocks' own operators (`_composed`: the bits the modules give)."""
     lib = quant_rows.library() if quant_rows.one_thread() else None
     if lib is None:
-        return _composed(x, norm_weight, eps, fc_1, fc_2, proj, group_size)
+        return _composed(x, norm_weight, eps, fc_1, fc_2, proj, group_size, attention)
     xc, w = x.contiguous(), norm_weight.contiguous()
     pointers = [t.contiguous().data_ptr() for t in (*fc_1, *fc_2, *proj)]
+    heads, attn_codes, attn_scales = (t.contiguous() for t in attention) if attention else (xc, xc, xc)
+    extra = (heads.data_ptr(), attn_codes.data_ptr(), attn_scales.data_ptr(), heads.shape[1]) if attention else (0,) * 4
     y = torch.empty_like(xc)
     rows, width = xc.shape
-    if lib.litkv_int4_mlp(
-        xc.data_ptr(), w.data_ptr(), eps, *pointers, y.data_ptr(), rows, width, fc_1[0].shape[0], group_size
-    ):
-        return _composed(x, norm_weight, eps, fc_1, fc_2, proj, group_size)  # memory short in C
+    sizes = (rows, width, fc_1[0].shape[0], group_size)
+    if lib.litkv_int4_mlp(*extra, xc.data_ptr(), w.data_ptr(), eps, *pointers, y.data_ptr(), *sizes):
+        return _composed(x, norm_weight, eps, fc_1, fc_2, proj, group_size, attention)  # memory short in C
     return y
 
 
@@ -87,6 +103,7 @@ def _mlp_shape(
     fc_2: list[torch.Tensor],
     proj: list[torch.Tensor],
     group_size: int,
+    attention: list[torch.Tensor],
 ) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -99,10 +116,13 @@ def _composed(
     fc_2: list[torch.Tensor],
     proj: list[torch.Tensor],
     group_size: int,
+    attention: list[torch.Tensor],
 ) -> torch.Tensor:
     """`mlp_rows` by the operators the modules run where the C call is not taken (PyTorch on more threads, no
-    library): LitGPT's `RMSNorm` in float32, each product PyTorch's packed kernel (`Int4Linear.kernel` there),
-    `F.silu(a) * b`, the residual."""
+    library): each product PyTorch's packed kernel (`Int4Linear.kernel` there), the attention's projection plus
+    the residual, LitGPT's `RMSNorm` in float32, `F.silu(a) * b`, the residual."""
+    if attention:
+        x = quant_rows.int4_packed(attention[0], attention[1], attention[2], group_size) + x
     m = _rms_norm(x, norm_weight, eps)
     a, b = (quant_rows.int4_packed(m, packed, sz, group_size) for packed, sz in (fc_1, fc_2))
     return quant_rows.int4_packed(F.silu(a) * b, *proj, group_size) + x
@@ -122,6 +142,21 @@ def _rows(x: torch.Tensor) -> bool:
         and x.dtype is torch.float32
         and 1 <= flat_rows <= quant_rows.MAX_ROWS
         and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
+def _projection_fits(layer: nn.Module | None, heads: torch.Tensor, x: torch.Tensor, group: int) -> bool:
+    """Whether the attention's projection `layer` of `heads` `(B, T, A)` into `x`'s `(B, T, C)` is an int4 layer the
+    C products read, without bias, of the MLP's `group` size (its `C` outputs whole 64-row blocks: `_layers_fit`)."""
+    return (
+        type(layer) is Int4Linear
+        and layer.bias is None
+        and layer.unpackable
+        and layer.group_size == group
+        and layer.in_features == heads.shape[-1]
+        and layer.out_features == x.shape[-1]
+        and heads.dtype is torch.float32
+        and heads.shape[:-1] == x.shape[:-1]
     )
 
 

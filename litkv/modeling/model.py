@@ -419,6 +419,13 @@ class Block(nn.Module):
         self.post_mlp_norm = norm(config.n_embd, eps=config.norm_eps) if config.post_mlp_norm else nn.Identity()
         self.config = config
 
+    @property
+    def _residual_chain(self) -> bool:
+        """Whether the attention's projection goes straight into the residual, then the MLP half: `x + proj(y)`, then
+        `+ mlp(norm_2(.))` (no gate, no norm after the attention or the MLP, not parallel)."""
+        plain = isinstance(self.post_attention_norm, nn.Identity) and isinstance(self.post_mlp_norm, nn.Identity)
+        return plain and not self.config.parallel_residual and getattr(self.attn, "gate", None) is None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -434,7 +441,12 @@ class Block(nn.Module):
         step = qkv_step(self.norm_1, self.attn.qkv, self.config, x, cos, sin) if self.attn.reads_rope else None
         if step is not None:
             x_normed, q, k, v = step
-            mixed = self.attn.attend_qkv(x_normed, q, k, v, cos, sin, input_pos, no_pads, evict_later)
+            heads = self.attn.attend_qkv(x_normed, q, k, v, cos, sin, input_pos, no_pads, evict_later)
+            if self._residual_chain:  # the projection, the residual and the MLP half in one C call where it applies
+                fused = mlp_step(self.norm_2, self.mlp, x, heads, self.attn.proj)
+                if fused is not None:
+                    return fused
+            mixed = self.attn.project(x_normed, heads)
         elif self.attn.reads_rope:
             x_normed = self.norm_1(x)
             mixed = self.attn(x_normed, cos, sin, input_pos, no_pads, evict_later)
@@ -449,7 +461,7 @@ class Block(nn.Module):
         else:
             x = attn_out + x
             if isinstance(self.post_mlp_norm, nn.Identity):  # a decode step's MLP half in one C call where it applies
-                fused = mlp_step(self.norm_2, self.mlp, x)
+                fused = mlp_step(self.norm_2, self.mlp, x, None, None)
                 if fused is not None:
                     return fused
             x_normed = self.norm_2(x)

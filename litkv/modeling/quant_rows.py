@@ -64,7 +64,15 @@ _LITTLE_ENDIAN = sys.byteorder == "little"  # the scale and zero of a bfloat16 p
 SOURCE = Path(__file__).with_name("quant_rows_cpu.c")
 _INT4_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4, ctypes.c_int)
 _INT8_SIGNATURE = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3, ctypes.c_int)
-_MLP_SIGNATURE = ([ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4, ctypes.c_int)
+_MLP_SIGNATURE = (
+    [ctypes.c_void_p] * 3
+    + [ctypes.c_int64]
+    + [ctypes.c_void_p] * 2
+    + [ctypes.c_float]
+    + [ctypes.c_void_p] * 7
+    + [ctypes.c_int64] * 4,
+    ctypes.c_int,
+)
 _QKV_SIGNATURE = ([ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8, ctypes.c_int)
 _QBLOCK = 32  # inputs per int8 block of a quantised row
 

@@ -20,7 +20,8 @@ litkv_int8_rows: y (R, N) = x (R, K) @ W^T with W[n][k] = c[n][k] * s[n], the co
 scales (N) bfloat16: per output LANES partial sums over k added up in a fixed tree, times s[n] (int8 rows where K is
 a multiple of 64, else float rows).
 
-litkv_int4_mlp: y = x + proj(silu(fc1(m)) * fc2(m)), m = RMSNorm(x) * w, the products as litkv_int4_rows's.
+litkv_int4_mlp: y = x + proj(silu(fc1(m)) * fc2(m)), m = RMSNorm(x) * w, the products as litkv_int4_rows's (x
+first plus the attention's projection where given).
 litkv_int4_qkv: a decode step's attention inputs, m = RMSNorm(x) * w, then queries and keys with RoPE and values.
 
 An output's bits do not depend on R, on the other rows or on the other outputs.
@@ -253,15 +254,24 @@ static void rms_norm(const float *x, const float *w, float eps, float *m, int64_
 }
 
 /* y (R, C) = x + proj(silu(fc1(m)) * fc2(m)), m = x / sqrt(mean(x^2) + eps) * w: a decode step's RMSNorm and
-   SwiGLU MLP with its residual, fc1 and fc2 (H, C) and proj (C, H) int4 layers as litkv_int4_rows takes them.
+   SwiGLU MLP with its residual, fc1 and fc2 (H, C) and proj (C, H) int4 layers as litkv_int4_rows takes them. With
+   attn (R, A) not NULL, x is first replaced by x + attn @ Wa^T (pa, sa: the attention's output projection (C, A)).
    Returns 1 (nothing written) where a product would, or memory is short, else 0. */
-int litkv_int4_mlp(const float *x, const float *w, float eps, const uint8_t *p1, const uint32_t *s1,
-                   const uint8_t *p2, const uint32_t *s2, const uint8_t *p3, const uint32_t *s3, float *y, int64_t R,
-                   int64_t C, int64_t H, int64_t G) {
+int litkv_int4_mlp(const float *attn, const uint8_t *pa, const uint32_t *sa, int64_t A, const float *x, const float *w,
+                   float eps, const uint8_t *p1, const uint32_t *s1, const uint8_t *p2, const uint32_t *s2,
+                   const uint8_t *p3, const uint32_t *s3, float *y, int64_t R, int64_t C, int64_t H, int64_t G) {
     if (C % 64 != 0 || H % 64 != 0 || G < 32 || G % 32 != 0 || C % G != 0 || H % G != 0 || R < 1 || R > 8)
         return 1;
-    float *m = malloc((R * C + 2 * R * H) * sizeof(float)), *a = m + R * C, *b = a + R * H;
+    float *m = malloc((2 * R * C + 2 * R * H) * sizeof(float)), *a = m + R * C, *b = a + R * H, *h = b + R * H;
     if (!m) return 1;
+    if (attn) {
+        if (litkv_int4_rows(attn, pa, sa, h, R, C, A, G)) {
+            free(m);
+            return 1;
+        }
+        for (int64_t i = 0; i < R * C; i++) h[i] += x[i];
+        x = h;
+    }
     rms_norm(x, w, eps, m, R, C);
     int failed = litkv_int4_rows(m, p1, s1, a, R, H, C, G) || litkv_int4_rows(m, p2, s2, b, R, H, C, G);
     if (!failed) {

@@ -89,7 +89,7 @@ class CausalSelfAttention(nn.Module):
         `evict_later`: the cache keeps the call's weights and evicts with the other layers after the block
         loop (`SlotMachine.wait_for_eviction`, `KVCaches.evict_waiting`), else now (`evict_and_store`)."""
         q, k, v = self._qkv(x, cos, sin)
-        return self.attend_qkv(x, q, k, v, cos, sin, input_pos, no_pads, evict_later)
+        return self.project(x, self.attend_qkv(x, q, k, v, cos, sin, input_pos, no_pads, evict_later))
 
     def attend_qkv(
         self,
@@ -103,9 +103,9 @@ class CausalSelfAttention(nn.Module):
         no_pads: bool = False,
         evict_later: bool = False,
     ) -> torch.Tensor:
-        """`forward` after the projections: the layer's input `x` `(B, T, n_embd)`, its queries `(B, n_head, T,
+        """`forward` between the projections: the layer's input `x` `(B, T, n_embd)`, its queries `(B, n_head, T,
         hs)`, keys and values `(B, G, T, hs)` (`heads`, RoPE applied; a block may have made them in one call,
-        `fused_decode.qkv_step`) -> `(B, T, n_embd)`."""
+        `fused_decode.qkv_step`) -> the attention's output `(B, T, n_head * hs)` before `project`."""
         if input_pos is None and self.soft_eviction is not None:
             y = self.soft_eviction.attend(self.block_idx, q, k, v, cos, sin, self.scale, self.window)
         elif input_pos is None:
@@ -115,6 +115,11 @@ class CausalSelfAttention(nn.Module):
             if cache is None:
                 raise ValueError(f"layer {self.block_idx} has no KV cache: call set_kv_caches() first")
             y = self.attend_cached(q, k, v, input_pos, cache, no_pads, evict_later, x)
+        return y
+
+    def project(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's output `y` `(B, T, n_head * hs)` (gated by the layer's input
+        `x` where the layer has a gate) -> `(B, T, n_embd)`."""
         return self.proj(y if self.gate is None else y * torch.sigmoid(self.gate(x)))
 
     def attend_cached(

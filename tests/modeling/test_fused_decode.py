@@ -62,7 +62,7 @@ def test_the_c_call_is_the_blocks_modules(width: int, hidden: int, group: int, r
     norm, mlp = _block(width, hidden, group)
     x = torch.randn(rows, 1, width) * 2
     with torch.inference_mode():
-        fused = fused_decode.mlp_step(norm, mlp, x)
+        fused = fused_decode.mlp_step(norm, mlp, x, None, None)
         modules = _modules(norm, mlp, x)
     oracle = _oracle(norm, mlp, x)
     assert fused is not None and fused.shape == x.shape and fused.dtype == torch.float32
@@ -75,13 +75,44 @@ def test_the_c_call_is_the_blocks_modules(width: int, hidden: int, group: int, r
         assert (fused.double() - oracle).abs().max() <= 256 * EPS * scale
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_attention_projection_in_the_same_call(threads: int, activations: bool) -> None:
+    """`h = x + attn_proj(heads)`, then `h + mlp(norm(h))`: against the modules (on two threads bit for bit: the
+    modules' own operators), a batch's rows alone, compiled; a projection of another group size is not taken."""
+    norm, mlp = _block()
+    attn_proj = Int4Linear.from_linear(_scaled(torch.randn(128, 192) * 192**-0.5, 1.0), 32)
+    x, heads = torch.randn(3, 1, 128), torch.randn(3, 1, 192)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            fused = fused_decode.mlp_step(norm, mlp, x, heads, attn_proj)
+            h = attn_proj(heads) + x
+            modules = _modules(norm, mlp, h)
+            alone = [fused_decode.mlp_step(norm, mlp, x[r : r + 1], heads[r : r + 1], attn_proj) for r in range(3)]
+            step = torch.compile(
+                lambda a, b: fused_decode.mlp_step(norm, mlp, a, b, attn_proj), backend="aot_eager", fullgraph=True
+            )
+            compiled = step(x, heads)
+    finally:
+        torch.set_num_threads(previous)
+    if threads == 2:
+        assert torch.equal(fused, modules)
+    else:
+        tolerance = 2e-3 if activations else 64 * EPS
+        assert (fused - modules).abs().max() <= tolerance * modules.abs().max()
+    assert torch.equal(torch.cat(alone), fused) and torch.equal(compiled, fused)
+    other = Int4Linear.from_linear(_scaled(torch.randn(128, 192), 1.0), 64)
+    assert fused_decode.mlp_step(norm, mlp, x, heads, other) is None
+
+
 def test_silu_across_its_range_and_the_clamp(activations: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     norm, mlp = _block()
     with torch.no_grad():  # fc_1's outputs from -400 to 400: exp's clamp at both ends
         mlp.fc_1 = Int4Linear.from_linear(_scaled(mlp.fc_1.dequantized(torch.float32), 60.0), 32)
     x = torch.randn(4, 1, 128)
     with torch.inference_mode():
-        fused = fused_decode.mlp_step(norm, mlp, x)
+        fused = fused_decode.mlp_step(norm, mlp, x, None, None)
         modules = _modules(norm, mlp, x)
     assert torch.isfinite(fused).all()
     tolerance = 2e-3 if activations else 64 * EPS
@@ -99,17 +130,19 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch(activations: bool) -> No
     norm, mlp = _block()
     x = torch.randn(5, 1, 128)
     with torch.inference_mode():
-        together = fused_decode.mlp_step(norm, mlp, x)
+        together = fused_decode.mlp_step(norm, mlp, x, None, None)
         for r in range(5):
-            assert torch.equal(fused_decode.mlp_step(norm, mlp, x[r : r + 1]), together[r : r + 1])
+            assert torch.equal(fused_decode.mlp_step(norm, mlp, x[r : r + 1], None, None), together[r : r + 1])
 
 
 def test_compiled_steps_take_the_same_call_as_an_op(activations: bool) -> None:
     norm, mlp = _block()
     x = torch.randn(2, 1, 128)
     with torch.inference_mode():
-        eager = fused_decode.mlp_step(norm, mlp, x)
-        compiled = torch.compile(lambda t: fused_decode.mlp_step(norm, mlp, t), backend="aot_eager", fullgraph=True)(x)
+        eager = fused_decode.mlp_step(norm, mlp, x, None, None)
+        compiled = torch.compile(
+            lambda t: fused_decode.mlp_step(norm, mlp, t, None, None), backend="aot_eager", fullgraph=True
+        )(x)
     assert torch.equal(compiled, eager)
 
 
@@ -120,7 +153,7 @@ def test_on_more_threads_the_call_gives_the_modules_bits() -> None:
     torch.set_num_threads(2)
     try:
         with torch.inference_mode():
-            fused = fused_decode.mlp_step(norm, mlp, x)
+            fused = fused_decode.mlp_step(norm, mlp, x, None, None)
             modules = _modules(norm, mlp, x)
     finally:
         torch.set_num_threads(threads)
@@ -134,16 +167,16 @@ def test_blocks_and_calls_it_does_not_fit_run_their_modules(monkeypatch: pytest.
     offset = RMSNorm(128, add_unit_offset=True)
     float_norm, float_mlp = RMSNorm(128), LLaMAMLP(Config(n_embd=128, intermediate_size=320, bias=False))
     with torch.inference_mode():
-        assert fused_decode.mlp_step(gemma_norm, gemma, x) is None  # another activation
-        assert fused_decode.mlp_step(offset, mlp, x) is None  # Gemma's norm
-        assert fused_decode.mlp_step(float_norm, float_mlp, x) is None  # float weights
-        assert fused_decode.mlp_step(norm, mlp, torch.randn(9, 1, 128)) is None  # a prefill chunk
-        assert fused_decode.mlp_step(norm, mlp, x.double()) is None
+        assert fused_decode.mlp_step(gemma_norm, gemma, x, None, None) is None  # another activation
+        assert fused_decode.mlp_step(offset, mlp, x, None, None) is None  # Gemma's norm
+        assert fused_decode.mlp_step(float_norm, float_mlp, x, None, None) is None  # float weights
+        assert fused_decode.mlp_step(norm, mlp, torch.randn(9, 1, 128), None, None) is None  # a prefill chunk
+        assert fused_decode.mlp_step(norm, mlp, x.double(), None, None) is None
         monkeypatch.setattr(quant_rows, "CPU_KERNEL", False)
-        assert fused_decode.mlp_step(norm, mlp, x) is None
+        assert fused_decode.mlp_step(norm, mlp, x, None, None) is None
     monkeypatch.undo()
     grad = x.clone().requires_grad_()
-    assert fused_decode.mlp_step(norm, mlp, grad) is None  # autograd: the modules
+    assert fused_decode.mlp_step(norm, mlp, grad, None, None) is None  # autograd: the modules
 
 
 def _attention(heads: int = 4, groups: int = 2, hs: int = 32, width: int = 128, seed: int = 0, **overrides: object):
