@@ -7,7 +7,8 @@ is the plain LLaMA shape (LitGPT's `RMSNorm` without a unit offset; `LLaMAMLP` a
 and the call is one the C products take (`quant_rows`: float32 rows on the CPU, at most `MAX_ROWS`, no autograd):
 
 - `qkv_step`: `norm_1(x)`, then the queries and keys with RoPE and the values, by `qkv_rows`;
-- `mlp_step`: `x + mlp(norm_2(x))`, by `mlp_rows`.
+- `mlp_step`: `x + mlp(norm_2(x))`, by `mlp_rows`, with `x` first plus the attention's output projection where the
+  block hands it in (`Block._residual_chain`: an int4 `proj` without bias, no gate, no norm between).
 
 Each is one C call where PyTorch runs on one thread, else the modules' own operators (inside `torch.compile` the ops
 `litkv::int4_qkv` / `litkv::int4_mlp`, which decide when they run, so compiled and eager steps agree). The C calls'
