@@ -28,6 +28,7 @@ from torch import nn
 from litkv.core.rope import apply_rope
 from litkv.modeling import quant_rows
 from litkv.modeling.quant_weights import Int4Linear
+from litkv.modeling.self_attention import rotated_together
 
 __all__ = ["mlp_rows", "mlp_rows_op", "mlp_step", "qkv_rows", "qkv_rows_op", "qkv_step"]
 
@@ -82,8 +83,10 @@ def mlp_rows(
         return _composed(x, norm_weight, eps, fc_1, fc_2, proj, group_size, attention)
     xc, w = x.contiguous(), norm_weight.contiguous()
     pointers = [t.contiguous().data_ptr() for t in (*fc_1, *fc_2, *proj)]
-    heads, attn_codes, attn_scales = (t.contiguous() for t in attention) if attention else (xc, xc, xc)
-    extra = (heads.data_ptr(), attn_codes.data_ptr(), attn_scales.data_ptr(), heads.shape[1]) if attention else (0,) * 4
+    extra = (0, 0, 0, 0)  # no attention projection: NULL
+    if attention:
+        heads, attn_codes, attn_scales = (t.contiguous() for t in attention)
+        extra = (heads.data_ptr(), attn_codes.data_ptr(), attn_scales.data_ptr(), heads.shape[1])
     y = torch.empty_like(xc)
     rows, width = xc.shape
     sizes = (rows, width, fc_1[0].shape[0], group_size)
@@ -277,14 +280,12 @@ def _composed_qkv(
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`qkv_rows` by the operators the modules run where the C call is not taken: LitGPT's `RMSNorm`, the packed
-    kernel (`Int4Linear.kernel` there), `CausalSelfAttention.heads`' RoPE over the query and key heads together."""
+    kernel (`Int4Linear.kernel` there), `CausalSelfAttention.heads`' split and RoPE (`rotated_together`)."""
     b, t, width = x.shape
     m = _rms_norm(x, norm_weight, eps)
-    projected = quant_rows.int4_packed(m.reshape(-1, width), packed, scale_zeros, group_size)
-    heads = projected.view(b, t, n_head + 2 * n_groups, cos.shape[-1]).transpose(1, 2)
-    rotated = apply_rope(heads[:, : n_head + n_groups], cos, sin)
-    q, k = rotated[:, :n_head].contiguous(), rotated[:, n_head:].contiguous()
-    return m, q, k, heads[:, n_head + n_groups :].contiguous()
+    projected = quant_rows.int4_packed(m.reshape(-1, width), packed, scale_zeros, group_size).view(b, t, -1)
+    q, k, v = rotated_together(projected, cos, sin, n_head, n_groups, cos.shape[-1], apply_rope)
+    return m, q, k, v.contiguous()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -290,7 +290,6 @@ int litkv_int4_mlp(const float *attn, const uint8_t *pa, const uint32_t *sa, int
     return failed;
 }
 
-
 static inline float from_bf16(uint16_t h) {
     const uint32_t w = (uint32_t)h << 16;
     float f;

@@ -7,6 +7,7 @@ in the same place are `litkv.modeling.mamba2.Mamba2Mixer` and `litkv.modeling.ga
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -21,7 +22,7 @@ from litkv.kvcache.storage import CacheShape
 from litkv.modeling.attention import CAUSAL, HeadStarts, Layout, attend, build_mask
 from litkv.modeling.config import ATTENTION, Config, HybridConfig
 
-__all__ = ["CausalSelfAttention", "call_layout"]
+__all__ = ["CausalSelfAttention", "call_layout", "rotated_together"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -191,14 +192,9 @@ class CausalSelfAttention(nn.Module):
     def _rotated_together(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`heads` without q/k norms: RoPE over the query and key heads in one pass (the same elementwise
-        operators per element, so the same bits as rotating each apart); queries and keys contiguous, as apart
-        (no copy for a decode step of one row)."""
+        """`heads` without q/k norms (`rotated_together` with this layer's sizes and RoPE)."""
         c = self.config
-        b, t, _ = qkv.shape
-        heads = qkv.view(b, t, c.n_head + 2 * c.n_query_groups, c.head_size).transpose(1, 2)
-        qk = self._rope(heads[:, : c.n_head + c.n_query_groups], cos, sin)
-        return qk[:, : c.n_head].contiguous(), qk[:, c.n_head :].contiguous(), heads[:, c.n_head + c.n_query_groups :]
+        return rotated_together(qkv, cos, sin, c.n_head, c.n_query_groups, c.head_size, self._rope)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first `rope_n_elem` features of heads `x` `(B, H, T, hs)` (the rest unchanged)."""
@@ -220,6 +216,26 @@ class CausalSelfAttention(nn.Module):
             pos = torch.arange(q.shape[2], device=q.device)
             mask = build_mask(pos[None], pos[None, None], self.window)
         return attend(q, k, v, mask, self.scale, softcap)[0]
+
+
+def rotated_together(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_head: int,
+    n_groups: int,
+    head_size: int,
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A `qkv` projection's output `(B, T, (n_head + 2 n_groups) * head_size)` as queries `(B, n_head, T, hs)` and
+    keys `(B, n_groups, T, hs)`, both contiguous, `rope(heads, cos, sin)` applied over the query and key heads in one
+    pass (the same elementwise operators per element, so the same bits as rotating each apart; no copy for a decode
+    step of one row), and values `(B, n_groups, T, hs)` (a view). Shared by `CausalSelfAttention.heads` and
+    `fused_decode`'s fallback, which must give its bits."""
+    b, t, _ = qkv.shape
+    heads = qkv.view(b, t, n_head + 2 * n_groups, head_size).transpose(1, 2)
+    qk = rope(heads[:, : n_head + n_groups], cos, sin)
+    return qk[:, :n_head].contiguous(), qk[:, n_head:].contiguous(), heads[:, n_head + n_groups :]
 
 
 def call_layout(
