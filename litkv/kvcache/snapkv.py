@@ -184,6 +184,20 @@ class SnapKVKVCache(ScoreKVCache):
         super().__init__(cache)
         # asked once, outside any compiled step
         self.c_scores = cpu_scores.available(self.positions.device, self.shape.key_size)
+        # the C pool's order of the last call it sorted (`cpu_scores.snapkv_pool`): a hint, not state
+        self._order: torch.Tensor | None = None
+
+    def kept_scores(self, weights: torch.Tensor, pos: torch.Tensor, best: torch.Tensor | None) -> torch.Tensor:
+        """`_kept_scores` of weights and positions `(..., N)` (one layer's, or layers stacked): on the CPU, eager, in
+        one C pass (`cpu_scores.snapkv_pool`, the same bits), which starts from the order its last call sorted."""
+        in_c = self.c_scores and cpu_scores.CPU_KERNEL and weights.device.type == "cpu"
+        if not in_c or torch.compiler.is_compiling():
+            return _kept_scores(self.options, weights, pos, best)
+        order = self._order
+        if order is None or order.shape != weights.shape:
+            order = torch.arange(weights.shape[-1], dtype=torch.int32).expand(weights.shape).contiguous()
+            self._order = order
+        return cpu_scores.snapkv_pool(weights, pos, best, self.options.kernel, order, self.shape.key_size)
 
     def score(self, candidates: Candidates) -> torch.Tensor:
         """`(B, G, L + T)` pooled window attention (its running maximum with `keep_max`)."""
@@ -204,7 +218,7 @@ class SnapKVKVCache(ScoreKVCache):
             weights = cpu_scores.snapkv_weights(candidates.queries.float(), keys, candidates.query_pos, pos)
         else:
             weights = window_attention(candidates.queries, keys, candidates.query_pos, pos, o.window)
-        return _kept_scores(o, weights, pos, self.best if o.keep_max else None)
+        return self.kept_scores(weights, pos, self.best if o.keep_max else None)
 
     def _in_c(self, candidates: Candidates, keys: torch.Tensor) -> bool:
         """Whether a call's weights come from `cpu_scores.snapkv_weights`: one query, float32 keys on the CPU."""
@@ -230,7 +244,7 @@ class SnapKVKVCache(ScoreKVCache):
             logits = torch.stack([_one_query_logits(r.queries, r.keys) for r in records])  # type: ignore[arg-type]
             weights = _one_query_weights(logits, records[0].query_pos, pos)
         best = torch.stack([c.best for c in policies]) if o.keep_max else None  # type: ignore[attr-defined]
-        scores = _kept_scores(o, weights, pos, best)  # type: ignore[arg-type]
+        scores = policies[0].kept_scores(weights, pos, best)  # type: ignore[attr-defined]
         for record, part in zip(records, scores, strict=True):
             record.remember(SnapKVKVCache._scores, part)
         cls.check_stacked(policies, records, scores)

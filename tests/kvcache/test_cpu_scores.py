@@ -1,16 +1,22 @@
 """`cpu_scores.keydiff_scores`, KeyDiff's cosines in C, against a float64 oracle of the rule, alone and in a batch,
-on strided keys; and `keydiff` taking it on the CPU."""
+on strided keys; and `keydiff` taking it on the CPU. `cpu_scores.snapkv_weights` against a float64 oracle;
+`cpu_scores.snapkv_pool` against the PyTorch path's bits, and snapkv's decode through it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from litkv import KVCacheConfig
 from litkv.kvcache.base import CacheShape, Candidates
+from litkv.kvcache.caches import KVCaches
 from litkv.kvcache.kernels import cpu_scores
 from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.registry import get_kv_cache_class
+from litkv.kvcache.snapkv import SnapKVKVCache, SnapKVOptions, _kept_scores
+from litkv.modeling.model import GPT
 
 pytestmark = pytest.mark.skipif(cpu_scores.library(64) is None, reason="no C compiler")
 
@@ -108,3 +114,82 @@ def test_snapkv_weights_match_the_oracle(d: int, n: int) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     alone = cpu_scores.snapkv_weights(queries[2:, 2:4], keys[2:, 1:2].clone(), query_pos[2:], positions[2:, 1:2])
     assert torch.equal(alone[0, 0], got[2, 1])
+
+
+def _pool_case(n: int, nb: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights `(2, 3, n)` (one NaN), positions (random, a fifth empty, ties only among the empty) and a running
+    maximum of `nb` slots."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(2, 3, n, generator=gen)
+    positions = torch.stack([torch.randperm(4 * n, generator=gen)[:n] for _ in range(6)]).view(2, 3, n)
+    positions[torch.rand(2, 3, n, generator=gen) < 0.2] = -1
+    weights[0, 1, n // 2] = float("nan")
+    return weights, positions, torch.rand(2, 3, nb, generator=gen)
+
+
+@pytest.mark.parametrize("kernel", [1, 7, 101])
+@pytest.mark.parametrize("start", ["identity", "random", "reversed"])
+@pytest.mark.parametrize("n", [1, 9, 300])
+def test_snapkv_pool_gives_the_pytorch_paths_bits(kernel: int, start: str, n: int) -> None:
+    """The pooled, masked, running-maximum scores equal `_kept_scores`'s bit for bit (NaN where it has NaN), from
+    any starting order (insertion sort, or the merge sort when the order is far off), with and without `best`; the
+    order comes back sorted by (position, slot), and a second call from it gives the same bits."""
+    weights, positions, best = _pool_case(n, n - 1 if n > 1 else 0, 7 * n + kernel)
+    options = SnapKVOptions(kernel=kernel)
+    first = {"identity": torch.arange(n), "random": torch.randperm(n), "reversed": torch.arange(n).flip(0)}[start]
+    for running in (best, None):
+        order = first.to(torch.int32).expand(2, 3, n).contiguous()
+        want = _kept_scores(options, weights, positions, running)
+        for _ in range(2):
+            got = cpu_scores.snapkv_pool(weights, positions, running, kernel, order, 64)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        for row, slots in zip(positions.view(6, n).tolist(), order.view(6, n).tolist(), strict=True):
+            assert slots == sorted(range(n), key=lambda j, row=row: (row[j], j))
+
+
+def test_snapkv_pool_refuses_an_order_of_another_shape() -> None:
+    weights, positions, best = _pool_case(5, 4, 0)
+    with pytest.raises(ValueError, match=r"order must be int32 \(2, 3, 5\)"):
+        cpu_scores.snapkv_pool(weights, positions, best, 7, torch.zeros(2, 3, 4, dtype=torch.int32), 64)
+
+
+def _snapkv_decode(model, prompt: torch.Tensor, config: KVCacheConfig, steps: int) -> tuple[list, list]:
+    """Greedy decode after a chunked prefill: each step's logits, and the caches' positions and running maxima after
+    the last."""
+    model.set_kv_caches(KVCaches(model.build_kv_caches(config, batch_size=1)))
+    n, logits = prompt.shape[0], []
+    with torch.no_grad():
+        for start in range(0, n, config.chunk_size):
+            end = min(start + config.chunk_size, n)
+            out = model(prompt[None, start:end], torch.arange(start, end)[None])
+        for i in range(steps):
+            out = model(out[:, -1:].argmax(-1), torch.tensor([[n + i]]))
+            logits.append(out)
+    state = [t.clone() for cache in model.kv_caches for t in (cache.positions, cache.policy.best)]
+    model.set_kv_caches(None)
+    return logits, state
+
+
+def test_snapkv_decode_through_the_c_pool_equals_the_pytorch_pool(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[..., GPT]
+) -> None:
+    """snapkv over 24 slots, a prompt of 57 tokens (evicting from the prefill on) and 16 decode steps, whose scores
+    are stacked over the layers: with the C pool, every step's logits and the slots' positions equal those with the
+    PyTorch pool, bit for bit, and so do the running maxima."""
+    model = tiny_model(3)
+    prompt = torch.randint(0, 128, (57,), generator=torch.Generator().manual_seed(1))
+    config = KVCacheConfig("snapkv", cache_length=24, chunk_size=8, options=dict(sinks=2, recent=6))
+    dims, pool = [], SnapKVKVCache.kept_scores
+
+    def counted(self: SnapKVKVCache, weights: torch.Tensor, pos: torch.Tensor, best: torch.Tensor | None):
+        dims.append(weights.dim())
+        return pool(self, weights, pos, best)
+
+    monkeypatch.setattr(SnapKVKVCache, "kept_scores", counted)
+    c_logits, c_positions = _snapkv_decode(model, prompt, config, 16)
+    assert 4 in dims  # the decode steps' layers, stacked, went through the C pool
+    monkeypatch.setattr(SnapKVKVCache, "kept_scores", lambda self, w, p, b: _kept_scores(self.options, w, p, b))
+    logits, positions = _snapkv_decode(model, prompt, config, 16)
+    assert all(torch.equal(a, b) for a, b in zip(c_logits, logits, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(c_positions, positions, strict=True))

@@ -1,4 +1,5 @@
-"""Score policies' per-candidate arithmetic on the CPU in C: KeyDiff's cosines, SnapKV's one-query attention.
+"""Score policies' per-candidate arithmetic on the CPU in C: KeyDiff's cosines, SnapKV's one-query attention and
+pool.
 
 `keydiff` scores every candidate by minus the cosine of its key to the anchor (the mean of the unit keys); `snapkv`'s
 decode step scores it by the new query's softmax weights. Through PyTorch's operators each is a few batched products
@@ -6,6 +7,9 @@ of a few hundred keys per layer, each far slower than its arithmetic on the CPU;
 does them per (row, KV head): `keydiff_scores` reads a layer's keys twice (the norms and the anchor, then the
 products), `snapkv_weights` once (the logits, then each query head's softmax). Inside `torch.compile` each is an
 opaque op (`litkv::keydiff_scores`, `litkv::snapkv_weights`), so a compiled step keeps the eager step's bits.
+`snapkv_pool` is snapkv's pool over neighbours in token order, mask and running maximum in one pass per row, the
+PyTorch path's bits (its sort by position starts from the order the last call found: a decode step moves one
+slot); eager only, a compiled step keeps the PyTorch operators (the same bits).
 
 Rounding: each product is 16 partial sums in a fixed order, not the BLAS's order, exponentials from a polynomial
 (`exp_cpu.h`, relative error below 2e-7): within float32 rounding of float64 oracles
@@ -22,7 +26,7 @@ import torch
 
 from litkv.core.c_build import load
 
-__all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "snapkv_weights"]
+__all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "snapkv_pool", "snapkv_weights"]
 
 #: Whether `keydiff` and `snapkv` scores take the C passes where they apply; False: the PyTorch path everywhere.
 CPU_KERNEL = True
@@ -31,6 +35,10 @@ SOURCE = Path(__file__).with_name("scores_cpu.c")
 _SIGNATURES = {
     "litkv_keydiff_scores": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6, None),
     "litkv_snapkv_weights": ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float], None),
+    "litkv_snapkv_pool": (
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3,
+        ctypes.c_int,
+    ),
 }
 
 
@@ -93,6 +101,36 @@ def _snapkv_weights(
     out = torch.empty(b, g, n, dtype=torch.float32)
     pointers = (x.data_ptr() for x in (q, keys, key_pos, query_pos, scratch, out))
     library(d).litkv_snapkv_weights(*pointers, b, g, m, n, *keys.stride()[:3], d**-0.5)
+    return out
+
+
+def snapkv_pool(
+    weights: torch.Tensor, positions: torch.Tensor, best: torch.Tensor | None, kernel: int, order: torch.Tensor,
+    head: int,
+) -> torch.Tensor:  # fmt: skip
+    """snapkv's kept scores `(..., N)` float32 (`snapkv._kept_scores`, the same bits): `weights` `(..., N)` float32
+    pooled over `kernel` neighbours in token order, 0 at negative `positions` `(..., N)` int64, then the larger of
+    that and `best` `(..., NB)` (`NB <= N`, 0 past it; None: no running maximum). `order` `(..., N)` int32, a
+    permutation of `0..N-1` per row, is sorted in place by position and kept by the caller for its next call
+    (a decode step's order then needs a few moves; any permutation gives the same result). Eager only
+    (`order` is written): not for `torch.compile`'s graphs. `available(weights.device, head)` must hold (`head`: the
+    keys' size, whose library holds the pass)."""
+    *lead, n = weights.shape
+    rows = weights.numel() // max(n, 1)
+    if order.shape != weights.shape or order.dtype != torch.int32 or not order.is_contiguous():
+        got = f"{order.dtype} {tuple(order.shape)}"
+        raise ValueError(f"order must be int32 {tuple(weights.shape)} and contiguous, got {got}")
+    if positions.shape != weights.shape or positions.dtype != torch.int64:
+        raise ValueError(
+            f"positions must be int64 {tuple(weights.shape)}, got {positions.dtype} {tuple(positions.shape)}"
+        )
+    weights, positions = weights.float().contiguous(), positions.contiguous()
+    nb = 0 if best is None else best.shape[-1]
+    best = None if best is None else best.float().contiguous()
+    out = torch.empty(*lead, n, dtype=torch.float32)
+    pointers = [None if x is None else x.data_ptr() for x in (weights, positions, best)]
+    if library(head).litkv_snapkv_pool(*pointers, nb, order.data_ptr(), out.data_ptr(), rows, n, kernel):
+        raise MemoryError(f"snapkv_pool: no scratch for {n} + {kernel} numbers")
     return out
 
 

@@ -16,12 +16,22 @@ head, and the row's query position qpos[b]; each query's softmax of scale * (q .
 positions 0..qpos[b], summed over the M query heads in order; 0 everywhere for a pad query (qpos < 0). `scratch`
 holds M * N floats (the logits; the keys are read once).
 
+litkv_snapkv_pool (litkv.kvcache.snapkv's `_kept_scores`): per row of N candidates, the average pool of width
+`kernel` of the weights over neighbours in token order (the candidates sorted by position, then slot; zeros past
+the ends), added from the window's first number to its last and divided by `kernel`, as `snapkv.window_mean` adds
+them (the same bits); 0 where the position is negative; then the larger of it and the row's running maximum
+`best` (NB numbers, 0 past them; NaN where either is NaN, as torch.maximum). The order is found by an insertion
+sort of `order` (a permutation of 0..N-1 per row, in and out), a merge sort where that would take more than 4 N
+moves: left as the last call sorted it, a decode step's order is nearly sorted (one slot took the newest token)
+and costs about 2 N moves; any permutation gives the same result. Returns 1 where its scratch cannot be allocated (nothing written), else 0.
+
 Each product is 16 partial sums over the vector, added in a fixed order, and the rest one by one; exponentials
 from exp_cpu.h's polynomial (relative error below 2e-7). A (row, head)'s numbers do not depend on the others.
 Everything runs on the calling thread.
 */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "exp_cpu.h"
@@ -122,4 +132,66 @@ void litkv_snapkv_weights(const float *q, const float *keys, const int64_t *posi
             window_head(q + row * m * HEAD, m, keys + r * sb + h * sg, sn, positions + row * n, qpos[r], scale,
                         scratch, out + row * n, n);
         }
+}
+
+/* Whether slot a's candidate comes before slot b's in token order: (pos, slot) ascending. */
+static inline int before(const int64_t *pos, int32_t a, int32_t b) { return pos[a] < pos[b] || (pos[a] == pos[b] && a < b); }
+
+/* order[0..n) (a permutation of 0..n-1) sorted by (pos[slot], slot), ascending: an insertion sort while it has made
+   at most 4 n moves (a nearly sorted order costs about 2 n), then a merge sort of what is left (n log n), through
+   spare (n numbers). */
+static void sort_by_position(int32_t *order, const int64_t *pos, int64_t n, int32_t *spare) {
+    int64_t budget = 4 * n, i = 1;
+    for (; i < n && budget >= 0; i++) {
+        const int32_t slot = order[i];
+        int64_t j = i;
+        for (; j > 0 && before(pos, slot, order[j - 1]); j--) order[j] = order[j - 1];
+        order[j] = slot;
+        budget -= i - j;
+    }
+    if (i >= n) return;
+    int32_t *from = order, *to = spare; /* bottom-up merges of runs of `width` */
+    for (int64_t width = 1; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            const int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t a = lo, b = mid, k = lo;
+            while (a < mid && b < hi) to[k++] = before(pos, from[b], from[a]) ? from[b++] : from[a++];
+            while (a < mid) to[k++] = from[a++];
+            while (b < hi) to[k++] = from[b++];
+        }
+        int32_t *swap = from;
+        from = to, to = swap;
+    }
+    if (from != order) memcpy(order, from, (size_t)n * sizeof(int32_t));
+}
+
+int litkv_snapkv_pool(const float *weights, const int64_t *positions, const float *best, int64_t nb, int32_t *order,
+                      float *out, int64_t rows, int64_t n, int64_t kernel) {
+    const int64_t half = kernel / 2;
+    /* a row's weights in token order with zeros around, and their pooled sums */
+    float *sorted = calloc((size_t)(3 * n + 2 * half), sizeof(float)), *pooled = sorted + n + 2 * half;
+    if (sorted == NULL) return 1;
+    int32_t *spare = (int32_t *)(pooled + n); /* the merge sort's */
+    for (int64_t row = 0; row < rows; row++) {
+        const float *w = weights + row * n;
+        const int64_t *p = positions + row * n;
+        int32_t *o = order + row * n;
+        float *y = out + row * n;
+        sort_by_position(o, p, n, spare);
+        for (int64_t r = 0; r < n; r++) sorted[half + r] = w[o[r]];
+        for (int64_t r = 0; r < n; r++) pooled[r] = sorted[r];
+        for (int64_t i = 1; i < kernel; i++) /* the window's numbers added in order, every window at once */
+            for (int64_t r = 0; r < n; r++) pooled[r] += sorted[r + i];
+        for (int64_t r = 0; r < n; r++) {
+            const int32_t slot = o[r];
+            float v = p[slot] < 0 ? 0.0f : pooled[r] / (float)kernel;
+            if (best != NULL) {
+                const float b = slot < nb ? best[row * nb + slot] : 0.0f;
+                v = isnan(b) || isnan(v) ? NAN : b > v ? b : v;
+            }
+            y[slot] = v;
+        }
+    }
+    free(sorted);
+    return 0;
 }
