@@ -14,7 +14,8 @@ the anchor held in registers, the keys read twice (the anchor, then the products
 litkv_snapkv_weights (litkv.kvcache.snapkv's decode step): queries q (B, G, M, HEAD) contiguous, one per query
 head, and the row's query position qpos[b]; each query's softmax of scale * (q . k_i) over the candidates at
 positions 0..qpos[b], summed over the M query heads in order; 0 everywhere for a pad query (qpos < 0). `scratch`
-holds M * N floats (the logits; the keys are read once).
+holds M * N floats (the logits; the keys are read once). Each softmax's maximum and sum run in 16 interleaved parts
+(vectorised loops), and its numerators are multiplied by the sum's reciprocal.
 
 litkv_snapkv_pool (litkv.kvcache.snapkv's `_kept_scores`): per row of N candidates, the average pool of width
 `kernel` of the weights over neighbours in token order (the candidates sorted by position, then slot; zeros past
@@ -99,6 +100,36 @@ void litkv_keydiff_scores(const float *keys, const int64_t *positions, float *ou
             head(keys + r * sb + h * sg, sn, positions + (r * g + h) * n, out + (r * g + h) * n, n);
 }
 
+/* The largest of x[0..n) (NaN left out), in LANES interleaved parts so that the loop vectorises. */
+static inline float largest(const float *x, int64_t n) {
+    float lanes[LANES], top = -INFINITY;
+    for (int l = 0; l < LANES; l++) lanes[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    for (int l = 0; l < LANES; l++) top = lanes[l] > top ? lanes[l] : top;
+    return top;
+}
+
+/* x[i] = e^(x[i] - top) for i < n; returns their sum, in LANES interleaved parts (then the rest, then the parts in
+   order), so that the loop vectorises. */
+static inline float exponentials(float *x, int64_t n, float top) {
+    float lanes[LANES] = {0}, sum = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            x[i + l] = exp_nonpositive(x[i + l] - top);
+            lanes[l] += x[i + l];
+        }
+    for (; i < n; i++) {
+        x[i] = exp_nonpositive(x[i] - top);
+        sum += x[i];
+    }
+    for (int l = 0; l < LANES; l++) sum += lanes[l];
+    return sum;
+}
+
 /* One (row, KV head) of litkv_snapkv_weights: queries q (M, HEAD), keys k (n, HEAD) sn apart, positions p. */
 static void window_head(const float *q, int64_t m, const float *k, int64_t sn, const int64_t *p, int64_t qpos,
                         float scale, float *logits, float *out, int64_t n) {
@@ -109,17 +140,13 @@ static void window_head(const float *q, int64_t m, const float *k, int64_t sn, c
             logits[h * n + i] = seen ? dot(q + h * HEAD, k + i * sn, HEAD) * scale : -INFINITY;
     }
     for (int64_t h = 0; h < m; h++) {
-        float *l = logits + h * n, top = -INFINITY, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++)
-            top = l[i] > top ? l[i] : top;
+        float *l = logits + h * n;
+        const float top = largest(l, n);
         if (top == -INFINITY) /* nothing to see: weights 0 (the PyTorch path's NaN turned to 0) */
             continue;
-        for (int64_t i = 0; i < n; i++) {
-            l[i] = exp_nonpositive(l[i] - top);
-            sum += l[i];
-        }
+        const float inverse = 1.0f / exponentials(l, n, top);
         for (int64_t i = 0; i < n; i++)
-            out[i] += l[i] / sum;
+            out[i] += l[i] * inverse;
     }
 }
 
