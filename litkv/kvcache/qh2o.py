@@ -92,14 +92,13 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     @classmethod
     def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
-        """Every layer's decode-step scores `(n_layers, B, G, L + 1)`: per layer only its new token's round-trip
-        error (a storage call), the rest once over the stacked layers (each layer's accumulated attention and
-        errors kept in its record for `update_state`, as `score` would compute them)."""
+        """Every layer's decode-step scores `(n_layers, B, G, L + 1)`: the new tokens' round-trip errors in one
+        storage call for every layer (`_new_errors`), the rest once over the stacked layers (each layer's
+        accumulated attention and errors kept in its record for `update_state`, as `score` would compute them)."""
         if not all(type(c) is QuantizedH2OKVCache and not c.normalize for c in policies):
             return super().stacked_scores(policies, records)
         accumulated = H2OKVCache.stacked_accumulated(policies, records)
-        pairs = zip(policies, records, strict=True)
-        new = torch.stack([c.cache.storage.token_errors(r.new_keys, r.new_values) for c, r in pairs])  # type: ignore[attr-defined]
+        new = _new_errors([c.cache.storage for c in policies], records)  # type: ignore[misc]
         slots = torch.stack([c.quant_errors for c in policies])  # type: ignore[attr-defined]
         errors = _with_new(slots, new, records[0].query_pos)
         for record, error in zip(records, errors, strict=True):
@@ -124,6 +123,21 @@ class QuantizedH2OKVCache(H2OKVCache):
     def _errors(self, candidates: Candidates) -> torch.Tensor:
         new = self.cache.storage.token_errors(candidates.new_keys, candidates.new_values)  # type: ignore[attr-defined]
         return _with_new(self.quant_errors, new, candidates.query_pos)
+
+
+def _new_errors(storages: Sequence[QuantizedStorage], records: Sequence[Candidates]) -> torch.Tensor:
+    """`(n_layers, B, G, T)` the layers' new tokens' errors (`token_errors`): one call for all of them through the
+    first layer's storage where every layer quantises alike (bits, group, scale type) and its new keys and values
+    have the same shapes (each token's error is its own: the same numbers as a call per layer), else a call per
+    layer."""
+    first, keys, values = storages[0], [r.new_keys for r in records], [r.new_values for r in records]
+    alike = all((s.bits, s.group, s.scale_dtype) == (first.bits, first.group, first.scale_dtype) for s in storages)
+    if alike and all(
+        k.shape == keys[0].shape and v.shape == values[0].shape for k, v in zip(keys, values, strict=True)
+    ):
+        errors = first.token_errors(torch.cat(keys), torch.cat(values))
+        return errors.view(len(records), *keys[0].shape[:3])
+    return torch.stack([s.token_errors(k, v) for s, k, v in zip(storages, keys, values, strict=True)])
 
 
 def _with_new(slots: torch.Tensor, new: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
