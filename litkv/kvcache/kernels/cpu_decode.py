@@ -53,8 +53,8 @@ CPU_KERNEL = True
 
 SOURCE = Path(__file__).with_name("quant_decode_cpu.c")
 
-_ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float]
-_FLOAT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float]  # litkv_float_attend's
+_ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 11 + [ctypes.c_float] * 2
+_FLOAT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float] * 2  # litkv_float_attend's
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _QUANTIZE_ARGS = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT]  # litkv_quantize's
 _COMMIT_ARGS = [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT]  # litkv_commit's
@@ -96,7 +96,7 @@ def decode_attend(
             over the first three axes (a slice of a larger buffer), the last two contiguous (else copied).
         scales, offsets: `(B, G, S, 2, D / group_size)` float16 (read as they are: any strides over the first
             three axes, the same for both) or bfloat16 (not taken: None).
-        mask: `(B, G or 1, 1, S)` bool, True where attention is allowed.
+        mask: `(B, G or 1, 1, S)` bool, True where attention is allowed, or None (every slot).
         query_valid: `(B, 1)` bool, whether the row's query counts in the weights (default: all).
         bits: 8 or 4; group_size: numbers per scale; scale: factor of `q . k`; softcap: or `None`.
         need_weights: also compute the weights summed over the query heads.
@@ -116,9 +116,9 @@ def decode_attend(
         codes = codes.contiguous()
     if scales.stride() != offsets.stride() or scales.stride(-1) != 1 or scales.stride(-2) != scales.shape[-1]:
         scales, offsets = scales.contiguous(), offsets.contiguous()
-    call = _Call.of(q, mask, query_valid, scale, need_weights, s)
+    call = _Call.of(q, mask, query_valid, need_weights, s)
     sizes = (b, g, s, *codes.stride()[:3], *scales.stride()[:3], *call.mask_strides)
-    lib.litkv_quant_attend(*call.pointers(codes, scales, offsets), *sizes, float(softcap or 0.0))
+    lib.litkv_quant_attend(*call.pointers(codes, scales, offsets), *sizes, scale, float(softcap or 0.0))
     return call.y, call.weights
 
 
@@ -148,21 +148,24 @@ def float_attend(
     lib = library(d, 1, 32, m)
     if lib is None or not hasattr(lib, "litkv_float_attend"):
         return None
-    keys, values = (x if x.stride(-1) == 1 else x.contiguous() for x in (keys, values))
-    every = torch.ones(1, 1, 1, s, dtype=torch.bool) if mask is None else mask
-    call = _Call.of(q, every, query_valid, scale, need_weights, s)
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    call = _Call.of(q, mask, query_valid, need_weights, s)
     sizes = (b, g, s, *keys.stride()[:3], *values.stride()[:3], *call.mask_strides)
-    lib.litkv_float_attend(*call.pointers(keys, values), *sizes, float(softcap or 0.0))
+    lib.litkv_float_attend(*call.pointers(keys, values), *sizes, scale, float(softcap or 0.0))
     return call.y, call.weights
 
 
 class _Call(NamedTuple):
-    """What an attention call hands the C code beside its slots: the scaled queries, the mask as bytes per slot
-    `(B, G or 1, 1, S)` and its (row, KV head) strides, which rows count in the weights, the output `y`, and with
-    `need_weights` the scores' scratch and the weights (else `None` and an empty tensor)."""
+    """What an attention call hands the C code beside its slots: the queries (contiguous; the C code scales them),
+    the mask as bytes per slot `(B, G or 1, 1, S)` (or None: every slot) and its (row, KV head) strides, which rows
+    count in the weights, the output `y`, and with `need_weights` the scores' scratch and the weights (else `None`
+    and an empty tensor)."""
 
     queries: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     mask_strides: tuple[int, int]
     counted: torch.Tensor | None
     y: torch.Tensor
@@ -171,20 +174,23 @@ class _Call(NamedTuple):
 
     @classmethod
     def of(
-        cls, q: torch.Tensor, mask: torch.Tensor, query_valid: torch.Tensor | None, scale: float, need_weights: bool,
-        s: int,
-    ) -> _Call:  # fmt: skip
+        cls, q: torch.Tensor, mask: torch.Tensor | None, query_valid: torch.Tensor | None, need_weights: bool, s: int
+    ) -> _Call:
         """The buffers of a call with queries `q` `(B, G, M, D)` over `s` slots."""
         b, g, m, d = q.shape
-        mask = mask.expand(b, mask.shape[1], 1, s)
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
-        counted = None if query_valid is None or not need_weights else query_valid[:, 0].contiguous()
-        scores = torch.empty(b, g, m, s, dtype=torch.float32) if need_weights else None
-        weights = torch.empty(b, g, s, dtype=torch.float32) if need_weights else q.new_empty(0)
-        mask_strides = (mask.stride(0), mask.stride(1) if mask.shape[1] == g else 0)
+        mask_strides = (0, 0)
+        if mask is not None:
+            mask = mask.expand(b, mask.shape[1], 1, s)
+            if mask.stride(-1) != 1:
+                mask = mask.contiguous()
+            mask_strides = (mask.stride(0), mask.stride(1) if mask.shape[1] == g else 0)
+        if need_weights:
+            counted = None if query_valid is None else query_valid[:, 0].contiguous()
+            scores, weights = torch.empty(b, g, m, s, dtype=torch.float32), torch.empty(b, g, s, dtype=torch.float32)
+        else:
+            counted, scores, weights = None, None, q.new_empty(0)
         y = torch.empty(b, g, m, d, dtype=torch.float32)
-        return cls((q * scale).contiguous(), mask, mask_strides, counted, y, scores, weights)
+        return cls(q if q.is_contiguous() else q.contiguous(), mask, mask_strides, counted, y, scores, weights)
 
     def pointers(self, *slots: torch.Tensor) -> list[int | None]:
         """The C function's pointer arguments: the queries, the `slots` tensors, then the mask, counted rows, `y`,
@@ -322,6 +328,8 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
     queries per KV head (built on first use, then loaded from `$LITKV_HOME/kernels/`), or None (with one
     warning) where it cannot be built."""
     key = (head, groups, bits, queries)
+    if key in _built:  # built or refused before: no lock (a dict read is atomic)
+        return _built[key]
     with _lock:
         if key not in _built:
             try:

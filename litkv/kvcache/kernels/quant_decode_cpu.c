@@ -184,7 +184,8 @@ static inline void tile_dots(const floats qv[M][PIECES], const uint8_t *c, int64
 }
 
 /* Scores of slots [s0, s0 + n) (n <= BLOCK; their scales and offsets in scale, base) into out[m][t]: q . key,
-   soft-capped when softcap > 0, -inf where the mask hides the slot. Returns nonzero where it hides one. */
+   soft-capped when softcap > 0, -inf where the mask hides the slot (mask NULL: none hidden). Returns nonzero where
+   it hides one. */
 static inline int block_scores(const floats qv[M][PIECES], const uint8_t *c, const uint8_t *mask, int64_t s0,
                                int n, int64_t stride_s, const float scale[BLOCK][2 * GROUPS],
                                const float base[BLOCK][2 * GROUPS], float softcap, float out[M][BLOCK]) {
@@ -194,7 +195,7 @@ static inline int block_scores(const floats qv[M][PIECES], const uint8_t *c, con
         floats dots[M];
         tile_dots(qv, c + (s0 + t0) * stride_s, stride_s, count, scale + t0, base + t0, dots);
         ints hidden;
-        for (int t = 0; t < LANES; t++) hidden[t] = t < count ? mask[s0 + t0 + t] == 0 : 0;
+        for (int t = 0; t < LANES; t++) hidden[t] = t < count && mask != NULL ? mask[s0 + t0 + t] == 0 : 0;
         hidden = -hidden;
         any |= hidden;
         for (int m = 0; m < M; m++) {
@@ -264,18 +265,21 @@ static void block_softmax(float scores[M][BLOCK], int n, float *maximum, float *
     }
 }
 
-/* One (row, KV head) pair's decode attention: its M queries qq (M, HEAD), already scaled, over S slots whose
+/* One (row, KV head) pair's decode attention: its M queries qq (M, HEAD), times qscale, over S slots whose
    keys start at k and values at v (slot s at k + s * key_s, v + s * value_s bytes); scales and offsets at sc
    and of (the key's first, then the value's; unused for float32); seen: a byte per slot, nonzero where it may
-   be attended. Writes out (M, HEAD); where w is not NULL, the scores (M, S) into score and the softmax weights
+   be attended (NULL: every slot). Writes out (M, HEAD); where w is not NULL, the scores (M, S) into score and the softmax weights
    summed over the M queries, times `factor`, into w (S). */
 static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int64_t key_s, int64_t value_s,
                         const uint16_t *sc, const uint16_t *of, int64_t scale_s, const uint8_t *seen, int64_t S,
-                        float softcap, float *out, float *score, float *w, float factor) {
+                        float qscale, float softcap, float *out, float *score, float *w, float factor) {
     floats qv[M][PIECES], acc[M][PIECES];
     float block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], scale[BLOCK][2 * GROUPS], base[BLOCK][2 * GROUPS];
     for (int m = 0; m < M; m++) {
-        for (int i = 0; i < PIECES; i++) memcpy(&qv[m][i], qq + m * HEAD + i * LANES, sizeof(floats));
+        for (int i = 0; i < PIECES; i++) {
+            memcpy(&qv[m][i], qq + m * HEAD + i * LANES, sizeof(floats));
+            qv[m][i] *= qscale; /* as PyTorch's q * scale rounds */
+        }
         for (int i = 0; i < PIECES; i++) acc[m][i] = (floats){0};
         maximum[m] = -INFINITY, sum[m] = 0.0f;
     }
@@ -313,22 +317,23 @@ static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int
 void litkv_float_attend(const float *q, const float *keys, const float *values, const uint8_t *mask,
                         const uint8_t *counted, float *y, float *scores, float *weights, int64_t B, int64_t G,
                         int64_t S, int64_t key_b, int64_t key_g, int64_t key_s, int64_t value_b, int64_t value_g,
-                        int64_t value_s, int64_t mask_b, int64_t mask_g, float softcap) {
+                        int64_t value_s, int64_t mask_b, int64_t mask_g, float scale, float softcap) {
     for (int64_t bg = 0; bg < B * G; bg++) {
         const int64_t b = bg / G, g = bg % G;
         const uint8_t *k = (const uint8_t *)(keys + b * key_b + g * key_g);
         const uint8_t *v = (const uint8_t *)(values + b * value_b + g * value_g);
-        attend_pair(q + bg * M * HEAD, k, v, key_s * 4, value_s * 4, NULL, NULL, 0, mask + b * mask_b + g * mask_g,
-                    S, softcap, y + bg * M * HEAD, weights == NULL ? NULL : scores + bg * M * S,
-                    weights == NULL ? NULL : weights + bg * S, counted == NULL || counted[b] ? 1.0f : 0.0f);
+        attend_pair(q + bg * M * HEAD, k, v, key_s * 4, value_s * 4, NULL, NULL, 0,
+                    mask == NULL ? NULL : mask + b * mask_b + g * mask_g, S, scale, softcap, y + bg * M * HEAD,
+                    weights == NULL ? NULL : scores + bg * M * S, weights == NULL ? NULL : weights + bg * S,
+                    counted == NULL || counted[b] ? 1.0f : 0.0f);
     }
 }
 #else
 /* Decode attention over quantised slots.
 
-   q (B, G, M, HEAD) float32, contiguous, already multiplied by the attention scale; codes, scales and
-   offsets as above (offsets with the strides of scales); mask: byte s of row b
-   and KV head g at mask + b * mask_b + g * mask_g + s, nonzero where the slot may be attended; softcap: the
+   q (B, G, M, HEAD) float32, contiguous, multiplied here by `scale` (float32 products, as PyTorch's q * scale);
+   codes, scales and offsets as above (offsets with the strides of scales); mask: byte s of row b and KV head g
+   at mask + b * mask_b + g * mask_g + s, nonzero where the slot may be attended (NULL: every slot); softcap: the
    soft-capping threshold, 0 for none. Writes y (B, G, M, HEAD) float32; where weights is not NULL, the
    scores (B, G, M, S) (soft-capped, -inf where hidden) and from them the softmax weights summed over each KV
    head's M queries, weights (B, G, S), counting row b's query only where counted is NULL or counted[b] is
@@ -337,12 +342,13 @@ void litkv_quant_attend(const float *q, const uint8_t *codes, const uint16_t *sc
                         const uint8_t *mask, const uint8_t *counted, float *y, float *scores, float *weights,
                         int64_t B, int64_t G, int64_t S,
                         int64_t stride_b, int64_t stride_g, int64_t stride_s, int64_t scale_b, int64_t scale_g,
-                        int64_t scale_s, int64_t mask_b, int64_t mask_g, float softcap) {
+                        int64_t scale_s, int64_t mask_b, int64_t mask_g, float scale, float softcap) {
     for (int64_t bg = 0; bg < B * G; bg++) {
         const int64_t b = bg / G, g = bg % G;
         const uint8_t *c = codes + b * stride_b + g * stride_g;
         attend_pair(q + bg * M * HEAD, c, c + WIDTH, stride_s, stride_s, scales + b * scale_b + g * scale_g,
-                    offsets + b * scale_b + g * scale_g, scale_s, mask + b * mask_b + g * mask_g, S, softcap,
+                    offsets + b * scale_b + g * scale_g, scale_s,
+                    mask == NULL ? NULL : mask + b * mask_b + g * mask_g, S, scale, softcap,
                     y + bg * M * HEAD, weights == NULL ? NULL : scores + bg * M * S,
                     weights == NULL ? NULL : weights + bg * S, counted == NULL || counted[b] ? 1.0f : 0.0f);
     }
