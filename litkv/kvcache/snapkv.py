@@ -188,9 +188,11 @@ class SnapKVKVCache(ScoreKVCache):
         self._order: torch.Tensor | None = None
 
     def kept_scores(self, weights: torch.Tensor, pos: torch.Tensor, best: torch.Tensor | None) -> torch.Tensor:
-        """`_kept_scores` of weights and positions `(..., N)` (one layer's, or layers stacked): on the CPU, eager, in
-        one C pass (`cpu_scores.snapkv_pool`, the same bits), which starts from the order its last call sorted."""
+        """`_kept_scores` of weights and positions `(..., N)` (one layer's, or layers stacked): for float32 on the CPU,
+        eager, in one C pass (`cpu_scores.snapkv_pool`, the same bits), which starts from the order its last call
+        sorted."""
         in_c = self.c_scores and cpu_scores.CPU_KERNEL and weights.device.type == "cpu"
+        in_c = in_c and weights.dtype == torch.float32 and (best is None or best.dtype == torch.float32)
         if not in_c or torch.compiler.is_compiling():
             return _kept_scores(self.options, weights, pos, best)
         order = self._order
