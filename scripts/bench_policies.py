@@ -28,7 +28,10 @@ configuration; the better of the two counts). Each row shows:
   theirs in the same mode), `of bound` (`vs dense` over `byte bound`), `of bw` (decode tok/s over
   `bound tok/s`).
 
-Below each table: end-to-end time and prefill tok/s of dense (each mode) against `transformers`. At the
+With `--repeats N` every configuration runs N rounds (all its generations again, interleaved as before): the
+table shows each row's median round, and a line per policy gives its ratio to last-recent in each round and
+their median (what a target is judged on, where one run's ratios spread). Below each table: end-to-end time and
+prefill tok/s of dense (each mode) against `transformers`. At the
 end: one line per target of issue 23 (decode ratios per mode, the byte bound, end-to-end and prefill
 against `transformers`), met or missed, with the figure of each configuration it applies to.
 
@@ -36,6 +39,7 @@ against `transformers`), met or missed, with the figure of each configuration it
     nice python scripts/bench_policies.py --configs 1x4096     # one configuration
     nice python scripts/bench_policies.py --modes eager        # no compiled runs
     nice python scripts/bench_policies.py --compiled-policies dense,last-recent,h2o   # fewer compiled ones
+    nice python scripts/bench_policies.py --configs 1x4096 --modes eager --repeats 3  # median of 3 rounds
     python scripts/bench_policies.py --quick                   # a smoke test (about a minute)
 
 `--quick`: SmolLM2-135M with 2 layers, batch 2 x 96 tokens, 6 new tokens, 64 slots, chunks of 32; the
@@ -66,7 +70,17 @@ from litkv.gates import EvictionGates
 from litkv.modeling.weight_layout import columns_contiguous
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script beside its report module
-from policy_report import HF, MODES, PolicyRun, e2e_lines, evaluate_targets, format_table, format_targets  # noqa: E402
+from policy_report import (  # noqa: E402
+    HF,
+    MODES,
+    PolicyRun,
+    e2e_lines,
+    evaluate_targets,
+    format_table,
+    format_targets,
+    median_rounds,
+    round_ratio_lines,
+)
 
 POLICIES = (
     "dense", "last-recent", "h2o", "qh2o", "tova", "knorm", "keydiff", "snapkv", "expected-attention", "learned",
@@ -228,6 +242,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="no transformers row")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (and for the bandwidth measurement)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of each configuration (all its generations again, interleaved); the table shows each row's "
+        "median round, and a line per policy its ratio to last-recent in each round and their median",
+    )
     parser.add_argument("--json-out", type=Path, default=None, help="also write the runs and targets as JSON here")
     parser.add_argument(
         "--quick",
@@ -282,6 +303,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, tuple[int, int, int]], 
         raise ValueError(f"--modes must be distinct entries among {list(MODES)}, got {args.modes!r}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     if "compiled" in modes and "compile" not in inspect.signature(generate).parameters:
@@ -422,7 +445,8 @@ def measure(
     for name, spec in configs.items():
         what = ", ".join(f"{len(p)} {m}" for m, p in plan.items())
         print(f"{name}: {what} generations, interleaved ...", file=sys.stderr, flush=True)
-        runs = run_config(model, hf_model, spec, plan, args)
+        rounds = [run_config(model, hf_model, spec, plan, args) for _ in range(args.repeats)]
+        runs = median_rounds(rounds)
         after = measure_bandwidth(gib, threads=args.threads)
         bandwidths[name] = max(bandwidth, after)  # best of the measurements before and after the config
         results[name] = with_bound(runs, bandwidths[name])
@@ -435,6 +459,10 @@ def measure(
         print(format_table(results[name]))
         for line in e2e_lines(results[name]):
             print(line)
+        if args.repeats > 1:
+            print(f"\nDecode against last-recent in each of {args.repeats} rounds:")
+            for line in round_ratio_lines(rounds):
+                print(line)
         sys.stdout.flush()
     return results, bandwidths
 

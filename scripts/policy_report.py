@@ -5,6 +5,7 @@ on made-up runs."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,6 +125,28 @@ def format_table(runs: list[PolicyRun]) -> str:
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def median_rounds(rounds: list[list[PolicyRun]]) -> list[PolicyRun]:
+    """Each row's median round by decode tok/s (the lower of the two middle ones for an even count): `rounds`, one
+    list of runs per round of the same configuration, the rows in the same order."""
+    return [sorted(row, key=lambda r: r.decode_tok_s)[(len(row) - 1) // 2] for row in zip(*rounds, strict=True)]
+
+
+def round_ratio_lines(rounds: list[list[PolicyRun]]) -> list[str]:
+    """One line per (policy, mode) but last-recent: its decode tok/s over last-recent's in the same mode, in each
+    round and their median (nothing without a last-recent row)."""
+    lines = []
+    for run in rounds[0]:
+        if run.policy == "last-recent":
+            continue
+        ratios = [_speed(by_key(r), run.policy, "last-recent", run.mode) for r in rounds]
+        if any(x is None for x in ratios):
+            continue
+        each = ", ".join(f"{x:.3f}x" for x in ratios)
+        median = statistics.median(ratios)
+        lines.append(f"- {run.policy} ({run.mode}) vs last-recent, each round: {each} (median {median:.3f}x)")
+    return lines
 
 
 def e2e_ratio(runs: Runs, mode: str) -> float | None:

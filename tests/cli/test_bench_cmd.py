@@ -159,6 +159,7 @@ def test_bench_policies_quick_rows_and_byte_bound(capsys: pytest.CaptureFixture,
         (["--threads", "0"], "--threads must be >= 1, got 0"),
         (["--layers", "0"], "--layers must be >= 1, got 0"),
         (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     ],
 )
 def test_bench_policies_refuses_bad_options(argv: list[str], named: str) -> None:
@@ -182,6 +183,24 @@ def _run(policy: str, mode: str, tok_s: float, step_mb: float, **extra):
     spec = dict(batch=1, prompt=2048, new_tokens=64, prefill_s=2.0, decode_s=63 / tok_s)
     spec.update(extra)
     return report.PolicyRun(policy, mode, decode_tok_s=tok_s, cache_bytes=2**20, step_bytes=step_mb * 1e6, **spec)
+
+
+def test_repeated_rounds_give_each_rows_median_round_and_each_rounds_ratios() -> None:
+    """Three rounds of last-recent, h2o (eager) and dense (compiled, no last-recent there): each row's median round
+    by tok/s (the lower middle of an even count); each round's ratio to last-recent in its mode and their median,
+    which need not be the median rounds' ratio; nothing for a mode without last-recent."""
+    report = _load_report()
+    speeds = [(10.0, 9.0, 5.0), (12.0, 12.0, 4.0), (8.0, 7.6, 6.0)]  # (last-recent, h2o, dense) per round
+    rounds = [
+        [_run("last-recent", "eager", a, 400), _run("h2o", "eager", b, 400), _run("dense", "compiled", c, 500)]
+        for a, b, c in speeds
+    ]
+    median = report.median_rounds(rounds)
+    assert [r.decode_tok_s for r in median] == [10.0, 9.0, 5.0]
+    assert [r.decode_tok_s for r in report.median_rounds(rounds[:2])] == [10.0, 9.0, 4.0]
+    assert report.round_ratio_lines(rounds) == [
+        "- h2o (eager) vs last-recent, each round: 0.900x, 1.000x, 0.950x (median 0.950x)"
+    ]
 
 
 def _synthetic_config(**hf_extra) -> list:
