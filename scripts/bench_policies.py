@@ -28,9 +28,10 @@ configuration; the better of the two counts). Each row shows:
   theirs in the same mode), `of bound` (`vs dense` over `byte bound`), `of bw` (decode tok/s over
   `bound tok/s`).
 
-With `--repeats N` every configuration runs N rounds (all its generations again, interleaved as before): the
-table shows each row's median round, and a line per policy gives its ratio to last-recent in each round and
-their median (what a target is judged on, where one run's ratios spread). Below each table: end-to-end time and
+With `--repeats N` every configuration runs N rounds (all its generations again, interleaved as before): each
+round's speeds are scaled by last-recent's median over its own (the machine's drift between rounds taken out),
+the table shows each row's median, so its ratio to last-recent is the median of its rounds' ratios (what the
+targets below read), and a line per policy gives that ratio in each round. Below each table: end-to-end time and
 prefill tok/s of dense (each mode) against `transformers`. At the
 end: one line per target of issue 23 (decode ratios per mode, the byte bound, end-to-end and prefill
 against `transformers`), met or missed, with the figure of each configuration it applies to.
@@ -247,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="rounds of each configuration (all its generations again, interleaved); the table shows each row's "
-        "median round, and a line per policy its ratio to last-recent in each round and their median",
+        "median round, its ratio to last-recent the median of its rounds', and a line per policy each round's",
     )
     parser.add_argument("--json-out", type=Path, default=None, help="also write the runs and targets as JSON here")
     parser.add_argument(

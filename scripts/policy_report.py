@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MODES = ("eager", "compiled")
 HF = "hf-dynamic"  # the transformers row (eager)
@@ -128,9 +128,26 @@ def format_table(runs: list[PolicyRun]) -> str:
 
 
 def median_rounds(rounds: list[list[PolicyRun]]) -> list[PolicyRun]:
-    """Each row's median round by decode tok/s (the lower of the two middle ones for an even count): `rounds`, one
-    list of runs per round of the same configuration, the rows in the same order."""
-    return [sorted(row, key=lambda r: r.decode_tok_s)[(len(row) - 1) // 2] for row in zip(*rounds, strict=True)]
+    """One run per row from `rounds` (one list of runs per round of the same configuration, the rows in the same
+    order): its median round (the lower of the two middle ones for an even count) by decode tok/s, each round's
+    speeds first scaled by the median over rounds of last-recent's in the same mode over that round's (where its mode
+    has a last-recent row): so a row's ratio to last-recent is the median of its rounds' ratios, the VM's drift
+    between rounds taken out. A scaled run's decode seconds are scaled to match."""
+    recent = {r.mode: i for i, r in enumerate(rounds[0]) if r.policy == "last-recent"}
+    out = []
+    for row in zip(*rounds, strict=True):
+        at = recent.get(row[0].mode)
+        scaled = list(row)
+        if at is not None:
+            speeds = [r[at].decode_tok_s for r in rounds]
+            middle = sorted(speeds)[(len(speeds) - 1) // 2]
+            factors = [middle / x for x in speeds]
+            scaled = [
+                replace(r, decode_tok_s=r.decode_tok_s * f, decode_s=r.decode_s / f)
+                for r, f in zip(row, factors, strict=True)
+            ]
+        out.append(sorted(scaled, key=lambda r: r.decode_tok_s)[(len(scaled) - 1) // 2])
+    return out
 
 
 def round_ratio_lines(rounds: list[list[PolicyRun]]) -> list[str]:

@@ -186,9 +186,10 @@ def _run(policy: str, mode: str, tok_s: float, step_mb: float, **extra):
 
 
 def test_repeated_rounds_give_each_rows_median_round_and_each_rounds_ratios() -> None:
-    """Three rounds of last-recent, h2o (eager) and dense (compiled, no last-recent there): each row's median round
-    by tok/s (the lower middle of an even count); each round's ratio to last-recent in its mode and their median,
-    which need not be the median rounds' ratio; nothing for a mode without last-recent."""
+    """Three rounds of last-recent, h2o (eager) and dense (compiled, no last-recent there): each round's speeds
+    scaled by last-recent's median over its own, then each row's median round (the lower middle of an even count),
+    so that h2o's ratio to last-recent is the median of its rounds' ratios; a mode without last-recent unscaled.
+    Each round's ratio to last-recent and their median in one line per policy."""
     report = _load_report()
     speeds = [(10.0, 9.0, 5.0), (12.0, 12.0, 4.0), (8.0, 7.6, 6.0)]  # (last-recent, h2o, dense) per round
     rounds = [
@@ -196,8 +197,9 @@ def test_repeated_rounds_give_each_rows_median_round_and_each_rounds_ratios() ->
         for a, b, c in speeds
     ]
     median = report.median_rounds(rounds)
-    assert [r.decode_tok_s for r in median] == [10.0, 9.0, 5.0]
-    assert [r.decode_tok_s for r in report.median_rounds(rounds[:2])] == [10.0, 9.0, 4.0]
+    assert [r.decode_tok_s for r in median] == pytest.approx([10.0, 9.5, 5.0])
+    assert median[1].decode_s == pytest.approx(63 / 9.5)  # the third round's, scaled with its speed
+    assert [r.decode_tok_s for r in report.median_rounds(rounds[:2])] == pytest.approx([10.0, 9.0, 4.0])
     assert report.round_ratio_lines(rounds) == [
         "- h2o (eager) vs last-recent, each round: 0.900x, 1.000x, 0.950x (median 0.950x)"
     ]
