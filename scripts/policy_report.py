@@ -5,7 +5,6 @@ on made-up runs."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -127,6 +126,11 @@ def format_table(runs: list[PolicyRun]) -> str:
     return "\n".join(lines)
 
 
+def _lower_middle(items: list, key: Callable = lambda x: x):
+    """The median of `items` by `key`, the lower of the two middle ones for an even count (an item itself)."""
+    return sorted(items, key=key)[(len(items) - 1) // 2]
+
+
 def median_rounds(rounds: list[list[PolicyRun]]) -> list[PolicyRun]:
     """One run per row from `rounds` (one list of runs per round of the same configuration, the rows in the same
     order): its median round (the lower of the two middle ones for an even count) by decode tok/s, each round's
@@ -140,19 +144,20 @@ def median_rounds(rounds: list[list[PolicyRun]]) -> list[PolicyRun]:
         scaled = list(row)
         if at is not None:
             speeds = [r[at].decode_tok_s for r in rounds]
-            middle = sorted(speeds)[(len(speeds) - 1) // 2]
+            middle = _lower_middle(speeds)
             factors = [middle / x for x in speeds]
             scaled = [
                 replace(r, decode_tok_s=r.decode_tok_s * f, decode_s=r.decode_s / f)
                 for r, f in zip(row, factors, strict=True)
             ]
-        out.append(sorted(scaled, key=lambda r: r.decode_tok_s)[(len(scaled) - 1) // 2])
+        out.append(_lower_middle(scaled, key=lambda r: r.decode_tok_s))
     return out
 
 
 def round_ratio_lines(rounds: list[list[PolicyRun]]) -> list[str]:
     """One line per (policy, mode) but last-recent: its decode tok/s over last-recent's in the same mode, in each
-    round and their median (nothing without a last-recent row)."""
+    round and their median as `median_rounds` takes it (the lower middle for an even count: the table's ratio);
+    nothing without a last-recent row."""
     lines = []
     for run in rounds[0]:
         if run.policy == "last-recent":
@@ -161,7 +166,7 @@ def round_ratio_lines(rounds: list[list[PolicyRun]]) -> list[str]:
         if any(x is None for x in ratios):
             continue
         each = ", ".join(f"{x:.3f}x" for x in ratios)
-        median = statistics.median(ratios)
+        median = _lower_middle(ratios)
         lines.append(f"- {run.policy} ({run.mode}) vs last-recent, each round: {each} (median {median:.3f}x)")
     return lines
 
