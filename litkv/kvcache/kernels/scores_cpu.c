@@ -24,7 +24,8 @@ them (the same bits); 0 where the position is negative; then the larger of it an
 `best` (NB numbers, 0 past them; NaN where either is NaN, as torch.maximum). The order is found by an insertion
 sort of `order` (a permutation of 0..N-1 per row, in and out), a merge sort where that would take more than 4 N
 moves: left as the last call sorted it, a decode step's order is nearly sorted (one slot took the newest token)
-and costs about 2 N moves; any permutation gives the same result. Returns 1 where its scratch cannot be allocated (nothing written), else 0.
+and costs about 2 N moves; any permutation gives the same result. Returns 1 where its scratch cannot be allocated
+(nothing written), else 0.
 
 Each product is 16 partial sums over the vector, added in a fixed order, and the rest one by one; exponentials
 from exp_cpu.h's polynomial (relative error below 2e-7). A (row, head)'s numbers do not depend on the others.
@@ -162,7 +163,9 @@ void litkv_snapkv_weights(const float *q, const float *keys, const int64_t *posi
 }
 
 /* Whether slot a's candidate comes before slot b's in token order: (pos, slot) ascending. */
-static inline int before(const int64_t *pos, int32_t a, int32_t b) { return pos[a] < pos[b] || (pos[a] == pos[b] && a < b); }
+static inline int before(const int64_t *pos, int32_t a, int32_t b) {
+    return pos[a] < pos[b] || (pos[a] == pos[b] && a < b);
+}
 
 /* order[0..n) (a permutation of 0..n-1) sorted by (pos[slot], slot), ascending: an insertion sort while it has made
    at most 4 n moves (a nearly sorted order costs about 2 n), then a merge sort of what is left (n log n), through
