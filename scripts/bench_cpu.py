@@ -21,7 +21,8 @@ state; on a shared machine, say how loaded it was):
   over the rest of a step (the dense float step at `--slots` slots) plus its KV bytes at the bandwidth.
 - `kl`: quality of the quantised weights: KL to the float32 model per token and top-1 agreement,
   teacher-forced on windows of the shipped held-out text; `--decode`: through decode steps (the C products' path,
-  each quantised row also with float32 rows), not one forward per window.
+  each quantised row also with float32 rows), not one forward per window, and each quantised KV storage of
+  `--storages` with float32 weights, through the C decode kernel and through the PyTorch path.
 
     python scripts/bench_cpu.py peers --checkpoint_dir smollm2-135m-instruct \\
         --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --llamacpp_python ../venv-llamacpp/bin/python
@@ -250,6 +251,16 @@ def kl(args: argparse.Namespace, _bandwidth: float) -> None:
             logits = _decode_logits(model, batch, args.prefix) if args.decode else model(batch)
         logp[label] = torch.log_softmax(logits.double(), dim=-1)
     quant_rows.INT8_ACTIVATIONS = True
+    if args.decode:  # quantised KV storages, float32 weights: the C decode kernel, then the PyTorch path
+        model, _ = load_for_inference(args.checkpoint_dir, "32-true", "cpu", args.threads, "none")
+        for storage, kernel in product((s for s in args.storages if s != "float"), (True, False)):
+            cpu_decode.CPU_KERNEL = kernel
+            with torch.no_grad():
+                logits = _decode_logits(model, batch, args.prefix, storage)
+            logp[f"none, {storage} KV ({'C kernel' if kernel else 'PyTorch path'})"] = torch.log_softmax(
+                logits.double(), dim=-1
+            )
+        cpu_decode.CPU_KERNEL = True
     how = f"decode steps after a {args.prefix}-token prefill" if args.decode else "one forward per window"
     print(f"\nKL to the float32 model: {args.windows} windows of {args.window} tokens, teacher-forced, {how}")
     print(f"(the decode steps' rows quantised to int8 on this CPU: {quant_rows.rows_quantized()})")
@@ -262,12 +273,12 @@ def kl(args: argparse.Namespace, _bandwidth: float) -> None:
         print(f"| {quant} | {kl_tok:.5f} | {agree:.1%} |")
 
 
-def _decode_logits(model: GPT, batch: torch.Tensor, prefix: int) -> torch.Tensor:
-    """`(B, W - prefix, vocab)` logits: a dense cache, the first `prefix` tokens of each row as one prefill, then
+def _decode_logits(model: GPT, batch: torch.Tensor, prefix: int, storage: str = "float") -> torch.Tensor:
+    """`(B, W - prefix, vocab)` logits: a dense cache of `storage`, the first `prefix` tokens of each row as one prefill, then
     every next token of `batch` `(B, W)` as one decode step (teacher-forced)."""
     rows, width = batch.shape
     positions = torch.arange(width).expand(rows, width)
-    with model.kv_caches_attached(KVCacheConfig("dense", cache_length=width), rows):
+    with model.kv_caches_attached(KVCacheConfig("dense", cache_length=width, storage=storage), rows):
         out = [model(batch[:, :prefix], positions[:, :prefix])[:, -1:]]
         for t in range(prefix, width - 1):
             out.append(model(batch[:, t : t + 1], positions[:, t : t + 1]))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import litkv.kvcache.quant_attention as qa
+from litkv.kvcache.kernels import cpu_decode
 from litkv.kvcache.quantized import QuantizedSlots, quantize
 from litkv.modeling.attention import attend, build_mask
 
@@ -127,6 +128,7 @@ def test_attend_dispatches_a_decode_step_to_the_kernel(kernel, monkeypatch: pyte
     q, slots, _, _ = _case(8, 9, 3, 40, 32, 32)
     got = attend(q, slots, slots, None, 0.3, None, True)
     monkeypatch.setattr(qa, "TRITON_DECODE", False)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)  # the PyTorch path (the CPU kernel rounds its queries)
     want = attend(q, slots, slots, None, 0.3, None, True)
     assert calls == [torch.Size((2, 3, 3, 32))]
     torch.testing.assert_close(got, want, **FLOAT32)

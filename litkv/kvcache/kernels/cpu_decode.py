@@ -7,12 +7,15 @@ before two matrix products, and quantising a token is some twenty small operator
 `quant_decode_cpu.c` (beside this file) does both in C:
 
 - `litkv_quant_attend` (`decode_attend`): per (row, KV head), blocks of 64 slots: the keys scored from their
-  codes, a running softmax, the values added from their codes, so each slot's codes are read once (read back
-  in registers as `offset + scale * code`, a block's float16 scales turned into float32 once); masks and
-  soft-capping applied there; the weight sums (`need_weights`) from the scores it keeps and each query's
-  maximum and sum. Written with GCC / Clang vector
-  extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16; a group size
-  that is not a multiple of 4 has no kernel and takes the PyTorch path).
+  codes, a running softmax, the values added from their codes, so each slot's codes are read once (a block's
+  float16 scales turned into float32 once; masks and soft-capping applied there; the weight sums
+  (`need_weights`) from the scores it keeps and each query's maximum and sum). The keys' products are integer:
+  each query (times the scale) rounded per group to two int8 digits (about 16 bits) whose products with the
+  codes add up exactly in int32 (AVX-512 VNNI over 16 slots at a time where the compiler targets it, else
+  vectors of ints: the same integers), the scale and offset applied per group (`quant_keys_cpu.h`); the values'
+  codes as numbers times the softmax numerators times their scale, the offsets once per block. Written with
+  GCC / Clang vector extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16;
+  a group size that is not a multiple of 4 has no kernel and takes the PyTorch path).
 - `litkv_quantize` (`quantize`, `quantize_into`): `litkv.kvcache.quantized.quantize` with float16 scales, bit
   for bit; `litkv_round_trip_errors` (`round_trip_errors`): the quantisation error `qh2o` reads.
 
@@ -22,10 +25,12 @@ by the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -marc
 the flags, the compiler and this CPU, written under a temporary name and renamed into place. Where no compiler
 is found or the build fails, a warning says why once and the PyTorch path is taken.
 
-Rounding: attention adds in another order than the PyTorch path (a key in 16, 8 or 4 partial sums, the values
-block by block) and takes its exponentials from a polynomial (relative error below 2e-7), so results agree with
-the PyTorch path and a float64 oracle within `atol=1e-5, rtol=1e-4` (float32;
-`tests/kvcache/test_quant_decode_cpu.py`). Every row is computed alone, in a fixed order: a row's result does
+Rounding: the queries' two int8 digits move each score by at most `sum_d |dq_d| |k_d - offset|` (|dq_d| at most
+max |q| / 127 / 508 per group), the weights by a factor within `e^(+-2 eps)`; beyond that the kernel adds in another
+order and takes its exponentials from a polynomial (relative error below 2e-7): results equal a float64 oracle of the
+rounded queries within `atol=1e-5, rtol=1e-4` and the PyTorch path within the bound
+(`tests/kvcache/test_quant_decode_cpu.py`; on the real model the KL to float32 weights and KV is that of the
+PyTorch path: `scripts/bench_cpu.py kl --decode`). Every row is computed alone, in a fixed order: a row's result does
 not depend on the batch it is in. The functions run on the calling thread (one core).
 
 Attention takes the kernel where `supported` says so (the CPU, one query per row, float32 queries, no

@@ -28,4 +28,32 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * two.value;
 }
 
+/* 16 floats (GCC / Clang vector extensions: one AVX-512 register, or what the target has) and exp_nonpositive of
+   each, the same arithmetic in vector operations (floor as truncation corrected downwards, the selections by
+   masks), since compilers do not vectorise the scalar function's loops. */
+typedef float exp_floats __attribute__((vector_size(64)));
+typedef int32_t exp_ints __attribute__((vector_size(64)));
+
+static inline exp_floats exp_select(exp_ints mask, exp_floats yes, exp_floats no) {
+    return (exp_floats)(((exp_ints)yes & mask) | ((exp_ints)no & ~mask));
+}
+
+static inline exp_floats exp16_nonpositive(exp_floats x) {
+    const exp_floats floor = (exp_floats){0} - 87.0f;
+    const exp_floats clamped = exp_select(x < floor, floor, x);
+    const exp_floats y = clamped * 1.44269504088896341f + 0.5f;
+    exp_floats n = __builtin_convertvector(__builtin_convertvector(y, exp_ints), exp_floats);
+    n += __builtin_convertvector(n > y, exp_floats); /* truncation was toward zero: -1 where it rounded up */
+    const exp_floats r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    exp_floats p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const exp_ints two = (__builtin_convertvector(n, exp_ints) + 127) << 23;
+    return exp_select(x < floor, (exp_floats){0}, p * (exp_floats)two);
+}
+
 #endif
