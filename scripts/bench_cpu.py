@@ -274,8 +274,8 @@ def kl(args: argparse.Namespace, _bandwidth: float) -> None:
 
 
 def _decode_logits(model: GPT, batch: torch.Tensor, prefix: int, storage: str = "float") -> torch.Tensor:
-    """`(B, W - prefix, vocab)` logits: a dense cache of `storage`, the first `prefix` tokens of each row as one prefill, then
-    every next token of `batch` `(B, W)` as one decode step (teacher-forced)."""
+    """`(B, W - prefix, vocab)` logits: a dense cache of `storage`, the first `prefix` tokens of each row as one
+    prefill, then every next token of `batch` `(B, W)` as one decode step (teacher-forced)."""
     rows, width = batch.shape
     positions = torch.arange(width).expand(rows, width)
     with model.kv_caches_attached(KVCacheConfig("dense", cache_length=width, storage=storage), rows):

@@ -11,6 +11,7 @@ within `e^(+-2 eps)` and each output by at most `(e^(2 eps) - 1) max |v|` (`_ass
 result does not depend on its batch: asserted bitwise. Skipped where this machine has no C compiler (the kernel
 then is not used: `test_without_a_compiler...`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -315,7 +316,8 @@ def test_the_portable_build_gives_the_same_bits(case: tuple, fresh: Path, monkey
         pytest.skip("this CPU's build has no VNNI path: the portable path is the only one")
     y, w = _run(True, q, slots, mask, valid)
     monkeypatch.setattr(cpu_decode, "_built", {})
-    monkeypatch.setattr(cpu_decode, "build", lambda source, defines, name: build(source, (*defines, "-DLITKV_PORTABLE"), name))
+    portable = lambda source, defines, name: build(source, (*defines, "-DLITKV_PORTABLE"), name)  # noqa: E731
+    monkeypatch.setattr(cpu_decode, "build", portable)
     assert not cpu_decode.library(d, d // min(group, d), bits, n_head // g).litkv_vnni()
     y2, w2 = _run(True, q, slots, mask, valid)
     assert torch.equal(y2, y) and torch.equal(w2, w)
