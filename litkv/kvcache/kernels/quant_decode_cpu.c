@@ -179,6 +179,7 @@ static inline void block_scales(const uint16_t *sc, const uint16_t *of, int64_t 
                                 float scale[2 * GROUPS][BLOCK], float base[2 * GROUPS][BLOCK]) {
 #if BITS != 32
     float run[2][BLOCK * 2 * GROUPS];
+    if (n < BLOCK) memset(run, 0, sizeof(run)); /* past n: read by the shuffles below, never used */
     if (scale_s == 2 * GROUPS) {
         const uint16_t *from = sc + s0 * scale_s, *start = of + s0 * scale_s;
         for (int i = 0; i < n * 2 * GROUPS; i++) run[0][i] = half_to_float(from[i]), run[1][i] = half_to_float(start[i]);
@@ -188,9 +189,20 @@ static inline void block_scales(const uint16_t *sc, const uint16_t *of, int64_t 
                 run[0][t * 2 * GROUPS + e] = half_to_float(sc[(s0 + t) * scale_s + e]);
                 run[1][t * 2 * GROUPS + e] = half_to_float(of[(s0 + t) * scale_s + e]);
             }
+#if GROUPS == 1 /* a key's and a value's number side by side: 16 slots' pairs split by two shuffles */
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < n; t += 16) {
+            exp_floats a, b;
+            memcpy(&a, run[i] + 2 * t, sizeof(a)), memcpy(&b, run[i] + 2 * t + 16, sizeof(b));
+            const exp_floats keys = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const exp_floats values = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            memcpy((i ? base : scale)[0] + t, &keys, sizeof(keys)), memcpy((i ? base : scale)[1] + t, &values, sizeof(values));
+        }
+#else
     for (int t = 0; t < n; t++)
         for (int e = 0; e < 2 * GROUPS; e++)
             scale[e][t] = run[0][t * 2 * GROUPS + e], base[e][t] = run[1][t * 2 * GROUPS + e];
+#endif
 #else
     (void)sc, (void)of, (void)s0, (void)n, (void)scale_s, (void)scale, (void)base;
 #endif

@@ -15,7 +15,7 @@ litkv_snapkv_weights (litkv.kvcache.snapkv's decode step): queries q (B, G, M, H
 head, and the row's query position qpos[b]; each query's softmax of scale * (q . k_i) over the candidates at
 positions 0..qpos[b], summed over the M query heads in order; 0 everywhere for a pad query (qpos < 0). `scratch`
 holds M * N floats (the logits; the keys are read once). Each softmax's maximum and sum run in 16 interleaved parts
-(vectorised loops), and its numerators are multiplied by the sum's reciprocal.
+(vectors of exp_cpu.h), and its numerators are multiplied by the sum's reciprocal.
 
 litkv_snapkv_pool (litkv.kvcache.snapkv's `_kept_scores`): per row of N candidates, the average pool of width
 `kernel` of the weights over neighbours in token order (the candidates sorted by position, then slot; zeros past
@@ -101,33 +101,37 @@ void litkv_keydiff_scores(const float *keys, const int64_t *positions, float *ou
             head(keys + r * sb + h * sg, sn, positions + (r * g + h) * n, out + (r * g + h) * n, n);
 }
 
-/* The largest of x[0..n) (NaN left out), in LANES interleaved parts so that the loop vectorises. */
+/* The largest of x[0..n) (NaN left out), in 16 interleaved parts (vectors of exp_cpu.h). */
 static inline float largest(const float *x, int64_t n) {
-    float lanes[LANES], top = -INFINITY;
-    for (int l = 0; l < LANES; l++) lanes[l] = -INFINITY;
+    exp_floats lanes = (exp_floats){0} - INFINITY, v;
+    float top = -INFINITY;
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lanes[l] = x[i + l] > lanes[l] ? x[i + l] : lanes[l];
+    for (; i + 16 <= n; i += 16) {
+        memcpy(&v, x + i, sizeof(v));
+        lanes = exp_select(v > lanes, v, lanes);
+    }
     for (; i < n; i++) top = x[i] > top ? x[i] : top;
-    for (int l = 0; l < LANES; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
     return top;
 }
 
-/* x[i] = e^(x[i] - top) for i < n; returns their sum, in LANES interleaved parts (then the rest, then the parts in
-   order), so that the loop vectorises. */
+/* x[i] = e^(x[i] - top) for i < n; returns their sum, in 16 interleaved parts (then the rest, then the parts in
+   order): exp16_nonpositive on vectors of 16, exp_nonpositive (the same arithmetic) on the rest. */
 static inline float exponentials(float *x, int64_t n, float top) {
-    float lanes[LANES] = {0}, sum = 0.0f;
+    exp_floats lanes = {0}, v;
+    float sum = 0.0f;
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) {
-            x[i + l] = exp_nonpositive(x[i + l] - top);
-            lanes[l] += x[i + l];
-        }
+    for (; i + 16 <= n; i += 16) {
+        memcpy(&v, x + i, sizeof(v));
+        v = exp16_nonpositive(v - top);
+        memcpy(x + i, &v, sizeof(v));
+        lanes += v;
+    }
     for (; i < n; i++) {
         x[i] = exp_nonpositive(x[i] - top);
         sum += x[i];
     }
-    for (int l = 0; l < LANES; l++) sum += lanes[l];
+    for (int l = 0; l < 16; l++) sum += lanes[l];
     return sum;
 }
 
