@@ -276,6 +276,17 @@ def test_a_group_size_without_vectors_takes_the_pytorch_path() -> None:
     assert torch.equal(y, y_torch) and torch.equal(w, w_torch)
 
 
+def test_int8_groups_past_256_numbers_take_the_pytorch_path() -> None:
+    """A group's int8 codes times the queries' int16 numbers stay within int32 up to 256 numbers a group: past that
+    `decode_attend` says None (before building anything) and `attend` gives the PyTorch path's bits."""
+    q, slots, mask, valid = _case(8, 2, 1, 20, 512, 512)
+    args = (q.reshape(2, 1, 2, 512), slots.codes, slots.scales, slots.offsets, mask, valid, 8, 512, 0.3, None, True)
+    assert cpu_decode.decode_attend(*args) is None
+    y, w = attend(q, slots, slots, mask, 0.3, None, True, valid)
+    y_torch, w_torch = _run(False, q, slots, mask, valid)
+    assert torch.equal(y, y_torch) and torch.equal(w, w_torch)
+
+
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty kernel cache: `$LITKV_HOME` in `tmp_path`, no library loaded in this process."""

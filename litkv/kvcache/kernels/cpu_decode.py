@@ -93,7 +93,7 @@ def decode_attend(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Decode attention over quantised slots (`quant_attention._quant_attend_eager`'s contract at `T = 1`),
     or None when the kernel cannot be built here or has no attention for this shape (`group_size` not a
-    multiple of 4; the caller then takes the PyTorch path).
+    multiple of 4, or above 256 for int8 codes; the caller then takes the PyTorch path).
 
     Args:
         q: `(B, G, M, D)` float32 queries, `M` the query heads of a KV head (one query each).
@@ -114,6 +114,8 @@ def decode_attend(
     s, width = codes.shape[2], codes.shape[-1]
     if scales.dtype != torch.float16 or offsets.dtype != torch.float16:
         return None  # bfloat16 scales: a bfloat16 model, whose queries are not float32 either
+    if bits == 8 and group_size > 256:
+        return None  # a group's int8 codes times the queries' int16 numbers could pass int32 (quant_keys_cpu.h)
     lib = library(d, d // group_size, bits, m)
     if lib is None or not hasattr(lib, "litkv_quant_attend"):
         return None

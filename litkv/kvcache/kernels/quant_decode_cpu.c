@@ -20,7 +20,7 @@ keys, folds the block into a running softmax (maximum and sum per query, as flas
 adds the block's values weighted by their softmax numerators, so each slot's codes are read once (the
 value's right after the key's). The scales and offsets never multiply a number one by one:
 
-- keys (quant_keys_cpu.h): each query is rounded to DIGITS int8 digits per group, its digits times the codes
+- keys (quant_keys_cpu.h): each query is rounded to two int8 digits per group, its digits times the codes
   add up exactly as integers (AVX-512 VNNI where the compiler targets it, 16 slots at a time), and a group's
   score is scale * step * that sum + offset * the query's float32 sum over the group;
 - values: the codes as numbers times the softmax numerator times the group's scale, added into accumulators
@@ -49,7 +49,6 @@ slots at a time).
 #define WIDTH (HEAD * BITS / 8) /* bytes of one key or value */
 #define SIZE (HEAD / GROUPS)    /* numbers per scale */
 #define BLOCK 64                /* slots per step of the running softmax (a multiple of LANES and 16) */
-#define DIGITS 2                /* int8 digits per query number (quantised slots; quant_keys_cpu.h) */
 #define AHEAD 64                /* slots ahead whose codes are asked for while a slot is scored */
 
 /* A float16 number (its bits) as float32, exactly: the magnitude's bits moved into float32's places and scaled
@@ -123,7 +122,9 @@ static inline ints code_ints(const uint8_t *codes, int i) {
     return __builtin_convertvector(b, ints);
 }
 
-static inline floats numbers(const uint8_t *codes, int i) { return __builtin_convertvector(code_ints(codes, i), floats); }
+static inline floats numbers(const uint8_t *codes, int i) {
+    return __builtin_convertvector(code_ints(codes, i), floats);
+}
 #endif
 
 /* The sums of the lanes of r[0], ..., r[LANES - 1], in that order: neighbouring lanes added, then pairs,
@@ -182,7 +183,8 @@ static inline void block_scales(const uint16_t *sc, const uint16_t *of, int64_t 
     if (n < BLOCK) memset(run, 0, sizeof(run)); /* past n: read by the shuffles below, never used */
     if (scale_s == 2 * GROUPS) {
         const uint16_t *from = sc + s0 * scale_s, *start = of + s0 * scale_s;
-        for (int i = 0; i < n * 2 * GROUPS; i++) run[0][i] = half_to_float(from[i]), run[1][i] = half_to_float(start[i]);
+        for (int i = 0; i < n * 2 * GROUPS; i++)
+            run[0][i] = half_to_float(from[i]), run[1][i] = half_to_float(start[i]);
     } else
         for (int t = 0; t < n; t++)
             for (int e = 0; e < 2 * GROUPS; e++) {
@@ -194,9 +196,12 @@ static inline void block_scales(const uint16_t *sc, const uint16_t *of, int64_t 
         for (int t = 0; t < n; t += 16) {
             exp_floats a, b;
             memcpy(&a, run[i] + 2 * t, sizeof(a)), memcpy(&b, run[i] + 2 * t + 16, sizeof(b));
-            const exp_floats keys = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-            const exp_floats values = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-            memcpy((i ? base : scale)[0] + t, &keys, sizeof(keys)), memcpy((i ? base : scale)[1] + t, &values, sizeof(values));
+            const exp_floats keys =
+                __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const exp_floats values =
+                __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            float(*into)[BLOCK] = i ? base : scale;
+            memcpy(into[0] + t, &keys, sizeof(keys)), memcpy(into[1] + t, &values, sizeof(values));
         }
 #else
     for (int t = 0; t < n; t++)

@@ -1,32 +1,34 @@
 /* The keys' products of a quantised cache's decode step on the CPU, from the codes as integers: included by
 quant_decode_cpu.c (beside this file) for 8- and 4-bit slots, with its macros (HEAD, GROUPS, SIZE, WIDTH, M, LANES,
-PIECES, PER_GROUP, BLOCK, AHEAD, DIGITS, VNNI), vector types and `code_ints` / `int_lane_sums`.
+PIECES, PER_GROUP, BLOCK, AHEAD, VNNI), vector types and `code_ints` / `int_lane_sums`.
 
-Each query (times the attention's scale, float32) is rounded per group of SIZE numbers to DIGITS int8 digits:
-step = max |x| / 127, and x / step as the nearest integer (ties to even), then what that left times 254 as the next
-digit, so x = step * (d_1 + d_2 / 254) within step / 508 / 254 (about 16 bits). A key group's codes c, times the
-digits, add up exactly in int32; the group's score is scale * step * (I_1 + I_2 / 254) + offset * (the float32 sum
-of the group's numbers). With AVX-512 VNNI 16 slots' codes are transposed so that a 32-bit lane holds 4 codes of one
-slot, times 4 digits of a query in one instruction (16 slots, no sums across lanes); else each slot's products go
-into lanes added up LANES slots at a time. Both give the same integers, so the same bits. */
+Each query (times the attention's scale, float32) is rounded per group of SIZE numbers to two int8 digits:
+step = max |x| / 127, d1 the nearest integer to x / step (ties to even), d2 the nearest to what d1 left times 254,
+so x = step * (d1 + d2 / 254) within step / 508 / 254 (about 16 bits), and the whole number w = 254 d1 + d2 fits in
+int16. A key group's codes c times w add up exactly in int32 (at most SIZE * 255 * 32385: SIZE <= 256 for int8
+codes, which cpu_decode.py sees to), and the group's score is scale * (step / 254) * that sum + offset * (the
+float32 sum of the group's numbers). With AVX-512 VNNI 16 slots' codes are transposed so that a 32-bit lane holds 4
+codes of one slot, times 4 digits of a query in one instruction (16 slots, no sums across lanes; the two digits'
+sums joined as 254 I1 + I2); else each slot's products with w go into lanes added up LANES slots at a time. Both
+give the same integers, so the same bits. */
 
-/* The queries of one (row, KV head) pair as the key products take them: each query's digits (qi as ints, and where
-   VNNI quads: numbers 4 e .. 4 e + 3 as the bytes of quads[k][m][e]), its step per group and the group's sum of
-   its float32 numbers (total). */
+/* The queries of one (row, KV head) pair as the key products take them: each query's whole numbers w (qi; where
+   VNNI its digits d1, d2 as quads[k][m][e]: numbers 4 e .. 4 e + 3 as the bytes of one int32), its step / 254 per
+   group (unit: what 1 of w is worth) and the group's sum of its float32 numbers (total). */
 typedef struct {
-    ints qi[DIGITS][M][PIECES];
-    float step[M][GROUPS], total[M][GROUPS];
+    ints qi[M][PIECES];
+    float unit[M][GROUPS], total[M][GROUPS];
 #ifdef VNNI
-    int32_t quads[DIGITS][M][HEAD / 4];
+    int32_t quads[2][M][HEAD / 4];
 #endif
 } queries;
 
-/* The M queries at qq (M, HEAD) times qscale, as the file's comment rounds them; a group holding a number that is
-   not finite gets step NaN (its scores NaN, as the float path's would be). */
+/* The M queries at qq (M, HEAD) times qscale, rounded as the file's comment says; a group holding a number that is
+   not finite gets unit NaN (its scores NaN, as the float path's would be). */
 static void prepare_queries(const float *qq, float qscale, queries *q) {
     for (int m = 0; m < M; m++) {
         float x[HEAD];
-        int8_t digits[DIGITS][HEAD];
+        int8_t digits[2][HEAD];
         for (int d = 0; d < HEAD; d++) x[d] = qq[m * HEAD + d] * qscale; /* as PyTorch's q * scale rounds */
         for (int g = 0; g < GROUPS; g++) {
             const float *v = x + g * SIZE;
@@ -38,38 +40,32 @@ static void prepare_queries(const float *qq, float qscale, queries *q) {
             }
             const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
             for (int d = 0; d < SIZE; d++) {
-                float rest = finite ? v[d] * inverse : 0.0f;
-                for (int k = 0; k < DIGITS; k++) { /* each digit rounds what the ones before left, times 254 */
-                    const float digit = nearbyintf(rest);
-                    digits[k][g * SIZE + d] = (int8_t)digit, rest = (rest - digit) * 254.0f;
-                }
+                const float rest = finite ? v[d] * inverse : 0.0f, first = nearbyintf(rest);
+                digits[0][g * SIZE + d] = (int8_t)first;
+                digits[1][g * SIZE + d] = (int8_t)nearbyintf((rest - first) * 254.0f);
             }
-            q->step[m][g] = finite ? top / 127.0f : NAN, q->total[m][g] = sum;
+            q->unit[m][g] = finite ? top / 127.0f / 254.0f : NAN, q->total[m][g] = sum;
         }
-        for (int k = 0; k < DIGITS; k++)
-            for (int i = 0; i < PIECES; i++)
-                for (int l = 0; l < LANES; l++) q->qi[k][m][i][l] = digits[k][i * LANES + l];
+        for (int i = 0; i < PIECES; i++)
+            for (int l = 0; l < LANES; l++) q->qi[m][i][l] = 254 * digits[0][i * LANES + l] + digits[1][i * LANES + l];
 #ifdef VNNI
-        for (int k = 0; k < DIGITS; k++) memcpy(q->quads[k][m], digits[k], sizeof(digits[k]));
+        for (int k = 0; k < 2; k++) memcpy(q->quads[k][m], digits[k], sizeof(digits[k]));
 #endif
     }
 }
 
-/* dots[m] for LANES slots from their integer products (sums[k][m][g], lane t: slot t's codes of group g dotted
-   with query m's digit k): the digits' sum times the query's step and the key's scale (scale[e * BLOCK + t]),
-   plus the key's offset (base[e * BLOCK + t]) times the query's sum. */
-static inline void integer_dots(const queries *q, ints sums[DIGITS][M][GROUPS], const float *scale,
-                                const float *base, floats dots[M]) {
+/* dots[m] for LANES slots from their integer products (sums[m][g], lane t: slot t's codes of group g times query
+   m's whole numbers): that times the query's unit and the key's scale (scale[e * BLOCK + t]), plus the key's offset
+   (base[e * BLOCK + t]) times the query's sum. */
+static inline void integer_dots(const queries *q, ints sums[M][GROUPS], const float *scale, const float *base,
+                                floats dots[M]) {
     for (int m = 0; m < M; m++) {
         floats total = {0};
         for (int g = 0; g < GROUPS; g++) {
-            floats factor, shift, product = __builtin_convertvector(sums[0][m][g], floats);
-            float place = 1.0f;
-            for (int k = 1; k < DIGITS; k++)
-                place /= 254.0f, product += __builtin_convertvector(sums[k][m][g], floats) * place;
+            floats factor, shift;
             memcpy(&factor, scale + g * BLOCK, sizeof(factor));
             memcpy(&shift, base + g * BLOCK, sizeof(shift));
-            total += product * (factor * q->step[m][g]) + shift * q->total[m][g];
+            total += __builtin_convertvector(sums[m][g], floats) * (factor * q->unit[m][g]) + shift * q->total[m][g];
         }
         dots[m] = total;
     }
@@ -81,24 +77,21 @@ static inline void integer_dots(const queries *q, ints sums[DIGITS][M][GROUPS], 
    added up LANES slots at a time. */
 static inline void tile_dots(const queries *q, const uint8_t *c, int64_t stride_s, int count,
                              const float *scale, const float *base, floats dots[M]) {
-    ints r[DIGITS][M][GROUPS][LANES], sums[DIGITS][M][GROUPS];
+    ints r[M][GROUPS][LANES], sums[M][GROUPS];
     for (int t = 0; t < LANES; t++) {
-        ints one[DIGITS][M][GROUPS] = {{{{0}}}};
+        ints one[M][GROUPS] = {{{0}}};
         if (t < count) {
             for (int at = 0; at < 2 * WIDTH; at += 64) __builtin_prefetch(c + (t + AHEAD) * stride_s + at);
             for (int i = 0; i < PIECES; i++) {
                 const ints x = code_ints(c + t * stride_s, i);
-                for (int k = 0; k < DIGITS; k++)
-                    for (int m = 0; m < M; m++) one[k][m][i / PER_GROUP] += x * q->qi[k][m][i];
+                for (int m = 0; m < M; m++) one[m][i / PER_GROUP] += x * q->qi[m][i];
             }
         }
-        for (int k = 0; k < DIGITS; k++)
-            for (int m = 0; m < M; m++)
-                for (int g = 0; g < GROUPS; g++) r[k][m][g][t] = one[k][m][g];
-    }
-    for (int k = 0; k < DIGITS; k++)
         for (int m = 0; m < M; m++)
-            for (int g = 0; g < GROUPS; g++) sums[k][m][g] = int_lane_sums(r[k][m][g]);
+            for (int g = 0; g < GROUPS; g++) r[m][g][t] = one[m][g];
+    }
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < GROUPS; g++) sums[m][g] = int_lane_sums(r[m][g]);
     integer_dots(q, sums, scale, base, dots);
 }
 #else
@@ -117,7 +110,8 @@ static inline void transpose(const uint8_t *c, int64_t stride_s, int w, __m512i 
         b[t] = _mm512_unpacklo_epi64(a[t], a[t + 2]), b[t + 1] = _mm512_unpackhi_epi64(a[t], a[t + 2]);
         b[t + 2] = _mm512_unpacklo_epi64(a[t + 1], a[t + 3]), b[t + 3] = _mm512_unpackhi_epi64(a[t + 1], a[t + 3]);
     }
-    const __m512i first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    const __m512i first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
     for (int i = 0; i < 4; i++) {
         out[i] = _mm512_permutex2var_epi64(b[i], first, b[i + 4]);
         out[i + 4] = _mm512_permutex2var_epi64(b[i], second, b[i + 4]);
@@ -126,8 +120,8 @@ static inline void transpose(const uint8_t *c, int64_t stride_s, int w, __m512i 
 
 /* acc[k][m][g] += query m's digit k of numbers 4 e .. 4 e + 3 (group g) times the codes in x's lanes (4 per
    slot). */
-static inline void add_products(const queries *q, __m512i x, int e, ints acc[DIGITS][M][GROUPS]) {
-    for (int k = 0; k < DIGITS; k++)
+static inline void add_products(const queries *q, __m512i x, int e, ints acc[2][M][GROUPS]) {
+    for (int k = 0; k < 2; k++)
         for (int m = 0; m < M; m++) {
             const __m512i digits = _mm512_set1_epi32(q->quads[k][m][e]);
             acc[k][m][4 * e / SIZE] = (ints)_mm512_dpbusd_epi32((__m512i)acc[k][m][4 * e / SIZE], x, digits);
@@ -146,7 +140,7 @@ static inline void tile_dots(const queries *q, const uint8_t *c, int64_t stride_
     } else
         for (int t = 0; t < 16; t++)
             for (int at = 0; at < 2 * WIDTH; at += 64) __builtin_prefetch(c + (t + AHEAD) * stride_s + at);
-    ints acc[DIGITS][M][GROUPS];
+    ints acc[2][M][GROUPS], sums[M][GROUPS];
     memset(acc, 0, sizeof(acc));
     for (int w = 0; w < WIDTH / 4; w += 8) {
         __m512i words[8];
@@ -161,6 +155,12 @@ static inline void tile_dots(const queries *q, const uint8_t *c, int64_t stride_
 #endif
         }
     }
-    integer_dots(q, acc, scale, base, dots);
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < GROUPS; g++) { /* 254 I1 + I2 as (I1 << 8) - (I1 << 1) + I2, unsigned: no overflow */
+            typedef uint32_t unsigned_ints __attribute__((vector_size(4 * LANES)));
+            const unsigned_ints first = (unsigned_ints)acc[0][m][g];
+            sums[m][g] = (ints)((first << 8) - (first << 1) + (unsigned_ints)acc[1][m][g]);
+        }
+    integer_dots(q, sums, scale, base, dots);
 }
 #endif
