@@ -10,9 +10,10 @@ before two matrix products, and quantising a token is some twenty small operator
   codes, a running softmax, the values added from their codes, so each slot's codes are read once (a block's
   float16 scales turned into float32 once; masks and soft-capping applied there; the weight sums
   (`need_weights`) from the scores it keeps and each query's maximum and sum). The keys' products are integer:
-  each query (times the scale) rounded per group to two int8 digits (about 16 bits) whose products with the
-  codes add up exactly in int32 (AVX-512 VNNI over 16 slots at a time where the compiler targets it, else
-  vectors of ints: the same integers), the scale and offset applied per group (`quant_keys_cpu.h`); the values'
+  each query (times the scale) rounded per group to two int8 digits (about 16 bits; `254 d1 + d2` an int16)
+  whose products with the codes add up exactly in int32 (AVX-512 VNNI over 16 slots at a time where the
+  compiler targets it, else vectors of ints: the same integers), the scale and offset applied per group
+  (`quant_keys_cpu.h`); the values'
   codes as numbers times the softmax numerators times their scale, the offsets once per block. Written with
   GCC / Clang vector extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16;
   a group size that is not a multiple of 4 has no kernel and takes the PyTorch path).

@@ -22,7 +22,7 @@ value's right after the key's). The scales and offsets never multiply a number o
 
 - keys (quant_keys_cpu.h): each query is rounded to two int8 digits per group, its digits times the codes
   add up exactly as integers (AVX-512 VNNI where the compiler targets it, 16 slots at a time), and a group's
-  score is scale * step * that sum + offset * the query's float32 sum over the group;
+  score is scale * (step / 254) * that sum + offset * the query's float32 sum over the group;
 - values: the codes as numbers times the softmax numerator times the group's scale, added into accumulators
   held over the block, and the offsets weighted by the numerators added per group once per block.
 
