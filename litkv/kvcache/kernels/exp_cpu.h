@@ -6,6 +6,11 @@
 #include <math.h>
 #include <stdint.h>
 
+/* e^r's Taylor polynomial of degree 7 by Horner's rule, for a float or a vector of them r. */
+#define EXP_TAYLOR(r)                                                                                   \
+    ((((((((r) * (1.0f / 5040.0f) + 1.0f / 720.0f) * (r) + 1.0f / 120.0f) * (r) + 1.0f / 24.0f) * (r) + \
+        1.0f / 6.0f) * (r) + 0.5f) * (r) + 1.0f) * (r) + 1.0f)
+
 /* e^x for x <= 0 (and -inf, which gives 0): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
    polynomial of degree 7 (relative error below 2e-7), times 2^n built in the exponent bits; below
    -87 (under float32's normal range) 0. Plain arithmetic, so that a loop of it vectorises. */
@@ -13,14 +18,7 @@ static inline float exp_nonpositive(float x) {
     const float clamped = x < -87.0f ? -87.0f : x;
     const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
     const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float p = EXP_TAYLOR(r);
     union {
         int32_t bits;
         float value;
@@ -45,13 +43,7 @@ static inline exp_floats exp16_nonpositive(exp_floats x) {
     exp_floats n = __builtin_convertvector(__builtin_convertvector(y, exp_ints), exp_floats);
     n += __builtin_convertvector(n > y, exp_floats); /* truncation was toward zero: -1 where it rounded up */
     const exp_floats r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    exp_floats p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const exp_floats p = EXP_TAYLOR(r);
     const exp_ints two = (__builtin_convertvector(n, exp_ints) + 127) << 23;
     return exp_select(x < floor, (exp_floats){0}, p * (exp_floats)two);
 }
