@@ -71,7 +71,7 @@ def _oracle(q, slots, mask, valid, softcap=None):
     return attend(q.double(), keys, values, mask, 0.3, softcap, True, valid)
 
 
-DIGITS = 2  # int8 digits per query number in the kernel (`quant_decode_cpu.c`)
+DIGITS = 2  # int8 digits per query number in the kernel (`quant_keys_cpu.h`)
 
 
 def _rounded_queries(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -2,11 +2,11 @@
 quant_decode_cpu.c (beside this file) for 8- and 4-bit slots, with its macros (HEAD, GROUPS, SIZE, WIDTH, M, LANES,
 PIECES, PER_GROUP, BLOCK, AHEAD, VNNI), vector types and `code_ints` / `int_lane_sums`.
 
-Each query (times the attention's scale, float32) is rounded per group of SIZE numbers to two int8 digits:
-step = max |x| / 127, d1 the nearest integer to x / step (ties to even), d2 the nearest to what d1 left times 254,
-so x = step * (d1 + d2 / 254) within step / 508 / 254 (about 16 bits), and the whole number w = 254 d1 + d2 fits in
-int16. A key group's codes c times w add up exactly in int32 (at most SIZE * 255 * 32385: SIZE <= 256 for int8
-codes, which cpu_decode.py sees to), and the group's score is scale * (step / 254) * that sum + offset * (the
+Each query (times the attention's scale, float32) is rounded per group of SIZE numbers to two int8 digits: step =
+max |x| / 127, d1 the nearest integer to x / step (ties to even), d2 the nearest to what d1 left times 254, so x =
+step * (d1 + d2 / 254) within step / 508 = max |x| / 64,516 (about 16 bits), and the whole number w = 254 d1 + d2
+fits in int16. A key group's codes c times w add up exactly in int32 (at most SIZE * 255 * 32385: SIZE <= 256 for
+int8 codes, which cpu_decode.py sees to), and the group's score is scale * (step / 254) * that sum + offset * (the
 float32 sum of the group's numbers). With AVX-512 VNNI 16 slots' codes are transposed so that a 32-bit lane holds 4
 codes of one slot, times 4 digits of a query in one instruction (16 slots, no sums across lanes; the two digits'
 sums joined as 254 I1 + I2); else each slot's products with w go into lanes added up LANES slots at a time. Both
