@@ -13,10 +13,10 @@ before two matrix products, and quantising a token is some twenty small operator
   each query (times the scale) rounded per group to two int8 digits (about 16 bits; `254 d1 + d2` an int16)
   whose products with the codes add up exactly in int32 (AVX-512 VNNI over 16 slots at a time where the
   compiler targets it, else vectors of ints: the same integers), the scale and offset applied per group
-  (`quant_keys_cpu.h`); the values'
-  codes as numbers times the softmax numerators times their scale, the offsets once per block. Written with
-  GCC / Clang vector extensions (vectors of 16 numbers, or 8 or 4 where a group's size is not a multiple of 16;
-  a group size that is not a multiple of 4 has no kernel and takes the PyTorch path).
+  (`quant_keys_cpu.h`); the values' codes as numbers times the softmax numerators times their scale, the
+  offsets once per block. Written with GCC / Clang vector extensions (vectors of 16 numbers, or 8 or 4 where a
+  group's size is not a multiple of 16; a group size that is not a multiple of 4 has no kernel and takes the
+  PyTorch path).
 - `litkv_quantize` (`quantize`, `quantize_into`): `litkv.kvcache.quantized.quantize` with float16 scales, bit
   for bit; `litkv_round_trip_errors` (`round_trip_errors`): the quantisation error `qh2o` reads.
 

@@ -48,4 +48,15 @@ static inline exp_floats exp16_nonpositive(exp_floats x) {
     return exp_select(x < floor, (exp_floats){0}, p * (exp_floats)two);
 }
 
+/* The largest lane of x, NaN left out (a tree of maxima: the same number in any order). */
+static inline float largest_lane(exp_floats x) {
+    exp_floats y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = exp_select(y > x, y, x);
+    y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x = exp_select(y > x, y, x);
+    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x = exp_select(y > x, y, x);
+    return x[1] > x[0] ? x[1] : x[0];
+}
+
 #endif

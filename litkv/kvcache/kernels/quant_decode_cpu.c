@@ -326,31 +326,19 @@ static inline void block_values(const uint8_t *c, int64_t s0, int n, int64_t str
 }
 
 /* shift[m][g] += the value offsets of slots [0, n) (base[GROUPS + g][t]) weighted by p[m][t] (a slot of weight 0
-   adds nothing, whatever its offset holds). */
+   adds nothing, whatever its offset holds; p is 0 past n), in 16 interleaved parts. */
 static inline void block_offsets(const float base[2 * GROUPS][BLOCK], const float p[M][BLOCK], int n,
                                  float shift[M][GROUPS]) {
+    const int whole = (n + 15) & ~15;
     for (int m = 0; m < M; m++)
         for (int g = 0; g < GROUPS; g++) {
-            float lanes[LANES] = {0}, total = 0.0f;
-            int t = 0;
-            for (; t + LANES <= n; t += LANES)
-                for (int l = 0; l < LANES; l++)
-                    lanes[l] += p[m][t + l] != 0.0f ? p[m][t + l] * base[GROUPS + g][t + l] : 0.0f;
-            for (; t < n; t++) total += p[m][t] != 0.0f ? p[m][t] * base[GROUPS + g][t] : 0.0f;
-            for (int l = 0; l < LANES; l++) total += lanes[l];
-            shift[m][g] += total;
+            exp_floats lanes = {0}, weight, offset;
+            for (int t = 0; t < whole; t += 16) {
+                memcpy(&weight, p[m] + t, sizeof(weight)), memcpy(&offset, base[GROUPS + g] + t, sizeof(offset));
+                lanes += exp_select(weight != 0.0f, weight * offset, (exp_floats){0});
+            }
+            for (int l = 0; l < 16; l++) shift[m][g] += lanes[l];
         }
-}
-
-/* The largest lane of x (a tree of maxima: the same number in any order). */
-static inline float largest_lane(exp_floats x) {
-    exp_floats y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x = exp_select(y > x, y, x);
-    y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x = exp_select(y > x, y, x);
-    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x = exp_select(y > x, y, x);
-    return x[1] > x[0] ? x[1] : x[0];
 }
 
 /* Folds one block's scores (n of them; the rest of the row is overwritten with -inf) into the running maximum of
@@ -445,7 +433,6 @@ static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int
         }
     }
 }
-
 
 #if BITS == 32
 /* Decode attention over float32 slots: keys and values (B, G, S, HEAD) float32 with element strides key_b,

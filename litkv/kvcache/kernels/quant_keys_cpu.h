@@ -16,10 +16,11 @@ give the same integers, so the same bits. */
    VNNI its digits d1, d2 as quads[k][m][e]: numbers 4 e .. 4 e + 3 as the bytes of one int32), its step / 254 per
    group (unit: what 1 of w is worth) and the group's sum of its float32 numbers (total). */
 typedef struct {
-    ints qi[M][PIECES];
     float unit[M][GROUPS], total[M][GROUPS];
 #ifdef VNNI
     int32_t quads[2][M][HEAD / 4];
+#else
+    ints qi[M][PIECES];
 #endif
 } queries;
 
@@ -46,10 +47,11 @@ static void prepare_queries(const float *qq, float qscale, queries *q) {
             }
             q->unit[m][g] = finite ? top / 127.0f / 254.0f : NAN, q->total[m][g] = sum;
         }
-        for (int i = 0; i < PIECES; i++)
-            for (int l = 0; l < LANES; l++) q->qi[m][i][l] = 254 * digits[0][i * LANES + l] + digits[1][i * LANES + l];
 #ifdef VNNI
         for (int k = 0; k < 2; k++) memcpy(q->quads[k][m], digits[k], sizeof(digits[k]));
+#else
+        for (int i = 0; i < PIECES; i++)
+            for (int l = 0; l < LANES; l++) q->qi[m][i][l] = 254 * digits[0][i * LANES + l] + digits[1][i * LANES + l];
 #endif
     }
 }

@@ -111,8 +111,8 @@ static inline float largest(const float *x, int64_t n) {
         lanes = exp_select(v > lanes, v, lanes);
     }
     for (; i < n; i++) top = x[i] > top ? x[i] : top;
-    for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
-    return top;
+    const float most = largest_lane(lanes);
+    return most > top ? most : top;
 }
 
 /* x[i] = e^(x[i] - top) for i < n; returns their sum, in 16 interleaved parts (then the rest, then the parts in
