@@ -42,6 +42,14 @@ class BoundRope:
         index = positions.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)
         return cos[index, : self.n_elem], sin[index, : self.n_elem]
 
+    def tables(self, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos, sin tables `(N, n_elem)` (views, strided where the model has per-layer tables), `N >=
+        needed` covering every position of the calls the model runs."""
+        cos, sin = self.table(needed)
+        if self.column is not None:
+            cos, sin = cos[..., self.column], sin[..., self.column]
+        return cos[:, : self.n_elem], sin[:, : self.n_elem]
+
     def at_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `(1, 1, n_elem)` at position 0: `at` of a zero position, read by slicing (no index)."""
         cos, sin = self.table(1)

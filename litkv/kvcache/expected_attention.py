@@ -16,7 +16,10 @@ Cost of a call: the statistics are updated with the call's queries only (float64
 applied to the keys (`R^T k`, elementwise) instead of building `D x D` matrices, and the covariance term is
 one symmetric quadratic form per candidate and query head (`quadratic_forms`), run in the keys' precision
 (float32 at least; float64 keys stay float64). That term is `O(N D^2)` per head and step by nature: `R`
-moves with the newest position, so it cannot be carried per slot.
+moves with the newest position, so it cannot be carried per slot. On the CPU, float32 keys, values and RoPE
+tables and a head size a multiple of 16 take C passes instead (`cpu_scores.expected_scores`: `R` applied to the
+statistics, not the keys, and the whole score in one pass per layer; `cpu_scores.expected_stats`: a decode step's
+statistics).
 
 The RoPE table comes from the model: the class sets `needs_rope`, so `GPT.set_kv_caches` calls `bind_rope`.
 The scale is `1/sqrt(head_size)` (the model's own may differ, e.g. Gemma's). No attention weights are
@@ -32,6 +35,8 @@ import torch
 
 from litkv.core.rope import BoundRope, RopeTable
 from litkv.kvcache.base import Candidates, Placement
+from litkv.kvcache.kernels import cpu_scores
+from litkv.kvcache.machine import SlotMachine
 from litkv.kvcache.options import PolicyOptions, ScoreOptions, check_bool, check_float, check_int, check_mode
 from litkv.kvcache.policy import StateUpdate
 from litkv.kvcache.registry import register_kv_cache
@@ -142,6 +147,11 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     _future: tuple[torch.Tensor, torch.Tensor]  # mean cos and sin of the future offsets
     _sign: torch.Tensor  # (n_elem,) -1 on the first half
 
+    def __init__(self, cache: SlotMachine) -> None:
+        super().__init__(cache)
+        size = self.shape.key_size  # the C pass takes heads of a multiple of 16 numbers; asked once, outside compiling
+        self.c_scores = size % 16 == 0 and cpu_scores.available(self.positions.device, size)
+
     def bind_rope(self, table: RopeTable, n_elem: int, column: int | None = None) -> None:
         """The model's RoPE: `table(n)` gives its cos and sin tables `(N, n_elem[, k])`, `N >= n` and covering
         every position of the calls the model runs (`GPT._rope_table`; `column` picks the last dim when the
@@ -158,13 +168,25 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         """cos, sin `(*positions.shape, n_elem)` float64 at `positions` (`-1` read as 0), the sines with their first
         half negated (as `rotate` takes them). No host read: the model's table covers the positions of the call it
         runs (`needed` more may be asked for)."""
+        cos, sin = self._bound().at(positions, needed)
+        return cos.double(), sin.double() * self._sign
+
+    def _bound(self) -> BoundRope:
+        """The model's RoPE (`bind_rope`); a clear error where it was never bound."""
         if self._rope is None:
             raise RuntimeError(
                 "ExpectedAttentionKVCache needs the model's RoPE table: attach the caches with GPT.set_kv_caches "
                 "(or call cache.bind_rope(table, n_elem))"
             )
-        cos, sin = self._rope.at(positions, needed)
-        return cos.double(), sin.double() * self._sign
+        return self._rope
+
+    def _c_tables(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The model's RoPE tables where a call on `x` (keys or queries) takes the C passes (`cpu_scores`: float32
+        on the CPU, no autograd, float32 tables), else None."""
+        if not (self.c_scores and cpu_scores.applies(x)):
+            return None
+        tables = self._bound().tables()
+        return tables if tables[0].dtype == torch.float32 else None
 
     def future_cos_sin(self, newest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `(B, n_elem)` float64 of the mean RoPE rotation `R` of the positions `newest + 1 .. newest +
@@ -183,6 +205,10 @@ class ExpectedAttentionKVCache(ScoreKVCache):
     def updated_stats(self, queries: torch.Tensor, query_pos: torch.Tensor) -> Stats:
         """The statistics after the non-pad queries at positions `>= n_sink` of a call, the newest weighing most."""
         o = self.options
+        tables = self._c_tables(queries) if self.stats is not None and queries.shape[2] == 1 else None
+        if tables is not None:  # a decode step: one C pass
+            decay = 1.0 if o.n_stats is None else 1.0 - 1.0 / o.n_stats
+            return cpu_scores.expected_stats(queries, query_pos, tables, self.stats, o.n_sink, decay)
         q = self.pre_rope(queries, query_pos)
         valid = query_pos >= o.n_sink  # (B, T)
         if o.n_stats is None:
@@ -229,9 +255,14 @@ class ExpectedAttentionKVCache(ScoreKVCache):
 
         The statistics are float64; the products with the keys run in the keys' precision (float32 at least),
         with the future rotation on the keys (`future_keys`) and the covariance term as one symmetric quadratic
-        form per key and query head (`quadratic_forms`)."""
+        form per key and query head (`quadratic_forms`). float32 keys and values on the CPU take one C pass
+        instead (`cpu_scores.expected_scores`: the rotation on the statistics, the rest there too)."""
         o = self.options
         b, g, n, d = keys.shape
+        tables = self._c_tables(keys) if cpu_scores.applies(values) else None
+        if tables is not None:
+            return cpu_scores.expected_scores(keys, values, pos, stats, tables, self._future, o.n_sink, o.use_vnorm,
+                                              o.epsilon)  # fmt: skip
         keys_t = self.future_keys(keys, pos.flatten(1).max(dim=1).values)  # (B, G, D, N)
         mean, cov = self.moments(stats, 1 / (2 * d))
         per = mean.shape[1] // g

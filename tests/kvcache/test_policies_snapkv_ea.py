@@ -103,6 +103,13 @@ def rope_table(needed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat((angles.cos(), angles.cos()), dim=1), torch.cat((angles.sin(), angles.sin()), dim=1)
 
 
+def rope_table32(needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_table` rounded to float32, as a float32 model's table is: the tables expected-attention's C passes
+    read (a float64 table takes the PyTorch path)."""
+    cos, sin = rope_table(needed)
+    return cos.float(), sin.float()
+
+
 @functools.cache  # a pure function of `p`; callers never write into the matrix
 def rotation(p: int) -> torch.Tensor:
     """`(HS, HS)` float64 RoPE rotation at position `p`: pair `(i, i + ROPE_N/2)` turned by `p * base^(-2i/n)`."""
@@ -200,7 +207,7 @@ def _run_against_brute_force(policy: str, oracle_class: type[BruteForce], chunk:
     seen_k, seen_v = cache.storage.as_stored(k, v)  # what queries and policy see (int4: rounded per token)
     oracle = oracle_class(config, q.double(), seen_k.double(), seen_v.double(), pos)
     if cache.needs_rope:  # the cache gets the queries after RoPE, the oracle keeps them before
-        cache.policy.bind_rope(rope_table, ROPE_N)
+        cache.policy.bind_rope(rope_table32 if dtype == torch.float32 else rope_table, ROPE_N)
         q = rotated(q.double(), pos).to(dtype)
     got, want = _record_scores(cache, oracle)
     evicting = 0

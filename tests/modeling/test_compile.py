@@ -159,7 +159,7 @@ def _prefilled(policy: str, storage: str = "float") -> tuple[GPT, list, torch.Te
 
 
 _CACHE_SIZED = {
-    "expected-attention": "its score needs k^T C k per slot: an (N, D) product of the keys per query head",
+    "expected-attention": "its query statistics (B, H, D, D), renewed every step, are as large as a layer's keys here",
 }
 if cpu_decode.find_compiler() is None:  # no CPU decode kernel
     _CACHE_SIZED["qh2o"] = "without a C compiler quantised slots are converted whole to floats at every step"

@@ -1,5 +1,5 @@
 """Score policies' per-candidate arithmetic on the CPU in C: KeyDiff's cosines, SnapKV's one-query attention and
-pool.
+pool, Expected Attention's scores and a decode step's statistics.
 
 `keydiff` scores every candidate by minus the cosine of its key to the anchor (the mean of the unit keys); `snapkv`'s
 decode step scores it by the new query's softmax weights. Through PyTorch's operators each is a few batched products
@@ -9,7 +9,9 @@ products), `snapkv_weights` once (the logits, then each query head's softmax). I
 opaque op (`litkv::keydiff_scores`, `litkv::snapkv_weights`), so a compiled step keeps the eager step's bits.
 `snapkv_pool` is snapkv's pool over neighbours in token order, mask and running maximum in one pass per row, the
 PyTorch path's bits (its sort by position starts from the order the last call found: a decode step moves one
-slot); eager only, a compiled step keeps the PyTorch operators (the same bits).
+slot); eager only, a compiled step keeps the PyTorch operators (the same bits). `expected_scores` and
+`expected_stats` are `expected-attention`'s score and statistics of a decode step (ops `litkv::expected_scores`,
+`litkv::expected_stats` inside `torch.compile`).
 
 Rounding: each product is 16 partial sums in a fixed order, not the BLAS's order, exponentials from a polynomial
 (`exp_cpu.h`, relative error below 2e-7): within float32 rounding of float64 oracles
@@ -26,7 +28,17 @@ import torch
 
 from litkv.core.c_build import load
 
-__all__ = ["CPU_KERNEL", "applies", "available", "keydiff_scores", "library", "snapkv_pool", "snapkv_weights"]
+__all__ = [
+    "CPU_KERNEL",
+    "applies",
+    "available",
+    "expected_scores",
+    "expected_stats",
+    "keydiff_scores",
+    "library",
+    "snapkv_pool",
+    "snapkv_weights",
+]
 
 #: Whether `keydiff` and `snapkv` scores take the C passes where they apply; False: the PyTorch path everywhere.
 CPU_KERNEL = True
@@ -38,6 +50,17 @@ _SIGNATURES = {
     "litkv_snapkv_pool": (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3,
         ctypes.c_int,
+    ),
+    "litkv_expected_scores": ([ctypes.c_void_p] * 12 + [ctypes.c_int64] * 16 + [ctypes.c_float], None),
+    "litkv_expected_stats": (
+        [ctypes.c_void_p]
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64] * 5
+        + [ctypes.c_double]
+        + [ctypes.c_void_p] * 6
+        + [ctypes.c_int64] * 2,
+        None,
     ),
 }
 
@@ -132,6 +155,118 @@ def snapkv_pool(
     if library(head).litkv_snapkv_pool(*pointers, nb, order.data_ptr(), out.data_ptr(), rows, n, kernel):
         raise MemoryError(f"snapkv_pool: no scratch for {n} + {kernel} numbers")
     return out
+
+
+def expected_scores(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, stats: tuple[torch.Tensor, ...],
+    rope: tuple[torch.Tensor, torch.Tensor], future: tuple[torch.Tensor, torch.Tensor], n_sink: int, vnorm: bool,
+    epsilon: float,
+) -> torch.Tensor:  # fmt: skip
+    """`(B, G, N)` float32 expected-attention scores (`ExpectedAttentionKVCache.expected`'s rule; `available` and
+    `applies(keys)` hold, `values` float32, the head size a multiple of 16): keys and values `(B, G, N, D)` (any
+    strides but the last axis's), positions `(B, G, N)` int64 (below `n_sink`: hidden), the float64 statistics
+    `(s0 (B, H), s1 (B, H, D), s2 (B, H, D, D) or (B, H, 0, 0) without the covariance)`, `rope` the model's
+    float32 RoPE tables `(positions, n_elem)` (any strides), `future` the mean cos and signed sin of the future
+    offsets `(n_elem,)` float64.
+
+    Unlike the PyTorch path, the mean future rotation `R` is applied to the statistics (`R mu`, `R Sigma R^T`, in
+    float64) instead of to every key, and the quadratic forms run over 16 slots at a time in float32: within
+    float32 rounding of the same float64 numbers."""
+    op = _expected_op if torch.compiler.is_compiling() else _expected_scores
+    return op(keys, values, positions, *stats, *rope, *future, n_sink, vnorm, epsilon)
+
+
+def _expected_scores(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor,
+    s2: torch.Tensor, table_cos: torch.Tensor, table_sin: torch.Tensor, future_cos: torch.Tensor,
+    future_sin: torch.Tensor, n_sink: int, vnorm: bool, epsilon: float,
+) -> torch.Tensor:  # fmt: skip
+    b, g, n, d = keys.shape
+    hq = s0.shape[1]
+    covariance = s2.numel() > 0
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    values = values if values.stride(-1) == 1 else values.contiguous()
+    s0, s1, positions = s0.contiguous(), s1.contiguous(), positions.contiguous()
+    s2 = s2.contiguous() if covariance else None
+    future_cos, future_sin = future_cos.contiguous(), future_sin.contiguous()
+    scratch = torch.empty(hq * (d + (d * d if covariance else 0)) + hq // g * n, dtype=torch.float32)
+    out = torch.empty(b, g, n, dtype=torch.float32)
+    tensors = (keys, values, positions, s0, s1, s2, table_cos, table_sin, future_cos, future_sin, scratch, out)
+    pointers = [None if x is None else x.data_ptr() for x in tensors]
+    strides = _table_strides(table_cos, table_sin, d)
+    n_elem = table_cos.shape[-1]
+    if future_cos.shape != (n_elem,) or future_sin.shape != (n_elem,) or future_cos.dtype != torch.float64:
+        raise ValueError(f"future must be two float64 ({n_elem},), got {future_cos.dtype} {tuple(future_cos.shape)}")
+    sizes = (b, g, hq // g, n, n_elem, table_cos.shape[0], *strides)
+    strides = (*keys.stride()[:3], *values.stride()[:3])
+    library(d).litkv_expected_scores(*pointers, *sizes, *strides, n_sink, vnorm, epsilon)
+    return out
+
+
+def expected_stats(
+    queries: torch.Tensor, query_pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    stats: tuple[torch.Tensor, ...], n_sink: int, decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Expected attention's statistics after a decode step (`ExpectedAttentionKVCache.updated_stats` with one query
+    per row; `available` holds): queries `(B, H, 1, D)` float32 after RoPE (any strides but the last axis's) at
+    `query_pos` `(B, 1)` int64, `rope` the model's float32 tables `(positions, n_elem)`, `stats` the float64
+    `(s0, s1, s2)` before (`s2` `(B, H, 0, 0)` without the covariance), `decay` `1 - 1 / n_stats` (1: uniform
+    weights). New tensors; the query turned back to position 0 in float64, as the PyTorch path does."""
+    op = _stats_op if torch.compiler.is_compiling() else _expected_stats
+    return op(queries, query_pos, *rope, *stats, n_sink, decay)
+
+
+def _expected_stats(
+    queries: torch.Tensor, query_pos: torch.Tensor, table_cos: torch.Tensor, table_sin: torch.Tensor,
+    s0: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n_sink: int, decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    b, hq, _, d = queries.shape
+    queries = queries if queries.stride(-1) == 1 else queries.contiguous()
+    s0, s1, s2, query_pos = s0.contiguous(), s1.contiguous(), s2.contiguous(), query_pos.contiguous()
+    out = (torch.empty_like(s0), torch.empty_like(s1), torch.empty_like(s2))
+    covariance = s2.numel() > 0
+    pointers = [x.data_ptr() if covariance or i % 3 != 2 else None for i, x in enumerate((s0, s1, s2, *out))]
+    library(d).litkv_expected_stats(
+        queries.data_ptr(), queries.stride(0), queries.stride(1), query_pos.data_ptr(), table_cos.data_ptr(),
+        table_sin.data_ptr(), table_cos.shape[0], *_table_strides(table_cos, table_sin, d), table_cos.shape[-1], n_sink,
+        decay, *pointers, b, hq,
+    )  # fmt: skip
+    return out
+
+
+def _table_strides(table_cos: torch.Tensor, table_sin: torch.Tensor, head: int) -> tuple[int, int]:
+    """The RoPE tables' strides (rows, numbers), which the C passes read for both; they rotate an even number of a
+    head's `head` numbers."""
+    n_elem = table_cos.shape[-1]
+    if table_cos.dtype != torch.float32 or table_cos.stride() != table_sin.stride() or table_cos.dim() != 2:
+        raise ValueError(
+            f"the RoPE tables must be 2-D float32 of the same strides, got {table_cos.dtype} {table_cos.stride()} "
+            f"and {table_sin.dtype} {table_sin.stride()}"
+        )
+    if n_elem % 2 or n_elem > head or table_sin.shape != table_cos.shape:
+        raise ValueError(f"the RoPE tables must rotate an even number <= {head} of numbers, got {n_elem}")
+    return table_cos.stride(0), table_cos.stride(1)
+
+
+_expected_op = torch.library.custom_op("litkv::expected_scores", _expected_scores, mutates_args=())
+_stats_op = torch.library.custom_op("litkv::expected_stats", _expected_stats, mutates_args=())
+
+
+@_expected_op.register_fake
+def _expected_scores_shape(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor,
+    s2: torch.Tensor, table_cos: torch.Tensor, table_sin: torch.Tensor, future_cos: torch.Tensor,
+    future_sin: torch.Tensor, n_sink: int, vnorm: bool, epsilon: float,
+) -> torch.Tensor:  # fmt: skip
+    return keys.new_empty(keys.shape[:3])
+
+
+@_stats_op.register_fake
+def _expected_stats_shape(
+    queries: torch.Tensor, query_pos: torch.Tensor, table_cos: torch.Tensor, table_sin: torch.Tensor,
+    s0: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n_sink: int, decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return torch.empty_like(s0), torch.empty_like(s1), torch.empty_like(s2)
 
 
 _keydiff_op = torch.library.custom_op("litkv::keydiff_scores", _keydiff_scores, mutates_args=())

@@ -1,4 +1,5 @@
-/* Score policies' per-candidate arithmetic on the CPU: KeyDiff's cosines, and SnapKV's one-query attention.
+/* Score policies' per-candidate arithmetic on the CPU: KeyDiff's cosines, SnapKV's one-query attention and pool,
+   Expected Attention's scores and statistics.
 
 Built at run time by litkv/kvcache/kernels/cpu_scores.py (litkv.core.c_build), once per head size HEAD (a -D
 define). Keys are (B, G, N, HEAD) float32 with strides sb, sg, sn in numbers (the last axis contiguous); positions
@@ -26,6 +27,9 @@ sort of `order` (a permutation of 0..N-1 per row, in and out), a merge sort wher
 moves: left as the last call sorted it, a decode step's order is nearly sorted (one slot took the newest token)
 and costs about 2 N moves; any permutation gives the same result. Returns 1 where its scratch cannot be allocated
 (nothing written), else 0.
+
+litkv_expected_scores and litkv_expected_stats (litkv.kvcache.expected_attention; HEAD a multiple of 16, the
+caller's check): below, beside their code.
 
 Each product is 16 partial sums over the vector, added in a fixed order, and the rest one by one; exponentials
 from exp_cpu.h's polynomial (relative error below 2e-7). A (row, head)'s numbers do not depend on the others.
@@ -228,4 +232,254 @@ int litkv_snapkv_pool(const float *weights, const int64_t *positions, const floa
     }
     free(sorted);
     return 0;
+}
+
+/* ---- litkv_expected_scores: expected attention (litkv.kvcache.expected_attention's `expected`) ---- */
+
+#define BLOCK 64              /* slots per block of the quadratic forms: VECS vectors of 16 */
+#define VECS (BLOCK / LANES)
+#define UNPACK(...) __VA_ARGS__
+#define SHUFFLE(a, b, INDICES) __builtin_shufflevector(a, b, UNPACK INDICES)
+#define LO1 (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+#define HI1 (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
+#define LO2 (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+#define HI2 (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+#define LO4 (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+#define HI4 (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
+#define LO8 (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#define HI8 (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+#define STAGE(x, H, LO, HI)                                                                                     \
+    for (int r = 0; r < LANES; r++)                                                                             \
+        if (!(r & H)) {                                                                                         \
+            const floats a = x[r], b = x[r + H];                                                                \
+            x[r] = SHUFFLE(a, b, LO), x[r + H] = SHUFFLE(a, b, HI);                                             \
+        }
+
+/* x[r][c] -> x[c][r] for a 16 x 16 tile: stage H swaps bit H of the row with bit H of the column, one two-source
+   shuffle per row (rows r and r + H give r's numbers at columns without bit H, r + H's at the others). */
+static inline void transpose16(floats x[LANES]) {
+    STAGE(x, 1, LO1, HI1)
+    STAGE(x, 2, LO2, HI2)
+    STAGE(x, 4, LO4, HI4)
+    STAGE(x, 8, LO8, HI8)
+}
+
+/* kt[d][v] = number d of the keys of slots i0 + 16 v + lane (k's rows sn apart; zeros past slot n). */
+static void transpose_block(const float *k, int64_t sn, int64_t i0, int64_t n, floats kt[HEAD][VECS]) {
+    for (int v = 0; v < VECS; v++)
+        for (int d0 = 0; d0 < HEAD; d0 += LANES) {
+            floats x[LANES];
+            for (int l = 0; l < LANES; l++) {
+                const int64_t i = i0 + v * LANES + l;
+                if (i < n)
+                    memcpy(&x[l], k + i * sn + d0, sizeof(floats));
+                else
+                    x[l] = (floats){0};
+            }
+            transpose16(x);
+            for (int j = 0; j < LANES; j++) kt[d0 + j][v] = x[j];
+        }
+}
+
+#define MOST 3 /* query heads whose forms one pass over a block's keys multiplies */
+
+/* Logits m . k + k^T A k of the block's first `vecs` vectors of slots into l[h][0..16 vecs), for `heads` query heads
+   (at most MOST): `mean[h]` m (HEAD), `form[h]` (HEAD x HEAD) the upper triangle of A with the off-diagonal numbers
+   doubled (zeros below; NULL without the covariance). Per dim a, t = m_a + sum_{b >= a} form[a][b] k_b, then
+   l += k_a t: several heads share each load of k_b; a head alone sums b even and odd apart (chains long enough to
+   keep the multiply-add units busy). */
+static inline __attribute__((always_inline)) void block_logits(const floats kt[HEAD][VECS], const float *const *mean,
+                                                               const float *const *form, float (*l)[BLOCK],
+                                                               const int heads, const int vecs) {
+    floats acc[MOST][VECS];
+    for (int h = 0; h < heads; h++)
+        for (int v = 0; v < vecs; v++) acc[h][v] = (floats){0};
+    for (int a = 0; a < HEAD; a++) {
+        floats t[MOST][VECS], odd[VECS];
+        for (int h = 0; h < heads; h++)
+            for (int v = 0; v < vecs; v++) t[h][v] = (floats){0} + mean[h][a];
+        if (form[0] != NULL && heads == 1) {
+            const float *row = form[0] + a * HEAD;
+            for (int v = 0; v < vecs; v++) odd[v] = (floats){0};
+            for (int b = a & ~1; b < HEAD; b += 2)
+                for (int v = 0; v < vecs; v++) t[0][v] += row[b] * kt[b][v], odd[v] += row[b + 1] * kt[b + 1][v];
+            for (int v = 0; v < vecs; v++) t[0][v] += odd[v];
+        } else if (form[0] != NULL)
+            for (int b = a; b < HEAD; b++)
+                for (int h = 0; h < heads; h++) {
+                    const float w = form[h][a * HEAD + b];
+                    for (int v = 0; v < vecs; v++) t[h][v] += w * kt[b][v];
+                }
+        for (int h = 0; h < heads; h++)
+            for (int v = 0; v < vecs; v++) acc[h][v] += kt[a][v] * t[h][v];
+    }
+    for (int h = 0; h < heads; h++)
+        for (int v = 0; v < vecs; v++) memcpy(l[h] + v * LANES, &acc[h][v], sizeof(floats));
+}
+
+/* block_logits of `heads` (1..MOST) heads over a whole block (vecs = VECS) or its first vector (1). */
+static void some_logits(const floats kt[HEAD][VECS], const float *const *mean, const float *const *form,
+                        float (*l)[BLOCK], int heads, int whole) {
+    if (heads == 3)
+        whole ? block_logits(kt, mean, form, l, 3, VECS) : block_logits(kt, mean, form, l, 3, 1);
+    else if (heads == 2)
+        whole ? block_logits(kt, mean, form, l, 2, VECS) : block_logits(kt, mean, form, l, 2, 1);
+    else
+        whole ? block_logits(kt, mean, form, l, 1, VECS) : block_logits(kt, mean, form, l, 1, 1);
+}
+
+/* One (row, query head)'s mean and form (block_logits) from its statistics: s0 the weight, s1 (HEAD) the weighted
+   queries, s2 (HEAD x HEAD) their outer products (NULL without the covariance); cs, sn (n_elem) the mean future
+   rotation R (sines with their first half negated). mu = s1 / max(s0, 1e-300), mean = R mu / sqrt(HEAD),
+   A = R (s2 / total - mu mu^T) R^T / (2 HEAD), in float64, then float32. R x = cos x + sin x rolled by n_elem / 2 on
+   the first n_elem numbers (the rest as they are), so R C R^T is two such passes: U = C R^T by rows, then R U. */
+static void prepare(double s0, const double *s1, const double *s2, const double *cs, const double *sn, int64_t n_elem,
+                    float *mean, float *form) {
+    const int64_t half = n_elem / 2;
+    double c[HEAD], s[HEAD], mu[HEAD], rot[HEAD], crow[HEAD];
+    int64_t partner[HEAD];
+    const double total = s0 > 1e-300 ? s0 : 1e-300;
+    for (int64_t i = 0; i < HEAD; i++) {
+        c[i] = i < n_elem ? cs[i] : 1.0, s[i] = i < n_elem ? sn[i] : 0.0, mu[i] = s1[i] / total;
+        partner[i] = i < half ? i + half : i < n_elem ? i - half : i;
+    }
+    for (int64_t i = 0; i < HEAD; i++) rot[i] = c[i] * mu[i] + s[i] * mu[partner[i]];
+    for (int64_t i = 0; i < HEAD; i++) mean[i] = (float)(rot[i] / sqrt((double)HEAD));
+    if (s2 == NULL) return;
+    const double scale = 1.0 / (2.0 * HEAD), share = scale / total;
+    double u[HEAD][HEAD];
+    for (int64_t r = 0; r < HEAD; r++) {
+        for (int64_t j = 0; j < HEAD; j++) crow[j] = s2[r * HEAD + j] * share - scale * mu[r] * mu[j];
+        for (int64_t j = 0; j < half; j++) u[r][j] = c[j] * crow[j] + s[j] * crow[j + half];
+        for (int64_t j = half; j < n_elem; j++) u[r][j] = c[j] * crow[j] + s[j] * crow[j - half];
+        for (int64_t j = n_elem; j < HEAD; j++) u[r][j] = crow[j];
+    }
+    for (int64_t a = 0; a < HEAD; a++) {
+        const double ca = c[a], sa = s[a], *ua = u[a], *up = u[partner[a]];
+        float *row = form + a * HEAD;
+        for (int64_t b = 0; b < HEAD; b++) {
+            const double x = ca * ua[b] + sa * up[b];
+            row[b] = b < a ? 0.0f : (float)(b == a ? x : 2.0 * x);
+        }
+    }
+}
+
+/* One (row, KV head): keys k and values vals (n, HEAD) ks / vs numbers apart, positions p (n); `heads` the m
+   query heads' means and forms (prepare), `logits` m n floats of scratch; scores into out (n). */
+static void expected_head(const float *k, int64_t ks, const float *vals, int64_t vs, const int64_t *p, int64_t n,
+                          int64_t m, const float *heads_at, int covariance, int64_t n_sink, int vnorm,
+                          float epsilon, float *logits, float *out) {
+    const int64_t each = HEAD + (covariance ? HEAD * HEAD : 0);
+    floats kt[HEAD][VECS];
+    for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
+        transpose_block(k, ks, i0, n, kt);
+        const int64_t vecs = (n - i0 + LANES - 1) / LANES, count = n - i0 < BLOCK ? n - i0 : BLOCK;
+        for (int64_t h0 = 0; h0 < m; h0 += MOST) {
+            const int heads = m - h0 < MOST ? (int)(m - h0) : MOST;
+            const float *mean[MOST], *form[MOST];
+            float l[MOST][BLOCK];
+            for (int h = 0; h < heads; h++)
+                mean[h] = heads_at + (h0 + h) * each, form[h] = covariance ? mean[h] + HEAD : NULL;
+            if (vecs >= VECS)
+                some_logits((const floats(*)[VECS])kt, mean, form, l, heads, 1);
+            else
+                for (int64_t v = 0; v < vecs; v++) { /* the last block's vectors one by one */
+                    floats one[HEAD][VECS];
+                    float part[MOST][BLOCK];
+                    for (int d = 0; d < HEAD; d++) one[d][0] = kt[d][v];
+                    some_logits((const floats(*)[VECS])one, mean, form, part, heads, 0);
+                    for (int h = 0; h < heads; h++) memcpy(l[h] + v * LANES, part[h], sizeof(floats));
+                }
+            for (int h = 0; h < heads; h++)
+                for (int64_t i = 0; i < count; i++)
+                    logits[(h0 + h) * n + i0 + i] = p[i0 + i] < n_sink ? -INFINITY : l[h][i];
+        }
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = 0.0f;
+    for (int64_t h = 0; h < m; h++) { /* softmax per query head; none where every slot is hidden or one is NaN */
+        float *l = logits + h * n;
+        const float top = largest(l, n);
+        if (top == -INFINITY || top == INFINITY) continue;
+        const float sum = exponentials(l, n, top);
+        if (sum != sum) continue;
+        for (int64_t i = 0; i < n; i++) out[i] += l[i] / sum;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        out[i] /= (float)m;
+        if (vnorm) {
+            const float *v = vals + i * vs;
+            out[i] = (out[i] + epsilon) * sqrtf(dot(v, v, HEAD));
+        }
+    }
+}
+
+/* The RoPE table's cos and sin (sines with their first half negated) at position p, clamped to the table's rows,
+   in float64: tc, ts (rows, n_elem) float32, rows sr numbers apart and numbers se apart. */
+static void table_at(const float *tc, const float *ts, int64_t rows, int64_t sr, int64_t se, int64_t p,
+                     int64_t n_elem, double *c, double *s) {
+    p = p < 0 ? 0 : p >= rows ? rows - 1 : p;
+    for (int64_t j = 0; j < n_elem; j++)
+        c[j] = tc[p * sr + j * se], s[j] = (j < n_elem / 2 ? -1.0 : 1.0) * (double)ts[p * sr + j * se];
+}
+
+void litkv_expected_scores(const float *keys, const float *values, const int64_t *positions, const double *s0,
+                           const double *s1, const double *s2, const float *tc, const float *ts, const double *fc,
+                           const double *fs, float *scratch, float *out, int64_t b, int64_t g, int64_t m, int64_t n,
+                           int64_t n_elem, int64_t rows, int64_t sr, int64_t se, int64_t ksb, int64_t ksg,
+                           int64_t ksn, int64_t vsb, int64_t vsg, int64_t vsn, int64_t n_sink, int64_t vnorm,
+                           float epsilon) {
+    const int64_t each = HEAD + (s2 != NULL ? HEAD * HEAD : 0), hq = g * m;
+    float *heads = scratch, *logits = scratch + hq * each;
+    double cp[HEAD], sp[HEAD], cs[HEAD], sn[HEAD];
+    for (int64_t r = 0; r < b; r++) {
+        const int64_t *p = positions + r * g * n;
+        int64_t newest = INT64_MIN; /* the mean rotation of the positions after the row's newest token */
+        for (int64_t i = 0; i < g * n; i++) newest = p[i] > newest ? p[i] : newest;
+        table_at(tc, ts, rows, sr, se, newest, n_elem, cp, sp);
+        for (int64_t j = 0; j < n_elem; j++)
+            cs[j] = cp[j] * fc[j] - sp[j] * fs[j], sn[j] = sp[j] * fc[j] + cp[j] * fs[j];
+        for (int64_t h = 0; h < hq; h++) {
+            const int64_t q = r * hq + h;
+            prepare(s0[q], s1 + q * HEAD, s2 == NULL ? NULL : s2 + q * HEAD * HEAD, cs, sn, n_elem,
+                    heads + h * each, heads + h * each + HEAD);
+        }
+        for (int64_t h = 0; h < g; h++)
+            expected_head(keys + r * ksb + h * ksg, ksn, values + r * vsb + h * vsg, vsn, positions + (r * g + h) * n,
+                          n, m, heads + h * m * each, s2 != NULL, n_sink, (int)vnorm, epsilon, logits,
+                          out + (r * g + h) * n);
+    }
+}
+
+/* Expected attention's statistics after a decode step's query per row (`updated_stats` with one query): q
+   (B, H, HEAD) float32 rows qsb, heads qsh numbers apart, at positions qpos (B); each turned back to position 0
+   (R(p)^T q from the RoPE table, float64), then, where p >= n_sink, o = decay * s + the query's terms (s0 + 1,
+   s1 + q, s2 + q q^T; decay 1 for uniform weights); elsewhere o = s. s2 and o2 NULL without the covariance. */
+void litkv_expected_stats(const float *q, int64_t qsb, int64_t qsh, const int64_t *qpos, const float *tc,
+                          const float *ts, int64_t rows, int64_t sr, int64_t se, int64_t n_elem, int64_t n_sink,
+                          double decay, const double *s0, const double *s1, const double *s2, double *o0, double *o1,
+                          double *o2, int64_t b, int64_t hq) {
+    const int64_t half = n_elem / 2;
+    double c[HEAD], s[HEAD], x[HEAD];
+    for (int64_t r = 0; r < b; r++) {
+        table_at(tc, ts, rows, sr, se, qpos[r], n_elem, c, s);
+        const int valid = qpos[r] >= n_sink;
+        const double w = valid ? 1.0 : 0.0, shrink = valid ? decay : 1.0;
+        for (int64_t h = 0; h < hq; h++) {
+            const float *qh = q + r * qsb + h * qsh;
+            const int64_t k = r * hq + h;
+            for (int64_t i = 0; i < HEAD; i++) {
+                const double partner = i < half ? qh[i + half] : i < n_elem ? qh[i - half] : 0.0;
+                x[i] = i < n_elem ? qh[i] * c[i] - partner * s[i] : qh[i];
+            }
+            o0[k] = s0[k] * shrink + w;
+            for (int64_t i = 0; i < HEAD; i++) o1[k * HEAD + i] = s1[k * HEAD + i] * shrink + x[i] * w;
+            if (s2 == NULL) continue;
+            for (int64_t i = 0; i < HEAD; i++) {
+                const double xi = x[i] * w;
+                const double *si = s2 + (k * HEAD + i) * HEAD;
+                double *oi = o2 + (k * HEAD + i) * HEAD;
+                for (int64_t j = 0; j < HEAD; j++) oi[j] = si[j] * shrink + xi * x[j];
+            }
+        }
+    }
 }
