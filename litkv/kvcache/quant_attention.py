@@ -66,7 +66,7 @@ class CodeSlots(Protocol):
 def quant_attend(
     q: torch.Tensor,
     slots: CodeSlots,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
     need_weights: bool = False,
@@ -77,7 +77,8 @@ def quant_attend(
     Args:
         q: `(B, n_head, T, D)` queries, `n_head` a multiple of the slots' `G`.
         slots: keys and values of `S` slots (`QuantizedSlots`: codes `(B, G, S, 2, D * bits / 8)`).
-        mask: `(B, G, T, S)` or `(B, 1, T, S)` bool, True where attention is allowed.
+        mask: `(B, G, T, S)` or `(B, 1, T, S)` bool, True where attention is allowed; None: one query per head
+            (`T = 1`) that sees every slot (no mask built or read).
         scale: factor applied to `q . k`.
         softcap: attention-logit soft-capping threshold, or `None`.
         need_weights: also return the softmax weights summed over queries and each group's heads.
@@ -99,12 +100,16 @@ def quant_attend(
     return y, weights if need_weights else None
 
 
-def _check(q: torch.Tensor, slots: CodeSlots, mask: torch.Tensor, query_valid: torch.Tensor | None) -> None:
+def _check(q: torch.Tensor, slots: CodeSlots, mask: torch.Tensor | None, query_valid: torch.Tensor | None) -> None:
     """Raise ValueError naming the expected and actual shapes when the inputs do not fit together."""
     b, g, s, d = slots.shape
     if q.dim() != 4 or q.shape[0] != b or q.shape[1] % g != 0 or q.shape[3] != d:
         raise ValueError(f"q must be (B={b}, a multiple of G={g}, T, D={d}), got {tuple(q.shape)}")
     t = q.shape[2]
+    if mask is None:
+        if t != 1:
+            raise ValueError(f"mask may be None only for one query per head, got T={t}")
+        return
     if mask.dim() != 4 or mask.shape[0] != b or mask.shape[1] not in (1, g) or tuple(mask.shape[2:]) != (t, s):
         raise ValueError(f"mask must be ({b}, {g} or 1, {t}, {s}), got {tuple(mask.shape)}")
     if query_valid is not None and tuple(query_valid.shape) != (b, t):
@@ -116,7 +121,7 @@ def _quant_attend_eager(
     codes: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     query_valid: torch.Tensor | None,
     bits: int,
     group_size: int,
@@ -126,23 +131,33 @@ def _quant_attend_eager(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: a decode step on CUDA takes the Triton kernel (`kernels.quant_decode`, while `TRITON_DECODE`), one
     on the CPU the C kernel (`kernels.cpu_decode`, where it builds), every other call the PyTorch path
-    (`_quant_attend_torch`); shapes as there."""
-    if TRITON_DECODE and q.is_cuda and mask.shape[2] == 1:
+    (`_quant_attend_torch`); shapes as there (`mask` None: one query per head, every slot seen)."""
+    t = 1 if mask is None else mask.shape[2]
+    if TRITON_DECODE and q.is_cuda and t == 1:
         from litkv.kvcache.kernels import quant_decode  # imports triton: only on CUDA
 
         if quant_decode.supported(q, 1, q.shape[-1]):
+            every = _every_slot(mask, q, codes)
             return quant_decode.decode_attend(
-                q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
+                q, codes, scales, offsets, every, query_valid, bits, group_size, scale, softcap, need_weights
             )
-    if cpu_decode.supported(q, mask.shape[2]):
+    if cpu_decode.supported(q, t):
         done = cpu_decode.decode_attend(
             q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
         )
         if done is not None:
             return done
+    every = _every_slot(mask, q, codes)
     return _quant_attend_torch(
-        q, codes, scales, offsets, mask, query_valid, bits, group_size, scale, softcap, need_weights
+        q, codes, scales, offsets, every, query_valid, bits, group_size, scale, softcap, need_weights
     )
+
+
+def _every_slot(mask: torch.Tensor | None, q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """`mask`, or where None (one query per head that sees every slot) an all-True `(B, 1, 1, S)` mask, expanded."""
+    if mask is not None:
+        return mask
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device).expand(q.shape[0], 1, 1, codes.shape[2])
 
 
 def _quant_attend_torch(
@@ -270,7 +285,7 @@ def _quant_attend_shape(
     codes: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     query_valid: torch.Tensor | None,
     bits: int,
     group_size: int,

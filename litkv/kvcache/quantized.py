@@ -195,7 +195,7 @@ class QuantizedSlots(PackedSlots):
     def attend(
         self,
         q: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         scale: float,
         softcap: float | None,
         need_weights: bool,
@@ -253,6 +253,8 @@ class QuantizedStorage(KVStorage):
         return QuantizedSlots(*parts, bits=self.bits, group_size=self.group, dtype=self.dtype)
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if cpu_decode.quantize_token(keys, values, *self._buffers(), start, self.bits, self.group):
+            return  # a decode step's token: one C call from the key and value into the slot (the same bits)
         end = start + keys.shape[2]
         targets = [buffer[:, :, start:end] for buffer in self._buffers()]
         both = torch.stack((keys, values), dim=3).detach()

@@ -138,15 +138,15 @@ class PackedSlots:
     def attend(
         self,
         q: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         scale: float,
         softcap: float | None,
         need_weights: bool,
         query_valid: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Masked grouped-query attention of `q` over these slots, as `litkv.modeling.attention.attend` (same
-        arguments and results: `q` `(B, n_head, T, hs)`, `mask` `(B, G or 1, T, S)` -> `y`
-        `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 or `None`)."""
+        arguments and results: `q` `(B, n_head, T, hs)`, `mask` `(B, G or 1, T, S)`, or None for one query per
+        head that sees every slot -> `y` `(B, T, n_head * hv)` and the weights `(B, G, S)` float32 or `None`)."""
         raise NotImplementedError
 
 

@@ -152,8 +152,8 @@ def attend(
     if isinstance(k, PackedSlots) or isinstance(v, PackedSlots):
         if v is not k:
             raise ValueError(f"packed slots hold keys and values together: v must be k, got {type(v).__name__}")
-        return k.attend(q, full_mask(mask, b, k.shape[1], t, k.shape[2], q.device), scale, softcap, need_weights,
-                        query_valid)  # fmt: skip
+        dense = None if mask is None and t == 1 else full_mask(mask, b, k.shape[1], t, k.shape[2], q.device)
+        return k.attend(q, dense, scale, softcap, need_weights, query_valid)
     if t == 1 and _kernel_applies(q, k, v):
         return _one_query_kernel(q, k, v, mask, scale, softcap, need_weights, query_valid)
     return _attend_torch(q, k, v, mask, scale, softcap, need_weights, query_valid)

@@ -96,6 +96,26 @@ def test_blocks_of_queries_and_softcap(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(got[1], ref[1])
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_step_without_a_mask_sees_every_slot(bits: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step with no mask (every slot holds a token: `attend`'s `None`) gives the bits of an all-True mask,
+    through the C kernel and through the PyTorch path; a multi-query call has no such shortcut."""
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", kernel)
+    q, slots, _, valid = _case(bits, 16, torch.float32, t=1)
+    every = torch.ones(2, 1, 1, 17, dtype=torch.bool)
+    for need in (False, True):
+        got, want = (
+            attend(q, slots, slots, None, 0.3, None, need, valid),
+            attend(q, slots, slots, every, 0.3, None, need, valid),
+        )
+        assert torch.equal(got[0], want[0]) and (not need or torch.equal(got[1], want[1]))
+    y, _ = qa.quant_attend(q, slots, None, 0.3)
+    assert torch.equal(y, attend(q, slots, slots, every, 0.3)[0])
+    with pytest.raises(ValueError, match="mask may be None only for one query per head, got T=3"):
+        qa.quant_attend(_case(bits, 16, torch.float32)[0], slots, None, 0.3)
+
+
 @pytest.mark.parametrize("part", ["scales", "offsets"])
 @pytest.mark.parametrize("kind", [0, 1])  # key, value
 def test_a_wrong_scale_or_offset_is_seen(part: str, kind: int) -> None:

@@ -432,6 +432,40 @@ def test_a_storage_write_quantises_into_its_slots_with_the_pytorch_bits(
 
 
 @needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_decode_steps_token_is_quantised_where_it_lies_with_the_pytorch_bits(
+    monkeypatch: pytest.MonkeyPatch, bits: int
+) -> None:
+    """A decode step's token (`write_range` of one slot, keys and values strided views as the model hands them)
+    takes `quantize_token` (no stacked copy): the PyTorch path's bits in its slot, the other slots untouched; a
+    token it leaves (a -0 beside +0 at a group's minimum, a NaN) has nothing written by it and is stored by the
+    paths after it, the same bits as with the C calls off."""
+    shape = CacheShape(3, 2, 10, 32, 32)
+    gen = torch.Generator().manual_seed(bits)
+    qkv = torch.randn(3, 1, 2, 3, 32, generator=gen) * 3  # (B, T, G, [q k v], D): k and v are strided views
+    keys, values = qkv[:, :, :, 1].transpose(1, 2), qkv[:, :, :, 2].transpose(1, 2)
+    awkward, broken = keys.clone(), values.clone()
+    awkward[1, 1, 0, :16] = 0.0
+    awkward[1, 1, 0, 3] = -0.0
+    broken[2, 0, 0, 7] = float("nan")
+    calls: list[bool] = []
+    real = cpu_decode.quantize_token
+    monkeypatch.setattr(cpu_decode, "quantize_token", lambda *a: calls.append(real(*a)) or calls[-1])
+    for new_keys, new_values, taken in ((keys, values, True), (awkward, values, False), (keys, broken, False)):
+        assert not new_keys.is_contiguous() or not new_values.is_contiguous()
+        stores = [QuantizedStorage(shape, None, torch.float32, bits, 16) for _ in range(2)]
+        calls.clear()
+        stores[0].write_range(6, new_keys, new_values)
+        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+        stores[1].write_range(6, new_keys, new_values)
+        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", True)
+        assert calls == [taken, False]
+        for name, buffer in stores[0].buffers().items():
+            assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name
+            assert bool((buffer[:, :, :6] == 0).all() and (buffer[:, :, 7:] == 0).all())
+
+
+@needs_compiler
 @pytest.mark.parametrize("group", [64, 16])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_round_trip_errors_equal_the_pytorch_ones(bits: int, group: int) -> None:

@@ -17,8 +17,9 @@ before two matrix products, and quantising a token is some twenty small operator
   offsets once per block. Written with GCC / Clang vector extensions (vectors of 16 numbers, or 8 or 4 where a
   group's size is not a multiple of 16; a group size that is not a multiple of 4 has no kernel and takes the
   PyTorch path).
-- `litkv_quantize` (`quantize`, `quantize_into`): `litkv.kvcache.quantized.quantize` with float16 scales, bit
-  for bit; `litkv_round_trip_errors` (`round_trip_errors`): the quantisation error `qh2o` reads.
+- `litkv_quantize` (`quantize`, `quantize_into`; `litkv_quantize_pair`: `quantize_token`, a decode step's key
+  and value read where they are): `litkv.kvcache.quantized.quantize` with float16 scales, bit for bit;
+  `litkv_round_trip_errors` (`round_trip_errors`): the quantisation error `qh2o` reads.
 
 The source is compiled on first use, once per (head size, groups per head, bits, query heads per KV head),
 by the machine's C compiler (`$CC`, else `cc`, `gcc` or `clang`) with `-O3 -march=native`, into
@@ -64,6 +65,7 @@ _FLOAT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 11 + [ctypes.c_float] *
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _QUANTIZE_ARGS = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT]  # litkv_quantize's
 _COMMIT_ARGS = [_POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT]  # litkv_commit's
+_PAIR_ARGS = [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT]
 _lock = threading.Lock()
 _built: dict[tuple[int, int, int, int], ctypes.CDLL | None] = {}
 
@@ -285,6 +287,31 @@ def quantize_into(
     return lib.litkv_quantize(flat.data_ptr(), b * g * per, per, *pointers) == 0
 
 
+def quantize_token(
+    keys: torch.Tensor, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+    slot: int, bits: int, group_size: int,
+) -> bool:  # fmt: skip
+    """`quantize_into` of a decode step's token (`litkv_quantize_pair`): keys and values `(B, G, 1, D)` float32 (any
+    strides but the last axis's; no stacked copy) quantised into slot `slot` of a storage's whole buffers `(B, G,
+    L, 2, *)` (`QuantizedStorage.write_range`), bit for bit; False (nothing to rely on written) where it does not
+    apply, as `quantize_into`."""
+    if not _applies(keys) or keys.dtype != torch.float32 or values.dtype != torch.float32 or keys.shape[2] != 1:
+        return False
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or not _slots_in_rows(codes, scales, offsets):
+        return False
+    b, g, _, d = keys.shape
+    lib = library(d, d // group_size, bits, 1)
+    if lib is None:
+        return False
+    at = scales.element_size() * slot * scales.stride(2)
+    pointers = (codes.data_ptr() + slot * codes.stride(2), codes.stride(1), scales.data_ptr() + at)
+    done = lib.litkv_quantize_pair(
+        keys.data_ptr(), keys.stride(0), keys.stride(1), values.data_ptr(), values.stride(0), values.stride(1), b, g,
+        *pointers, offsets.data_ptr() + at, scales.stride(1),
+    )  # fmt: skip
+    return done == 0
+
+
 def commit(
     codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, bits: int, group_size: int
 ) -> bool:
@@ -357,6 +384,8 @@ def library(head: int, groups: int, bits: int, queries: int) -> ctypes.CDLL | No
                 lib.litkv_round_trip_errors.restype = ctypes.c_int
                 lib.litkv_commit.argtypes = _COMMIT_ARGS
                 lib.litkv_commit.restype = None
+                lib.litkv_quantize_pair.argtypes = _PAIR_ARGS
+                lib.litkv_quantize_pair.restype = ctypes.c_int
                 _built[key] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 warnings.warn(

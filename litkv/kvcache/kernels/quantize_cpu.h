@@ -66,22 +66,49 @@ static int quantize_group(const float *v, uint16_t *scale_bits, uint16_t *offset
    of `per` side by side, e.g. a storage's slots). Returns 1 without finishing when a number is not
    finite or beyond float16's range, or a group whose minimum or maximum is zero holds both +0 and -0 (which
    zero is the extreme is the PyTorch reduction's choice): the caller then takes the PyTorch path; else 0. */
+/* One row of HEAD numbers at x quantised: its codes to out (WIDTH bytes), its GROUPS scales and offsets; 1 as
+   quantize_group, else 0. */
+static int quantize_row(const float *x, uint8_t *out, uint16_t *scales, uint16_t *offsets) {
+    float numbers[HEAD];
+    for (int j = 0; j < GROUPS; j++)
+        if (quantize_group(x + j * SIZE, scales + j, offsets + j, numbers + j * SIZE)) return 1;
+#if BITS == 8
+    for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] ^ 0x80;
+#else
+    for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] | (uint8_t)((uint8_t)numbers[i + WIDTH] << 4);
+#endif
+    return 0;
+}
+
 int litkv_quantize(const float *x, int64_t rows, int64_t per, uint8_t *codes, int64_t code_stride, uint16_t *scales,
                    uint16_t *offsets, int64_t scale_stride) {
     if (!all_in_range(x, rows * HEAD)) return 1;
     for (int64_t r = 0; r < rows; r++) {
-        float numbers[HEAD];
-        for (int j = 0; j < GROUPS; j++) {
-            uint16_t *scale = scales + r / per * scale_stride + r % per * GROUPS + j;
-            if (quantize_group(x + r * HEAD + j * SIZE, scale, offsets + (scale - scales), numbers + j * SIZE)) return 1;
-        }
-        uint8_t *out = codes + r / per * code_stride + r % per * WIDTH;
-#if BITS == 8
-        for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] ^ 0x80;
-#else
-        for (int i = 0; i < WIDTH; i++) out[i] = (uint8_t)numbers[i] | (uint8_t)((uint8_t)numbers[i + WIDTH] << 4);
-#endif
+        const int64_t at = r / per * scale_stride + r % per * GROUPS;
+        if (quantize_row(x + r * HEAD, codes + r / per * code_stride + r % per * WIDTH, scales + at, offsets + at))
+            return 1;
     }
+    return 0;
+}
+
+/* litkv_quantize of one token per (row, KV head) given as its key and value apart (a decode step's): k, v (B, G,
+   HEAD) float32 with rows ksb / vsb and heads ksg / vsg numbers apart; pair (r, h)'s key into part 0 and value
+   into part 1 of its slot at codes + (r G + h) code_stride, scales and offsets at (r G + h) scale_stride (the
+   slot's own addresses). Returns as litkv_quantize (every number checked before anything is written). */
+int litkv_quantize_pair(const float *k, int64_t ksb, int64_t ksg, const float *v, int64_t vsb, int64_t vsg, int64_t b,
+                        int64_t g, uint8_t *codes, int64_t code_stride, uint16_t *scales, uint16_t *offsets,
+                        int64_t scale_stride) {
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t h = 0; h < g; h++)
+            if (!all_in_range(k + r * ksb + h * ksg, HEAD) || !all_in_range(v + r * vsb + h * vsg, HEAD)) return 1;
+    for (int64_t r = 0; r < b; r++)
+        for (int64_t h = 0; h < g; h++) {
+            const int64_t pair = r * g + h, at = pair * scale_stride;
+            uint8_t *out = codes + pair * code_stride;
+            if (quantize_row(k + r * ksb + h * ksg, out, scales + at, offsets + at) ||
+                quantize_row(v + r * vsb + h * vsg, out + WIDTH, scales + at + GROUPS, offsets + at + GROUPS))
+                return 1;
+        }
     return 0;
 }
 
