@@ -357,10 +357,9 @@ static void prepare(double s0, const double *s1, const double *s2, const double 
     for (int64_t a = 0; a < HEAD; a++) {
         const double ca = c[a], sa = s[a], *ua = u[a], *up = u[partner[a]];
         float *row = form + a * HEAD;
-        for (int64_t b = 0; b < HEAD; b++) {
-            const double x = ca * ua[b] + sa * up[b];
-            row[b] = b < a ? 0.0f : (float)(b == a ? x : 2.0 * x);
-        }
+        for (int64_t b = 0; b < a; b++) row[b] = 0.0f;
+        row[a] = (float)(ca * ua[a] + sa * up[a]);
+        for (int64_t b = a + 1; b < HEAD; b++) row[b] = (float)(2.0 * (ca * ua[b] + sa * up[b]));
     }
 }
 
