@@ -400,6 +400,25 @@ def test_quantize_leaves_what_it_cannot_match_to_pytorch(monkeypatch: pytest.Mon
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _stored_both_ways(
+    monkeypatch: pytest.MonkeyPatch, shape: CacheShape, bits: int, start: int, keys: torch.Tensor, values: torch.Tensor
+) -> list[QuantizedStorage]:
+    """`write_range(start, keys, values)` into two fresh storages (groups of 16): the C calls on, then off."""
+    stores = [QuantizedStorage(shape, None, torch.float32, bits, 16) for _ in range(2)]
+    stores[0].write_range(start, keys, values)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
+    stores[1].write_range(start, keys, values)
+    monkeypatch.setattr(cpu_decode, "CPU_KERNEL", True)
+    return stores
+
+
+def _assert_same_bits_in(stores: list[QuantizedStorage], start: int, end: int) -> None:
+    """The two storages' buffers equal bit for bit, and zero outside slots `[start, end)`."""
+    for name, buffer in stores[0].buffers().items():
+        assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name
+        assert bool((buffer[:, :, :start] == 0).all() and (buffer[:, :, end:] == 0).all())
+
+
 @needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_storage_write_quantises_into_its_slots_with_the_pytorch_bits(
@@ -419,16 +438,10 @@ def test_a_storage_write_quantises_into_its_slots_with_the_pytorch_bits(
     real = cpu_decode.quantize_into
     monkeypatch.setattr(cpu_decode, "quantize_into", lambda *a: calls.append(real(*a)) or calls[-1])
     for new_keys in (keys, awkward):
-        stores = [QuantizedStorage(shape, None, torch.float32, bits, 16) for _ in range(2)]
         calls.clear()
-        stores[0].write_range(5, new_keys, values)
-        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
-        stores[1].write_range(5, new_keys, values)
-        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", True)
+        stores = _stored_both_ways(monkeypatch, shape, bits, 5, new_keys, values)
         assert calls == [new_keys is keys, False]  # the C call wrote the slots (or left the awkward batch), then not
-        for name, buffer in stores[0].buffers().items():
-            assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name
-            assert bool((buffer[:, :, :5] == 0).all() and (buffer[:, :, 9:] == 0).all())
+        _assert_same_bits_in(stores, 5, 9)
 
 
 @needs_compiler
@@ -453,16 +466,10 @@ def test_a_decode_steps_token_is_quantised_where_it_lies_with_the_pytorch_bits(
     monkeypatch.setattr(cpu_decode, "quantize_token", lambda *a: calls.append(real(*a)) or calls[-1])
     for new_keys, new_values, taken in ((keys, values, True), (awkward, values, False), (keys, broken, False)):
         assert not new_keys.is_contiguous() or not new_values.is_contiguous()
-        stores = [QuantizedStorage(shape, None, torch.float32, bits, 16) for _ in range(2)]
         calls.clear()
-        stores[0].write_range(6, new_keys, new_values)
-        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", False)
-        stores[1].write_range(6, new_keys, new_values)
-        monkeypatch.setattr(cpu_decode, "CPU_KERNEL", True)
+        stores = _stored_both_ways(monkeypatch, shape, bits, 6, new_keys, new_values)
         assert calls == [taken, False]
-        for name, buffer in stores[0].buffers().items():
-            assert torch.equal(buffer.view(torch.uint8), stores[1].buffers()[name].view(torch.uint8)), name
-            assert bool((buffer[:, :, :6] == 0).all() and (buffer[:, :, 7:] == 0).all())
+        _assert_same_bits_in(stores, 6, 7)
 
 
 @needs_compiler
