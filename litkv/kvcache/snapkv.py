@@ -231,8 +231,8 @@ class SnapKVKVCache(ScoreKVCache):
         """The layers' decode-step scores `(n_layers, B, G, L + 1)`: per layer only its logits (one product with
         its keys), then the mask, softmax, pool and running maximum once over the stacked layers, row by row (so
         each layer's part is what `score` gives it alone); each part is kept in its record for `update_state`.
-        float32 keys on the CPU: per layer its weights from the C pass (`cpu_scores.snapkv_weights`, as `score`
-        takes them), then the pool and running maximum stacked."""
+        float32 keys on the CPU: every layer's weights from the C pass in one call (`cpu_scores.snapkv_weights_layers`,
+        the bits of `score`'s call per layer), then the pool and running maximum stacked."""
         if any(type(c) is not SnapKVKVCache for c in policies) or any(
             r.keys is None or r.num_new != 1 for r in records
         ):
@@ -240,8 +240,13 @@ class SnapKVKVCache(ScoreKVCache):
         o = policies[0].options
         pos = torch.stack([r.positions for r in records])
         if all(c._in_c(r, r.keys) for c, r in zip(policies, records, strict=True)):  # type: ignore[attr-defined]
-            each = (cpu_scores.snapkv_weights(r.queries.float(), r.keys, r.query_pos, r.positions) for r in records)  # type: ignore[arg-type]
-            weights = torch.stack(list(each))
+            queries, keys = [r.queries for r in records], [r.keys for r in records]
+            weights = cpu_scores.snapkv_weights_layers(queries, keys, records[0].query_pos, pos)  # type: ignore
+            if weights is None:  # a call per layer
+                each = zip(queries, keys, records, strict=True)
+                weights = torch.stack(
+                    [cpu_scores.snapkv_weights(q.float(), k, r.query_pos, r.positions) for q, k, r in each]
+                )
         else:
             logits = torch.stack([_one_query_logits(r.queries, r.keys) for r in records])  # type: ignore[arg-type]
             weights = _one_query_weights(logits, records[0].query_pos, pos)

@@ -1,6 +1,7 @@
 """`cpu_scores.keydiff_scores`, KeyDiff's cosines in C, against a float64 oracle of the rule, alone and in a batch,
 on strided keys; and `keydiff` taking it on the CPU. `cpu_scores.snapkv_weights` against a float64 oracle;
-`cpu_scores.snapkv_pool` against the PyTorch path's bits, and snapkv's decode through it."""
+`cpu_scores.snapkv_weights_layers` against calls per layer; `cpu_scores.snapkv_pool` against the PyTorch path's bits,
+and snapkv's decode through it."""
 
 from __future__ import annotations
 
@@ -114,6 +115,22 @@ def test_snapkv_weights_match_the_oracle(d: int, n: int) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     alone = cpu_scores.snapkv_weights(queries[2:, 2:4], keys[2:, 1:2].clone(), query_pos[2:], positions[2:, 1:2])
     assert torch.equal(alone[0, 0], got[2, 1])
+
+
+def test_snapkv_weights_of_every_layer_in_one_call_are_the_calls_per_layer() -> None:
+    """`snapkv_weights_layers` (a decode step's layers in one call): each layer's weights the bits of its own call;
+    layers whose keys differ in strides are left to calls per layer (None)."""
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.randn(5, 3, 2, 41, 64, generator=gen)  # (layers, B, G, slots + 1, D): keys are strided views
+    keys = [layer[:, :, :40] for layer in slots]
+    queries = [torch.randn(3, 6, 1, 64, generator=gen) for _ in keys]
+    positions = torch.stack([torch.randperm(80, generator=gen)[:40].expand(3, 2, 40) - 2 for _ in keys])
+    query_pos = torch.tensor([[60], [-1], [30]])
+    got = cpu_scores.snapkv_weights_layers(queries, keys, query_pos, positions)
+    assert got is not None and got.shape == (5, 3, 2, 40)
+    for layer, (q, k, p) in enumerate(zip(queries, keys, positions, strict=True)):
+        assert torch.equal(got[layer], cpu_scores.snapkv_weights(q, k, query_pos, p))
+    assert cpu_scores.snapkv_weights_layers(queries, [*keys[:4], keys[4].contiguous()], query_pos, positions) is None
 
 
 def _pool_case(n: int, nb: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ by the machine's C compiler (`litkv.core.c_build`); without one, one warning and
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "library",
     "snapkv_pool",
     "snapkv_weights",
+    "snapkv_weights_layers",
 ]
 
 #: Whether `keydiff` and `snapkv` scores take the C passes where they apply; False: the PyTorch path everywhere.
@@ -51,6 +53,7 @@ _SIGNATURES = {
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3,
         ctypes.c_int,
     ),
+    "litkv_snapkv_weights_layers": ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float], None),
     "litkv_expected_scores": ([ctypes.c_void_p] * 12 + [ctypes.c_int64] * 16 + [ctypes.c_float], None),
     "litkv_expected_stats": (
         [ctypes.c_void_p]
@@ -124,6 +127,29 @@ def _snapkv_weights(
     out = torch.empty(b, g, n, dtype=torch.float32)
     pointers = (x.data_ptr() for x in (q, keys, key_pos, query_pos, scratch, out))
     library(d).litkv_snapkv_weights(*pointers, b, g, m, n, *keys.stride()[:3], d**-0.5)
+    return out
+
+
+def snapkv_weights_layers(
+    queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], query_pos: torch.Tensor, key_pos: torch.Tensor
+) -> torch.Tensor | None:
+    """`snapkv_weights` of every layer of one decode step in one C call (eager), the same bits as a call per layer,
+    stacked `(n_layers, B, G, N)`: each layer's queries `(B, H, 1, D)` and keys `(B, G, N, D)` float32 (every
+    layer's keys of one shape and the same strides), query_pos `(B, 1)`, key_pos `(n_layers, B, G, N)` int64; None
+    where that does not hold or under `torch.compile` (then a call per layer)."""
+    first = keys[0]
+    if torch.compiler.is_compiling() or first.stride(-1) != 1:
+        return None
+    if any(k.shape != first.shape or k.stride() != first.stride() for k in keys):
+        return None
+    layers, (b, g, n, d) = len(keys), first.shape
+    q = torch.stack(list(queries)).float()  # (n_layers, B, H, 1, D), contiguous
+    addresses = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)
+    key_pos, query_pos = key_pos.contiguous(), query_pos.reshape(b).contiguous()
+    m = q.shape[2] // g
+    scratch, out = torch.empty(m * n, dtype=torch.float32), torch.empty(layers, b, g, n, dtype=torch.float32)
+    pointers = (x.data_ptr() for x in (q, addresses, key_pos, query_pos, scratch, out))
+    library(d).litkv_snapkv_weights_layers(*pointers, layers, b, g, m, n, *first.stride()[:3], d**-0.5)
     return out
 
 

@@ -170,6 +170,20 @@ void litkv_snapkv_weights(const float *q, const float *keys, const int64_t *posi
         }
 }
 
+/* litkv_snapkv_weights of `layers` layers of one decode step in one call: layer l's queries at q + l B G M HEAD,
+   its keys at the address key_addresses[l] (every layer's keys of the same strides), its positions at positions +
+   l B G N and its weights into out + l B G N; qpos shared (one call's queries). */
+void litkv_snapkv_weights_layers(const float *q, const int64_t *key_addresses, const int64_t *positions,
+                                 const int64_t *qpos, float *scratch, float *out, int64_t layers, int64_t b, int64_t g,
+                                 int64_t m, int64_t n, int64_t sb, int64_t sg, int64_t sn, float scale) {
+    for (int64_t l = 0; l < layers; l++) {
+        const float *keys = (const float *)(intptr_t)key_addresses[l];
+        const int64_t at = l * b * g * n; /* layer l's positions and weights */
+        litkv_snapkv_weights(q + l * b * g * m * HEAD, keys, positions + at, qpos, scratch, out + at, b, g, m, n, sb,
+                             sg, sn, scale);
+    }
+}
+
 /* Whether slot a's candidate comes before slot b's in token order: (pos, slot) ascending. */
 static inline int before(const int64_t *pos, int32_t a, int32_t b) {
     return pos[a] < pos[b] || (pos[a] == pos[b] && a < b);
