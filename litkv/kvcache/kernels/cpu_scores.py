@@ -42,7 +42,8 @@ __all__ = [
     "snapkv_weights_layers",
 ]
 
-#: Whether `keydiff` and `snapkv` scores take the C passes where they apply; False: the PyTorch path everywhere.
+#: Whether `keydiff`, `snapkv` and `expected-attention` scores take the C passes where they apply; False: the PyTorch
+#: path everywhere.
 CPU_KERNEL = True
 
 SOURCE = Path(__file__).with_name("scores_cpu.c")
@@ -219,11 +220,12 @@ def _expected_scores(
     out = torch.empty(b, g, n, dtype=torch.float32)
     tensors = (keys, values, positions, s0, s1, s2, table_cos, table_sin, future_cos, future_sin, scratch, out)
     pointers = [None if x is None else x.data_ptr() for x in tensors]
-    strides = _table_strides(table_cos, table_sin, d)
+    table_strides = _table_strides(table_cos, table_sin, d)
     n_elem = table_cos.shape[-1]
     if future_cos.shape != (n_elem,) or future_sin.shape != (n_elem,) or future_cos.dtype != torch.float64:
         raise ValueError(f"future must be two float64 ({n_elem},), got {future_cos.dtype} {tuple(future_cos.shape)}")
-    sizes = (b, g, hq // g, n, n_elem, table_cos.shape[0], *strides)
+    _check_stats(s0, s1, s2)
+    sizes = (b, g, hq // g, n, n_elem, table_cos.shape[0], *table_strides)
     strides = (*keys.stride()[:3], *values.stride()[:3])
     library(d).litkv_expected_scores(*pointers, *sizes, *strides, n_sink, vnorm, epsilon)
     return out
@@ -249,6 +251,7 @@ def _expected_stats(
     b, hq, _, d = queries.shape
     queries = queries if queries.stride(-1) == 1 else queries.contiguous()
     s0, s1, s2, query_pos = s0.contiguous(), s1.contiguous(), s2.contiguous(), query_pos.contiguous()
+    _check_stats(s0, s1, s2)
     out = (torch.empty_like(s0), torch.empty_like(s1), torch.empty_like(s2))
     covariance = s2.numel() > 0
     pointers = [x.data_ptr() if covariance or i % 3 != 2 else None for i, x in enumerate((s0, s1, s2, *out))]
@@ -258,6 +261,12 @@ def _expected_stats(
         decay, *pointers, b, hq,
     )  # fmt: skip
     return out
+
+
+def _check_stats(*stats: torch.Tensor | None) -> None:
+    """The statistics the C passes read as float64."""
+    if any(x is not None and x.dtype != torch.float64 for x in stats):
+        raise ValueError(f"the statistics must be float64, got {[None if x is None else x.dtype for x in stats]}")
 
 
 def _table_strides(table_cos: torch.Tensor, table_sin: torch.Tensor, head: int) -> tuple[int, int]:
