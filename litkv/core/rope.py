@@ -36,11 +36,9 @@ class BoundRope:
     def at(self, positions: torch.Tensor, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `(*positions.shape, n_elem)` in the table's dtype at `positions` (`-1` read as 0). No
         host read: the table covers the positions of the call the model runs (`needed` more may be asked for)."""
-        cos, sin = self.table(needed)
-        if self.column is not None:
-            cos, sin = cos[..., self.column], sin[..., self.column]
+        cos, sin = self.tables(needed)
         index = positions.to(cos.device).clamp(min=0, max=cos.shape[0] - 1)
-        return cos[index, : self.n_elem], sin[index, : self.n_elem]
+        return cos[index], sin[index]
 
     def tables(self, needed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos, sin tables `(N, n_elem)` (views, strided where the model has per-layer tables), `N >=
@@ -52,10 +50,8 @@ class BoundRope:
 
     def at_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `(1, 1, n_elem)` at position 0: `at` of a zero position, read by slicing (no index)."""
-        cos, sin = self.table(1)
-        if self.column is not None:
-            cos, sin = cos[..., self.column], sin[..., self.column]
-        return cos[None, :1, : self.n_elem], sin[None, :1, : self.n_elem]
+        cos, sin = self.tables(1)
+        return cos[None, :1], sin[None, :1]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:

@@ -457,9 +457,8 @@ void litkv_expected_scores(const float *keys, const float *values, const int64_t
                     heads + h * each, heads + h * each + HEAD);
         }
         for (int64_t h = 0; h < g; h++)
-            expected_head(keys + r * ksb + h * ksg, ksn, values + r * vsb + h * vsg, vsn, positions + (r * g + h) * n,
-                          n, m, heads + h * m * each, s2 != NULL, n_sink, (int)vnorm, epsilon, logits,
-                          out + (r * g + h) * n);
+            expected_head(keys + r * ksb + h * ksg, ksn, values + r * vsb + h * vsg, vsn, p + h * n, n, m,
+                          heads + h * m * each, s2 != NULL, n_sink, (int)vnorm, epsilon, logits, out + (r * g + h) * n);
     }
 }
 
