@@ -62,13 +62,16 @@ class KeyDiffKVCache(ScoreKVCache):
     def stacked_scores(cls, policies: Sequence[ScoreKVCache], records: Sequence[Candidates]) -> torch.Tensor:
         """The layers' decode-step scores `(n_layers, B, G, L + 1)`: per layer only what reads its keys (norms,
         anchor, dots), the elementwise rest once over the stacked layers (so each layer's part is what `score`
-        gives it alone)."""
+        gives it alone); float32 keys on the CPU: every layer's in one C call (`cpu_scores.keydiff_scores_layers`,
+        the bits of `score`'s call per layer)."""
         if any(type(c) is not KeyDiffKVCache for c in policies) or any(r.keys is None for r in records):
             return super().stacked_scores(policies, records)
         keys = [_float_keys(r) for r in records]
         if all(c.c_scores for c in policies) and all(cpu_scores.applies(k) for k in keys):  # type: ignore[attr-defined]
-            pairs = zip(keys, records, strict=True)
-            scores = torch.stack([cpu_scores.keydiff_scores(k, r.positions) for k, r in pairs])
+            scores = cpu_scores.keydiff_scores_layers(keys, torch.stack([r.positions for r in records]))
+            if scores is None:  # a call per layer
+                pairs = zip(keys, records, strict=True)
+                scores = torch.stack([cpu_scores.keydiff_scores(k, r.positions) for k, r in pairs])
             cls.check_stacked(policies, records, scores)
             return scores
         norms = torch.stack([torch.linalg.vector_norm(k, dim=-1) for k in keys]).clamp(min=1e-12)  # (n, B, G, N)

@@ -1,7 +1,7 @@
 """`cpu_scores.keydiff_scores`, KeyDiff's cosines in C, against a float64 oracle of the rule, alone and in a batch,
 on strided keys; and `keydiff` taking it on the CPU. `cpu_scores.snapkv_weights` against a float64 oracle;
-`cpu_scores.snapkv_weights_layers` against calls per layer; `cpu_scores.snapkv_pool` against the PyTorch path's bits,
-and snapkv's decode through it."""
+`cpu_scores.keydiff_scores_layers` and `cpu_scores.snapkv_weights_layers` against calls per layer;
+`cpu_scores.snapkv_pool` against the PyTorch path's bits, and snapkv's decode through it."""
 
 from __future__ import annotations
 
@@ -64,6 +64,18 @@ def test_a_row_and_head_gets_the_same_bits_alone_and_in_a_batch() -> None:
         for g in range(3):
             alone = cpu_scores.keydiff_scores(keys[b : b + 1, g : g + 1].clone(), positions[b : b + 1, g : g + 1])
             assert torch.equal(alone[0, 0], batch[b, g])
+
+
+def test_keydiff_scores_of_every_layer_in_one_call_are_the_calls_per_layer() -> None:
+    """`keydiff_scores_layers` (a decode step's layers in one call): each layer's scores the bits of its own call;
+    layers whose keys differ in strides are left to calls per layer (None)."""
+    cases = [_keys(64, 37, seed) for seed in range(4)]
+    keys, positions = [k for k, _ in cases], torch.stack([p for _, p in cases])
+    got = cpu_scores.keydiff_scores_layers(keys, positions)
+    assert got is not None and got.shape == (4, 2, 3, 37)
+    for layer, (k, p) in enumerate(cases):
+        assert torch.equal(got[layer], cpu_scores.keydiff_scores(k, p))
+    assert cpu_scores.keydiff_scores_layers([*keys[:3], keys[3].contiguous()], positions) is None
 
 
 def test_keydiff_takes_it_on_the_cpu_and_the_pytorch_path_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "expected_scores",
     "expected_stats",
     "keydiff_scores",
+    "keydiff_scores_layers",
     "library",
     "snapkv_pool",
     "snapkv_weights",
@@ -49,6 +50,7 @@ CPU_KERNEL = True
 SOURCE = Path(__file__).with_name("scores_cpu.c")
 _SIGNATURES = {
     "litkv_keydiff_scores": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6, None),
+    "litkv_keydiff_scores_layers": ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7, None),
     "litkv_snapkv_weights": ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float], None),
     "litkv_snapkv_pool": (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3,
@@ -105,6 +107,31 @@ def _keydiff_scores(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return out
 
 
+def keydiff_scores_layers(keys: Sequence[torch.Tensor], positions: torch.Tensor) -> torch.Tensor | None:
+    """`keydiff_scores` of every layer of one decode step in one C call (eager), the same bits as a call per layer,
+    stacked `(n_layers, B, G, N)`: each layer's keys `(B, G, N, D)` float32 (`applies`; every layer's of one shape
+    and the same strides), positions `(n_layers, B, G, N)` int64; None where that does not hold or under
+    `torch.compile` (then a call per layer)."""
+    if not _alike_layers(keys):
+        return None
+    layers, (b, g, n, d) = len(keys), keys[0].shape
+    addresses = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)
+    positions = positions.contiguous()
+    out = torch.empty(layers, b, g, n, dtype=torch.float32)
+    pointers = (x.data_ptr() for x in (addresses, positions, out))
+    library(d).litkv_keydiff_scores_layers(*pointers, layers, b, g, n, *keys[0].stride()[:3])
+    return out
+
+
+def _alike_layers(keys: Sequence[torch.Tensor]) -> bool:
+    """Whether one C call may read every layer's keys by address: eager, and every layer's keys of the first's
+    shape and strides, the last axis contiguous."""
+    first = keys[0]
+    if torch.compiler.is_compiling() or first.stride(-1) != 1:
+        return False
+    return all(k.shape == first.shape and k.stride() == first.stride() for k in keys)
+
+
 def snapkv_weights(
     queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
 ) -> torch.Tensor:
@@ -138,11 +165,9 @@ def snapkv_weights_layers(
     stacked `(n_layers, B, G, N)`: each layer's queries `(B, H, 1, D)` and keys `(B, G, N, D)` float32 (every
     layer's keys of one shape and the same strides), query_pos `(B, 1)`, key_pos `(n_layers, B, G, N)` int64; None
     where that does not hold or under `torch.compile` (then a call per layer)."""
+    if not _alike_layers(keys):
+        return None
     first = keys[0]
-    if torch.compiler.is_compiling() or first.stride(-1) != 1:
-        return None
-    if any(k.shape != first.shape or k.stride() != first.stride() for k in keys):
-        return None
     layers, (b, g, n, d) = len(keys), first.shape
     q = torch.stack(list(queries)).float()  # (n_layers, B, H, 1, D), contiguous
     addresses = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)

@@ -42,7 +42,21 @@ Everything runs on the calling thread.
 
 #include "exp_cpu.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #define LANES 16
+#define UNPACK(...) __VA_ARGS__
+#define SHUFFLE(a, b, INDICES) __builtin_shufflevector(a, b, UNPACK INDICES)
+#define H8_LO (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#define H8_HI (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+#define Q4_LO (0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+#define Q4_HI (4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
+#define P2_LO (0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+#define P2_HI (2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31)
+#define EVEN (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+#define ODD (1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)
 
 typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef float halves __attribute__((vector_size(2 * LANES)));
@@ -78,24 +92,94 @@ static float dot(const float *a, const float *b, int64_t d) {
 
 static inline float at_least_tiny(float x) { return x > 1e-12f ? x : 1e-12f; } /* torch's clamp(min=1e-12) */
 
-/* One (row, KV head): keys k (n, HEAD) with rows sn numbers apart, positions p (n,), scores into out (n,). */
+/* The totals of 16 vectors in one: lane r = total(x[r]), its numbers added in total()'s order (each stage adds a
+   lane to the one 8, then 4, then 2, then 1 away), so each has the bits of total(). */
+static inline floats totals16(const floats x[LANES]) {
+    floats h[8], q[4], p[2];
+    for (int r = 0; r < 8; r++) /* lanes 0..7: x[2r]'s j + (j + 8); 8..15: x[2r + 1]'s */
+        h[r] = SHUFFLE(x[2 * r], x[2 * r + 1], H8_LO) + SHUFFLE(x[2 * r], x[2 * r + 1], H8_HI);
+    for (int r = 0; r < 4; r++) /* four lanes per slot: j + (j + 4) */
+        q[r] = SHUFFLE(h[2 * r], h[2 * r + 1], Q4_LO) + SHUFFLE(h[2 * r], h[2 * r + 1], Q4_HI);
+    for (int r = 0; r < 2; r++) /* two lanes per slot: q0 + q2, q1 + q3 */
+        p[r] = SHUFFLE(q[2 * r], q[2 * r + 1], P2_LO) + SHUFFLE(q[2 * r], q[2 * r + 1], P2_HI);
+    return SHUFFLE(p[0], p[1], EVEN) + SHUFFLE(p[0], p[1], ODD);
+}
+
+enum { WHOLE = HEAD / LANES }; /* whole vectors in a key; dot() adds the rest one by one */
+
+/* Lane l < m: dot(key l, with) (keys' rows sn apart; with = NULL: the key itself), dot()'s bits; 0 past m. */
+static inline floats block_dots(const float *k, int64_t sn, int64_t m, const float *with) {
+    floats x[LANES];
+    for (int64_t l = 0; l < LANES; l++) {
+        floats sums = {0};
+        for (int64_t j = 0; l < m && j < WHOLE; j++) {
+            floats a, b;
+            memcpy(&a, k + l * sn + j * LANES, sizeof a);
+            memcpy(&b, (with ? with : k + l * sn) + j * LANES, sizeof b);
+            sums += a * b;
+        }
+        x[l] = sums;
+    }
+    floats dots = totals16(x);
+    for (int64_t l = 0; WHOLE * LANES < HEAD && l < m; l++) {
+        const float *a = k + l * sn, *b = with ? with : a;
+        float rest = dots[l];
+        for (int64_t j = WHOLE * LANES; j < HEAD; j++) rest += a[j] * b[j];
+        dots[l] = rest;
+    }
+    return dots;
+}
+
+/* sqrtf of each lane (one instruction with AVX-512; the same correctly rounded numbers either way). */
+static inline floats square_roots(floats x) {
+#ifdef __AVX512F__
+    __m512 v;
+    memcpy(&v, &x, sizeof v);
+    v = _mm512_sqrt_ps(v);
+    memcpy(&x, &v, sizeof x);
+#else
+    for (int l = 0; l < LANES; l++) x[l] = sqrtf(x[l]);
+#endif
+    return x;
+}
+
+/* One (row, KV head): keys k (n, HEAD) with rows sn numbers apart, positions p (n,), scores into out (n,). Sixteen
+   keys at a time: their norms and products with the anchor side by side in a vector (each as dot() sums it), the
+   anchor's sums in registers, added key after key. */
 static void head(const float *k, int64_t sn, const int64_t *p, float *out, int64_t n) {
     int64_t count = 0;
     for (int64_t i = 0; i < n; i++)
         count += p[i] >= 0;
     const float share = (float)(count > 0 ? count : 1);
-    float anchor[HEAD] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        const float *ki = k + i * sn;
-        const float norm = at_least_tiny(sqrtf(dot(ki, ki, HEAD)));
-        out[i] = norm;
-        const float weight = p[i] < 0 ? 0.0f : (1.0f / norm) / share;
-        for (int64_t j = 0; j < HEAD; j++)
-            anchor[j] += weight * ki[j];
+    floats sums[WHOLE + 1] = {{0}}; /* the anchor: whole vectors, then the rest's numbers */
+    for (int64_t i0 = 0; i0 < n; i0 += LANES) {
+        const int64_t m = n - i0 < LANES ? n - i0 : LANES;
+        const floats squares = block_dots(k + i0 * sn, sn, m, NULL);
+        floats norms = {0}, weights;
+        const floats roots = square_roots(squares);
+        for (int64_t l = 0; l < m; l++) norms[l] = at_least_tiny(roots[l]);
+        weights = ((floats){0} + 1.0f) / norms / share;
+        memcpy(out + i0, &norms, m * sizeof(float));
+        for (int64_t l = 0; l < m; l++) {
+            const float *ki = k + (i0 + l) * sn, weight = p[i0 + l] < 0 ? 0.0f : weights[l];
+            for (int64_t j = 0; j < WHOLE; j++) {
+                floats v;
+                memcpy(&v, ki + j * LANES, sizeof v);
+                sums[j] += weight * v;
+            }
+            for (int64_t j = WHOLE * LANES; j < HEAD; j++) sums[WHOLE][j % LANES] += weight * ki[j];
+        }
     }
+    float anchor[HEAD];
+    for (int64_t j = 0; j < HEAD; j++) anchor[j] = sums[j / LANES][j % LANES];
     const float anchor_norm = at_least_tiny(sqrtf(dot(anchor, anchor, HEAD)));
-    for (int64_t i = 0; i < n; i++)
-        out[i] = -dot(k + i * sn, anchor, HEAD) / (out[i] * anchor_norm);
+    for (int64_t i0 = 0; i0 < n; i0 += LANES) {
+        const int64_t m = n - i0 < LANES ? n - i0 : LANES;
+        floats norms = {0};
+        memcpy(&norms, out + i0, m * sizeof(float));
+        const floats scores = -block_dots(k + i0 * sn, sn, m, anchor) / (norms * anchor_norm);
+        memcpy(out + i0, &scores, m * sizeof(float));
+    }
 }
 
 void litkv_keydiff_scores(const float *keys, const int64_t *positions, float *out, int64_t b, int64_t g, int64_t n,
@@ -103,6 +187,15 @@ void litkv_keydiff_scores(const float *keys, const int64_t *positions, float *ou
     for (int64_t r = 0; r < b; r++)
         for (int64_t h = 0; h < g; h++)
             head(keys + r * sb + h * sg, sn, positions + (r * g + h) * n, out + (r * g + h) * n, n);
+}
+
+/* litkv_keydiff_scores of every layer of a decode step: layer l's keys at key_addresses[l] (every layer's of the
+   strides sb, sg, sn), its positions and scores at l * b * g * n in positions and out. */
+void litkv_keydiff_scores_layers(const int64_t *key_addresses, const int64_t *positions, float *out, int64_t layers,
+                                 int64_t b, int64_t g, int64_t n, int64_t sb, int64_t sg, int64_t sn) {
+    for (int64_t l = 0; l < layers; l++)
+        litkv_keydiff_scores((const float *)(intptr_t)key_addresses[l], positions + l * b * g * n,
+                             out + l * b * g * n, b, g, n, sb, sg, sn);
 }
 
 /* The largest of x[0..n) (NaN left out), in 16 interleaved parts (vectors of exp_cpu.h). */
@@ -252,8 +345,6 @@ int litkv_snapkv_pool(const float *weights, const int64_t *positions, const floa
 
 #define BLOCK 64              /* slots per block of the quadratic forms: VECS vectors of 16 */
 #define VECS (BLOCK / LANES)
-#define UNPACK(...) __VA_ARGS__
-#define SHUFFLE(a, b, INDICES) __builtin_shufflevector(a, b, UNPACK INDICES)
 #define LO1 (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
 #define HI1 (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
 #define LO2 (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
