@@ -277,9 +277,16 @@ class ExpectedAttentionKVCache(ScoreKVCache):
         return (expected + o.epsilon) * norms if o.epsilon else expected * norms
 
     def score(self, candidates: Candidates) -> torch.Tensor:
-        """`(B, G, L + T)` expected attention of each candidate (times `||v||` with `use_vnorm`)."""
+        """`(B, G, L + T)` expected attention of each candidate (times `||v||` with `use_vnorm`), once per call."""
+        return candidates.once(self._score)
+
+    def _score(self, candidates: Candidates) -> torch.Tensor:
         stats = candidates.once(self.call_stats)
         return self.expected(stats, candidates.keys, candidates.values, candidates.positions)
+
+    def attended(self, candidates: Candidates) -> None:
+        """The call's scores now, while its keys and values are in the CPU's caches (`score` reads them back)."""
+        candidates.once(self._score)
 
     def call_stats(self, candidates: Candidates) -> Stats:
         """The statistics after this call's queries (`updated_stats`), once per call."""

@@ -403,6 +403,8 @@ class SlotMachine:
         if self.needs_attn_weights and attn_weights is None:
             raise ValueError(f"{self.name} needs attention weights, got None")
         call.candidates.attn_weights = attn_weights
+        if call.path == "staged":
+            self.policy.attended(call.candidates)
         call.waiting = True
 
     @property

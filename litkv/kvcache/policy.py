@@ -174,6 +174,13 @@ class Policy(ABC):
         """
         return None
 
+    def attended(self, candidates: Candidates) -> None:
+        """Called in a decode step's layer call once its queries have attended (the record's `attn_weights` set),
+        before its eviction waits for the other layers' (`SlotMachine.wait_for_eviction`; a full cache's step,
+        the token staged in the room): a policy may compute here, into the call's memo (`candidates.once`), what
+        its eviction reads of the slots' keys and values, while they are still in the CPU's caches (at the
+        eviction, after every layer's weights, they are not). Nothing by default."""
+
     @classmethod
     def prepare_layers(cls, policies: Sequence[Policy], records: Sequence[Candidates]) -> None:
         """Before the layers' waiting decode steps that fill empty slots are written (`KVCaches.evict_waiting`;

@@ -76,6 +76,40 @@ def test_memo_computes_once_per_call() -> None:
     assert torch.equal(_drive(Counted, calls=3).policy.attn_sums, expected.policy.attn_sums)
 
 
+def test_attended_runs_in_a_full_caches_decode_steps_before_the_eviction() -> None:
+    """`attended` is called in each decode step of a full cache (after attention, `attn_weights` set), not in a
+    prompt's call; what it puts in the call's memo is what the eviction reads, and the cache ends as without it."""
+    seen: list[tuple[str, int]] = []
+
+    class Early(H2OKVCache):
+        def attended(self, candidates: Candidates) -> None:
+            assert candidates.attn_weights is not None
+            seen.append(("attended", candidates.num_new))
+            candidates.once(self.counted)
+
+        def accumulated(self, candidates: Candidates) -> torch.Tensor:
+            return candidates.once(self.counted)
+
+        def counted(self, candidates: Candidates) -> torch.Tensor:
+            seen.append(("computed", candidates.num_new))
+            return super().accumulated(candidates)
+
+    def drive(cls: type[KVCache]) -> SlotMachine:
+        cache = SlotMachine(cls, KVCacheConfig("h2o", cache_length=4), CacheShape(1, 1, 4, 4, 4), None, torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        for pos in ([0, 1, 2], [3, 4, 5], [6], [7], [8]):
+            t = len(pos)
+            _, _, k_pos = cache.attend_inputs(torch.randn(1, 1, t, 4, generator=gen), torch.randn(1, 1, t, 4),
+                                              torch.tensor([pos]))  # fmt: skip
+            cache.evict_and_store(torch.rand(k_pos.shape, generator=gen))
+        return cache
+
+    early, plain = drive(Early), drive(H2OKVCache)
+    assert seen == [("computed", 3)] * 2 + [("attended", 1), ("computed", 1)] * 3
+    assert torch.equal(early.positions, plain.positions)
+    assert torch.equal(early.policy.attn_sums, plain.policy.attn_sums)
+
+
 def test_state_assigned_in_the_hook_is_refused() -> None:
     class Assigning(H2OKVCache):
         def update_state(self, placement: Placement, candidates: Candidates) -> None:
