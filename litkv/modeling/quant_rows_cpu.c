@@ -34,6 +34,9 @@ An output's bits do not depend on R, on the other rows or on the other outputs.
 #include <immintrin.h>
 #endif
 
+/* malloc for vectors: 64-byte aligned, so that no vector of 16 numbers spans two cache lines; NULL if it fails. */
+static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 #define LANES 16
 #define ROWS 16 /* int8 outputs computed together */
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && !defined(LITKV_FLOAT_ACTIVATIONS)
@@ -187,8 +190,8 @@ int litkv_int4_rows(const float *x, const uint8_t *packed, const uint32_t *sz, f
                     int64_t K, int64_t G) {
     if (N % 64 != 0 || G < 32 || G % 32 != 0 || K % G != 0 || R < 1 || R > 8) return 1;
 #ifdef INT8_ACTIVATIONS
-    int8_t *q = malloc(R * K);
-    float *d = malloc(2 * R * (K / QBLOCK) * sizeof(float)), *dq = d + R * (K / QBLOCK);
+    int8_t *q = aligned(R * K);
+    float *d = aligned(2 * R * (K / QBLOCK) * sizeof(float)), *dq = d + R * (K / QBLOCK);
     if (!q || !d) {
         free(q);
         free(d);
@@ -262,7 +265,7 @@ int litkv_int4_mlp(const float *attn, const uint8_t *pa, const uint32_t *sa, int
                    const uint8_t *p3, const uint32_t *s3, float *y, int64_t R, int64_t C, int64_t H, int64_t G) {
     if (C % 64 != 0 || H % 64 != 0 || G < 32 || G % 32 != 0 || C % G != 0 || H % G != 0 || R < 1 || R > 8)
         return 1;
-    float *m = malloc((2 * R * C + 2 * R * H) * sizeof(float)), *a = m + R * C, *b = a + R * H, *h = b + R * H;
+    float *m = aligned((2 * R * C + 2 * R * H) * sizeof(float)), *a = m + R * C, *b = a + R * H, *h = b + R * H;
     if (!m) return 1;
     if (attn) {
         if (litkv_int4_rows(attn, pa, sa, h, R, C, A, G)) {
@@ -350,7 +353,7 @@ static inline void int8_outputs_q8(const int8_t *q, const float *dl, const int32
 /* Row x (K, a multiple of 64) prepared for int8_outputs_q8: q and d (quantize_row), dl (K / 4) each block's d on
    its 8 lanes, base (K / 4) -128 * the sum of each lane's four codes. Returns 1 where it cannot allocate. */
 static int int8_prepare(const float *x, int8_t *q, float *dl, int32_t *base, int64_t K) {
-    float *d = malloc(2 * (K / QBLOCK) * sizeof(float));
+    float *d = aligned(2 * (K / QBLOCK) * sizeof(float));
     if (!d) return 1;
     quantize_row(x, q, d, d + K / QBLOCK, K);
     for (int64_t j = 0; j < K / 4; j++) {
@@ -368,9 +371,9 @@ int litkv_int8_rows(const float *x, const int8_t *codes, const uint16_t *scales,
     if (K % LANES != 0 || R < 1 || R > 8) return 1;
 #ifdef INT8_ACTIVATIONS
     if (K % 64 == 0) {
-        int8_t *q = malloc(R * K);
-        float *dl = malloc(R * (K / 4) * sizeof(float));
-        int32_t *base = malloc(R * (K / 4) * sizeof(int32_t));
+        int8_t *q = aligned(R * K);
+        float *dl = aligned(R * (K / 4) * sizeof(float));
+        int32_t *base = aligned(R * (K / 4) * sizeof(int32_t));
         int failed = !q || !dl || !base;
         for (int64_t r = 0; r < R && !failed; r++)
             failed = int8_prepare(x + r * K, q + r * K, dl + r * (K / 4), base + r * (K / 4), K);
@@ -415,7 +418,7 @@ int litkv_int4_qkv(const float *x, const float *w, float eps, const uint8_t *pac
                    int64_t CB, int64_t C, int64_t NH, int64_t NG, int64_t HS, int64_t G) {
     const int64_t R = B * T, N = (NH + 2 * NG) * HS;
     if (C % LANES != 0 || HS % 2 != 0 || (CB != 1 && CB != B) || R < 1 || R > 8) return 1;
-    float *normed = malloc((R * C + R * N) * sizeof(float)), *qkv = normed + R * C;
+    float *normed = aligned((R * C + R * N) * sizeof(float)), *qkv = normed + R * C;
     if (!normed) return 1;
     rms_norm(x, w, eps, normed, R, C);
     if (litkv_int4_rows(normed, packed, sz, qkv, R, N, C, G)) {
