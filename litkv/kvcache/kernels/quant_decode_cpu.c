@@ -179,7 +179,7 @@ static inline ints int_lane_sums(const ints r[LANES]) LANE_TREE(ints)
 static inline void block_scales(const uint16_t *sc, const uint16_t *of, int64_t s0, int n, int64_t scale_s,
                                 float scale[2 * GROUPS][BLOCK], float base[2 * GROUPS][BLOCK]) {
 #if BITS != 32
-    float run[2][BLOCK * 2 * GROUPS];
+    _Alignas(64) float run[2][BLOCK * 2 * GROUPS];
     if (n < BLOCK) memset(run, 0, sizeof(run)); /* past n: read by the shuffles below, never used */
     if (scale_s == 2 * GROUPS) {
         const uint16_t *from = sc + s0 * scale_s, *start = of + s0 * scale_s;
@@ -306,7 +306,7 @@ static inline void block_values(const uint8_t *c, int64_t s0, int n, int64_t str
                                 const float scale[2 * GROUPS][BLOCK], float p[M][BLOCK], int hides,
                                 floats acc[M][PIECES]) {
     floats sum[M][PIECES]; /* acc, held in registers over the block */
-    float w[M][GROUPS][BLOCK];
+    _Alignas(64) float w[M][GROUPS][BLOCK];
     for (int m = 0; m < M; m++)
         for (int g = 0; g < GROUPS; g++)
             for (int t = 0; t < n; t++) w[m][g][t] = BITS == 32 ? p[m][t] : p[m][t] * scale[GROUPS + g][t];
@@ -384,9 +384,9 @@ static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int
                         float qscale, float softcap, float *out, float *score, float *w, float factor) {
     queries q;
     floats acc[M][PIECES];
-    float block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], shift[M][GROUPS] = {{0}};
+    _Alignas(64) float block[M][BLOCK], p[M][BLOCK], alpha[M], maximum[M], sum[M], shift[M][GROUPS] = {{0}};
     exp_floats lanes[M]; /* each query's running sum, in 16 parts */
-    float scale[2 * GROUPS][BLOCK] = {{0}}, base[2 * GROUPS][BLOCK] = {{0}};
+    _Alignas(64) float scale[2 * GROUPS][BLOCK] = {{0}}, base[2 * GROUPS][BLOCK] = {{0}};
     prepare_queries(qq, qscale, &q);
     for (int m = 0; m < M; m++) {
         for (int i = 0; i < PIECES; i++) acc[m][i] = (floats){0};
@@ -415,7 +415,7 @@ static void attend_pair(const float *qq, const uint8_t *k, const uint8_t *v, int
         }
     }
     if (w != NULL) { /* e^(score - maximum) / sum, added over the queries */
-        float per_query[M];
+        _Alignas(64) float per_query[M];
         for (int m = 0; m < M; m++) per_query[m] = factor / sum[m];
         int64_t s = 0;
         for (; s + 16 <= S; s += 16) {

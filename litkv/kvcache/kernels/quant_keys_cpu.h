@@ -16,9 +16,9 @@ give the same integers, so the same bits. */
    VNNI its digits d1, d2 as quads[k][m][e]: numbers 4 e .. 4 e + 3 as the bytes of one int32), its step / 254 per
    group (unit: what 1 of w is worth) and the group's sum of its float32 numbers (total). */
 typedef struct {
-    float unit[M][GROUPS], total[M][GROUPS];
+    _Alignas(64) float unit[M][GROUPS], total[M][GROUPS];
 #ifdef VNNI
-    int32_t quads[2][M][HEAD / 4];
+    _Alignas(64) int32_t quads[2][M][HEAD / 4];
 #else
     ints qi[M][PIECES];
 #endif
@@ -28,8 +28,8 @@ typedef struct {
    not finite gets unit NaN (its scores NaN, as the float path's would be). */
 static void prepare_queries(const float *qq, float qscale, queries *q) {
     for (int m = 0; m < M; m++) {
-        float x[HEAD];
-        int8_t digits[2][HEAD];
+        _Alignas(64) float x[HEAD];
+        _Alignas(64) int8_t digits[2][HEAD];
         for (int d = 0; d < HEAD; d++) x[d] = qq[m * HEAD + d] * qscale; /* as PyTorch's q * scale rounds */
         for (int g = 0; g < GROUPS; g++) {
             const float *v = x + g * SIZE;
@@ -134,7 +134,7 @@ static inline void add_products(const queries *q, __m512i x, int e, ints acc[2][
    scales and offsets are scale[e][t], base[e][t]; the rest 0), as the vectors' tile_dots computes them. */
 static inline void tile_dots(const queries *q, const uint8_t *c, int64_t stride_s, int count,
                              const float *scale, const float *base, floats dots[M]) {
-    uint8_t part[16][WIDTH];
+    _Alignas(64) uint8_t part[16][WIDTH];
     if (count < 16) { /* the last slots: copied, so that nothing past them is read */
         memset(part, 0, sizeof(part));
         for (int t = 0; t < count; t++) memcpy(part[t], c + t * stride_s, WIDTH);

@@ -69,7 +69,7 @@ static int quantize_group(const float *v, uint16_t *scale_bits, uint16_t *offset
 /* One row of HEAD numbers at x quantised: its codes to out (WIDTH bytes), its GROUPS scales and offsets; 1 as
    quantize_group, else 0. */
 static int quantize_row(const float *x, uint8_t *out, uint16_t *scales, uint16_t *offsets) {
-    float numbers[HEAD];
+    _Alignas(64) float numbers[HEAD];
     for (int j = 0; j < GROUPS; j++)
         if (quantize_group(x + j * SIZE, scales + j, offsets + j, numbers + j * SIZE)) return 1;
 #if BITS == 8
@@ -122,7 +122,7 @@ int litkv_round_trip_errors(const float *x, int64_t rows, float *errors) {
         float total = 0.0f;
         for (int j = 0; j < GROUPS; j++) {
             const float *v = x + r * HEAD + j * SIZE;
-            float numbers[SIZE];
+            _Alignas(64) float numbers[SIZE];
             uint16_t scale, offset;
             if (quantize_group(v, &scale, &offset, numbers)) return 1;
             const float factor = half_to_float(scale), base = half_to_float(offset);

@@ -170,7 +170,7 @@ static void head(const float *k, int64_t sn, const int64_t *p, float *out, int64
             for (int64_t j = WHOLE * LANES; j < HEAD; j++) sums[WHOLE][j % LANES] += weight * ki[j];
         }
     }
-    float anchor[HEAD];
+    _Alignas(64) float anchor[HEAD];
     for (int64_t j = 0; j < HEAD; j++) anchor[j] = sums[j / LANES][j % LANES];
     const float anchor_norm = at_least_tiny(sqrtf(dot(anchor, anchor, HEAD)));
     for (int64_t i0 = 0; i0 < n; i0 += LANES) {
@@ -441,7 +441,7 @@ static void some_logits(const floats kt[HEAD][VECS], const float *const *mean, c
 static void prepare(double s0, const double *s1, const double *s2, const double *cs, const double *sn, int64_t n_elem,
                     float *mean, float *form) {
     const int64_t half = n_elem / 2;
-    double c[HEAD], s[HEAD], mu[HEAD], rot[HEAD], crow[HEAD];
+    _Alignas(64) double c[HEAD], s[HEAD], mu[HEAD], rot[HEAD], crow[HEAD];
     int64_t partner[HEAD];
     const double total = s0 > 1e-300 ? s0 : 1e-300;
     for (int64_t i = 0; i < HEAD; i++) {
@@ -452,7 +452,7 @@ static void prepare(double s0, const double *s1, const double *s2, const double 
     for (int64_t i = 0; i < HEAD; i++) mean[i] = (float)(rot[i] / sqrt((double)HEAD));
     if (s2 == NULL) return;
     const double scale = 1.0 / (2.0 * HEAD), share = scale / total;
-    double u[HEAD][HEAD];
+    _Alignas(64) double u[HEAD][HEAD];
     for (int64_t r = 0; r < HEAD; r++) {
         for (int64_t j = 0; j < HEAD; j++) crow[j] = s2[r * HEAD + j] * share - scale * mu[r] * mu[j];
         for (int64_t j = 0; j < half; j++) u[r][j] = c[j] * crow[j] + s[j] * crow[j + half];
@@ -481,7 +481,7 @@ static void expected_head(const float *k, int64_t ks, const float *vals, int64_t
         for (int64_t h0 = 0; h0 < m; h0 += MOST) {
             const int heads = m - h0 < MOST ? (int)(m - h0) : MOST;
             const float *mean[MOST], *form[MOST];
-            float l[MOST][BLOCK];
+            _Alignas(64) float l[MOST][BLOCK];
             for (int h = 0; h < heads; h++)
                 mean[h] = heads_at + (h0 + h) * each, form[h] = covariance ? mean[h] + HEAD : NULL;
             if (vecs >= VECS)
@@ -489,7 +489,7 @@ static void expected_head(const float *k, int64_t ks, const float *vals, int64_t
             else
                 for (int64_t v = 0; v < vecs; v++) { /* the last block's vectors one by one */
                     floats one[HEAD][VECS];
-                    float part[MOST][BLOCK];
+                    _Alignas(64) float part[MOST][BLOCK];
                     for (int d = 0; d < HEAD; d++) one[d][0] = kt[d][v];
                     some_logits((const floats(*)[VECS])one, mean, form, part, heads, 0);
                     for (int h = 0; h < heads; h++) memcpy(l[h] + v * LANES, part[h], sizeof(floats));
@@ -534,7 +534,7 @@ void litkv_expected_scores(const float *keys, const float *values, const int64_t
                            float epsilon) {
     const int64_t each = HEAD + (s2 != NULL ? HEAD * HEAD : 0), hq = g * m;
     float *heads = scratch, *logits = scratch + hq * each;
-    double cp[HEAD], sp[HEAD], cs[HEAD], sn[HEAD];
+    _Alignas(64) double cp[HEAD], sp[HEAD], cs[HEAD], sn[HEAD];
     for (int64_t r = 0; r < b; r++) {
         const int64_t *p = positions + r * g * n;
         int64_t newest = INT64_MIN; /* the mean rotation of the positions after the row's newest token */
@@ -562,7 +562,7 @@ void litkv_expected_stats(const float *q, int64_t qsb, int64_t qsh, const int64_
                           double decay, const double *s0, const double *s1, const double *s2, double *o0, double *o1,
                           double *o2, int64_t b, int64_t hq) {
     const int64_t half = n_elem / 2;
-    double c[HEAD], s[HEAD], x[HEAD];
+    _Alignas(64) double c[HEAD], s[HEAD], x[HEAD];
     for (int64_t r = 0; r < b; r++) {
         table_at(tc, ts, rows, sr, se, qpos[r], n_elem, c, s);
         const int valid = qpos[r] >= n_sink;
